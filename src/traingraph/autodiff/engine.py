@@ -1,0 +1,262 @@
+"""Reverse-mode autodiff over an ONNX graph, emitting default-domain ONNX ops.
+
+The engine walks the nodes between the parameters and the loss in reverse, asks each node's
+rule (see :mod:`traingraph.autodiff.registry`) for its input gradients, accumulates fan-out with
+``Sum`` and leaves integer, bool and shape paths alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import onnx
+import onnx_ir as ir
+
+from traingraph.autodiff.context import GradContext
+from traingraph.autodiff.registry import get_rule, supported_ops
+from traingraph.errors import GradientNotImplementedError, ModelError
+from traingraph.ir.builder import OpBuilder, is_float
+from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
+
+# Ops whose outputs never carry a gradient, whatever their dtype.
+NON_DIFFERENTIABLE = frozenset(
+    {
+        "Shape", "Size", "Constant", "ConstantOfShape", "Range", "EyeLike", "RandomNormal",
+        "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli",
+        "ArgMax", "ArgMin", "NonZero", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf",
+        "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Not",
+        "BitShift", "OneHot",
+    }
+)  # fmt: skip
+
+
+@dataclass
+class GradientResult:
+    """What :func:`differentiate` added to a graph.
+
+    Attributes:
+        grads: The gradient of each requested tensor (None where no gradient reaches it).
+        user_grad_inputs: The graph inputs added for user-supplied gradients, by tensor name.
+        seed: The value that seeds the loss gradient (None without a loss).
+    """
+
+    grads: dict[str, ir.Value | None]
+    user_grad_inputs: dict[str, ir.Value] = field(default_factory=dict)
+    seed: ir.Value | None = None
+
+
+def differentiate(
+    graph: ir.Graph,
+    opset: int,
+    wrt: Sequence[ir.Value],
+    *,
+    loss: ir.Value | None,
+    stop_gradients: Iterable[ir.Value] = (),
+    user_gradients: Iterable[ir.Value] = (),
+    loss_seed: ir.Value | None = None,
+    prefix: str = "grad",
+) -> GradientResult:
+    """Append the gradient of ``loss`` with respect to ``wrt`` to ``graph``.
+
+    Args:
+        graph: The forward graph; gradient nodes are appended to it.
+        opset: The default-domain opset of the graph.
+        wrt: The tensors whose gradients are wanted.
+        loss: The tensor differentiated (its gradient is seeded with ones), or None when only
+            user gradients drive the backward pass.
+        stop_gradients: Tensors treated as constants.
+        user_gradients: Tensors that receive a gradient from outside code, as a new graph input
+            ``<name>_user_grad`` of the same type.
+        loss_seed: A value to use as the loss's gradient instead of ones.
+        prefix: Prefix of generated names.
+
+    Returns:
+        The gradients, keyed by the names of ``wrt``.
+    """
+    b = OpBuilder(graph, opset, prefix=prefix)
+    stop = set(stop_gradients)
+    user_targets = list(user_gradients)
+    nodes = list(graph)
+
+    # Forward: which values depend on a wrt tensor through float edges.
+    live: set[ir.Value] = {v for v in wrt if v not in stop}
+    for node in nodes:
+        if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
+            continue
+        if any(v in live for v in node.inputs if v is not None):
+            live.update(o for o in node.outputs if is_float(o) and o not in stop)
+
+    # Backward: which values the loss or a user-gradient target depends on.
+    sinks = ([loss] if loss is not None else []) + user_targets
+    relevant: set[ir.Value] = set(sinks)
+    for node in reversed(nodes):
+        if any(o in relevant for o in node.outputs):
+            relevant.update(v for v in node.inputs if v is not None)
+
+    contributions: dict[ir.Value, list[ir.Value]] = {}
+    result = GradientResult(grads={})
+    if loss is not None and loss in live:
+        seed = loss_seed if loss_seed is not None else _ones_seed(b, loss)
+        contributions[loss] = [seed]
+        result.seed = seed
+    for target in user_targets:
+        grad_input = ir.Value(
+            name=f"{target.name}_user_grad", shape=target.shape, type=target.type
+        )
+        graph.inputs.append(grad_input)
+        result.user_grad_inputs[target.name or ""] = grad_input
+        if target in live:
+            contributions.setdefault(target, []).append(grad_input)
+
+    totals: dict[ir.Value, ir.Value | None] = {}
+
+    def total(value: ir.Value) -> ir.Value | None:
+        if value not in totals:
+            parts = contributions.get(value, [])
+            if not parts:
+                totals[value] = None
+            else:
+                g = parts[0] if len(parts) == 1 else b.Sum(*parts)
+                if g.shape is None and value.shape is not None:
+                    g.shape = value.shape
+                if g.type is None and value.type is not None:
+                    g.type = value.type
+                totals[value] = g
+        return totals[value]
+
+    for node in reversed(nodes):
+        if not any(o in live and o in relevant for o in node.outputs):
+            continue
+        needs = tuple(v is not None and v in live for v in node.inputs)
+        if not any(needs):
+            continue
+        out_grads = [total(o) if o in live else None for o in node.outputs]
+        if all(g is None for g in out_grads):
+            continue
+        rule = get_rule(node.domain, node.op_type, opset)
+        if rule is None:
+            raise GradientNotImplementedError(
+                node.op_type,
+                node.name or "<unnamed>",
+                opset,
+                domain=node.domain,
+                supported=supported_ops(),
+            )
+        b.scope = f"{node.name or node.op_type}/"
+        in_grads = rule(GradContext(b, node, needs), out_grads)
+        b.scope = ""
+        if len(in_grads) > len(node.inputs):
+            raise AssertionError(
+                f"gradient rule of {node.op_type} returned {len(in_grads)} gradients for"
+                f" {len(node.inputs)} inputs"
+            )
+        for value, g in zip(node.inputs, in_grads):
+            if g is None or value is None or value not in live:
+                continue
+            contributions.setdefault(value, []).append(g)
+
+    for v in wrt:
+        result.grads[v.name or ""] = total(v)
+    return result
+
+
+def _ones_seed(b: OpBuilder, loss: ir.Value) -> ir.Value:
+    if loss.shape is not None and len(loss.shape) == 0:
+        return b.const(1.0, like=loss, name="loss_seed")
+    return b.ones_like(loss)
+
+
+def build_gradient_graph(
+    model: ModelLike,
+    wrt: Sequence[str] | None = None,
+    *,
+    loss: str | None = None,
+    stop_gradients: Sequence[str] = (),
+    user_gradients: Sequence[str] = (),
+) -> onnx.ModelProto:
+    """Differentiate ``model`` and return a model that also outputs the gradients.
+
+    Args:
+        model: A path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; it is not modified.
+        wrt: Names of the tensors whose gradients are wanted: initializers, graph inputs or
+            intermediate tensors. Default: every floating-point initializer.
+        loss: Name of the output differentiated. Default: the first output.
+        stop_gradients: Names of tensors treated as constants.
+        user_gradients: Names of tensors that receive a gradient from outside code, as a new
+            graph input ``<name>_user_grad``.
+
+    Returns:
+        An ``onnx.ModelProto`` whose outputs are the model's outputs followed by ``<x>_grad``
+        for each ``x`` in ``wrt``.
+
+    Example:
+        >>> grad_model = build_gradient_graph("mlp.onnx", loss="loss")
+        >>> [o.name for o in grad_model.graph.output]
+        ['loss', 'fc1.weight_grad', 'fc1.bias_grad', ...]
+    """
+    m = load_ir(model, copy=True)
+    graph = m.graph
+    opset = default_opset(m)
+    values = _values_by_name(graph)
+
+    def lookup(name: str, what: str) -> ir.Value:
+        if name not in values:
+            raise ModelError(
+                f"{what} {name!r} is not a tensor of the model. Expected one of its inputs,"
+                f" initializers or node outputs, e.g. {sorted(values)[:8]}."
+            )
+        return values[name]
+
+    if loss is None:
+        if not graph.outputs:
+            raise ModelError("the model has no outputs; pass loss=<name of a scalar tensor>")
+        loss_value = graph.outputs[0]
+    else:
+        loss_value = lookup(loss, "loss")
+    if wrt is None:
+        wrt_values = [v for v in graph.initializers.values() if is_float(v)]
+    else:
+        wrt_values = [lookup(name, "wrt tensor") for name in wrt]
+    for v in wrt_values:
+        if not is_float(v):
+            raise ModelError(
+                f"wrt tensor {v.name!r} has dtype {v.dtype}; only floating-point tensors carry"
+                " gradients. Remove it from wrt."
+            )
+    result = differentiate(
+        graph,
+        opset,
+        wrt_values,
+        loss=loss_value,
+        stop_gradients=[lookup(n, "stop_gradients tensor") for n in stop_gradients],
+        user_gradients=[lookup(n, "user_gradients tensor") for n in user_gradients],
+    )
+    b = OpBuilder(graph, opset, prefix="grad")
+    for v in wrt_values:
+        g = result.grads[v.name or ""]
+        graph.outputs.append(name_output(b, g if g is not None else b.zeros_like(v), f"{v.name}_grad", v))
+    return to_proto(m)
+
+
+def name_output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
+    """Expose ``value`` as a graph output called ``name`` typed like ``like``."""
+    out = b.Identity(value)
+    out.name = name
+    out.shape = like.shape
+    out.type = like.type
+    return out
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    values: dict[str, ir.Value] = {}
+    for v in graph.inputs:
+        values[v.name or ""] = v
+    for name, v in graph.initializers.items():
+        values[name] = v
+    for node in graph:
+        for o in node.outputs:
+            if o.name:
+                values[o.name] = o
+    return values
+

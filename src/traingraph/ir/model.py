@@ -1,0 +1,152 @@
+"""Loading, preparing and saving models: paths, ``onnx.ModelProto`` and ``onnx_ir.Model`` alike."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Union
+
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from traingraph.errors import ModelError
+
+ModelLike = Union[str, os.PathLike, onnx.ModelProto, ir.Model]
+
+MIN_OPSET = 13
+# Over this size a model is saved with its tensors in an external data file.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+def load_ir(model: ModelLike, *, copy: bool = True, infer_shapes: bool = True) -> ir.Model:
+    """Load ``model`` as an ``onnx_ir.Model`` ready for differentiation.
+
+    Functions are inlined and shapes inferred. A given ``ir.Model`` is copied unless ``copy``
+    is False, so the caller's model is never modified.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if not path.is_file():
+            raise ModelError(f"model file {str(path)!r} does not exist; pass the path of an .onnx file")
+        try:
+            proto = onnx.load(str(path))
+        except Exception as exc:
+            raise ModelError(
+                f"{str(path)!r} is not a readable ONNX model ({type(exc).__name__}: {exc});"
+                " pass an .onnx file saved by onnx.save or torch.onnx.export"
+            ) from None
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, ir.Model):
+        if not copy:
+            _prepare(model, infer_shapes=infer_shapes)
+            return model
+        proto = ir.to_proto(model)
+    else:
+        raise ModelError(
+            f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(model).__name__}"
+        )
+    m = ir.from_proto(proto)
+    _prepare(m, infer_shapes=infer_shapes)
+    return m
+
+
+def _prepare(m: ir.Model, *, infer_shapes: bool) -> None:
+    opset = default_opset(m)
+    if opset < MIN_OPSET or opset > max_supported_opset():
+        raise ModelError(
+            f"the model uses default-domain opset {opset}; traingraph supports opsets"
+            f" {MIN_OPSET} to {max_supported_opset()}. Convert it with"
+            " onnx.version_converter.convert_version(model, 17)."
+        )
+    if m.functions:
+        common_passes.InlinePass()(m)
+        common_passes.RemoveUnusedFunctionsPass()(m)
+    if infer_shapes:
+        try:
+            common_passes.ShapeInferencePass()(m)
+        except Exception:  # noqa: BLE001 - shape inference is a help, not a requirement
+            pass
+
+
+def default_opset(m: ir.Model) -> int:
+    """The model's default-domain (``ai.onnx``) opset."""
+    for domain in ("", "ai.onnx"):
+        if domain in m.opset_imports:
+            return m.opset_imports[domain]
+    raise ModelError("the model imports no default-domain opset; it is not a standard ONNX model")
+
+
+@functools.cache
+def max_supported_opset() -> int:
+    """The newest default-domain opset that both onnx and the installed onnxruntime support."""
+    return _newest_loadable(range(MIN_OPSET, onnx.defs.onnx_opset_version() + 1), lambda v: (v, 10))
+
+
+@functools.cache
+def max_ir_version() -> int:
+    """The newest IR version that the installed onnxruntime loads."""
+    return _newest_loadable(range(8, onnx.IR_VERSION + 1), lambda v: (MIN_OPSET, v))
+
+
+def _newest_loadable(candidates: range, settings) -> int:  # type: ignore[no-untyped-def]
+    """Binary search for the newest (opset, ir_version) setting onnxruntime accepts."""
+    import onnxruntime
+    from onnx import helper
+
+    def loads(candidate: int) -> bool:
+        opset, ir_version = settings(candidate)
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "probe",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )
+        probe = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version
+        )
+        try:
+            onnxruntime.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - any refusal means "not supported"
+            return False
+        return True
+
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if loads(candidates[mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return candidates[lo]
+
+
+def to_proto(m: ir.Model) -> onnx.ModelProto:
+    """Serialize ``m`` with an IR version that the installed onnxruntime loads."""
+    m.ir_version = min(m.ir_version, max_ir_version())
+    return ir.to_proto(m)
+
+
+def save(m: ir.Model | onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Save a model, with external data when it is too large for one protobuf."""
+    proto = to_proto(m) if isinstance(m, ir.Model) else m
+    path = Path(path)
+    if not _small_enough(proto) or proto.ByteSize() > EXTERNAL_DATA_THRESHOLD:
+        onnx.save(
+            proto,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
+    else:
+        onnx.save(proto, str(path))
+
+
+def _small_enough(proto: onnx.ModelProto) -> bool:
+    """Whether ``ByteSize`` can be asked (protobuf fails on messages over 2 GB)."""
+    total = sum(len(t.raw_data) for t in proto.graph.initializer)
+    return total < EXTERNAL_DATA_THRESHOLD
