@@ -7,6 +7,7 @@ Example:
 
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.engine import GradientResult, build_gradient_graph, differentiate
+from traingraph.autodiff.gradient_op import lower_gradient_ops
 from traingraph.autodiff.registry import get_rule, register_gradient, supported_ops
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "build_gradient_graph",
     "differentiate",
     "get_rule",
+    "lower_gradient_ops",
     "register_gradient",
     "supported_ops",
 ]

@@ -79,20 +79,25 @@ def differentiate(
     user_targets = list(user_gradients)
     nodes = list(graph)
 
-    # Forward: which values depend on a wrt tensor through float edges.
+    reads = {node: _reads(node) for node in nodes}
+
+    # Forward: which values depend on a wrt tensor through float edges (or edges of unknown
+    # dtype, which may be float: a missing rule then raises instead of dropping a gradient).
     live: set[ir.Value] = {v for v in wrt if v not in stop}
     for node in nodes:
         if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
-        if any(v in live for v in node.inputs if v is not None):
-            live.update(o for o in node.outputs if is_float(o) and o not in stop)
+        if any(v in live for v in reads[node]):
+            live.update(
+                o for o in node.outputs if (o.dtype is None or is_float(o)) and o not in stop
+            )
 
     # Backward: which values the loss or a user-gradient target depends on.
     sinks = ([loss] if loss is not None else []) + user_targets
     relevant: set[ir.Value] = set(sinks)
     for node in reversed(nodes):
         if any(o in relevant for o in node.outputs):
-            relevant.update(v for v in node.inputs if v is not None)
+            relevant.update(reads[node])
 
     contributions: dict[ir.Value, list[ir.Value]] = {}
     result = GradientResult(grads={})
@@ -129,7 +134,7 @@ def differentiate(
         if not any(o in live and o in relevant for o in node.outputs):
             continue
         needs = tuple(v is not None and v in live for v in node.inputs)
-        if not any(needs):
+        if not any(v in live for v in reads[node]):
             continue
         out_grads = [total(o) if o in live else None for o in node.outputs]
         if all(g is None for g in out_grads):
@@ -159,6 +164,25 @@ def differentiate(
     for v in wrt:
         result.grads[v.name or ""] = total(v)
     return result
+
+
+def _reads(node: ir.Node) -> list[ir.Value]:
+    """The values ``node`` reads: its inputs and the outer values its subgraphs capture."""
+    values = [v for v in node.inputs if v is not None]
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            subgraphs = [attr.as_graph()]
+        elif attr.type == ir.AttributeType.GRAPHS:
+            subgraphs = list(attr.as_graphs())
+        else:
+            continue
+        for sub in subgraphs:
+            for inner in ir.traversal.RecursiveGraphIterator(sub):
+                values.extend(
+                    v for v in inner.inputs if v is not None and v.graph is not None
+                    and v.graph is node.graph
+                )
+    return values
 
 
 def _ones_seed(b: OpBuilder, loss: ir.Value) -> ir.Value:
@@ -198,7 +222,7 @@ def build_gradient_graph(
     m = load_ir(model, copy=True)
     graph = m.graph
     opset = default_opset(m)
-    values = _values_by_name(graph)
+    values = values_by_name(graph)
 
     def lookup(name: str, what: str) -> ir.Value:
         if name not in values:
@@ -219,7 +243,7 @@ def build_gradient_graph(
     else:
         wrt_values = [lookup(name, "wrt tensor") for name in wrt]
     for v in wrt_values:
-        if not is_float(v):
+        if v.dtype is not None and not is_float(v):
             raise ModelError(
                 f"wrt tensor {v.name!r} has dtype {v.dtype}; only floating-point tensors carry"
                 " gradients. Remove it from wrt."
@@ -248,7 +272,8 @@ def name_output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.
     return out
 
 
-def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+def values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """Every named value of ``graph``'s main level: inputs, initializers and node outputs."""
     values: dict[str, ir.Value] = {}
     for v in graph.inputs:
         values[v.name or ""] = v
