@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from gradcheck import assert_default_domain_only, session
 from onnx import numpy_helper
 
+from gradcheck import assert_default_domain_only, session
 from traingraph.autodiff import lower_gradient_ops
 from traingraph.errors import ModelError
 
@@ -67,10 +67,8 @@ def _gradient_model(node_inputs: list[str], xs: list[str], zs: list[str]) -> onn
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in ("a", "b")],
         [helper.make_tensor_value_info(f"d_{x}", TensorProto.FLOAT, [3]) for x in xs],
     )
-    return helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.preview.training", 1)],
-    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.preview.training", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
 
 
 def test_zs_are_held_constant_and_intermediate_xs() -> None:

@@ -259,7 +259,8 @@ def build_gradient_graph(
     b = OpBuilder(graph, opset, prefix="grad")
     for v in wrt_values:
         g = result.grads[v.name or ""]
-        graph.outputs.append(name_output(b, g if g is not None else b.zeros_like(v), f"{v.name}_grad", v))
+        g = g if g is not None else b.zeros_like(v)
+        graph.outputs.append(name_output(b, g, f"{v.name}_grad", v))
     return to_proto(m)
 
 
