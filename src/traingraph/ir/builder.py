@@ -167,7 +167,9 @@ class OpBuilder:
         return self.const(np.asarray(list(values), dtype=np.int64), name=name or "ints")
 
     def scalar(self, value: float, like: ir.Value) -> ir.Value:
-        """A scalar constant of ``like``'s dtype."""
+        """A scalar constant of ``like``'s dtype (``CastLike`` to ``like`` when it is unknown)."""
+        if like.dtype is None:
+            return self.op("CastLike", self.const(value, ir.DataType.FLOAT, name="scalar"), like)
         return self.const(value, like=like, name="scalar")
 
     # ------------------------------------------------------ opset-aware forms
