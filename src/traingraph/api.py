@@ -1,0 +1,603 @@
+"""The training runtime, with the interface of ``onnxruntime.training.api``.
+
+Migrating from onnxruntime-training means changing the import:
+
+    >>> from traingraph.api import CheckpointState, Module, Optimizer, LinearLRScheduler
+    >>> state = CheckpointState.load_checkpoint("artifacts/checkpoint")
+    >>> model = Module("artifacts/training_model.onnx", state, "artifacts/eval_model.onnx")
+    >>> optimizer = Optimizer("artifacts/optimizer_model.onnx", model)
+    >>> model.train()
+    >>> loss = model(x, y)
+    >>> optimizer.step()
+    >>> model.lazy_reset_grad()
+
+The graphs are plain ONNX run by stock onnxruntime; parameters, gradients and optimizer state
+stay in device buffers bound with IOBinding between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+import onnxruntime as ort
+
+from traingraph.checkpoint import CheckpointData, load_checkpoint_data, save_checkpoint_data
+from traingraph.errors import CheckpointError, ModelError
+from traingraph.ir.model import save as save_model
+from traingraph.ir.model import to_proto
+from traingraph.optim.schedulers import (
+    ConstantLRScheduler,
+    CosineLRScheduler,
+    ExponentialLRScheduler,
+    LinearLRScheduler,
+    StepLRScheduler,
+)
+from traingraph.program import BUFFER_UPDATE_SUFFIX
+from traingraph.runtime.device import Device, parse_device
+from traingraph.runtime.session import BoundRunner, SessionConfig, check_feeds, create_session
+from traingraph.runtime.state import TrainingState
+from traingraph.runtime.tensors import PingPong, TensorStore
+
+__all__ = [
+    "CheckpointState",
+    "ConstantLRScheduler",
+    "CosineLRScheduler",
+    "ExponentialLRScheduler",
+    "LinearLRScheduler",
+    "Module",
+    "Optimizer",
+    "Parameter",
+    "StepLRScheduler",
+]
+
+PropertyValue = int | float | str
+
+
+class Parameter:
+    """One parameter of a :class:`CheckpointState`: ``.data``, ``.grad``, ``.requires_grad``."""
+
+    def __init__(self, state: CheckpointState, name: str) -> None:
+        self._state = state
+        self.name = name
+
+    @property
+    def data(self) -> np.ndarray:
+        """A host copy of the current value; assigning copies the new value in."""
+        return self._state._read(self.name)
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._state._write(self.name, np.asarray(value))
+
+    @property
+    def grad(self) -> np.ndarray | None:
+        """The accumulated gradient (None before a train step, or for frozen parameters)."""
+        runtime = self._state._runtime
+        return None if runtime is None else runtime.read_grad(self.name)
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self._state._data.requires_grad.get(self.name, False))
+
+    def __repr__(self) -> str:
+        shape = tuple(self._state._data.parameters[self.name].shape)
+        return f"Parameter({self.name!r}, shape={shape}, requires_grad={self.requires_grad})"
+
+
+class Parameters(Mapping[str, Parameter]):
+    """The parameters of a :class:`CheckpointState`, by name."""
+
+    def __init__(self, state: CheckpointState) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> Parameter:
+        if name not in self._state._data.parameters:
+            raise KeyError(
+                f"no parameter {name!r}; the checkpoint has {list(self._state._data.parameters)[:10]}"
+            )
+        return Parameter(self._state, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state._data.parameters)
+
+    def __len__(self) -> int:
+        return len(self._state._data.parameters)
+
+
+class Properties(MutableMapping[str, PropertyValue]):
+    """The property bag: int, float and str values saved with the checkpoint."""
+
+    def __init__(self, values: dict[str, PropertyValue]) -> None:
+        self._values = values
+
+    def __getitem__(self, key: str) -> PropertyValue:
+        return self._values[key]
+
+    def __setitem__(self, key: str, value: PropertyValue) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError(
+                f"property {key!r} must be an int, float or str, got {type(value).__name__};"
+                " convert it (e.g. str(value)) before storing it"
+            )
+        self._values[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class CheckpointState:
+    """Parameters, optimizer state and properties; shared by a :class:`Module` and its
+    :class:`Optimizer`.
+
+    Example:
+        >>> state = CheckpointState.load_checkpoint("artifacts/checkpoint")
+        >>> state.parameters["fc1.weight"].data.shape
+        (256, 784)
+        >>> state.properties["epoch"] = 3
+        >>> CheckpointState.save_checkpoint(state, "ckpt", include_optimizer_state=True)
+    """
+
+    def __init__(self, data: CheckpointData) -> None:
+        self._data = data
+        self._runtime: TrainingState | None = None
+        self.properties = Properties(data.properties)
+
+    @classmethod
+    def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
+        """Load a checkpoint in traingraph's format or onnxruntime-training's."""
+        return cls(load_checkpoint_data(checkpoint_uri))
+
+    @classmethod
+    def save_checkpoint(
+        cls,
+        state: CheckpointState,
+        checkpoint_uri: str | os.PathLike,
+        include_optimizer_state: bool = False,
+        *,
+        format: str = "native",
+    ) -> None:
+        """Save ``state`` atomically ("native" safetensors, or "ort" for onnxruntime-training)."""
+        save_checkpoint_data(
+            state._snapshot(include_optimizer_state),
+            checkpoint_uri,
+            format=format,
+            include_optimizer_state=include_optimizer_state,
+        )
+
+    @property
+    def parameters(self) -> Parameters:
+        return Parameters(self)
+
+    # ---------------------------------------------------------------- internal
+    def _snapshot(self, include_optimizer_state: bool) -> CheckpointData:
+        if self._runtime is None:
+            data = self._data
+            return CheckpointData(
+                parameters=dict(data.parameters),
+                requires_grad=dict(data.requires_grad),
+                optimizer_state=dict(data.optimizer_state) if include_optimizer_state else {},
+                optimizer_step=data.optimizer_step,
+                learning_rate=data.learning_rate,
+                properties=dict(self.properties),
+                nominal=data.nominal,
+            )
+        return self._runtime.to_checkpoint_data(dict(self.properties), include_optimizer_state)
+
+    def _read(self, name: str) -> np.ndarray:
+        if name not in self._data.parameters:
+            raise KeyError(name)
+        if self._runtime is not None:
+            return self._runtime.read(name)
+        return np.array(self._data.parameters[name], copy=True)
+
+    def _write(self, name: str, value: np.ndarray) -> None:
+        current = self._data.parameters[name]
+        if tuple(value.shape) != tuple(current.shape):
+            raise ModelError(
+                f"parameter {name!r} has shape {list(current.shape)}; got {list(value.shape)}"
+            )
+        if self._runtime is not None:
+            self._runtime.write(name, value)
+        else:
+            self._data.parameters[name] = np.array(value, dtype=current.dtype, copy=True)
+
+    def _attach(self, device: Device, buffers: set[str]) -> TrainingState:
+        if self._runtime is None:
+            self._runtime = TrainingState(self._data, device, buffers)
+        elif self._runtime.device != device:
+            raise ModelError(
+                f"this checkpoint state already lives on {self._runtime.device}; a Module on"
+                f" {device} needs its own state: load the checkpoint again"
+            )
+        return self._runtime
+
+
+def _model_input_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    model = onnx.load(os.fspath(path), load_external_data=False)
+    return [i.name for i in model.graph.input], [o.name for o in model.graph.output]
+
+
+class Module:
+    """Runs the training and eval graphs on a device.
+
+    Args:
+        train_model_uri: Path of ``training_model.onnx``.
+        state: The :class:`CheckpointState` holding the parameters.
+        eval_model_uri: Path of ``eval_model.onnx`` (needed for :meth:`eval` mode).
+        device: "cpu", "cuda" or "cuda:N".
+        session_config: onnxruntime session settings (threads, optimization level, spinning).
+    """
+
+    training: bool
+
+    def __init__(
+        self,
+        train_model_uri: str | os.PathLike,
+        state: CheckpointState,
+        eval_model_uri: str | os.PathLike | None = None,
+        device: str | Device = "cpu",
+        session_config: SessionConfig | None = None,
+    ) -> None:
+        if not isinstance(state, CheckpointState):
+            raise TypeError(
+                f"state must be a CheckpointState, got {type(state).__name__}; load one with"
+                " CheckpointState.load_checkpoint(path)"
+            )
+        self._device = parse_device(device)
+        self._config = session_config or SessionConfig()
+        self._state = state
+        self._train_uri = Path(train_model_uri)
+        self._eval_uri = Path(eval_model_uri) if eval_model_uri is not None else None
+        if not self._train_uri.is_file():
+            raise ModelError(f"training model {str(self._train_uri)!r} does not exist")
+        if self._eval_uri is not None and not self._eval_uri.is_file():
+            raise ModelError(f"eval model {str(self._eval_uri)!r} does not exist")
+        params = set(state._data.parameters)
+        inputs, outputs = _model_input_names(self._train_uri)
+        missing = [n for n, r in state._data.requires_grad.items() if r and n not in inputs]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint's trainable parameters {missing[:5]} are not inputs of"
+                f" {str(self._train_uri)!r}; the checkpoint and the model do not belong together"
+            )
+        self._trainable = [n for n in state._data.parameters if state._data.requires_grad.get(n)]
+        grad_outputs = {f"{n}_grad" for n in self._trainable}
+        self._buffer_outputs = {
+            o: o[: -len(BUFFER_UPDATE_SUFFIX)]
+            for o in outputs
+            if o.endswith(BUFFER_UPDATE_SUFFIX) and o[: -len(BUFFER_UPDATE_SUFFIX)] in params
+        }
+        self._train_inputs = [n for n in inputs if n not in params]
+        self._train_outputs = [o for o in outputs if o not in grad_outputs and o not in self._buffer_outputs]
+        self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
+        self._train = BoundRunner(create_session(self._train_uri, self._device, self._config), self._device)
+        self._train_params = [n for n in inputs if n in params]
+        self._eval: BoundRunner | None = None
+        self._eval_inputs: list[str] = []
+        self._eval_outputs: list[str] = []
+        self._eval_params: list[str] = []
+        if self._eval_uri is not None:
+            e_inputs, e_outputs = _model_input_names(self._eval_uri)
+            self._eval_inputs = [n for n in e_inputs if n not in params]
+            self._eval_outputs = list(e_outputs)
+            self._eval_params = [n for n in e_inputs if n in params]
+        self._accumulator: BoundRunner | None = None
+        self.training = True
+
+    # ----------------------------------------------------------------- modes
+    def train(self, mode: bool = True) -> Module:
+        """Switch to training mode (forward + gradients) or, with ``mode=False``, eval mode."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Module:
+        """Switch to eval mode (forward + loss, Dropout off, BatchNorm on running stats)."""
+        if self._eval_uri is None:
+            raise ModelError(
+                "this Module has no eval model; create it with"
+                " Module(train_model_uri, state, eval_model_uri=...)"
+            )
+        return self.train(False)
+
+    def lazy_reset_grad(self) -> None:
+        """Make the next train step overwrite the gradients instead of adding to them."""
+        self._runtime.reset_grads_pending = True
+
+    def input_names(self) -> list[str]:
+        """The inputs a call takes, in order, for the current mode."""
+        return list(self._train_inputs if self.training else self._eval_inputs)
+
+    def output_names(self) -> list[str]:
+        """The outputs a call returns, in order, for the current mode."""
+        return list(self._train_outputs if self.training else self._eval_outputs)
+
+    # -------------------------------------------------------------- running
+    def __call__(self, *user_inputs: Any, **named_inputs: Any) -> Any:
+        """Run one train step (forward + gradients) or, in eval mode, a forward pass.
+
+        Inputs are numpy arrays or OrtValues, positionally in :meth:`input_names` order or by
+        name. Returns the outputs as numpy arrays: one array, or a list when there are several.
+        """
+        if self._runtime.unloaded:
+            raise CheckpointError(
+                f"the checkpoint is nominal: parameters {sorted(self._runtime.unloaded)[:5]} have"
+                " no values yet. Load them with copy_buffer_to_parameters(buffer, False) or by"
+                " setting state.parameters[name].data"
+            )
+        names = self.input_names()
+        if user_inputs and named_inputs:
+            raise ModelError("pass the inputs either positionally or by name, not both")
+        if len(user_inputs) == 1 and isinstance(user_inputs[0], Mapping):
+            feeds = dict(user_inputs[0])
+        elif named_inputs:
+            feeds = named_inputs
+        else:
+            if len(user_inputs) != len(names):
+                raise ModelError(
+                    f"got {len(user_inputs)} inputs, but the {'training' if self.training else 'eval'}"
+                    f" model takes {len(names)}: {names}"
+                )
+            feeds = dict(zip(names, user_inputs))
+        feeds = {k: _as_feed(v) for k, v in feeds.items()}
+        if self.training:
+            outputs = self._train_step(feeds)
+        else:
+            outputs = self._eval_step(feeds)
+        values = [outputs[n].numpy() for n in self.output_names()]
+        return values[0] if len(values) == 1 else values
+
+    def _train_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
+        runner, state = self._train, self._runtime
+        check_feeds(runner.inputs, self._train_inputs, feeds)
+        for name, value in feeds.items():
+            runner.bind_input(name, value)
+        for name in self._train_params:
+            runner.bind_input(name, state.ortvalue(name))
+        accumulate = not state.reset_grads_pending and state.grads_valid
+        if accumulate and state.grad_scratch is None:
+            state.grad_scratch = state.grads.like()
+        target = state.grad_scratch if accumulate else state.grads
+        assert target is not None
+        for name in self._trainable:
+            runner.bind_output(f"{name}_grad", target.ortvalue(name))
+        for out, buffer in self._buffer_outputs.items():
+            runner.bind_output(out, state.buffers.alt.ortvalue(buffer))
+        for name in self._train_outputs:
+            runner.bind_output(name, None)
+        outputs = runner.run()
+        if accumulate:
+            self._accumulate()
+        if self._buffer_outputs:
+            state.buffers.swap()
+        state.grads_valid = True
+        state.reset_grads_pending = False
+        return outputs
+
+    def _accumulate(self) -> None:
+        state = self._runtime
+        scratch = state.grad_scratch
+        assert scratch is not None
+        if self._device.kind == "cpu":
+            for name in self._trainable:
+                view, extra = state.grads.view(name), scratch.view(name)
+                assert view is not None and extra is not None
+                np.add(view, extra, out=view)
+            return
+        if self._accumulator is None:
+            self._accumulator = BoundRunner(
+                create_session(_accumulator_model(state.grads), self._device, self._config),
+                self._device,
+            )
+        total = state.grads.like()
+        for i, name in enumerate(self._trainable):
+            self._accumulator.bind_input(f"a{i}", state.grads.ortvalue(name))
+            self._accumulator.bind_input(f"b{i}", scratch.ortvalue(name))
+            self._accumulator.bind_output(f"s{i}", total.ortvalue(name))
+        self._accumulator.run()
+        state.grads = total
+
+    def _eval_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
+        if self._eval is None:
+            assert self._eval_uri is not None
+            self._eval = BoundRunner(create_session(self._eval_uri, self._device, self._config), self._device)
+        runner, state = self._eval, self._runtime
+        check_feeds(runner.inputs, self._eval_inputs, feeds)
+        for name, value in feeds.items():
+            runner.bind_input(name, value)
+        for name in self._eval_params:
+            runner.bind_input(name, state.ortvalue(name))
+        for name in self._eval_outputs:
+            runner.bind_output(name, None)
+        return runner.run()
+
+    # ---------------------------------------------------------- parameters
+    def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
+        """All parameters (or the trainable ones) as one flat OrtValue, in checkpoint order."""
+        return ort.OrtValue.ortvalue_from_numpy(self._runtime.contiguous(trainable_only))
+
+    def get_parameters_size(self, trainable_only: bool = True) -> int:
+        """Number of elements that :meth:`get_contiguous_parameters` returns."""
+        return self._runtime.parameters_size(trainable_only)
+
+    def copy_buffer_to_parameters(self, buffer: ort.OrtValue | np.ndarray, trainable_only: bool = True) -> None:
+        """Set the parameters from one flat buffer (as returned by get_contiguous_parameters)."""
+        array = buffer.numpy() if isinstance(buffer, ort.OrtValue) else np.asarray(buffer)
+        self._runtime.load_contiguous(array, trainable_only)
+
+    # -------------------------------------------------------------- export
+    def export_model_for_inferencing(
+        self, inference_model_uri: str | os.PathLike, graph_output_names: Sequence[str]
+    ) -> None:
+        """Write a plain inference model with the current weights and only the given outputs."""
+        if self._eval_uri is None:
+            raise ModelError(
+                "exporting needs the eval model; create the Module with eval_model_uri=..."
+            )
+        export_inference_model(
+            onnx.load(os.fspath(self._eval_uri)),
+            {n: self._runtime.read(n) for n in self._runtime.names},
+            graph_output_names,
+            inference_model_uri,
+        )
+
+
+def export_inference_model(
+    eval_model: onnx.ModelProto,
+    parameters: Mapping[str, np.ndarray],
+    graph_output_names: Sequence[str],
+    path: str | os.PathLike,
+) -> None:
+    """Prune ``eval_model`` to ``graph_output_names``, embed ``parameters`` and save it."""
+    if isinstance(graph_output_names, str) or not graph_output_names:
+        raise ModelError("graph_output_names must be a non-empty list of tensor names")
+    m = ir.from_proto(eval_model)
+    graph = m.graph
+    values = {v.name: v for v in graph.inputs}
+    for node in graph:
+        for o in node.outputs:
+            values[o.name] = o
+    missing = [n for n in graph_output_names if n not in values]
+    if missing:
+        raise ModelError(
+            f"outputs {missing} are not tensors of the eval model; model outputs are"
+            f" {[o.name for o in graph.outputs]}"
+        )
+    graph.outputs.clear()
+    graph.outputs.extend(values[n] for n in graph_output_names)
+    for value in list(graph.inputs):
+        if value.name in parameters:
+            graph.inputs.remove(value)
+            value.const_value = ir.tensor(np.ascontiguousarray(parameters[value.name]), name=value.name)
+            graph.register_initializer(value)
+    common_passes.RemoveUnusedNodesPass()(m)
+    used = {v for node in graph for v in node.inputs} | set(graph.outputs)
+    for value in list(graph.inputs):
+        if value not in used:
+            graph.inputs.remove(value)
+    for name in [n for n, v in graph.initializers.items() if v not in used]:
+        graph.initializers.pop(name)
+    save_model(to_proto(m), path)
+
+
+def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
+    from onnx import helper
+
+    from traingraph.ir.model import max_ir_version
+
+    nodes, inputs, outputs = [], [], []
+    for i, (name, (shape, dtype)) in enumerate(grads.specs.items()):
+        elem = helper.np_dtype_to_tensor_dtype(dtype)
+        inputs += [helper.make_tensor_value_info(f"{p}{i}", elem, list(shape)) for p in "ab"]
+        outputs.append(helper.make_tensor_value_info(f"s{i}", elem, list(shape)))
+        nodes.append(helper.make_node("Add", [f"a{i}", f"b{i}"], [f"s{i}"], name=f"accumulate_{name}"))
+    graph = helper.make_graph(nodes, "accumulate_gradients", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version())
+
+
+def _as_feed(value: Any) -> Any:
+    if isinstance(value, ort.OrtValue):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray) and hasattr(value, "numpy"):
+        value = value.numpy()
+    return np.ascontiguousarray(value)
+
+
+class Optimizer:
+    """Runs the optimizer graph over the module's parameters and gradients.
+
+    Args:
+        optimizer_uri: Path of ``optimizer_model.onnx``.
+        module: The :class:`Module` whose parameters it updates.
+    """
+
+    def __init__(self, optimizer_uri: str | os.PathLike, module: Module) -> None:
+        if not isinstance(module, Module):
+            raise TypeError(f"module must be a traingraph.api.Module, got {type(module).__name__}")
+        path = Path(optimizer_uri)
+        if not path.is_file():
+            raise ModelError(f"optimizer model {str(path)!r} does not exist")
+        self._module = module
+        state = module._runtime
+        self._state = state
+        proto = onnx.load(os.fspath(path))
+        meta = {p.key: p.value for p in proto.metadata_props}
+        inputs = [i.name for i in proto.graph.input]
+        trainable = module._trainable
+        unknown = [n for n in trainable if n not in inputs]
+        if unknown:
+            raise ModelError(
+                f"the optimizer model {str(path)!r} does not update parameters {unknown[:5]};"
+                " it was generated for another model"
+            )
+        known = {"learning_rate", "step", *trainable, *(f"{n}_grad" for n in trainable)}
+        self._params = [n for n in inputs if n in trainable]
+        slot_names = [n for n in inputs if n not in known]
+        slot_init = json.loads(meta.get("traingraph.slot_init", "{}"))
+        value_info = {i.name: i for i in proto.graph.input}
+        specs = {}
+        for name in slot_names:
+            t = value_info[name].type.tensor_type
+            dims = tuple(d.dim_value for d in t.shape.dim)
+            specs[name] = (dims, helper_dtype(t.elem_type))
+        if state.optimizer_slots is None or set(state.optimizer_slots.cur) != set(specs):
+            store = TensorStore(state.device, specs)
+            for name, (shape, dtype) in specs.items():
+                if name in state.pending_slot_values:
+                    store.write(name, state.pending_slot_values[name])
+                else:
+                    store.write(name, np.full(shape, slot_init.get(name, 0.0), dtype))
+            state.optimizer_slots = PingPong(store)
+        if state.learning_rate is None:
+            state.learning_rate = float(meta.get("traingraph.learning_rate", 1e-3))
+        self._runner = BoundRunner(create_session(path, state.device, module._config), state.device)
+
+    def step(self) -> None:
+        """Apply one optimizer update to the parameters with the current gradients."""
+        state = self._state
+        slots = state.optimizer_slots
+        assert slots is not None
+        runner = self._runner
+        runner.bind_input("learning_rate", np.array(state.learning_rate, dtype=np.float32))
+        runner.bind_input("step", np.array(state.step + 1, dtype=np.int64))
+        for name in self._params:
+            runner.bind_input(name, state.trainable.cur.ortvalue(name))
+            runner.bind_input(f"{name}_grad", state.grads.ortvalue(name))
+            runner.bind_output(f"{name}_out", state.trainable.alt.ortvalue(name))
+        for name in slots.cur:
+            runner.bind_input(name, slots.cur.ortvalue(name))
+            runner.bind_output(f"{name}_out", slots.alt.ortvalue(name))
+        runner.run()
+        state.trainable.swap()
+        slots.swap()
+        state.step += 1
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Set the learning rate used by the next :meth:`step`."""
+        lr = float(learning_rate)
+        if not np.isfinite(lr) or lr < 0:
+            raise ValueError(f"learning rate must be a finite number >= 0, got {learning_rate!r}")
+        self._state.learning_rate = lr
+
+    def get_learning_rate(self) -> float:
+        """The learning rate of the next :meth:`step`."""
+        assert self._state.learning_rate is not None
+        return float(self._state.learning_rate)
+
+
+def helper_dtype(elem_type: int) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+

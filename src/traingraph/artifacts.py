@@ -1,0 +1,180 @@
+"""Training artifacts on disk, with the interface of ``onnxruntime.training.artifacts``.
+
+Example:
+    >>> from traingraph import artifacts
+    >>> artifacts.generate_artifacts(
+    ...     "mlp.onnx",
+    ...     requires_grad=["fc1.weight", "fc1.bias"],
+    ...     loss=artifacts.LossType.CrossEntropyLoss,
+    ...     optimizer=artifacts.OptimType.AdamW,
+    ...     artifact_directory="artifacts",
+    ... )
+
+It writes ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx`` and
+``checkpoint``: plain ONNX (default-domain ops only) that current onnxruntime runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from traingraph import losses, optim
+from traingraph.checkpoint import CheckpointData, save_checkpoint_data
+from traingraph.errors import ModelError
+from traingraph.ir.model import ModelLike, save
+from traingraph.program import TrainingProgram, build_program
+
+__all__ = ["LossType", "OptimType", "generate_artifacts"]
+
+
+class LossType(enum.Enum):
+    """Built-in losses, by the names ``onnxruntime.training.artifacts.LossType`` uses."""
+
+    MSELoss = "MSELoss"
+    CrossEntropyLoss = "CrossEntropyLoss"
+    BCEWithLogitsLoss = "BCEWithLogitsLoss"
+    L1Loss = "L1Loss"
+    HuberLoss = "HuberLoss"
+    SmoothL1Loss = "SmoothL1Loss"
+    NLLLoss = "NLLLoss"
+
+    def build(self) -> losses.Loss:
+        return getattr(losses, self.value)()
+
+
+class OptimType(enum.Enum):
+    """Built-in optimizers with their default hyperparameters (set the learning rate at run time
+    with ``Optimizer.set_learning_rate``; pass a ``traingraph.optim`` optimizer for other values)."""
+
+    AdamW = "AdamW"
+    SGD = "SGD"
+    Adam = "Adam"
+    RMSProp = "RMSProp"
+    Adagrad = "Adagrad"
+
+    def build(self) -> optim.Optimizer:
+        return getattr(optim, self.value)()
+
+
+def _resolve_loss(loss: Any) -> losses.Loss | None:
+    if loss is None or isinstance(loss, losses.Loss):
+        return loss
+    if isinstance(loss, LossType):
+        return loss.build()
+    if isinstance(loss, str) and loss in LossType.__members__:
+        return LossType[loss].build()
+    raise ModelError(
+        f"loss must be a LossType member, a traingraph.losses.Loss or None, got {loss!r}."
+        f" Built-in losses: {', '.join(LossType.__members__)}"
+    )
+
+
+def _resolve_optimizer(optimizer: Any) -> optim.Optimizer | None:
+    if optimizer is None or isinstance(optimizer, optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, OptimType):
+        return optimizer.build()
+    if isinstance(optimizer, str) and optimizer in OptimType.__members__:
+        return OptimType[optimizer].build()
+    raise ModelError(
+        f"optimizer must be an OptimType member or a traingraph.optim.Optimizer, got"
+        f" {optimizer!r}. Built-in optimizers: {', '.join(OptimType.__members__)}"
+    )
+
+
+def generate_artifacts(
+    model: ModelLike,
+    requires_grad: Sequence[str] | None = None,
+    frozen_params: Sequence[str] | None = None,
+    loss: LossType | losses.Loss | None = None,
+    optimizer: OptimType | optim.Optimizer | None = None,
+    artifact_directory: str | os.PathLike | None = None,
+    prefix: str = "",
+    additional_output_names: Sequence[str] | None = None,
+    nominal_checkpoint: bool = False,
+    loss_input_names: Sequence[str] | None = None,
+    *,
+    ort_format: bool = False,
+    checkpoint_format: str = "native",
+    custom_op_library: str | None = None,
+) -> TrainingProgram:
+    """Generate the training, eval and optimizer models and the checkpoint.
+
+    Args:
+        model: The inference model: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``.
+        requires_grad: Initializers to train (default: every float initializer that is not
+            frozen and not a BatchNorm running statistic).
+        frozen_params: Initializers kept in the checkpoint but not trained.
+        loss: A :class:`LossType`, a :class:`traingraph.losses.Loss` (including a custom one
+            over several outputs), or None when the model's first output is the loss.
+        optimizer: An :class:`OptimType` or a :class:`traingraph.optim.Optimizer`; None writes
+            no optimizer model.
+        artifact_directory: Where to write (default: the current directory).
+        prefix: Prefix of every file name.
+        additional_output_names: Extra outputs returned by the train and eval models.
+        nominal_checkpoint: Also write ``{prefix}nominal_checkpoint``: shapes and dtypes only,
+            for shipping to a device that receives the weights later.
+        loss_input_names: Model outputs fed to the loss (default: all outputs).
+        ort_format: Not supported (ORT's flatbuffer model format is specific to onnxruntime's
+            minimal build); raises when True.
+        checkpoint_format: "native" (safetensors) or "ort" (onnxruntime-training's format).
+        custom_op_library: Not supported: traingraph's graphs hold standard ops only.
+
+    Returns:
+        The :class:`~traingraph.program.TrainingProgram` that was written.
+    """
+    if ort_format:
+        raise ModelError(
+            "ort_format=True asks for ORT's minimal-build model format, which traingraph does"
+            " not write; its artifacts are standard .onnx files that every onnxruntime build"
+            " loads. Drop ort_format."
+        )
+    if custom_op_library is not None:
+        raise ModelError(
+            "custom_op_library is not supported: traingraph graphs use default-domain ONNX ops"
+            " only. Drop the argument."
+        )
+    if isinstance(model, onnx.ModelProto) and not model.graph.node:
+        raise ModelError("the model has no nodes; pass the inference model to train")
+    program = build_program(
+        model,
+        requires_grad=requires_grad,
+        frozen_params=frozen_params,
+        loss=_resolve_loss(loss),
+        optimizer=_resolve_optimizer(optimizer),
+        additional_output_names=additional_output_names,
+        loss_input_names=loss_input_names,
+    )
+    directory = Path(artifact_directory) if artifact_directory is not None else Path.cwd()
+    directory.mkdir(parents=True, exist_ok=True)
+    save(program.train_model, directory / f"{prefix}training_model.onnx")
+    save(program.eval_model, directory / f"{prefix}eval_model.onnx")
+    if program.optimizer_model is not None:
+        save(program.optimizer_model, directory / f"{prefix}optimizer_model.onnx")
+    data = CheckpointData(
+        parameters=dict(program.parameters),
+        requires_grad=dict(program.requires_grad),
+        optimizer_state={},
+    )
+    save_checkpoint_data(data, directory / f"{prefix}checkpoint", format=checkpoint_format)
+    if nominal_checkpoint:
+        nominal = CheckpointData(
+            parameters={
+                n: np.broadcast_to(np.zeros((), a.dtype), a.shape)
+                for n, a in program.parameters.items()
+            },
+            requires_grad=dict(program.requires_grad),
+            optimizer_state={},
+            nominal=True,
+        )
+        save_checkpoint_data(
+            nominal, directory / f"{prefix}nominal_checkpoint", format=checkpoint_format
+        )
+    return program

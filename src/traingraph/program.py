@@ -1,0 +1,336 @@
+"""Model + loss + optimizer -> a :class:`TrainingProgram`: the train, eval and optimizer graphs.
+
+The train graph computes the loss, the extra outputs, the gradient of every trainable parameter
+(outputs ``<p>_grad``) and the updated running statistics of BatchNormalization (outputs
+``<buffer>_updated``). Parameters and buffers are graph inputs, so the runtime keeps them in its
+own persistent buffers; their initial values travel in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from traingraph.autodiff.engine import differentiate
+from traingraph.errors import ModelError
+from traingraph.ir.builder import OpBuilder, is_float
+from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
+from traingraph.losses import Loss
+from traingraph.optim.alias import Optimizer
+from traingraph.optim.model import build_optimizer_model, state_slots
+from traingraph.optim.transforms import ParamInfo
+
+LOSS_OUTPUT = "loss"
+BATCH_DIM = "batch"
+BUFFER_UPDATE_SUFFIX = "_updated"
+
+
+@dataclass
+class TrainingProgram:
+    """The graphs and state of one training setup.
+
+    Attributes:
+        train_model: Forward + loss + gradients (+ running-statistics updates).
+        eval_model: Forward + loss in inference mode (Dropout off, BatchNorm on running stats).
+        optimizer_model: The optimizer update graph, or None without an optimizer.
+        parameters: Initial values of every parameter and buffer, in graph-input order.
+        requires_grad: Which parameters are trained.
+        input_names: The model's data inputs, then the loss's label inputs.
+        output_names: The loss (when there is one) and the additional outputs.
+        buffer_updates: Train-graph output name -> the buffer it updates.
+    """
+
+    train_model: onnx.ModelProto
+    eval_model: onnx.ModelProto
+    optimizer_model: onnx.ModelProto | None
+    parameters: dict[str, np.ndarray]
+    requires_grad: dict[str, bool]
+    input_names: list[str]
+    output_names: list[str]
+    buffer_updates: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> list[str]:
+        return [n for n, r in self.requires_grad.items() if r]
+
+
+def build_program(
+    model: ModelLike,
+    requires_grad: Sequence[str] | None = None,
+    frozen_params: Sequence[str] | None = None,
+    loss: Loss | None = None,
+    optimizer: Optimizer | None = None,
+    additional_output_names: Sequence[str] | None = None,
+    loss_input_names: Sequence[str] | None = None,
+) -> TrainingProgram:
+    """Turn ``model`` into a :class:`TrainingProgram`.
+
+    Args:
+        model: The inference model (path, ``onnx.ModelProto`` or ``onnx_ir.Model``).
+        requires_grad: Initializers to train. Default: every floating-point initializer that is
+            not in ``frozen_params`` and is not a BatchNormalization running statistic.
+        frozen_params: Initializers kept as (non-trained) parameters in the checkpoint.
+        loss: The loss block applied to the model outputs, or None when the model's first
+            output already is the loss.
+        optimizer: The optimizer; None builds no optimizer graph.
+        additional_output_names: Model outputs (or intermediate tensors) that the train and eval
+            graphs also return.
+        loss_input_names: Model outputs fed to the loss (default: every model output).
+    """
+    base = load_ir(model, copy=True)
+    opset = default_opset(base)
+    graph = base.graph
+    _make_batch_dynamic(graph)
+    params = _choose_parameters(graph, requires_grad, frozen_params)
+    values = _values(graph)
+    for name in additional_output_names or ():
+        if name not in values:
+            raise ModelError(
+                f"additional output {name!r} is not a tensor of the model; expected one of its"
+                f" outputs {[o.name for o in graph.outputs]} or an intermediate tensor"
+            )
+    proto = to_proto(base)
+
+    train = ir.from_proto(proto)
+    buffer_updates = _to_training_mode(train.graph, params, opset)
+    loss_value, label_names = _attach_loss(train.graph, opset, loss, loss_input_names)
+    extra = [_values(train.graph)[n] for n in additional_output_names or ()]
+    wrt = [_values(train.graph)[n] for n, r in params.items() if r]
+    result = differentiate(train.graph, opset, wrt, loss=loss_value, prefix="grad")
+    b = OpBuilder(train.graph, opset, prefix="grad")
+    grad_outputs = []
+    for v in wrt:
+        g = result.grads[v.name or ""]
+        grad_outputs.append(_named(b, g if g is not None else b.zeros_like(v), f"{v.name}_grad", v))
+    update_outputs = [
+        _named(b, value, out_name, value) for out_name, value in buffer_updates.items()
+    ]
+    train.graph.outputs.clear()
+    train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs])
+    _lift_parameters(train.graph, params)
+
+    evaluation = ir.from_proto(proto)
+    _to_inference_mode(evaluation.graph)
+    eval_loss, _ = _attach_loss(evaluation.graph, opset, loss, loss_input_names)
+    eval_extra = [_values(evaluation.graph)[n] for n in additional_output_names or ()]
+    evaluation.graph.outputs.clear()
+    evaluation.graph.outputs.extend([eval_loss, *eval_extra])
+    _lift_parameters(evaluation.graph, params)
+
+    initial = {name: _initializer_array(graph, name) for name in params}
+    opt_model = None
+    if optimizer is not None:
+        infos = [
+            ParamInfo(name, tuple(initial[name].shape), initial[name].dtype)
+            for name, r in params.items()
+            if r
+        ]
+        opt_model = build_optimizer_model(optimizer, infos, opset=opset)
+        _describe_optimizer(opt_model, optimizer, infos)
+    data_inputs = [v.name or "" for v in graph.inputs if v.name not in params]
+    return TrainingProgram(
+        train_model=to_proto(train),
+        eval_model=to_proto(evaluation),
+        optimizer_model=opt_model,
+        parameters=initial,
+        requires_grad=dict(params),
+        input_names=data_inputs + label_names,
+        output_names=[LOSS_OUTPUT, *(additional_output_names or ())],
+        buffer_updates=dict(_buffer_targets(buffer_updates)),
+    )
+
+
+def _describe_optimizer(model: onnx.ModelProto, optimizer: Optimizer, infos: list[ParamInfo]) -> None:
+    """Record what the runtime needs to start the optimizer: slot initial values and the lr."""
+    slots = state_slots(optimizer, infos)
+    entries = {
+        "traingraph.optimizer": optimizer.name,
+        "traingraph.learning_rate": repr(float(optimizer.lr)),
+        "traingraph.slot_init": json.dumps({s.name: float(s.init) for s in slots}),
+    }
+    for key, value in entries.items():
+        model.metadata_props.add(key=key, value=value)
+
+
+def _buffer_targets(updates: dict[str, ir.Value]) -> list[tuple[str, str]]:
+    return [(name, name[: -len(BUFFER_UPDATE_SUFFIX)]) for name in updates]
+
+
+def _named(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
+    out = b.Identity(value)
+    out.name = name
+    out.shape = like.shape
+    out.type = like.type
+    return out
+
+
+def _values(graph: ir.Graph) -> dict[str, ir.Value]:
+    values: dict[str, ir.Value] = {v.name or "": v for v in graph.inputs}
+    values.update(graph.initializers)
+    for node in graph:
+        for o in node.outputs:
+            values[o.name or ""] = o
+    return values
+
+
+def _initializer_array(graph: ir.Graph, name: str) -> np.ndarray:
+    value = graph.initializers[name]
+    assert value.const_value is not None
+    return np.array(value.const_value.numpy(), copy=True)
+
+
+def _bn_buffers(graph: ir.Graph) -> set[str]:
+    names = set()
+    for node in graph:
+        if node.op_type == "BatchNormalization":
+            names.update(v.name for v in node.inputs[3:5] if v is not None and v.name)
+    return names
+
+
+def _choose_parameters(
+    graph: ir.Graph,
+    requires_grad: Sequence[str] | None,
+    frozen_params: Sequence[str] | None,
+) -> dict[str, bool]:
+    """Name -> trainable, for every initializer that becomes a parameter."""
+    inits = graph.initializers
+    frozen = list(frozen_params or [])
+    for name in [*(requires_grad or []), *frozen]:
+        if name not in inits:
+            raise ModelError(
+                f"parameter {name!r} is not an initializer of the model. Expected one of"
+                f" {sorted(inits)[:10]}{' ...' if len(inits) > 10 else ''}"
+            )
+        if not is_float(inits[name]):
+            raise ModelError(
+                f"parameter {name!r} has dtype {inits[name].dtype}; only floating-point"
+                " initializers can be parameters. Leave it out of requires_grad/frozen_params."
+            )
+    overlap = set(requires_grad or []) & set(frozen)
+    if overlap:
+        raise ModelError(
+            f"{sorted(overlap)} are in both requires_grad and frozen_params; name each once"
+        )
+    buffers = _bn_buffers(graph)
+    if requires_grad is None:
+        trainable = [
+            n for n, v in inits.items() if is_float(v) and n not in frozen and n not in buffers
+        ]
+        frozen += [n for n in inits if n in buffers and n not in frozen]
+    else:
+        trainable = list(requires_grad)
+        frozen += [n for n in inits if n in buffers and n not in frozen and n not in trainable]
+    order = list(inits)
+    chosen = {n: True for n in trainable}
+    chosen.update({n: False for n in frozen})
+    return {n: chosen[n] for n in order if n in chosen}
+
+
+def _make_batch_dynamic(graph: ir.Graph) -> None:
+    """Give every data input a symbolic first dimension."""
+    for v in graph.inputs:
+        if v.name in graph.initializers or v.shape is None or len(v.shape) == 0:
+            continue
+        if isinstance(v.shape.dims[0], int):
+            v.shape = ir.Shape([BATCH_DIM, *v.shape.dims[1:]])
+
+
+def _lift_parameters(graph: ir.Graph, params: dict[str, bool]) -> None:
+    """Turn the parameter initializers into graph inputs (the runtime binds them)."""
+    for name in params:
+        value = graph.initializers.pop(name)
+        value.const_value = None
+        if value not in graph.inputs:
+            graph.inputs.append(value)
+
+
+def _to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> dict[str, ir.Value]:
+    """BatchNorm computes batch statistics and updates its running stats; Dropout is active.
+
+    Returns the running-statistics outputs by the graph-output name they get.
+    """
+    b = OpBuilder(graph, opset, prefix="train_mode")
+    updates: dict[str, ir.Value] = {}
+    for node in list(graph):
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            mean, var = node.inputs[3], node.inputs[4]
+            if mean is None or var is None or mean.name not in params or var.name not in params:
+                continue
+            if len(node.outputs) < 3:
+                node.resize_outputs(3)
+            if opset >= 14:
+                node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+            for out, buffer in ((node.outputs[1], mean), (node.outputs[2], var)):
+                out.shape, out.type = buffer.shape, buffer.type
+                updates[f"{buffer.name}{BUFFER_UPDATE_SUFFIX}"] = out
+        elif node.op_type == "Dropout" and node.domain in ("", "ai.onnx"):
+            if len(node.inputs) < 2 or node.inputs[1] is None:
+                ratio = b.const(0.5, ir.DataType.FLOAT, name="dropout_ratio")
+                node.resize_inputs(2)
+                node.replace_input_with(1, ratio)
+            node.resize_inputs(3)
+            node.replace_input_with(2, b.const(True, ir.DataType.BOOL, name="training_mode"))
+    graph.sort()
+    return updates
+
+
+def _to_inference_mode(graph: ir.Graph) -> None:
+    """BatchNorm uses its running stats; Dropout is the identity."""
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "BatchNormalization":
+            if "training_mode" in node.attributes:
+                node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+            extra = [o for o in node.outputs[1:] if o.uses() or o.is_graph_output()]
+            if extra:
+                raise ModelError(
+                    f"BatchNormalization node {node.name!r} returns its running statistics to"
+                    " other nodes; an inference-mode graph cannot compute them"
+                )
+            node.resize_outputs(1)
+        elif node.op_type == "Dropout" and len(node.inputs) > 2:
+            node.resize_inputs(2)
+
+
+def _attach_loss(
+    graph: ir.Graph,
+    opset: int,
+    loss: Loss | None,
+    loss_input_names: Sequence[str] | None,
+) -> tuple[ir.Value, list[str]]:
+    """Append the loss block; returns the loss value and the label input names."""
+    if not graph.outputs:
+        raise ModelError("the model has no outputs; a training graph needs at least one")
+    if loss is None:
+        value = graph.outputs[0]
+        if value.shape is not None and len(value.shape) != 0:
+            raise ModelError(
+                f"no loss was given, so the first model output {value.name!r} is taken as the"
+                f" loss, but its shape is {value.shape} and a loss must be a scalar. Pass loss="
+                "traingraph.losses.MSELoss() (or another loss) to generate the loss graph."
+            )
+        return value, []
+    outputs = list(graph.outputs)
+    if loss_input_names is not None:
+        by_name = _values(graph)
+        missing = [n for n in loss_input_names if n not in by_name]
+        if missing:
+            raise ModelError(f"loss inputs {missing} are not tensors of the model")
+        outputs = [by_name[n] for n in loss_input_names]
+    b = OpBuilder(graph, opset, prefix="loss")
+    labels = []
+    for spec in loss.label_specs(outputs):
+        label = ir.Value(name=spec.name, shape=spec.shape, type=ir.TensorType(spec.dtype))
+        graph.inputs.append(label)
+        labels.append(label)
+    value = loss.build(b, outputs, labels)
+    value = _named(b, value, LOSS_OUTPUT, value)
+    if value.type is None:
+        value.type = outputs[0].type
+    return value, [label.name or "" for label in labels]

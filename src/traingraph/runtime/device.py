@@ -1,0 +1,89 @@
+"""Devices: which onnxruntime execution provider runs the graphs, and where tensors live."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import onnxruntime as ort
+
+from traingraph.errors import DeviceError
+
+CUDA_INSTALL_HINT = (
+    "Install the GPU build of onnxruntime in place of the CPU one: "
+    "pip uninstall -y onnxruntime && pip install 'traingraph[gpu]' "
+    "(both wheels provide the module onnxruntime, so only one may be installed)."
+)
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device that runs graphs: ``Device("cpu")``, ``Device("cuda", 1)``.
+
+    Attributes:
+        kind: "cpu" or "cuda".
+        index: The GPU's index (0 for the CPU).
+    """
+
+    kind: str = "cpu"
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    @property
+    def ort_device_type(self) -> str:
+        """The device name that onnxruntime's OrtValue and IOBinding use."""
+        return self.kind
+
+    def providers(self) -> list[Any]:
+        """The execution providers (with options) for a session on this device."""
+        if self.kind == "cpu":
+            return ["CPUExecutionProvider"]
+        return [("CUDAExecutionProvider", {"device_id": str(self.index)}), "CPUExecutionProvider"]
+
+
+def parse_device(device: str | Device | None) -> Device:
+    """``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a :class:`Device` -> a checked :class:`Device`.
+
+    Raises:
+        DeviceError: For an unknown device name, or CUDA without a CUDA-enabled onnxruntime.
+    """
+    if device is None:
+        return Device()
+    if isinstance(device, Device):
+        parsed = device
+    elif isinstance(device, str):
+        text = device.strip().lower()
+        kind, _, index = text.partition(":")
+        if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+            raise DeviceError(
+                f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
+            )
+        parsed = Device(kind, int(index) if index else 0)
+    else:
+        raise DeviceError(f"device must be a string or a traingraph Device, got {type(device).__name__}")
+    if parsed.kind == "cuda":
+        _check_cuda(parsed.index)
+    return parsed
+
+
+@functools.cache
+def _preload_cuda() -> None:
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        try:
+            preload()
+        except Exception:  # noqa: BLE001 - the provider check below reports what is missing
+            pass
+
+
+def _check_cuda(index: int) -> None:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise DeviceError(
+            f"device 'cuda:{index}' needs onnxruntime's CUDAExecutionProvider, but the installed"
+            f" onnxruntime {ort.__version__} offers {ort.get_available_providers()}. "
+            + CUDA_INSTALL_HINT
+        )
+    _preload_cuda()

@@ -1,0 +1,172 @@
+"""onnxruntime sessions with traingraph's defaults, and IOBinding-based execution."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from traingraph.errors import ModelError
+from traingraph.runtime.device import Device
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+@dataclass
+class SessionConfig:
+    """How sessions are created.
+
+    Attributes:
+        optimization: onnxruntime graph optimization level: "disable", "basic", "extended", "all".
+        intra_op_threads: Threads per op (0: onnxruntime's default, one per core).
+        allow_spinning: Whether idle worker threads spin; off by default so that work that runs
+            between steps (data loading, other sessions) keeps its cores.
+        profile: Write onnxruntime's profile.
+        extra: Further session config entries (``add_session_config_entry``).
+    """
+
+    optimization: str = "all"
+    intra_op_threads: int = 0
+    allow_spinning: bool = False
+    profile: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def session_options(self) -> ort.SessionOptions:
+        if self.optimization not in _LEVELS:
+            raise ModelError(
+                f"unknown optimization level {self.optimization!r}; expected one of {list(_LEVELS)}"
+            )
+        options = ort.SessionOptions()
+        options.graph_optimization_level = _LEVELS[self.optimization]
+        options.log_severity_level = 3
+        if self.intra_op_threads:
+            options.intra_op_num_threads = self.intra_op_threads
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if self.allow_spinning else "0"
+        )
+        options.add_session_config_entry(
+            "session.inter_op.allow_spinning", "1" if self.allow_spinning else "0"
+        )
+        for key, value in self.extra.items():
+            options.add_session_config_entry(key, value)
+        options.enable_profiling = self.profile
+        return options
+
+
+def create_session(
+    model: str | os.PathLike | bytes | onnx.ModelProto,
+    device: Device,
+    config: SessionConfig | None = None,
+) -> ort.InferenceSession:
+    """An ``onnxruntime.InferenceSession`` for ``model`` on ``device``."""
+    config = config or SessionConfig()
+    source: Any
+    if isinstance(model, onnx.ModelProto):
+        source = model.SerializeToString()
+    elif isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise ModelError(f"model file {path!r} does not exist")
+        source = path
+    else:
+        source = model
+    return ort.InferenceSession(source, config.session_options(), providers=device.providers())
+
+
+class BoundRunner:
+    """Runs one session through an IOBinding whose persistent bindings are set once.
+
+    Per-step inputs are bound on each call; outputs not bound to a buffer are allocated by
+    onnxruntime on ``device`` and returned as OrtValues.
+    """
+
+    def __init__(self, session: ort.InferenceSession, device: Device) -> None:
+        self.session = session
+        self.device = device
+        self.binding = session.io_binding()
+        self.inputs = {i.name: i for i in session.get_inputs()}
+        self.outputs = [o.name for o in session.get_outputs()]
+        self._bound_outputs: set[str] = set()
+
+    def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
+        if isinstance(value, ort.OrtValue):
+            self.binding.bind_ortvalue_input(name, value)
+        else:
+            self.binding.bind_cpu_input(name, value)
+
+    def bind_output(self, name: str, value: ort.OrtValue | None) -> None:
+        """Bind ``name`` to a buffer, or (None) to a fresh allocation on the device each run."""
+        if value is None:
+            self.binding.bind_output(name, self.device.ort_device_type, self.device.index)
+            self._bound_outputs.discard(name)
+        else:
+            self.binding.bind_ortvalue_output(name, value)
+            self._bound_outputs.add(name)
+
+    def run(self) -> dict[str, ort.OrtValue]:
+        """Run; returns every output by name (buffers bound by the caller included)."""
+        self.binding.synchronize_inputs()
+        self.session.run_with_iobinding(self.binding)
+        self.binding.synchronize_outputs()
+        return dict(zip(self.outputs, self.binding.get_outputs()))
+
+
+def check_feeds(
+    session_inputs: Mapping[str, Any], names: list[str], feeds: Mapping[str, Any]
+) -> None:
+    """Wrong input names, ranks, fixed dims or dtypes raise a ModelError saying what was expected."""
+    for name in names:
+        if name not in feeds:
+            raise ModelError(f"missing input {name!r}; the model expects inputs {names}")
+    for name, value in feeds.items():
+        if name not in session_inputs:
+            raise ModelError(f"unknown input {name!r}; the model expects inputs {names}")
+        info = session_inputs[name]
+        shape = tuple(value.shape() if isinstance(value, ort.OrtValue) else np.shape(value))
+        expected = info.shape
+        if expected is not None and len(shape) != len(expected):
+            raise ModelError(
+                f"input {name!r} has shape {list(shape)}, but the model expects rank"
+                f" {len(expected)} (shape {expected})"
+            )
+        for got, want in zip(shape, expected or ()):
+            if isinstance(want, int) and want != got:
+                raise ModelError(
+                    f"input {name!r} has shape {list(shape)}, but the model expects {expected}"
+                )
+        dtype = _ort_type_to_numpy(info.type)
+        got_dtype = (
+            _ort_type_to_numpy(value.data_type()) if isinstance(value, ort.OrtValue) else np.asarray(value).dtype
+        )
+        if dtype is not None and got_dtype is not None and np.dtype(got_dtype) != dtype:
+            raise ModelError(
+                f"input {name!r} has dtype {np.dtype(got_dtype).name}, but the model expects"
+                f" {dtype.name}; convert it with .astype(np.{dtype.name})"
+            )
+
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _ort_type_to_numpy(type_name: str) -> np.dtype | None:
+    t = _ORT_TYPES.get(type_name)
+    return None if t is None else np.dtype(t)

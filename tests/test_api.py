@@ -1,0 +1,221 @@
+"""The onnxruntime.training-compatible artifacts and runtime, end to end against PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch_models import MLP, SmallCNN, classification_data, export, seeded
+
+from traingraph import artifacts, optim
+from traingraph.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+from traingraph.errors import CheckpointError, ModelError
+
+STEPS = 50
+BATCH = 16
+
+
+def _torch_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _tg_optimizer(kind: str):
+    if kind == "sgd":
+        return optim.SGD(lr=0.05, momentum=0.9)
+    return optim.AdamW(lr=1e-2, weight_decay=0.01)
+
+
+def _artifacts(tmp_path, model, kind="adamw", **kwargs):
+    onnx_model = export(model, torch.zeros(2, 20))
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=_tg_optimizer(kind),
+        artifact_directory=tmp_path,
+        **kwargs,
+    )
+    return tmp_path
+
+
+def _open(directory, device="cpu"):
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx", device=device)
+    opt = Optimizer(directory / "optimizer_model.onnx", module)
+    return state, module, opt
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_mlp_matches_pytorch_for_50_steps(tmp_path, kind):
+    torch_model = seeded(MLP)
+    directory = _artifacts(tmp_path, seeded(MLP), kind)
+    state, module, opt = _open(directory)
+    torch_opt = _torch_optimizer(kind, torch_model.parameters())
+    x, y = classification_data(STEPS * BATCH, 20, 5)
+    module.train()
+    for step in range(STEPS):
+        xb, yb = x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH]
+        loss = module(xb, yb)
+        opt.step()
+        module.lazy_reset_grad()
+        torch_opt.zero_grad()
+        expected = torch.nn.functional.cross_entropy(torch_model(torch.tensor(xb)), torch.tensor(yb))
+        expected.backward()
+        torch_opt.step()
+        np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-4, err_msg=f"step {step}")
+    for name, p in torch_model.named_parameters():
+        np.testing.assert_allclose(state.parameters[name].data, p.detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    x, y = classification_data(20 * BATCH, 20, 5)
+
+    def run(module, opt, steps):
+        for step in steps:
+            module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
+            opt.step()
+            module.lazy_reset_grad()
+
+    state, module, opt = _open(directory)
+    run(module, opt, range(20))
+    uninterrupted = {n: state.parameters[n].data for n in state.parameters}
+
+    state, module, opt = _open(directory)
+    run(module, opt, range(10))
+    state.properties["epoch"] = 1
+    CheckpointState.save_checkpoint(state, tmp_path / "resume.ckpt", include_optimizer_state=True)
+    state2 = CheckpointState.load_checkpoint(tmp_path / "resume.ckpt")
+    assert state2.properties["epoch"] == 1
+    module2 = Module(directory / "training_model.onnx", state2, directory / "eval_model.onnx")
+    opt2 = Optimizer(directory / "optimizer_model.onnx", module2)
+    run(module2, opt2, range(10, 20))
+    for name, value in uninterrupted.items():
+        np.testing.assert_array_equal(state2.parameters[name].data, value)
+
+
+def test_gradients_accumulate_until_reset(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    state, module, _ = _open(directory)
+    x, y = classification_data(BATCH, 20, 5)
+    module(x, y)
+    once = state.parameters["fc1.weight"].grad.copy()
+    module(x, y)
+    np.testing.assert_allclose(state.parameters["fc1.weight"].grad, 2 * once, rtol=1e-6)
+    module.lazy_reset_grad()
+    module(x, y)
+    np.testing.assert_allclose(state.parameters["fc1.weight"].grad, once, rtol=1e-6)
+
+
+def test_eval_export_and_parameter_buffers(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    state, module, opt = _open(directory)
+    x, y = classification_data(BATCH, 20, 5)
+    assert module.input_names() == ["x", "labels"]
+    assert module.output_names() == ["loss"]
+    module(x, y)
+    opt.step()
+    module.eval()
+    eval_loss = module(x, y)
+    assert np.isfinite(eval_loss)
+    module.train()
+
+    size = module.get_parameters_size()
+    assert size == 20 * 32 + 32 + 32 * 5 + 5
+    assert module.get_parameters_size(trainable_only=False) == size
+    flat = module.get_contiguous_parameters()
+    assert isinstance(flat, ort.OrtValue) and flat.numpy().shape == (size,)
+    module.copy_buffer_to_parameters(ort.OrtValue.ortvalue_from_numpy(np.zeros(size, np.float32)))
+    assert not state.parameters["fc2.bias"].data.any()
+    module.copy_buffer_to_parameters(flat)
+    np.testing.assert_array_equal(module.get_contiguous_parameters().numpy(), flat.numpy())
+
+    path = tmp_path / "inference.onnx"
+    module.export_model_for_inferencing(path, ["logits"])
+    exported = onnx.load(path)
+    onnx.checker.check_model(exported, full_check=True)
+    assert [i.name for i in exported.graph.input] == ["x"]
+    logits = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    reference = seeded(MLP)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(torch.tensor(state.parameters[name].data))
+        np.testing.assert_allclose(logits, reference(torch.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_learning_rate_and_scheduler(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    _, module, opt = _open(directory)
+    opt.set_learning_rate(0.5)
+    assert opt.get_learning_rate() == pytest.approx(0.5)
+    scheduler = LinearLRScheduler(opt, warmup_step_count=2, total_step_count=4, initial_lr=1.0)
+    rates = []
+    for _ in range(4):
+        scheduler.step()
+        rates.append(opt.get_learning_rate())
+    assert rates == pytest.approx([1.0, 0.5, 0.0, 0.0]) or rates == pytest.approx([0.5, 1.0, 0.5, 0.0])
+
+
+def test_misuse_raises_clear_errors(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP), nominal_checkpoint=True)
+    nominal = CheckpointState.load_checkpoint(directory / "nominal_checkpoint")
+    module = Module(directory / "training_model.onnx", nominal)
+    x, y = classification_data(BATCH, 20, 5)
+    with pytest.raises(CheckpointError, match="nominal"):
+        module(x, y)
+    real = CheckpointState.load_checkpoint(directory / "checkpoint")
+    flat = np.concatenate([real.parameters[n].data.reshape(-1) for n in real.parameters])
+    module.copy_buffer_to_parameters(flat, trainable_only=False)
+    assert np.isfinite(module(x, y))
+
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    no_eval = Module(directory / "training_model.onnx", state)
+    with pytest.raises(ModelError, match="no eval model"):
+        no_eval.eval()
+    with pytest.raises(ModelError, match="takes 2"):
+        no_eval(x)
+    with pytest.raises(ModelError, match="dtype"):
+        no_eval(x.astype(np.float64), y)
+    with pytest.raises(ModelError, match="shape"):
+        no_eval(x[:, :3], y)
+    with pytest.raises(ModelError, match="unknown input"):
+        no_eval({"x": x, "label": y})
+    with pytest.raises(CheckpointError):
+        CheckpointState.load_checkpoint(tmp_path / "missing")
+
+
+def test_batchnorm_cnn_trains_and_updates_running_stats(tmp_path):
+    torch_model = seeded(SmallCNN)
+    onnx_model = export(seeded(SmallCNN), torch.zeros(2, 1, 8, 8), training=True)
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )
+    state, module, opt = _open(tmp_path)
+    torch_opt = torch.optim.SGD(torch_model.parameters(), lr=0.1)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        x = rng.standard_normal((8, 1, 8, 8)).astype(np.float32)
+        y = rng.integers(0, 10, 8).astype(np.int64)
+        loss = module(x, y)
+        opt.step()
+        module.lazy_reset_grad()
+        torch_opt.zero_grad()
+        expected = torch.nn.functional.cross_entropy(torch_model(torch.tensor(x)), torch.tensor(y))
+        expected.backward()
+        torch_opt.step()
+        np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-4)
+    np.testing.assert_allclose(
+        state.parameters["bn.running_mean"].data, torch_model.bn.running_mean.numpy(), rtol=1e-4, atol=1e-6
+    )
+    module.eval()
+    torch_model.eval()
+    x = rng.standard_normal((4, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 10, 4).astype(np.int64)
+    expected = torch.nn.functional.cross_entropy(torch_model(torch.tensor(x)), torch.tensor(y))
+    np.testing.assert_allclose(float(module(x, y)), expected.item(), rtol=1e-4)

@@ -1,0 +1,76 @@
+"""Small PyTorch models exported to ONNX with fixed seeds, shared by the tests."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 20, hidden: int = 32, d_out: int = 5) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class SmallCNN(nn.Module):
+    """Conv-BatchNorm-ReLU-MaxPool-Dropout-Linear on 1x8x8 images."""
+
+    def __init__(self, classes: int = 10, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(4 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(self.drop(h.flatten(1)))
+
+
+def export(
+    model: nn.Module,
+    example: torch.Tensor,
+    *,
+    opset: int = 17,
+    training: bool = False,
+    input_name: str = "x",
+    output_name: str = "logits",
+) -> onnx.ModelProto:
+    """Export ``model`` with a dynamic batch axis (TorchScript exporter)."""
+    buffer = io.BytesIO()
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    torch.onnx.export(
+        model,
+        (example,),
+        buffer,
+        input_names=[input_name],
+        output_names=[output_name],
+        dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}},
+        opset_version=opset,
+        training=mode,
+        do_constant_folding=False,
+        dynamo=False,
+    )
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def seeded(cls: type[nn.Module], seed: int = 0, **kwargs: object) -> nn.Module:
+    torch.manual_seed(seed)
+    return cls(**kwargs)
+
+
+def classification_data(
+    n: int, d_in: int, classes: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d_in)).astype(np.float32)
+    y = rng.integers(0, classes, n).astype(np.int64)
+    return x, y
