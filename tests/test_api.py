@@ -7,8 +7,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from torch_models import MLP, SmallCNN, classification_data, export, seeded
 
+from torch_models import MLP, SmallCNN, classification_data, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 from traingraph.errors import CheckpointError, ModelError
@@ -43,7 +43,9 @@ def _artifacts(tmp_path, model, kind="adamw", **kwargs):
 
 def _open(directory, device="cpu"):
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx", device=device)
+    module = Module(
+        directory / "training_model.onnx", state, directory / "eval_model.onnx", device=device
+    )
     opt = Optimizer(directory / "optimizer_model.onnx", module)
     return state, module, opt
 
@@ -62,12 +64,16 @@ def test_mlp_matches_pytorch_for_50_steps(tmp_path, kind):
         opt.step()
         module.lazy_reset_grad()
         torch_opt.zero_grad()
-        expected = torch.nn.functional.cross_entropy(torch_model(torch.tensor(xb)), torch.tensor(yb))
+        expected = torch.nn.functional.cross_entropy(
+            torch_model(torch.tensor(xb)), torch.tensor(yb)
+        )
         expected.backward()
         torch_opt.step()
         np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-4, err_msg=f"step {step}")
     for name, p in torch_model.named_parameters():
-        np.testing.assert_allclose(state.parameters[name].data, p.detach().numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            state.parameters[name].data, p.detach().numpy(), rtol=1e-4, atol=1e-5
+        )
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -156,7 +162,9 @@ def test_learning_rate_and_scheduler(tmp_path):
     for _ in range(4):
         scheduler.step()
         rates.append(opt.get_learning_rate())
-    assert rates == pytest.approx([1.0, 0.5, 0.0, 0.0]) or rates == pytest.approx([0.5, 1.0, 0.5, 0.0])
+    assert rates == pytest.approx([1.0, 0.5, 0.0, 0.0]) or rates == pytest.approx(
+        [0.5, 1.0, 0.5, 0.0]
+    )
 
 
 def test_misuse_raises_clear_errors(tmp_path):
@@ -211,7 +219,10 @@ def test_batchnorm_cnn_trains_and_updates_running_stats(tmp_path):
         torch_opt.step()
         np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-4)
     np.testing.assert_allclose(
-        state.parameters["bn.running_mean"].data, torch_model.bn.running_mean.numpy(), rtol=1e-4, atol=1e-6
+        state.parameters["bn.running_mean"].data,
+        torch_model.bn.running_mean.numpy(),
+        rtol=1e-4,
+        atol=1e-6,
     )
     module.eval()
     torch_model.eval()

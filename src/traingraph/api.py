@@ -101,7 +101,8 @@ class Parameters(Mapping[str, Parameter]):
     def __getitem__(self, name: str) -> Parameter:
         if name not in self._state._data.parameters:
             raise KeyError(
-                f"no parameter {name!r}; the checkpoint has {list(self._state._data.parameters)[:10]}"
+                f"no parameter {name!r}; the checkpoint has"
+                f" {list(self._state._data.parameters)[:10]}"
             )
         return Parameter(self._state, name)
 
@@ -282,9 +283,13 @@ class Module:
             if o.endswith(BUFFER_UPDATE_SUFFIX) and o[: -len(BUFFER_UPDATE_SUFFIX)] in params
         }
         self._train_inputs = [n for n in inputs if n not in params]
-        self._train_outputs = [o for o in outputs if o not in grad_outputs and o not in self._buffer_outputs]
+        self._train_outputs = [
+            o for o in outputs if o not in grad_outputs and o not in self._buffer_outputs
+        ]
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
-        self._train = BoundRunner(create_session(self._train_uri, self._device, self._config), self._device)
+        self._train = BoundRunner(
+            create_session(self._train_uri, self._device, self._config), self._device
+        )
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
         self._eval_inputs: list[str] = []
@@ -348,15 +353,13 @@ class Module:
         else:
             if len(user_inputs) != len(names):
                 raise ModelError(
-                    f"got {len(user_inputs)} inputs, but the {'training' if self.training else 'eval'}"
+                    f"got {len(user_inputs)} inputs, but the"
+                    f" {'training' if self.training else 'eval'}"
                     f" model takes {len(names)}: {names}"
                 )
             feeds = dict(zip(names, user_inputs))
         feeds = {k: _as_feed(v) for k, v in feeds.items()}
-        if self.training:
-            outputs = self._train_step(feeds)
-        else:
-            outputs = self._eval_step(feeds)
+        outputs = self._train_step(feeds) if self.training else self._eval_step(feeds)
         values = [outputs[n].numpy() for n in self.output_names()]
         return values[0] if len(values) == 1 else values
 
@@ -413,7 +416,9 @@ class Module:
     def _eval_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
         if self._eval is None:
             assert self._eval_uri is not None
-            self._eval = BoundRunner(create_session(self._eval_uri, self._device, self._config), self._device)
+            self._eval = BoundRunner(
+                create_session(self._eval_uri, self._device, self._config), self._device
+            )
         runner, state = self._eval, self._runtime
         check_feeds(runner.inputs, self._eval_inputs, feeds)
         for name, value in feeds.items():
@@ -433,7 +438,9 @@ class Module:
         """Number of elements that :meth:`get_contiguous_parameters` returns."""
         return self._runtime.parameters_size(trainable_only)
 
-    def copy_buffer_to_parameters(self, buffer: ort.OrtValue | np.ndarray, trainable_only: bool = True) -> None:
+    def copy_buffer_to_parameters(
+        self, buffer: ort.OrtValue | np.ndarray, trainable_only: bool = True
+    ) -> None:
         """Set the parameters from one flat buffer (as returned by get_contiguous_parameters)."""
         array = buffer.numpy() if isinstance(buffer, ort.OrtValue) else np.asarray(buffer)
         self._runtime.load_contiguous(array, trainable_only)
@@ -481,7 +488,9 @@ def export_inference_model(
     for value in list(graph.inputs):
         if value.name in parameters:
             graph.inputs.remove(value)
-            value.const_value = ir.tensor(np.ascontiguousarray(parameters[value.name]), name=value.name)
+            value.const_value = ir.tensor(
+                np.ascontiguousarray(parameters[value.name]), name=value.name
+            )
             graph.register_initializer(value)
     common_passes.RemoveUnusedNodesPass()(m)
     used = {v for node in graph for v in node.inputs} | set(graph.outputs)
@@ -503,15 +512,23 @@ def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
         elem = helper.np_dtype_to_tensor_dtype(dtype)
         inputs += [helper.make_tensor_value_info(f"{p}{i}", elem, list(shape)) for p in "ab"]
         outputs.append(helper.make_tensor_value_info(f"s{i}", elem, list(shape)))
-        nodes.append(helper.make_node("Add", [f"a{i}", f"b{i}"], [f"s{i}"], name=f"accumulate_{name}"))
+        nodes.append(
+            helper.make_node("Add", [f"a{i}", f"b{i}"], [f"s{i}"], name=f"accumulate_{name}")
+        )
     graph = helper.make_graph(nodes, "accumulate_gradients", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version())
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version()
+    )
 
 
 def _as_feed(value: Any) -> Any:
     if isinstance(value, ort.OrtValue):
         return value
-    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray) and hasattr(value, "numpy"):
+    if (
+        hasattr(value, "__dlpack__")
+        and not isinstance(value, np.ndarray)
+        and hasattr(value, "numpy")
+    ):
         value = value.numpy()
     return np.ascontiguousarray(value)
 
@@ -600,4 +617,3 @@ class Optimizer:
 
 def helper_dtype(elem_type: int) -> np.dtype:
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-

@@ -51,7 +51,8 @@ class LossType(enum.Enum):
 
 class OptimType(enum.Enum):
     """Built-in optimizers with their default hyperparameters (set the learning rate at run time
-    with ``Optimizer.set_learning_rate``; pass a ``traingraph.optim`` optimizer for other values)."""
+    with ``Optimizer.set_learning_rate``; pass a ``traingraph.optim`` optimizer for other
+    values)."""
 
     AdamW = "AdamW"
     SGD = "SGD"

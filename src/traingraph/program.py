@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from traingraph.autodiff.engine import differentiate
+from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
@@ -87,7 +87,7 @@ def build_program(
     graph = base.graph
     _make_batch_dynamic(graph)
     params = _choose_parameters(graph, requires_grad, frozen_params)
-    values = _values(graph)
+    values = values_by_name(graph)
     for name in additional_output_names or ():
         if name not in values:
             raise ModelError(
@@ -99,16 +99,18 @@ def build_program(
     train = ir.from_proto(proto)
     buffer_updates = _to_training_mode(train.graph, params, opset)
     loss_value, label_names = _attach_loss(train.graph, opset, loss, loss_input_names)
-    extra = [_values(train.graph)[n] for n in additional_output_names or ()]
-    wrt = [_values(train.graph)[n] for n, r in params.items() if r]
+    extra = [values_by_name(train.graph)[n] for n in additional_output_names or ()]
+    wrt = [values_by_name(train.graph)[n] for n, r in params.items() if r]
     result = differentiate(train.graph, opset, wrt, loss=loss_value, prefix="grad")
     b = OpBuilder(train.graph, opset, prefix="grad")
     grad_outputs = []
     for v in wrt:
         g = result.grads[v.name or ""]
-        grad_outputs.append(_named(b, g if g is not None else b.zeros_like(v), f"{v.name}_grad", v))
+        grad_outputs.append(
+            name_output(b, g if g is not None else b.zeros_like(v), f"{v.name}_grad", v)
+        )
     update_outputs = [
-        _named(b, value, out_name, value) for out_name, value in buffer_updates.items()
+        name_output(b, value, out_name, value) for out_name, value in buffer_updates.items()
     ]
     train.graph.outputs.clear()
     train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs])
@@ -117,7 +119,7 @@ def build_program(
     evaluation = ir.from_proto(proto)
     _to_inference_mode(evaluation.graph)
     eval_loss, _ = _attach_loss(evaluation.graph, opset, loss, loss_input_names)
-    eval_extra = [_values(evaluation.graph)[n] for n in additional_output_names or ()]
+    eval_extra = [values_by_name(evaluation.graph)[n] for n in additional_output_names or ()]
     evaluation.graph.outputs.clear()
     evaluation.graph.outputs.extend([eval_loss, *eval_extra])
     _lift_parameters(evaluation.graph, params)
@@ -145,7 +147,9 @@ def build_program(
     )
 
 
-def _describe_optimizer(model: onnx.ModelProto, optimizer: Optimizer, infos: list[ParamInfo]) -> None:
+def _describe_optimizer(
+    model: onnx.ModelProto, optimizer: Optimizer, infos: list[ParamInfo]
+) -> None:
     """Record what the runtime needs to start the optimizer: slot initial values and the lr."""
     slots = state_slots(optimizer, infos)
     entries = {
@@ -159,23 +163,6 @@ def _describe_optimizer(model: onnx.ModelProto, optimizer: Optimizer, infos: lis
 
 def _buffer_targets(updates: dict[str, ir.Value]) -> list[tuple[str, str]]:
     return [(name, name[: -len(BUFFER_UPDATE_SUFFIX)]) for name in updates]
-
-
-def _named(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
-    out = b.Identity(value)
-    out.name = name
-    out.shape = like.shape
-    out.type = like.type
-    return out
-
-
-def _values(graph: ir.Graph) -> dict[str, ir.Value]:
-    values: dict[str, ir.Value] = {v.name or "": v for v in graph.inputs}
-    values.update(graph.initializers)
-    for node in graph:
-        for o in node.outputs:
-            values[o.name or ""] = o
-    return values
 
 
 def _initializer_array(graph: ir.Graph, name: str) -> np.ndarray:
@@ -318,7 +305,7 @@ def _attach_loss(
         return value, []
     outputs = list(graph.outputs)
     if loss_input_names is not None:
-        by_name = _values(graph)
+        by_name = values_by_name(graph)
         missing = [n for n in loss_input_names if n not in by_name]
         if missing:
             raise ModelError(f"loss inputs {missing} are not tensors of the model")
@@ -330,7 +317,7 @@ def _attach_loss(
         graph.inputs.append(label)
         labels.append(label)
     value = loss.build(b, outputs, labels)
-    value = _named(b, value, LOSS_OUTPUT, value)
+    value = name_output(b, value, LOSS_OUTPUT, value)
     if value.type is None:
         value.type = outputs[0].type
     return value, [label.name or "" for label in labels]

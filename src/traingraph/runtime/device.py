@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,9 @@ def parse_device(device: str | Device | None) -> Device:
             )
         parsed = Device(kind, int(index) if index else 0)
     else:
-        raise DeviceError(f"device must be a string or a traingraph Device, got {type(device).__name__}")
+        raise DeviceError(
+            f"device must be a string or a traingraph Device, got {type(device).__name__}"
+        )
     if parsed.kind == "cuda":
         _check_cuda(parsed.index)
     return parsed
@@ -73,10 +76,9 @@ def parse_device(device: str | Device | None) -> Device:
 def _preload_cuda() -> None:
     preload = getattr(ort, "preload_dlls", None)
     if preload is not None:
-        try:
+        # A failure here is reported by the provider check, which names what is missing.
+        with contextlib.suppress(Exception):
             preload()
-        except Exception:  # noqa: BLE001 - the provider check below reports what is missing
-            pass
 
 
 def _check_cuda(index: int) -> None:

@@ -124,7 +124,7 @@ class BoundRunner:
 def check_feeds(
     session_inputs: Mapping[str, Any], names: list[str], feeds: Mapping[str, Any]
 ) -> None:
-    """Wrong input names, ranks, fixed dims or dtypes raise a ModelError saying what was expected."""
+    """Raise a ModelError naming the expected input names, ranks, fixed dims or dtypes."""
     for name in names:
         if name not in feeds:
             raise ModelError(f"missing input {name!r}; the model expects inputs {names}")
@@ -146,7 +146,9 @@ def check_feeds(
                 )
         dtype = _ort_type_to_numpy(info.type)
         got_dtype = (
-            _ort_type_to_numpy(value.data_type()) if isinstance(value, ort.OrtValue) else np.asarray(value).dtype
+            _ort_type_to_numpy(value.data_type())
+            if isinstance(value, ort.OrtValue)
+            else np.asarray(value).dtype
         )
         if dtype is not None and got_dtype is not None and np.dtype(got_dtype) != dtype:
             raise ModelError(

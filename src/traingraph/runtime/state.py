@@ -20,7 +20,9 @@ class TrainingState:
     then the two swap, so nothing is allocated or copied per step.
     """
 
-    def __init__(self, data: CheckpointData, device: Device, buffers: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self, data: CheckpointData, device: Device, buffers: set[str] = frozenset()
+    ) -> None:  # type: ignore[assignment]
         self.device = device
         self.names = list(data.parameters)
         self.requires_grad = dict(data.requires_grad)
@@ -137,4 +139,6 @@ def _pick(values: Mapping[str, np.ndarray], names: Mapping[str, object]) -> dict
 
 
 def _flatten_slots(state: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {f"{param}.{key}": value for param, slots in state.items() for key, value in slots.items()}
+    return {
+        f"{param}.{key}": value for param, slots in state.items() for key, value in slots.items()
+    }

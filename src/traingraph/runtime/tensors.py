@@ -106,7 +106,9 @@ class TensorStore:
             )
         view = self._views.get(name)
         if view is not None:
-            np.copyto(view, array, casting="same_kind" if array.dtype.kind == dtype.kind else "unsafe")
+            np.copyto(
+                view, array, casting="same_kind" if array.dtype.kind == dtype.kind else "unsafe"
+            )
         else:
             self._ortvalues[name].update_inplace(np.ascontiguousarray(array, dtype=dtype))
 
