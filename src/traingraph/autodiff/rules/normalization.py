@@ -1,0 +1,302 @@
+"""Gradients of the normalization layers and of Dropout.
+
+Every normalization standardizes ``x`` over some axes and then applies a scale and a shift:
+
+    xhat = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps),   y = scale * xhat + bias
+
+with the biased variance. When the statistics come from ``x`` itself (BatchNormalization in
+training mode, LayerNormalization, InstanceNormalization, GroupNormalization), the gradient of
+``x`` given ``gh = dL/dxhat = g * scale`` is
+
+    dL/dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))
+
+with the means over the normalized axes; ``dL/dscale = sum(g * xhat)`` and ``dL/dbias = sum(g)``
+over the axes the parameters are broadcast along. The statistics are recomputed from ``x`` in
+the gradient graph, so no optional forward output is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import onnx_ir as ir
+
+from traingraph.autodiff.context import GradContext
+from traingraph.autodiff.registry import register_gradient
+from traingraph.ir.builder import OpBuilder, rank, static_shape
+
+Grads = Sequence[ir.Value | None]
+
+_LOW_PRECISION = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+def standardize(
+    b: OpBuilder, x: ir.Value, axes: Sequence[int], eps: float
+) -> tuple[ir.Value, ir.Value]:
+    """``(xhat, rstd)``: ``x`` standardized over ``axes``, and ``1/sqrt(var + eps)`` (kept dims)."""
+    centered = b.Sub(x, b.mean(x, axes))
+    var = b.mean(b.Mul(centered, centered), axes)
+    rstd = b.Reciprocal(b.Sqrt(b.Add(var, b.scalar(eps, x))))
+    return b.Mul(centered, rstd), rstd
+
+
+def standardize_grad(
+    b: OpBuilder, gh: ir.Value, xhat: ir.Value, rstd: ir.Value, axes: Sequence[int]
+) -> ir.Value:
+    """The gradient of ``x`` through ``xhat = standardize(x)`` given ``gh = dL/dxhat``.
+
+    ``dL/dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat))``, means over ``axes``.
+    """
+    centered = b.Sub(gh, b.mean(gh, axes))
+    projected = b.Mul(xhat, b.mean(b.Mul(gh, xhat), axes))
+    return b.Mul(rstd, b.Sub(centered, projected))
+
+
+def _known_rank(ctx: GradContext, x: ir.Value, minimum: int) -> int:
+    r = rank(x)
+    if r is None:
+        ctx.unsupported(f"the rank of input {x.name!r} is unknown; run shape inference first")
+    if r < minimum:
+        ctx.unsupported(f"input {x.name!r} has rank {r}; expected at least {minimum}")
+    return r
+
+
+def _per_channel(b: OpBuilder, v: ir.Value, r: int) -> ir.Value:
+    """Reshape a ``(C,)`` tensor so that it broadcasts along axis 1 of a rank-``r`` tensor."""
+    return b.unsqueeze(v, list(range(1, r - 1))) if r > 2 else v
+
+
+def _as(b: OpBuilder, v: ir.Value, dtype: ir.DataType | None) -> ir.Value:
+    """``v`` cast to ``dtype`` (unchanged when it already has it or ``dtype`` is None)."""
+    if dtype is None or v.dtype == dtype:
+        return v
+    return b.cast(v, dtype)
+
+
+def _compute_dtype(ctx: GradContext, x: ir.Value) -> ir.DataType | None:
+    """The dtype the statistics are computed in: ``stash_type`` when it is wider than ``x``."""
+    stash = ir.DataType(ctx.attr("stash_type", ir.DataType.FLOAT))
+    if x.dtype in _LOW_PRECISION and stash not in _LOW_PRECISION:
+        return stash
+    return x.dtype
+
+
+def _channel_axes(r: int) -> list[int]:
+    """Every axis but the channel axis 1."""
+    return [0, *range(2, r)]
+
+
+@register_gradient("BatchNormalization")
+def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """BatchNormalization in training mode (batch statistics) or inference mode (given stats).
+
+    Training mode (``training_mode=1``, opset 14+) normalizes with the batch statistics; its
+    ``running_mean`` / ``running_var`` outputs are state updates and carry no gradient, and the
+    ``input_mean`` / ``input_var`` inputs only feed them. Inference mode uses ``input_mean`` and
+    ``input_var`` as given: with ``s = scale * rstd``, ``rstd = 1 / sqrt(var + eps)``,
+
+        dL/dx = g * s,   dL/dmean = -sum(g) * s,   dL/dvar = -sum(g * (x - mean)) * s * rstd^2 / 2.
+    """
+    if any(g is not None for g in grads[1:]):
+        ctx.unsupported(
+            "a gradient flows into the running_mean / running_var outputs, which are state"
+            " updates; put stop_gradients on them"
+        )
+    b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
+    g = grads[0]
+    r = _known_rank(ctx, x, 2)
+    axes = _channel_axes(r)
+    eps = float(ctx.attr("epsilon", 1e-5))
+    training = bool(ctx.attr("training_mode", 0))
+    if ctx.opset < 14 and len(ctx.outputs) > 1:
+        ctx.unsupported(
+            f"BatchNormalization-9 with {len(ctx.outputs)} outputs (training mode) is not"
+            " supported; export the model at opset 14 or later (training_mode attribute)"
+        )
+    for i in (1, 2):
+        if ctx.has_input(i) and ctx.x(i).dtype != x.dtype:
+            ctx.unsupported(
+                f"input {i} has dtype {ctx.x(i).dtype} but X has {x.dtype}; expected one dtype"
+            )
+    scale_b = _per_channel(b, scale, r)
+    out: list[ir.Value | None] = [None] * 5
+    if training:
+        xhat, rstd = standardize(b, x, axes, eps)
+        if ctx.need(0):
+            out[0] = standardize_grad(b, b.Mul(g, scale_b), xhat, rstd, axes)
+    else:
+        mean_b = _per_channel(b, ctx.x(3), r)
+        rstd = b.Reciprocal(b.Sqrt(b.Add(ctx.x(4), b.scalar(eps, x))))
+        rstd_b = _per_channel(b, rstd, r)
+        centered = b.Sub(x, mean_b)
+        xhat = b.Mul(centered, rstd_b)
+        s = b.Mul(scale, rstd)
+        if ctx.need(0):
+            out[0] = b.Mul(g, _per_channel(b, s, r))
+        if ctx.need(3):
+            out[3] = b.Neg(b.Mul(b.sum(g, axes, keepdims=False), s))
+        if ctx.need(4):
+            g_centered = b.sum(b.Mul(g, centered), axes, keepdims=False)
+            half_s_rstd2 = b.Mul(b.Mul(s, b.Mul(rstd, rstd)), b.scalar(-0.5, x))
+            out[4] = b.Mul(g_centered, half_s_rstd2)
+    if ctx.need(1):
+        out[1] = b.sum(b.Mul(g, xhat), axes, keepdims=False)
+    if ctx.need(2):
+        out[2] = b.sum(g, axes, keepdims=False)
+    return out
+
+
+@register_gradient("InstanceNormalization")
+def instance_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """InstanceNormalization: statistics over the spatial axes ``2..r-1`` of each (n, c)."""
+    b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
+    g = grads[0]
+    r = _known_rank(ctx, x, 3)
+    xhat, rstd = standardize(b, x, list(range(2, r)), float(ctx.attr("epsilon", 1e-5)))
+    axes = _channel_axes(r)
+    return [
+        standardize_grad(b, b.Mul(g, _per_channel(b, scale, r)), xhat, rstd, list(range(2, r)))
+        if ctx.need(0)
+        else None,
+        b.sum(b.Mul(g, xhat), axes, keepdims=False) if ctx.need(1) else None,
+        b.sum(g, axes, keepdims=False) if ctx.need(2) else None,
+    ]
+
+
+def _inverse_count(b: OpBuilder, x: ir.Value, axis: int, like: ir.Value) -> ir.Value:
+    """``1 / prod(x.shape[axis:])`` as a scalar of ``like``'s dtype."""
+    dims = static_shape(x)
+    if dims is not None:
+        return b.scalar(1.0 / math.prod(dims[axis:]), like)
+    count = b.reduce("ReduceProd", b.cast_like(b.shape(x, start=axis), like), None, False)
+    return b.Reciprocal(count)
+
+
+@register_gradient("LayerNormalization", since=17)
+def layer_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """LayerNormalization over the axes ``axis..r-1``, with its optional Mean / InvStdDev outputs.
+
+    The statistics are computed in ``stash_type`` when it is wider than X. Gradients flowing
+    into the ``Mean`` and ``InvStdDev`` outputs add, with ``M`` the normalized element count,
+
+        dL/dx += (g_mean - g_rstd * rstd^2 * xhat) / M.
+    """
+    b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
+    r = _known_rank(ctx, x, 1)
+    axis = int(ctx.attr("axis", -1))
+    if not -r <= axis < r:
+        ctx.unsupported(f"axis={axis} is out of range for an input of rank {r}")
+    axis %= r
+    axes = list(range(axis, r))
+    dtype = _compute_dtype(ctx, x)
+    xc = _as(b, x, dtype)
+    xhat, rstd = standardize(b, xc, axes, float(ctx.attr("epsilon", 1e-5)))
+    g = grads[0]
+    out: list[ir.Value | None] = [None] * len(ctx.inputs)
+    if ctx.need(0):
+        parts = []
+        if g is not None:
+            gh = _as(b, b.Mul(g, scale), dtype)
+            parts.append(standardize_grad(b, gh, xhat, rstd, axes))
+        g_mean = grads[1] if len(grads) > 1 else None
+        g_rstd = grads[2] if len(grads) > 2 else None
+        if g_mean is not None or g_rstd is not None:
+            stats = _as(b, g_mean, dtype) if g_mean is not None else None
+            if g_rstd is not None:
+                term = b.Mul(b.Mul(_as(b, g_rstd, dtype), b.Mul(rstd, rstd)), xhat)
+                stats = b.Neg(term) if stats is None else b.Sub(stats, term)
+            assert stats is not None
+            parts.append(b.Expand(b.Mul(stats, _inverse_count(b, x, axis, xc)), b.shape(x)))
+        dx = parts[0] if len(parts) == 1 else b.Add(*parts)
+        out[0] = _as(b, dx, x.dtype)
+    if g is not None and ctx.need(1):
+        out[1] = ctx.unbroadcast(b.Mul(g, _as(b, xhat, x.dtype)), scale, x)
+    if g is not None and ctx.need(2):
+        out[2] = ctx.unbroadcast(g, ctx.x(2), x)
+    return out
+
+
+@register_gradient("GroupNormalization", since=18)
+def group_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """GroupNormalization: statistics over each group of ``C / num_groups`` channels.
+
+    ``x`` is viewed as ``(N, G, C/G * spatial)`` and standardized over its last axis. The
+    scale and bias are per group at opset 18-20 and per channel from opset 21.
+    """
+    b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
+    g = grads[0]
+    r = _known_rank(ctx, x, 2)
+    groups = int(ctx.attr("num_groups", 0))
+    if groups <= 0:
+        ctx.unsupported(f"num_groups={groups}; expected a positive number of groups")
+    dtype = _compute_dtype(ctx, x)
+    grouped_shape = b.ints([0, groups, -1])
+    xr = b.Reshape(_as(b, x, dtype), grouped_shape)
+    xr.dtype = dtype
+    xhat_r, rstd = standardize(b, xr, [2], float(ctx.attr("epsilon", 1e-5)))
+    per_channel = ctx.opset >= 21
+    g_param = g if per_channel else b.Reshape(g, grouped_shape)
+    param_axes = _channel_axes(r) if per_channel else [0, 2]
+    out: list[ir.Value | None] = [None] * 3
+    if ctx.need(0):
+        if per_channel:
+            gh = b.Reshape(b.Mul(g, _per_channel(b, scale, r)), grouped_shape)
+        else:
+            gh = b.Mul(g_param, b.unsqueeze(scale, [1]))
+        dx_r = standardize_grad(b, _as(b, gh, dtype), xhat_r, rstd, [2])
+        out[0] = _as(b, b.Reshape(dx_r, b.shape(x)), x.dtype)
+    if ctx.need(1):
+        xhat_param = b.Reshape(xhat_r, b.shape(x)) if per_channel else xhat_r
+        out[1] = b.sum(b.Mul(g_param, _as(b, xhat_param, x.dtype)), param_axes, keepdims=False)
+    if ctx.need(2):
+        out[2] = b.sum(g_param, param_axes, keepdims=False)
+    return out
+
+
+def _dropout_mask(ctx: GradContext) -> ir.Value:
+    """The node's ``mask`` output, added to the node when the model did not request it.
+
+    The mask comes from the same random draw as the output, so the gradient matches the
+    forward pass exactly.
+    """
+    node, x = ctx.node, ctx.x(0)
+    if len(node.outputs) < 2:
+        node.resize_outputs(2)
+    mask = node.outputs[1]
+    if not mask.name:
+        mask.name = ctx.b.fresh_name("dropout_mask")
+        mask.dtype = ir.DataType.BOOL
+        mask.shape = x.shape
+    return mask
+
+
+@register_gradient("Dropout", since=12)
+def dropout(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Dropout: ``dL/dx = g * mask / (1 - ratio)`` in training mode, ``g`` otherwise.
+
+    ``training_mode`` may be absent (inference), a constant or a run-time bool; ``ratio`` a
+    constant or a run-time value.
+    """
+    if ctx.need(1):
+        ctx.unsupported("the ratio input needs a gradient; ratio is a hyper-parameter")
+    b, g = ctx.b, grads[0]
+    training: bool | None = False
+    if ctx.has_input(2):
+        constant = ctx.const_input(2)
+        training = None if constant is None else bool(constant)
+    if training is False:
+        return [g]
+    ratio = ctx.const_input(1)
+    if not ctx.has_input(1):
+        keep_scale = b.scalar(2.0, ctx.x(0))
+    elif ratio is not None:
+        keep_scale = b.scalar(1.0 / (1.0 - float(ratio)), ctx.x(0))
+    else:
+        one = b.scalar(1.0, ctx.x(1))
+        keep_scale = b.cast_like(b.Div(one, b.Sub(one, ctx.x(1))), ctx.x(0))
+    mask = b.cast_like(_dropout_mask(ctx), ctx.x(0))
+    dx = b.Mul(b.Mul(g, mask), keep_scale)
+    if training is None:
+        dx = b.Where(ctx.x(2), dx, g)
+    return [dx]
