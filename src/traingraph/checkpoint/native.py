@@ -1,0 +1,273 @@
+"""traingraph's own checkpoint format: one safetensors file, no pickle.
+
+Layout of the file:
+
+- tensor ``param/<name>`` for each parameter (none in a nominal checkpoint, whose shapes and dtypes
+  are in the metadata instead);
+- tensor ``optim/<param>/<slot>`` for each optimizer slot;
+- metadata entry ``traingraph``: a JSON object with the format name and version, the parameter
+  order, ``requires_grad``, the optimizer slots, step and learning rate, the typed property bag,
+  the nominal flag and the SHA-256 checksum of the tensor payload (see :func:`payload_sha256`).
+
+Files are written atomically (see :func:`traingraph.checkpoint.state.atomic_write`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.numpy
+from safetensors import SafetensorError, safe_open
+
+from traingraph.checkpoint.state import (
+    CheckpointData,
+    atomic_write,
+    check_checkpoint_data,
+    validate_property,
+)
+from traingraph.errors import CheckpointError, ModelError
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "load", "payload_sha256", "save"]
+
+FORMAT_NAME = "traingraph-checkpoint"
+FORMAT_VERSION = 1
+_METADATA_KEY = "traingraph"
+_HEADER_LENGTH_BYTES = 8
+# dtypes that every supported safetensors version stores (safetensors has no complex or string).
+_SUPPORTED_DTYPES = tuple(
+    np.dtype(t)
+    for t in (
+        np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32,
+        np.uint64, np.int64, np.float16, np.float32, np.float64,
+    )
+)  # fmt: skip
+_PROPERTY_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _param_key(name: str) -> str:
+    return f"param/{name}"
+
+
+def _optim_key(name: str, slot: str) -> str:
+    return f"optim/{name}/{slot}"
+
+
+def payload_sha256(tensors: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 of the tensors, in sorted key order: key, dtype, shape, then the raw bytes of each.
+
+    Args:
+        tensors: Tensor key -> little-endian array.
+
+    Returns:
+        The hex digest.
+    """
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        array = np.ascontiguousarray(tensors[key])
+        digest.update(f"{key}\0{array.dtype.str}\0{list(array.shape)}\0".encode())
+        digest.update(array.reshape(-1).view(np.uint8))
+    return digest.hexdigest()
+
+
+def _storable(what: str, array: np.ndarray) -> np.ndarray:
+    """Returns ``array`` contiguous and little-endian; raises if the format cannot hold it."""
+    if array.dtype.newbyteorder("=") not in _SUPPORTED_DTYPES:
+        raise ModelError(
+            f"cannot write {what} to a traingraph checkpoint: dtype {array.dtype} is not"
+            f" supported; supported dtypes are {', '.join(str(d) for d in _SUPPORTED_DTYPES)}."
+            " Convert the array (for example with .astype(numpy.float32))."
+        )
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+
+
+def save(
+    data: CheckpointData, path: str | os.PathLike[str], *, include_optimizer_state: bool
+) -> None:
+    """Writes ``data`` to ``path`` in the native format, atomically.
+
+    Args:
+        data: The checkpoint content.
+        path: Destination file; an existing file is replaced only once the new one is complete.
+        include_optimizer_state: If False, the optimizer slots, step and learning rate are left out.
+
+    Raises:
+        ModelError: ``data`` is inconsistent or holds an array of an unsupported dtype.
+        PropertyTypeError: A property has an unsupported type.
+    """
+    check_checkpoint_data(data)
+    tensors: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "parameters": list(data.parameters),
+        "requires_grad": {name: bool(data.requires_grad[name]) for name in data.parameters},
+        "nominal": bool(data.nominal),
+        "properties": {
+            name: {"type": type(v).__name__, "value": v}
+            for name, v in ((n, validate_property(n, v)) for n, v in data.properties.items())
+        },
+    }
+    if data.nominal:
+        meta["parameter_specs"] = {
+            name: {"dtype": array.dtype.str, "shape": list(array.shape)}
+            for name, array in data.parameters.items()
+        }
+    else:
+        for name, array in data.parameters.items():
+            tensors[_param_key(name)] = _storable(f"parameter {name!r}", array)
+    if include_optimizer_state:
+        meta["optimizer_state"] = {n: list(slots) for n, slots in data.optimizer_state.items()}
+        meta["optimizer_step"] = int(data.optimizer_step)
+        meta["learning_rate"] = None if data.learning_rate is None else float(data.learning_rate)
+        for name, slots in data.optimizer_state.items():
+            for slot, array in slots.items():
+                tensors[_optim_key(name, slot)] = _storable(
+                    f"optimizer state {slot!r} of parameter {name!r}", array
+                )
+    else:
+        meta["optimizer_state"] = {}
+        meta["optimizer_step"] = 0
+        meta["learning_rate"] = None
+    meta["sha256"] = payload_sha256(tensors)
+    metadata = {_METADATA_KEY: json.dumps(meta)}
+    atomic_write(path, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata=metadata))
+
+
+def _fail(path: Path, problem: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"cannot load checkpoint {str(path)!r}: {problem}. {fix}")
+
+
+_REWRITE = "Restore the file from a backup or write the checkpoint again."
+
+
+def _check_complete(path: Path) -> None:
+    """Raises if the file is shorter than its safetensors header says."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_LENGTH_BYTES)
+        if len(head) < _HEADER_LENGTH_BYTES:
+            raise _fail(path, f"the file is truncated ({size} bytes)", _REWRITE)
+        (header_length,) = struct.unpack("<Q", head)
+        if size < _HEADER_LENGTH_BYTES + header_length:
+            raise _fail(
+                path,
+                f"the file is truncated: its header needs {header_length} bytes but the file has"
+                f" {size} bytes in all",
+                _REWRITE,
+            )
+        try:
+            header = json.loads(f.read(header_length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            problem = f"its safetensors header is not valid JSON ({exc})"
+            raise _fail(path, problem, _REWRITE) from exc
+    if not isinstance(header, dict):
+        raise _fail(path, "its safetensors header is not a JSON object", _REWRITE)
+    ends = [
+        entry["data_offsets"][1]
+        for key, entry in header.items()
+        if key != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+    ]
+    needed = _HEADER_LENGTH_BYTES + header_length + max(ends, default=0)
+    if size < needed:
+        raise _fail(
+            path,
+            f"the file is truncated: its tensors need {needed} bytes but the file has {size}",
+            _REWRITE,
+        )
+
+
+def _read_metadata(path: Path, metadata: Mapping[str, str] | None) -> dict[str, Any]:
+    if not metadata or _METADATA_KEY not in metadata:
+        raise _fail(
+            path,
+            "it is a safetensors file but not a traingraph checkpoint (no 'traingraph' metadata)",
+            "Pass a file written by traingraph, or load plain safetensors files with"
+            " safetensors.numpy.load_file.",
+        )
+    try:
+        meta = json.loads(metadata[_METADATA_KEY])
+    except json.JSONDecodeError as exc:
+        raise _fail(path, f"its metadata is not valid JSON ({exc})", _REWRITE) from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise _fail(path, f"its metadata does not describe a {FORMAT_NAME} file", _REWRITE)
+    version = meta.get("version")
+    if version != FORMAT_VERSION:
+        raise _fail(
+            path,
+            f"it has format version {version!r}; this traingraph reads version {FORMAT_VERSION}",
+            "Load it with the traingraph version that wrote it, or upgrade traingraph.",
+        )
+    return meta
+
+
+def load(path: str | os.PathLike[str]) -> CheckpointData:
+    """Reads a native checkpoint and verifies its checksum.
+
+    Args:
+        path: The checkpoint file.
+
+    Returns:
+        The checkpoint content.
+
+    Raises:
+        CheckpointError: The file is missing, truncated, corrupt (checksum mismatch), not a
+            traingraph checkpoint, or of an unknown format version.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise _fail(file, "the file does not exist", "Check the path.")
+    _check_complete(file)
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            meta = _read_metadata(file, f.metadata())
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    except SafetensorError as exc:
+        raise _fail(file, f"it is not a valid safetensors file ({exc})", _REWRITE) from exc
+    actual = payload_sha256(tensors)
+    if actual != meta.get("sha256"):
+        raise _fail(
+            file,
+            f"checksum mismatch: the tensor data hashes to {actual}, the file records"
+            f" {meta.get('sha256')}; the file is corrupt",
+            _REWRITE,
+        )
+    try:
+        return _to_checkpoint_data(meta, tensors)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _fail(file, f"its metadata is inconsistent ({exc!r})", _REWRITE) from exc
+
+
+def _to_checkpoint_data(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> CheckpointData:
+    nominal = bool(meta["nominal"])
+    if nominal:
+        specs = meta["parameter_specs"]
+        parameters = {
+            name: np.zeros(specs[name]["shape"], dtype=np.dtype(specs[name]["dtype"]))
+            for name in meta["parameters"]
+        }
+    else:
+        parameters = {name: tensors[_param_key(name)] for name in meta["parameters"]}
+    properties = {
+        name: _PROPERTY_TYPES[entry["type"]](entry["value"])
+        for name, entry in meta["properties"].items()
+    }
+    learning_rate = meta["learning_rate"]
+    return CheckpointData(
+        parameters=parameters,
+        requires_grad={name: bool(meta["requires_grad"][name]) for name in parameters},
+        optimizer_state={
+            name: {slot: tensors[_optim_key(name, slot)] for slot in slots}
+            for name, slots in meta["optimizer_state"].items()
+        },
+        optimizer_step=int(meta["optimizer_step"]),
+        learning_rate=None if learning_rate is None else float(learning_rate),
+        properties=properties,
+        nominal=nominal,
+    )
