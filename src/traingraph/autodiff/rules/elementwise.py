@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
-from traingraph.ir.builder import FLOAT_TYPES, is_float
+from traingraph.ir.builder import FLOAT_TYPES
 
 Grads = Sequence[ir.Value | None]
 InGrads = list[ir.Value | None]
@@ -48,8 +48,7 @@ def identity(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Cast")
 def cast(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = Cast(g, dtype of x)`` between floating-point types; none through an integer cast."""
-    target = ir.DataType(ctx.attr("to"))
-    if target not in FLOAT_TYPES or not is_float(ctx.x(0)):
+    if not ctx.need(0) or ir.DataType(ctx.attr("to")) not in FLOAT_TYPES:
         return [None]
     return [ctx.b.cast_like(grads[0], ctx.x(0))]
 
@@ -57,9 +56,7 @@ def cast(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("CastLike")
 def cast_like(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = Cast(g, dtype of x)``; the ``target_type`` input only gives a dtype."""
-    if not (is_float(ctx.x(0)) and is_float(ctx.x(1))):
-        return [None, None]
-    return [ctx.b.cast_like(grads[0], ctx.x(0)), None]
+    return [ctx.b.cast_like(grads[0], ctx.x(0)) if ctx.need(0) else None, None]
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -124,7 +121,7 @@ def pow_(ctx: GradContext, grads: Grads) -> InGrads:
         constant = ctx.const_input(1)
         if constant is not None:
             lowered = b.const(constant - (constant != 0), exponent.dtype)
-            coefficient = b.const(constant, like=base)
+            coefficient = b.cast_like(b.const(constant), base)
         else:
             zero = b.scalar(0, exponent)
             lowered = b.Where(
@@ -387,7 +384,7 @@ def clip(ctx: GradContext, grads: Grads) -> InGrads:
     hi = ctx.x(2) if ctx.has_input(2) else None
     below = b.Less(x, lo) if lo is not None else None
     above = b.Greater(x, hi) if hi is not None else None
-    out: InGrads = [None, None, None]
+    out: InGrads = [None] * len(ctx.inputs)
     if ctx.need(0):
         outside = [m for m in (below, above) if m is not None]
         if not outside:
