@@ -11,13 +11,14 @@ from functools import reduce
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from gradcheck import check_model_gradient, check_op_gradient, make_op_model, session
-from traingraph.autodiff import build_gradient_graph
+from traingraph.autodiff import build_gradient_graph, differentiate
 from traingraph.errors import GradientNotImplementedError
 from traingraph.ir.model import max_ir_version
 
@@ -155,6 +156,15 @@ def test_pow_integer_exponent_negative_base(const):
         const_inputs=["p"] if const else [],
         torch_fn=(lambda t: torch.pow(t, torch.tensor(p))) if const else torch.pow,
     )
+
+
+def test_pow_float64_exponent_of_float32_base():
+    """The exponent's gradient comes back in the exponent's own dtype."""
+    a = (np.abs(r(3, 4)) + 0.3).astype(np.float32)
+    p = r(4)
+    got = check_op_gradient("Pow", {"a": a, "p": p}, torch_fn=torch.pow, **F32)
+    assert got["a"].dtype == np.float32
+    assert got["p"].dtype == np.float64
 
 
 def test_pow_base_zero():
@@ -565,3 +575,39 @@ def test_rounding_ops_give_zero_gradient(opset):
     got = check_model_gradient(model, {"x": x, "w": w}, ["x"])
     np.testing.assert_allclose(got["x"], np.broadcast_to(w, x.shape))
     onnx.checker.check_model(build_gradient_graph(model, ["x"]), full_check=True)
+
+
+# --------------------------------------------------------------------------- unknown dtypes
+
+
+def test_rules_on_values_of_unknown_dtype():
+    """Where shape inference left the intermediate dtypes unknown, the constants the rules
+    emit take the dtype of the values at run time (float32 here, not numpy's float64)."""
+    nodes = [
+        helper.make_node("Sigmoid", ["x"], ["s"]),
+        helper.make_node("LeakyRelu", ["s"], ["l"], alpha=0.3),
+        helper.make_node("Tanh", ["l"], ["t"]),
+        helper.make_node("Sub", ["t", "x"], ["d"]),
+        helper.make_node("Relu", ["d"], ["r"]),
+        helper.make_node("Mish", ["r"], ["m"]),
+        helper.make_node("Softmax", ["m"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["loss_all"], keepdims=0),
+        helper.make_node("Mul", ["loss_all", "x"], ["scaled"]),
+        helper.make_node("ReduceSum", ["scaled"], ["loss"], keepdims=0),
+    ]
+    model = scalar_loss_model(nodes, [("x", TensorProto.FLOAT, [2, 3])], opset=18)
+    m = ir.from_proto(model)
+    for node in m.graph:
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.type, value.shape = None, None
+    result = differentiate(m.graph, 18, [m.graph.inputs[0]], loss=m.graph.outputs[0])
+    grad = result.grads["x"]
+    grad.name = "x_grad"
+    m.graph.outputs.append(grad)
+    x = (r(2, 3) * 0.5).astype(np.float32)
+    (got,) = session(ir.to_proto(m)).run(["x_grad"], {"x": x})
+    t = torch.tensor(x, requires_grad=True)
+    d = torch.relu(torch.tanh(F.leaky_relu(torch.sigmoid(t), 0.3)) - t)
+    (torch.softmax(F.mish(d), -1).sum() * t).sum().backward()
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-5, atol=1e-6)
