@@ -1,0 +1,513 @@
+"""Gradients of ops that select, scatter, pad, mask, accumulate or resample elements.
+
+Every op here is linear in its data input, so each gradient applies the adjoint (transposed)
+map to the output gradient ``g``:
+
+- selections (Slice, Gather, GatherElements, GatherND, TopK) scatter ``g`` back to the selected
+  positions, adding where a position was selected more than once;
+- scatters (ScatterElements, ScatterND) pass ``g`` to the data and gather it for the updates;
+- Pad crops ``g`` (constant mode) or sums the reflected / replicated copies;
+- Trilu masks ``g``, CumSum accumulates it in the opposite direction;
+- Resize contracts ``g`` with the transposed per-axis interpolation matrices.
+
+Selections find the positions they picked by applying the forward op itself to an ``iota``
+tensor (each element holding its own flat position), which covers negative indices, steps and
+run-time shapes in one stroke. Index, axis, shape and pad inputs get no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from traingraph.autodiff.context import GradContext
+from traingraph.autodiff.registry import register_gradient
+from traingraph.autodiff.rules.shape import static_dim
+from traingraph.ir.builder import OpBuilder, rank, static_shape
+
+Grads = Sequence[ir.Value | None]
+
+# ScatterND / ScatterElements accept ``reduction="add"`` from this opset on.
+_SCATTER_REDUCTION_SINCE = 16
+
+
+def _int64(b: OpBuilder, value: ir.Value) -> ir.Value:
+    return value if value.dtype == ir.DataType.INT64 else b.cast(value, ir.DataType.INT64)
+
+
+def _known_rank(ctx: GradContext, value: ir.Value, what: str) -> int:
+    r = rank(value)
+    if r is None:
+        ctx.unsupported(f"the rank of {what} is unknown; give it a shape with a known rank")
+    return r
+
+
+def _dim_scalar(b: OpBuilder, x: ir.Value, axis: int) -> ir.Value:
+    """Dimension ``axis`` of ``x`` as a scalar int64 (a constant when known)."""
+    dim = static_dim(x, axis)
+    if dim is not None:
+        return b.const(np.int64(dim))
+    return b.Gather(b.shape(x), b.const(np.int64(axis)))
+
+
+def _iota(b: OpBuilder, x: ir.Value) -> ir.Value:
+    """An int64 tensor of ``x``'s shape whose elements are their own flat (row-major) positions."""
+    flat = b.Range(b.const(np.int64(0)), b.op("Size", x), b.const(np.int64(1)))
+    return b.reshape_like(flat, x)
+
+
+def _flat(b: OpBuilder, value: ir.Value) -> ir.Value:
+    return b.Reshape(value, b.ints([-1]))
+
+
+def _zeros(b: OpBuilder, shape: ir.Value, like: ir.Value) -> ir.Value:
+    """Zeros of the run-time ``shape`` and ``like``'s dtype."""
+    return b.Expand(b.scalar(0.0, like), shape)
+
+
+def scatter_add_rows(
+    ctx: GradContext, rows_shape: ir.Value, index: ir.Value, updates: ir.Value
+) -> ir.Value:
+    """Zeros of shape ``rows_shape = [D, *rest]`` with ``updates[i]`` added to row ``index[i]``.
+
+    ``index`` (int64, any shape, values in ``[0, D)``) may repeat a row; repeats accumulate.
+    ``updates`` has shape ``index.shape + rest``. From opset 16 this is ``ScatterND`` with
+    ``reduction="add"``; before, it is ``onehot(index)^T @ updates`` with a ``[M, D]`` one-hot
+    matrix (``M = index.size``), which also accumulates.
+    """
+    b, like = ctx.b, ctx.x(0)
+    if b.opset >= _SCATTER_REDUCTION_SINCE:
+        base = _zeros(b, rows_shape, like)
+        return b.ScatterND(base, b.unsqueeze(index, [-1]), updates, reduction="add")
+    column = b.Reshape(index, b.ints([-1, 1]))
+    depth = b.Gather(rows_shape, b.const(np.int64(0)))
+    rows = b.Range(b.const(np.int64(0)), depth, b.const(np.int64(1)))
+    onehot = b.cast_like(b.Equal(column, rows), like)
+    matrix = b.Reshape(updates, b.Concat(b.shape(column, 0, 1), b.ints([-1]), axis=0))
+    summed = b.MatMul(b.Transpose(onehot, perm=[1, 0]), matrix)
+    return b.Reshape(summed, rows_shape)
+
+
+def _scatter_flat(ctx: GradContext, positions: ir.Value, g: ir.Value) -> ir.Value:
+    """Place ``g`` at the distinct flat ``positions`` of a zero tensor shaped like the input."""
+    b, x = ctx.b, ctx.x(0)
+    flat = b.ScatterElements(_flat(b, b.zeros_like(x)), _flat(b, positions), _flat(b, g), axis=0)
+    return b.reshape_like(flat, x)
+
+
+@register_gradient("Slice")
+def slice_(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Scatter ``g`` into zeros at the sliced positions.
+
+    The positions are ``Slice(iota(x), starts, ends, axes, steps)``, so negative or clamped
+    bounds, negative steps and run-time bounds are handled exactly as the forward op does.
+    """
+    b = ctx.b
+    positions = b.Slice(_iota(b, ctx.x(0)), *ctx.inputs[1:])
+    return [_scatter_flat(ctx, positions, grads[0])]
+
+
+@register_gradient("Gather")
+def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Add each gradient slice into the row of ``x`` it was gathered from.
+
+    With ``x`` moved so that ``axis`` comes first (``x'``) and ``g`` moved so that the index
+    dimensions come first (``g'``): ``dx'[d] = sum_{i: index[i] = d} g'[i]``.
+    """
+    b, g, x = ctx.b, grads[0], ctx.x(0)
+    r = _known_rank(ctx, x, "the data input")
+    axis = int(ctx.attr("axis", 0)) % r
+    index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, axis))
+    if axis == 0:
+        return [scatter_add_rows(ctx, b.shape(x), index, g)]
+    q = _known_rank(ctx, ctx.x(1), "the indices")
+    perm_x = [axis, *range(axis), *range(axis + 1, r)]
+    perm_g = [*range(axis, axis + q), *range(axis), *range(axis + q, r - 1 + q)]
+    rows_shape = b.Gather(b.shape(x), b.ints(perm_x))
+    rows = scatter_add_rows(ctx, rows_shape, index, b.Transpose(g, perm=perm_g))
+    return [b.Transpose(rows, perm=[int(p) for p in np.argsort(perm_x)])]
+
+
+@register_gradient("GatherElements")
+def gather_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """``dx[..., d, ...] = sum over i with index[..., i, ...] = d of g[..., i, ...]`` along axis.
+
+    From opset 16 this is ``ScatterElements`` with ``reduction="add"``. Before, it compares the
+    index with ``0..D-1`` on a new axis (a one-hot tensor of ``index.size * D`` elements),
+    weights ``g`` with it and sums over the index axis, then zero-pads up to ``x``'s shape where
+    the index is smaller than ``x`` in the other axes.
+    """
+    b, g, x = ctx.b, grads[0], ctx.x(0)
+    r = _known_rank(ctx, x, "the data input")
+    axis = int(ctx.attr("axis", 0)) % r
+    depth = _dim_scalar(b, x, axis)
+    index = b.Mod(_int64(b, ctx.x(1)), depth)
+    if b.opset >= _SCATTER_REDUCTION_SINCE:
+        return [b.ScatterElements(b.zeros_like(x), index, g, axis=axis, reduction="add")]
+    rows = b.Range(b.const(np.int64(0)), depth, b.const(np.int64(1)))
+    rows = b.Reshape(rows, b.ints([-1] + [1] * (r - axis)))
+    onehot = b.cast_like(b.Equal(b.unsqueeze(index, [axis]), rows), x)
+    summed = b.sum(b.Mul(onehot, b.unsqueeze(g, [axis])), [axis + 1], keepdims=False)
+    x_dims, i_dims = static_shape(x), static_shape(ctx.x(1))
+    if x_dims is not None and i_dims is not None and all(
+        a == c for k, (a, c) in enumerate(zip(x_dims, i_dims)) if k != axis
+    ):
+        return [summed]
+    pads = b.Concat(b.ints([0] * r), b.Sub(b.shape(x), b.shape(summed)), axis=0)
+    return [b.Pad(summed, pads)]
+
+
+@register_gradient("GatherND")
+def gather_nd(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Add each gathered slice back at its position, for any ``batch_dims``.
+
+    With ``K`` the last index dimension, the leading ``batch_dims + K`` axes of ``x`` are
+    flattened into rows; the row each slice came from is ``GatherND(iota, index, batch_dims)``
+    over an ``iota`` of those leading dimensions, and the slices are then added into the rows.
+    """
+    b, g, x = ctx.b, grads[0], ctx.x(0)
+    batch_dims = int(ctx.attr("batch_dims", 0))
+    index = ctx.x(1)
+    shape = b.shape(x)
+    lead_rank = b.Add(b.ints([batch_dims]), b.shape(index, -1))
+    lead = b.Slice(shape, b.ints([0]), lead_rank)
+    rest = b.Slice(shape, lead_rank, b.ints([2**62]))
+    count = b.reduce("ReduceProd", lead, [0], keepdims=True)
+    iota = b.Reshape(
+        b.Range(b.const(np.int64(0)), b.squeeze(count, [0]), b.const(np.int64(1))), lead
+    )
+    rows = b.GatherND(iota, index, batch_dims=batch_dims)
+    summed = scatter_add_rows(ctx, b.Concat(count, rest, axis=0), rows, g)
+    return [b.reshape_like(summed, x)]
+
+
+def _reduction(ctx: GradContext) -> str:
+    reduction = ctx.attr("reduction", "none")
+    if reduction not in ("none", "add"):
+        ctx.unsupported(
+            f"reduction={reduction!r} has no gradient rule; only 'none' and 'add' are supported"
+        )
+    return reduction
+
+
+@register_gradient("ScatterElements")
+def scatter_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """``d data = g`` (with the overwritten positions zeroed when ``reduction="none"``);
+    ``d updates = GatherElements(g, indices, axis)``."""
+    b, g = ctx.b, grads[0]
+    reduction = _reduction(ctx)
+    axis = int(ctx.attr("axis", 0))
+    index = ctx.x(1)
+    d_data = d_updates = None
+    if ctx.need(0):
+        d_data = g
+        if reduction == "none":
+            d_data = b.ScatterElements(g, index, b.zeros_like(ctx.x(2)), axis=axis)
+    if ctx.need(2):
+        d_updates = b.GatherElements(g, index, axis=axis)
+    return [d_data, None, d_updates]
+
+
+@register_gradient("ScatterND")
+def scatter_nd(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """``d data = g`` (with the overwritten slices zeroed when ``reduction="none"``);
+    ``d updates = GatherND(g, indices)``."""
+    b, g = ctx.b, grads[0]
+    reduction = _reduction(ctx)
+    index = ctx.x(1)
+    d_data = d_updates = None
+    if ctx.need(0):
+        d_data = g
+        if reduction == "none":
+            d_data = b.ScatterND(g, index, b.zeros_like(ctx.x(2)))
+    if ctx.need(2):
+        d_updates = b.GatherND(g, index)
+    return [d_data, None, d_updates]
+
+
+@register_gradient("TopK")
+def top_k(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Scatter the values' gradient to the (distinct) selected indices along ``axis``."""
+    b, x = ctx.b, ctx.x(0)
+    g = ctx.grad_or_zeros(grads, 0)
+    axis = int(ctx.attr("axis", -1))
+    return [b.ScatterElements(b.zeros_like(x), ctx.outputs[1], g, axis=axis)]
+
+
+@register_gradient("Trilu")
+def trilu(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Trilu masks its input, so the gradient is ``g`` under the same mask."""
+    k = ctx.inputs[1] if ctx.has_input(1) else None
+    return [ctx.b.op("Trilu", grads[0], k, upper=int(ctx.attr("upper", 1)))]
+
+
+@register_gradient("CumSum")
+def cum_sum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """``y_i = sum_{j <= i} x_j`` gives ``dx_j = sum_{i >= j} g_i``: the same CumSum, reversed.
+
+    The ``exclusive`` attribute carries over unchanged.
+    """
+    reverse = int(ctx.attr("reverse", 0))
+    exclusive = int(ctx.attr("exclusive", 0))
+    return [ctx.b.CumSum(grads[0], ctx.x(1), exclusive=exclusive, reverse=1 - reverse)]
+
+
+def contract_axis(b: OpBuilder, g: ir.Value, matrix: ir.Value, axis: int, r: int) -> ir.Value:
+    """``out[..., i, ...] = sum_o matrix[o, i] * g[..., o, ...]`` along ``axis`` of ``g``.
+
+    This is the adjoint of applying the ``[D_out, D_in]`` ``matrix`` along ``axis`` of a
+    rank-``r`` tensor.
+    """
+    if axis == r - 1:
+        return b.MatMul(g, matrix)
+    if axis == r - 2:
+        return b.MatMul(b.Transpose(matrix, perm=[1, 0]), g)
+    perm = list(range(r))
+    perm[axis], perm[-1] = perm[-1], perm[axis]
+    return b.Transpose(b.MatMul(b.Transpose(g, perm=perm), matrix), perm=perm)
+
+
+def _axes_input(ctx: GradContext, i: int, r: int) -> list[int]:
+    """The constant axes input ``i`` (all ``r`` axes when absent), made non-negative."""
+    if not ctx.has_input(i):
+        return list(range(r))
+    axes = ctx.const_input(i)
+    if axes is None:
+        ctx.unsupported(f"input {i} (axes) is computed at run time; make it a constant")
+    return [int(a) % r for a in axes.reshape(-1)]
+
+
+@register_gradient("Pad")
+def pad(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Crop in ``constant`` mode; sum the copies in ``reflect``, ``edge`` and ``wrap`` modes.
+
+    ``constant``: ``dx = Pad(g, -pads)`` (negative pads crop, and the cropping that negative
+    forward pads did becomes zero padding); the constant value gets the sum of ``g`` over the
+    padding. Other modes are separable: along each padded axis, ``y = A x`` with the 0/1 matrix
+    ``A[o, i] = [src(o) = i]``, where ``src = Pad(0..D-1, pads of that axis, mode)``; so
+    ``dx`` contracts ``g`` with each ``A`` in turn.
+    """
+    b, g, x = ctx.b, grads[0], ctx.x(0)
+    mode = ctx.attr("mode", "constant")
+    pads = ctx.x(1)
+    axes = ctx.inputs[3] if ctx.has_input(3) else None
+    if mode == "constant":
+        dx = b.op("Pad", g, b.Neg(pads), *([None, axes] if axes is not None else []))
+        if not ctx.need(2):
+            return [dx]
+        padding = b.Sub(b.sum(g, keepdims=False), b.sum(dx, keepdims=False))
+        return [dx, None, b.reshape_like(padding, ctx.x(2))]
+    if mode not in ("reflect", "edge", "wrap"):
+        ctx.unsupported(
+            f"mode={mode!r} is not a Pad mode; expected constant, reflect, edge or wrap"
+        )
+    r = _known_rank(ctx, x, "the data input")
+    axes_list = _axes_input(ctx, 3, r)
+    pad_values = ctx.const_input(1)
+    for j, axis in enumerate(axes_list):
+        if pad_values is not None:
+            begin, end = int(pad_values[j]), int(pad_values[j + len(axes_list)])
+            if begin == end == 0:
+                continue
+            axis_pads = b.ints([begin, end])
+        else:
+            axis_pads = b.Gather(pads, b.ints([j, j + len(axes_list)]))
+        rows = b.Range(b.const(np.int64(0)), _dim_scalar(b, x, axis), b.const(np.int64(1)))
+        source = b.Pad(rows, axis_pads, mode=mode)
+        matrix = b.cast_like(b.Equal(b.unsqueeze(source, [1]), rows), x)
+        g = contract_axis(b, g, matrix, axis, r)
+    return [g]
+
+
+def _source_coordinates(
+    mode: str, out_dim: int, in_dim: int, scale: float, roi: tuple[float, float]
+) -> np.ndarray:
+    """Input coordinate of each output position along one axis (ONNX ``Resize`` formulas)."""
+    y = np.arange(out_dim, dtype=np.float64)
+    if mode == "half_pixel":
+        return (y + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (y + 0.5) / scale - 0.5 if out_dim > 1 else np.full(out_dim, -0.5)
+    if mode == "align_corners":
+        return y * (in_dim - 1) / (out_dim - 1) if out_dim > 1 else np.zeros(out_dim)
+    if mode == "asymmetric":
+        return y / scale
+    if mode == "half_pixel_symmetric":
+        offset = in_dim / 2 * (1 - out_dim / (scale * in_dim))
+        return offset + (y + 0.5) / scale - 0.5
+    start, end = roi
+    if out_dim == 1:
+        return np.full(out_dim, (end - start) * (in_dim - 1) / 2 + start * (in_dim - 1))
+    return start * (in_dim - 1) + y * (end - start) * (in_dim - 1) / (out_dim - 1)
+
+
+def _cubic_weight(t: np.ndarray, a: float) -> np.ndarray:
+    t = np.abs(t)
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+
+def interpolation_matrix(
+    in_dim: int,
+    out_dim: int,
+    scale: float,
+    *,
+    mode: str,
+    coordinates: str,
+    nearest_mode: str = "round_prefer_floor",
+    cubic_coeff_a: float = -0.75,
+    exclude_outside: bool = False,
+    roi: tuple[float, float] = (0.0, 1.0),
+) -> np.ndarray:
+    """The ``[out_dim, in_dim]`` matrix of a one-axis ``Resize``: ``y = M @ x`` along that axis.
+
+    Args:
+        in_dim, out_dim: Input and output lengths.
+        scale: The axis's scale (``out_dim / in_dim`` when sizes were given).
+        mode: ``nearest``, ``linear`` or ``cubic``.
+        coordinates: The ``coordinate_transformation_mode``.
+        nearest_mode: Rounding of ``nearest`` mode.
+        cubic_coeff_a: The cubic kernel's ``a``.
+        exclude_outside: Whether cubic taps outside the input get weight 0 (and the rest are
+            renormalized) instead of reading the clamped edge.
+        roi: Start and end of the region of interest (``tf_crop_and_resize`` only); output
+            positions whose source lies outside the input get an all-zero row (they hold the
+            extrapolation value, which does not depend on ``x``).
+    """
+    x = _source_coordinates(coordinates, out_dim, in_dim, scale, roi)
+    matrix = np.zeros((out_dim, in_dim))
+    rows = np.arange(out_dim)
+    if mode == "nearest":
+        rounding = {
+            "round_prefer_floor": lambda v: np.ceil(v - 0.5),
+            "round_prefer_ceil": lambda v: np.floor(v + 0.5),
+            "floor": np.floor,
+            "ceil": np.ceil,
+        }[nearest_mode]
+        taps = rounding(x).astype(np.int64)[:, None]
+        weights = np.ones((out_dim, 1))
+    elif mode == "linear":
+        base = np.floor(x)
+        frac = (x - base)[:, None]
+        taps = base.astype(np.int64)[:, None] + np.arange(2)
+        weights = np.concatenate([1 - frac, frac], axis=1)
+    else:
+        base = np.floor(x)
+        frac = (x - base)[:, None]
+        taps = base.astype(np.int64)[:, None] + np.arange(-1, 3)
+        weights = _cubic_weight(frac - np.arange(-1, 3), cubic_coeff_a)
+        if exclude_outside:
+            weights = np.where((taps < 0) | (taps >= in_dim), 0.0, weights)
+            weights = weights / weights.sum(axis=1, keepdims=True)
+    np.add.at(matrix, (rows[:, None], np.clip(taps, 0, in_dim - 1)), weights)
+    if coordinates == "tf_crop_and_resize":
+        matrix[(x < 0) | (x > in_dim - 1)] = 0.0
+    return matrix
+
+
+_RESIZE_COORDINATES = (
+    "half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric", "tf_crop_and_resize",
+    "half_pixel_symmetric",
+)  # fmt: skip
+_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+
+
+def _resize_constant(ctx: GradContext, i: int, what: str) -> np.ndarray | None:
+    """Constant input ``i`` of Resize, None when absent or empty."""
+    if not ctx.has_input(i):
+        return None
+    value = ctx.const_input(i)
+    if value is None:
+        ctx.unsupported(
+            f"the {what} input is computed at run time; the gradient builds interpolation"
+            f" matrices from static values, so make {what} a constant"
+        )
+    return value.reshape(-1) if value.size else None
+
+
+def _resized_axes(ctx: GradContext, axes: list[int]) -> list[tuple[int, int, int, float]]:
+    """``(axis, input length, output length, scale)`` of each of Resize's ``axes``.
+
+    An axis whose scale is exactly 1 may have a dynamic length (reported as -1 in and out);
+    every other axis needs a static input length.
+    """
+    x = ctx.x(0)
+    scales = _resize_constant(ctx, 2, "scales")
+    sizes = _resize_constant(ctx, 3, "sizes") if scales is None else None
+    if scales is None and sizes is None:
+        ctx.unsupported("neither scales nor sizes is given")
+    in_dims = [static_dim(x, a) for a in axes]
+    if scales is not None and all(d is not None or s == 1.0 for d, s in zip(in_dims, scales)):
+        return [
+            (a, -1, -1, 1.0) if d is None
+            else (a, d, int(np.float32(d) * np.float32(s)), float(np.float32(s)))
+            for a, d, s in zip(axes, in_dims, scales)
+        ]
+    if sizes is None or None in in_dims:
+        dynamic = [a for a, d in zip(axes, in_dims) if d is None]
+        ctx.unsupported(
+            f"axes {dynamic} of the input have dynamic lengths and are resized; the gradient"
+            " needs static lengths on resized axes (or scales of exactly 1 on dynamic ones)"
+        )
+    lengths = [int(d) for d in in_dims if d is not None]
+    targets = [int(s) for s in sizes]
+    policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
+    if policy == "stretch":
+        return [
+            (a, d, o, float(np.float32(o) / np.float32(d)))
+            for a, d, o in zip(axes, lengths, targets)
+        ]
+    if policy not in ("not_larger", "not_smaller"):
+        ctx.unsupported(f"keep_aspect_ratio_policy={policy!r} is not supported")
+    ratios = [o / d for o, d in zip(targets, lengths)]
+    common = min(ratios) if policy == "not_larger" else max(ratios)
+    return [(a, d, int(np.floor(common * d + 0.5)), common) for a, d in zip(axes, lengths)]
+
+
+@register_gradient("Resize")
+def resize(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Contract ``g`` with the transposed interpolation matrix of each resized axis.
+
+    Resize is linear in ``x`` and separable: ``y = x x_0 M_0 x_1 M_1 ...`` (``M_k`` applied along
+    axis ``k``), so ``dx = g x_0 M_0^T x_1 M_1^T ...``. The matrices are built at graph-build
+    time from the static input lengths of the resized axes and the constant scales or sizes;
+    axes left at their size with an identity transform are skipped, so they may be dynamic.
+    """
+    b, g, x = ctx.b, grads[0], ctx.x(0)
+    mode = ctx.attr("mode", "nearest")
+    coordinates = ctx.attr("coordinate_transformation_mode", "half_pixel")
+    nearest_mode = ctx.attr("nearest_mode", "round_prefer_floor")
+    if mode not in ("nearest", "linear", "cubic"):
+        ctx.unsupported(f"mode={mode!r} is not a Resize mode; expected nearest, linear or cubic")
+    if coordinates not in _RESIZE_COORDINATES:
+        ctx.unsupported(f"coordinate_transformation_mode={coordinates!r} is not supported")
+    if mode == "nearest" and nearest_mode not in _NEAREST_MODES:
+        ctx.unsupported(f"nearest_mode={nearest_mode!r} is not supported")
+    antialias = bool(ctx.attr("antialias", 0)) and mode != "nearest"
+    r = _known_rank(ctx, x, "the input")
+    axes = [int(a) % r for a in ctx.attr("axes", range(r))]
+    roi = _resize_constant(ctx, 1, "roi") if coordinates == "tf_crop_and_resize" else None
+    for j, (axis, in_dim, out_dim, scale) in enumerate(_resized_axes(ctx, axes)):
+        axis_roi = (0.0, 1.0) if roi is None else (float(roi[j]), float(roi[j + len(axes)]))
+        if scale == 1.0 and in_dim == out_dim and axis_roi == (0.0, 1.0):
+            continue
+        if in_dim < 0:
+            ctx.unsupported(
+                f"axis {axis} has a dynamic length and a region of interest other than [0, 1];"
+                " the gradient needs its static length"
+            )
+        if antialias and out_dim < in_dim:
+            ctx.unsupported(
+                f"antialias=1 changes the filter when downscaling (axis {axis}: {in_dim} to"
+                f" {out_dim}) and has no gradient rule; set antialias=0"
+            )
+        matrix = interpolation_matrix(
+            in_dim, out_dim, scale, mode=mode, coordinates=coordinates,
+            nearest_mode=nearest_mode, cubic_coeff_a=float(ctx.attr("cubic_coeff_a", -0.75)),
+            exclude_outside=bool(ctx.attr("exclude_outside", 0)), roi=axis_roi,
+        )
+        g = contract_axis(b, g, b.const(matrix, like=x), axis, r)
+    return [g]
