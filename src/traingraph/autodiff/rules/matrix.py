@@ -1,10 +1,10 @@
-"""Gradients of the matrix products: MatMul, Gemm and Einsum.
+r"""Gradients of the matrix products: MatMul, Gemm and Einsum.
 
 For ``Y = A @ B`` with output gradient ``G`` the input gradients are
 
 .. math::
 
-    \\bar A = G B^T, \\qquad \\bar B = A^T G,
+    \bar A = G B^T, \qquad \bar B = A^T G,
 
 summed over the batch dimensions that broadcasting added to each operand. The rules emit them
 on the fastest kernels the shapes allow: ``Gemm`` with its ``transA`` / ``transB`` flags instead
@@ -79,7 +79,7 @@ def matmul(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     inserted axis is removed from ``Y``. For ``A: [..., M, K]`` and ``B: [..., K, N]``:
     ``dA = unbroadcast(G @ B^T)``, ``dB = unbroadcast(A^T @ G)``.
     """
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     a, w = ctx.x(0), ctx.x(1)
     ra, rb = rank(a), rank(w)
     if ra is None or rb is None:
@@ -166,7 +166,7 @@ def gemm(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     ``transB`` is set, which only swaps the operands and flags of one ``Gemm``) and
     ``dC = beta * unbroadcast(G)``.
     """
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     alpha = float(ctx.attr("alpha", 1.0))
     beta = float(ctx.attr("beta", 1.0))
     trans_a, trans_b = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
@@ -242,22 +242,23 @@ def _same_dim(d: Dim, e: Dim) -> bool:
 
 @register_gradient("Einsum")
 def einsum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """Gradient of ``Y = einsum(equation, X_0, ..., X_{n-1})``.
+    r"""Gradient of ``Y = einsum(equation, X_0, ..., X_{n-1})``.
 
     .. math::
 
-        \\bar X_i = \\mathrm{einsum}(\\text{out}, \\text{term}_{j \\ne i}
-                     \\to \\text{term}_i)(G, X_{j \\ne i})
+        \bar X_i = \mathrm{einsum}(\text{out}, \text{term}_{j \ne i}
+                     \to \text{term}_i)(G, X_{j \ne i})
 
     Letters of ``term_i`` found nowhere else were summed out of ``Y``: they are left out of that
     Einsum and restored with ``Expand``. Ellipsis dimensions that ``X_i`` broadcast (size 1, or
     fewer of them) are summed back. Repeated letters within one operand (diagonals) are not
     supported for that operand's gradient.
     """
+    g = ctx.grad_or_zeros(grads, 0)
     equation, terms, out = _einsum_terms(ctx)
     ranks = [_ellipsis_rank(ctx, equation, t, ctx.x(j)) for j, t in enumerate(terms)]
     return [
-        _einsum_operand_grad(ctx, grads[0], equation, terms, out, ranks, i)
+        _einsum_operand_grad(ctx, g, equation, terms, out, ranks, i)
         if ctx.need(i)
         else None
         for i in range(len(terms))

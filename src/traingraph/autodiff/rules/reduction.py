@@ -62,6 +62,11 @@ def expand_reduced(ctx: GradContext, g: ir.Value) -> ir.Value:
     return ctx.b.Expand(keep_reduced_dims(ctx, g), ctx.b.shape(ctx.x(0)))
 
 
+def _output_grad(ctx: GradContext, grads: Grads) -> ir.Value:
+    """The output gradient, shaped to broadcast against the input."""
+    return keep_reduced_dims(ctx, ctx.grad_or_zeros(grads, 0))
+
+
 def reduce_like_node(ctx: GradContext, op_type: str, value: ir.Value) -> ir.Value:
     """``op_type`` over the node's reduced axes, keeping them as size-1 axes."""
     axes = reduced_axes(ctx)
@@ -89,13 +94,14 @@ def _reduced_count(ctx: GradContext) -> ir.Value:
 @register_gradient("ReduceSum")
 def reduce_sum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``dx = g`` broadcast over the reduced axes."""
-    return [expand_reduced(ctx, grads[0])]
+    return [expand_reduced(ctx, ctx.grad_or_zeros(grads, 0))]
 
 
 @register_gradient("ReduceMean")
 def reduce_mean(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``dx = g / n`` broadcast, with ``n`` the number of elements per reduced slice."""
-    return [expand_reduced(ctx, ctx.b.Div(grads[0], _reduced_count(ctx)))]
+    g = ctx.grad_or_zeros(grads, 0)
+    return [expand_reduced(ctx, ctx.b.Div(g, _reduced_count(ctx)))]
 
 
 def _extremum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
@@ -106,7 +112,7 @@ def _extremum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     b, x = ctx.b, ctx.x(0)
     is_extremum = b.cast_like(b.Equal(x, keep_reduced_dims(ctx, ctx.outputs[0])), x)
     ties = reduce_like_node(ctx, "ReduceSum", is_extremum)
-    return [b.Mul(is_extremum, b.Div(keep_reduced_dims(ctx, grads[0]), ties))]
+    return [b.Mul(is_extremum, b.Div(_output_grad(ctx, grads), ties))]
 
 
 register_gradient("ReduceMax")(_extremum)
@@ -117,14 +123,14 @@ register_gradient("ReduceMin")(_extremum)
 def reduce_sum_square(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``y = sum x^2``: ``dx = 2 x g``."""
     b, x = ctx.b, ctx.x(0)
-    return [b.Mul(keep_reduced_dims(ctx, grads[0]), b.Mul(x, b.scalar(2.0, like=x)))]
+    return [b.Mul(_output_grad(ctx, grads), b.Mul(x, b.scalar(2.0, like=x)))]
 
 
 @register_gradient("ReduceL1")
 def reduce_l1(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``y = sum |x|``: ``dx = sign(x) g`` (0 where ``x = 0``)."""
     b, x = ctx.b, ctx.x(0)
-    return [b.Mul(keep_reduced_dims(ctx, grads[0]), b.Sign(x))]
+    return [b.Mul(_output_grad(ctx, grads), b.Sign(x))]
 
 
 @register_gradient("ReduceL2")
@@ -136,7 +142,7 @@ def reduce_l2(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     b, x = ctx.b, ctx.x(0)
     y = keep_reduced_dims(ctx, ctx.outputs[0])
     safe_y = b.Where(b.Equal(y, b.scalar(0.0, like=x)), b.scalar(1.0, like=x), y)
-    return [b.Mul(x, b.Div(keep_reduced_dims(ctx, grads[0]), safe_y))]
+    return [b.Mul(x, b.Div(_output_grad(ctx, grads), safe_y))]
 
 
 @register_gradient("ReduceLogSumExp")
@@ -144,14 +150,14 @@ def reduce_log_sum_exp(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``y = log sum exp x``: ``dx = g softmax(x) = g exp(x - y)``, where ``x - y <= 0``."""
     b, x = ctx.b, ctx.x(0)
     softmax = b.Exp(b.Sub(x, keep_reduced_dims(ctx, ctx.outputs[0])))
-    return [b.Mul(keep_reduced_dims(ctx, grads[0]), softmax)]
+    return [b.Mul(_output_grad(ctx, grads), softmax)]
 
 
 @register_gradient("ReduceLogSum")
 def reduce_log_sum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``y = log sum x``: ``dx = g / sum x = g / exp(y)`` broadcast."""
-    b = ctx.b
-    return [expand_reduced(ctx, b.Div(grads[0], b.Exp(ctx.outputs[0])))]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
+    return [expand_reduced(ctx, b.Div(g, b.Exp(ctx.outputs[0])))]
 
 
 @register_gradient("ReduceProd")
@@ -173,4 +179,4 @@ def reduce_prod(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         b.Div(p, nonzero_x),
         b.Where(b.And(is_zero, b.Equal(zeros, one)), p, zero),
     )
-    return [b.Mul(keep_reduced_dims(ctx, grads[0]), others)]
+    return [b.Mul(_output_grad(ctx, grads), others)]
