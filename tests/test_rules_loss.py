@@ -18,10 +18,11 @@ SHAPES = [(5, 3), (2, 3, 2, 2)]
 
 
 def case(shape, ignore_index=None, label_dtype=np.int64):
-    """Scores ``shape`` and labels in range, with a few set to ``ignore_index``."""
+    """Scores ``shape`` and labels in range, every third one set to ``ignore_index``."""
     x = rng.standard_normal(shape)
     labels = rng.integers(0, shape[1], size=(shape[0], *shape[2:]))
     if ignore_index is not None:
+        labels[labels == ignore_index] = (ignore_index + 1) % shape[1]
         labels.reshape(-1)[::3] = ignore_index
     return x, labels.astype(label_dtype)
 

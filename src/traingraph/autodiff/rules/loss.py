@@ -15,7 +15,8 @@ elements (``G / D`` for ``mean``),
 For SoftmaxCrossEntropyLoss ``lp = log_softmax(scores, axis=1)``, whose gradient is
 ``dL/dscores = u - softmax * sum_c(u)`` for ``u = dL/dlp`` (including the gradient of the
 optional ``log_prob`` output). The weights' gradient is ``dL/dw[c] = sum_i onehot[i, c] * G_i *
-(nll_i - [mean] * L)`` with ``nll_i = -lp[i, t_i]`` and ``L`` the reduced loss.
+(nll_i - [mean] * L)`` with ``nll_i = -lp[i, t_i]`` and ``L`` the reduced loss. When every
+label of a ``mean`` loss is ignored, ``D = 0`` and the gradient is NaN, like the loss.
 """
 
 from __future__ import annotations
