@@ -144,7 +144,7 @@ def train(checkpoint: Path, work: Path, out: Path) -> None:
     state = CheckpointState.load_checkpoint(str(checkpoint))
     names = TRAINABLE + FROZEN
     result = {f"loaded/{n}": state.parameters[n].data.copy() for n in names}
-    properties = {k: state.properties[k] for k in state.properties}
+    properties = dict(iter(state.properties))  # iterating yields (name, value) pairs
     result["properties_json"] = np.array(json.dumps(properties))
     module = Module(str(work / "training_model.onnx"), state)
     optimizer = Optimizer(str(work / "optimizer_model.onnx"), module)

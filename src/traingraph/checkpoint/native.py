@@ -72,7 +72,7 @@ def payload_sha256(tensors: Mapping[str, np.ndarray]) -> str:
     for key in sorted(tensors):
         array = np.ascontiguousarray(tensors[key])
         digest.update(f"{key}\0{array.dtype.str}\0{list(array.shape)}\0".encode())
-        digest.update(array.reshape(-1).view(np.uint8))
+        digest.update(array.reshape(-1).view(np.uint8).data)
     return digest.hexdigest()
 
 

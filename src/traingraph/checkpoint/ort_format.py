@@ -55,6 +55,7 @@ FILE_IDENTIFIER = b"ODTC"
 CHECKPOINT_VERSION = 2
 _GROUP_NAME = "group0"
 _INT64 = np.iinfo(np.int64)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # Field slots (declaration order) of the schema's tables.
 _CKPT_VERSION, _CKPT_MODULE_STATE, _CKPT_OPTIMIZER_GROUPS, _CKPT_PROPERTY_BAG = range(4)
@@ -68,13 +69,15 @@ _TABLE_SIZES = {"Checkpoint": 4, "ModuleState": 4, "Tensor": 7, "OptimizerGroup"
                 "ParameterOptimizerState": 2, "PropertyBag": 3, "Property": 2}  # fmt: skip
 
 # TensorDataType values (the ONNX TensorProto codes) that map to a NumPy dtype.
-_DTYPE_OF_CODE = {
+_DTYPE_OF_CODE: dict[int, np.dtype] = {
     1: np.dtype("<f4"), 2: np.dtype("u1"), 3: np.dtype("i1"), 4: np.dtype("<u2"),
     5: np.dtype("<i2"), 6: np.dtype("<i4"), 7: np.dtype("<i8"), 9: np.dtype("?"),
     10: np.dtype("<f2"), 11: np.dtype("<f8"), 12: np.dtype("<u4"), 13: np.dtype("<u8"),
     14: np.dtype("<c8"), 15: np.dtype("<c16"),
 }  # fmt: skip
-_CODE_OF_DTYPE = {dtype.newbyteorder("="): code for code, dtype in _DTYPE_OF_CODE.items()}
+_CODE_OF_DTYPE: dict[np.dtype, int] = {
+    dtype.newbyteorder("="): code for code, dtype in _DTYPE_OF_CODE.items()
+}
 
 # traingraph slot name -> onnxruntime-training momentum name, per optimizer.
 _SLOT_MAPS = (
@@ -225,9 +228,7 @@ def _ort_property(name: str, value: object) -> PropertyValue:
             f"checkpoint property {name!r} = {checked} does not fit in int64, the integer type"
             " of onnxruntime-training checkpoints. Store it as a str or use the native format."
         )
-    if isinstance(checked, float) and math.isfinite(checked) and abs(checked) > np.finfo(
-        np.float32
-    ).max:
+    if isinstance(checked, float) and math.isfinite(checked) and abs(checked) > _FLOAT32_MAX:
         raise ModelError(
             f"checkpoint property {name!r} = {checked!r} overflows float32, the float type of"
             " onnxruntime-training checkpoints. Store it as a str or use the native format."

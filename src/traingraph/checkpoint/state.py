@@ -136,7 +136,7 @@ def _check_array(what: str, array: object) -> None:
         )
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -> None:
     """Writes a file so that ``path`` holds either its old content or the complete new one.
 
     ``write`` writes the new content to a temporary file in the same directory; the temporary
