@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import onnx_ir as ir
 
 from traingraph.autodiff.context import GradContext
@@ -120,7 +121,7 @@ def pow_(ctx: GradContext, grads: Grads) -> InGrads:
     if ctx.need(0):
         constant = ctx.const_input(1)
         if constant is not None:
-            lowered = b.const(constant - (constant != 0), exponent.dtype)
+            lowered = b.const(np.where(constant == 0, 0, constant - 1).astype(constant.dtype))
             coefficient = b.cast_like(b.const(constant), base)
         else:
             zero = b.scalar(0, exponent)
