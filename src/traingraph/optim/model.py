@@ -1,0 +1,139 @@
+"""The optimizer model: one ONNX graph that applies an optimizer step to every parameter.
+
+Inputs, in order: ``learning_rate`` (float32 scalar), ``step`` (int64 scalar, the 1-based
+number of the step being taken), every parameter ``p``, every gradient ``f"{p}_grad"``, then
+every state slot by its name. Outputs: every ``f"{p}_out"``, then every ``f"{slot}_out"``.
+The graph holds default-domain ops only.
+
+Example:
+    >>> params = {"fc.weight": w, "fc.bias": bias}
+    >>> proto = build_optimizer_model(AdamW(lr=1e-3), [ParamInfo(n, a.shape, a.dtype) ...])
+    >>> state = init_state(AdamW(lr=1e-3), params)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from traingraph.ir.builder import OpBuilder
+from traingraph.ir.model import MIN_OPSET, max_ir_version, max_supported_opset, to_proto
+from traingraph.optim.alias import Optimizer
+from traingraph.optim.transforms import ParamInfo, StateSlot, UpdateContext
+
+Params = Sequence[ParamInfo] | Mapping[str, np.ndarray]
+
+
+def param_infos(params: Params) -> list[ParamInfo]:
+    """``params`` as :class:`ParamInfo`; a mapping of names to arrays is described by them."""
+    if isinstance(params, Mapping):
+        return [
+            ParamInfo(name, tuple(np.shape(a)), np.asarray(a).dtype) for name, a in params.items()
+        ]
+    infos = list(params)
+    for p in infos:
+        if not isinstance(p, ParamInfo):
+            raise TypeError(
+                "expected ParamInfo entries or a mapping of names to arrays; got"
+                f" {type(p).__name__}"
+            )
+    return infos
+
+
+def state_slots(optimizer: Optimizer, params: Params) -> list[StateSlot]:
+    """The state tensors that ``optimizer`` keeps for ``params``, in the model's input order."""
+    return optimizer.transform.init(param_infos(params))
+
+
+def init_state(optimizer: Optimizer, params: Params) -> dict[str, np.ndarray]:
+    """The initial value of every state slot, by slot name, in the model's input order."""
+    return {
+        slot.name: np.full(slot.shape, slot.init, dtype=slot.dtype)
+        for slot in state_slots(optimizer, params)
+    }
+
+
+def _tensor(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> ir.Value:
+    element = ir.DataType.from_numpy(np.dtype(dtype))
+    return ir.Value(name=name, type=ir.TensorType(element), shape=ir.Shape(shape))
+
+
+def _check(params: list[ParamInfo], opset: int) -> None:
+    """Validate the parameters (one float dtype, unique names) and the opset."""
+    if not MIN_OPSET <= opset <= max_supported_opset():
+        raise ValueError(
+            f"opset {opset} is not supported; pass an opset from {MIN_OPSET} to"
+            f" {max_supported_opset()}"
+        )
+    names = [p.name for p in params]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"parameter names must be unique; {duplicates} appear more than once")
+    dtypes = {np.dtype(p.dtype) for p in params}
+    if any(d.kind != "f" for d in dtypes) or len(dtypes) > 1:
+        raise ValueError(
+            "the optimizer model needs parameters of one floating-point dtype; got"
+            f" {sorted(str(d) for d in dtypes)}. Optimize each dtype with its own model, or cast"
+            " the parameters."
+        )
+
+
+def build_optimizer_model(
+    optimizer: Optimizer, params: Sequence[ParamInfo], opset: int = 17
+) -> onnx.ModelProto:
+    """The ONNX model that takes one ``optimizer`` step on ``params``.
+
+    Args:
+        optimizer: The optimizer (a named one from :mod:`traingraph.optim.alias` or a custom
+            ``Optimizer(name, lr, chain(...))``).
+        params: The trainable parameters.
+        opset: The default-domain opset of the model (13 to the newest onnxruntime supports).
+
+    Returns:
+        A model that passes ``onnx.checker.check_model(full_check=True)``; see the module
+        docstring for its inputs and outputs.
+
+    Raises:
+        ValueError: For an unsupported opset, duplicate parameter names or parameters of
+            several (or non-float) dtypes.
+    """
+    infos = param_infos(params)
+    _check(infos, opset)
+    slots = state_slots(optimizer, infos)
+    lr_in = _tensor("learning_rate", np.dtype(np.float32), ())
+    step_in = _tensor("step", np.dtype(np.int64), ())
+    param_in = [_tensor(p.name, p.dtype, p.shape) for p in infos]
+    grad_in = [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos]
+    state_in = {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots}
+    graph = ir.Graph(
+        [lr_in, step_in, *param_in, *grad_in, *state_in.values()],
+        [],
+        nodes=[],
+        opset_imports={"": opset},
+        name=f"{optimizer.name}_step",
+    )
+    b = OpBuilder(graph, opset, prefix="optim")
+    if infos:
+        like = param_in[0]
+        ctx = UpdateContext(b, b.cast_like(lr_in, like), b.cast_like(step_in, like))
+        updates, new_state = optimizer.transform.update(ctx, grad_in, dict(state_in), param_in)
+        new_params = [b.Add(p, u) for p, u in zip(param_in, updates)]
+    else:
+        new_params, new_state = [], {}
+    for p, value in zip(param_in, new_params):
+        graph.outputs.append(_output(b, value, f"{p.name}_out", p))
+    for name, value in state_in.items():
+        graph.outputs.append(_output(b, new_state.get(name, value), f"{name}_out", value))
+    return to_proto(ir.Model(graph, ir_version=max_ir_version()))
+
+
+def _output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
+    out = b.Identity(value)
+    out.name, out.type, out.shape = name, like.type, like.shape
+    return out
+
+
+__all__ = ["build_optimizer_model", "init_state", "param_infos", "state_slots"]
