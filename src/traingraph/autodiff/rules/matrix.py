@@ -59,7 +59,7 @@ def _batch_dims_are_one(x: ir.Value, r: int) -> bool:
     return all(d == 1 for d in x.shape.dims[: r - 2])
 
 
-def _shaped(value: ir.Value, y: ir.Value, tail: Sequence[Dim]) -> ir.Value:
+def _record_shape(value: ir.Value, y: ir.Value, tail: Sequence[Dim]) -> None:
     """Record ``value``'s shape as ``y``'s batch dims followed by ``tail`` when ``y``'s is known.
 
     ``ctx.unbroadcast`` reduces the batch axes with static ``ReduceSum`` nodes when it knows both
@@ -68,7 +68,6 @@ def _shaped(value: ir.Value, y: ir.Value, tail: Sequence[Dim]) -> ir.Value:
     if y.shape is not None and y.type is not None:
         value.shape = ir.Shape([*y.shape.dims[:-2], *tail])
         value.type = y.type
-    return value
 
 
 @register_gradient("MatMul")
@@ -133,7 +132,7 @@ def _matrix_grad_a(
     if rb <= ra and _batch_dims_are_one(w, rb):
         return grad
     assert a.shape is not None
-    _shaped(grad, ctx.outputs[0], a.shape.dims[-2:])
+    _record_shape(grad, ctx.outputs[0], a.shape.dims[-2:])
     return unbroadcast(b, grad, a, grad)
 
 
@@ -154,7 +153,7 @@ def _matrix_grad_b(
     if ra <= rb and _batch_dims_are_one(a, ra):
         return grad
     assert w.shape is not None
-    _shaped(grad, ctx.outputs[0], w.shape.dims[-2:])
+    _record_shape(grad, ctx.outputs[0], w.shape.dims[-2:])
     return unbroadcast(b, grad, w, grad)
 
 
