@@ -456,6 +456,14 @@ def test_ort_nominal_round_trip(tmp_path):
     }
 
 
+def test_ort_writer_accepts_numpy_bool_requires_grad(tmp_path):
+    data = make_data()
+    data.requires_grad = {n: np.bool_(v) for n, v in data.requires_grad.items()}
+    save_checkpoint_data(data, tmp_path / "a.ckpt", format="ort")
+    loaded = load_checkpoint_data(tmp_path / "a.ckpt")
+    assert loaded.requires_grad == {n: bool(v) for n, v in data.requires_grad.items()}
+
+
 def test_ort_without_optimizer_state(tmp_path):
     path = tmp_path / "a.ckpt"
     save_checkpoint_data(make_data(), path, format="ort", include_optimizer_state=False)

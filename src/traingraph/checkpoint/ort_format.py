@@ -130,7 +130,7 @@ class _Writer:
 
     def module_state(self, data: CheckpointData) -> int:
         names = sorted(data.parameters)
-        groups = [[n for n in names if data.requires_grad[n] is flag] for flag in (True, False)]
+        groups = [[n for n in names if bool(data.requires_grad[n]) == f] for f in (True, False)]
         tensors = [[self.tensor(n, data.parameters[n], data.nominal) for n in g] for g in groups]
         trainable, frozen = (self.vector(offsets) for offsets in tensors)
         b = self.b
