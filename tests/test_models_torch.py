@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 from torch import nn
 
 from gradcheck import assert_default_domain_only, session
@@ -145,19 +146,34 @@ def export(name: str, opset: int, dynamo: bool) -> onnx.ModelProto:
         return onnx.load_from_string(buffer.getvalue())
 
 
-def parameter_names(module: nn.Module, model: onnx.ModelProto) -> list[str]:
-    """The torch parameter names, each checked to name an ONNX initializer.
+def parameter_initializers(
+    module: nn.Module, model: onnx.ModelProto
+) -> dict[str, tuple[str, bool]]:
+    """The ONNX initializer holding each torch parameter, and whether it holds it transposed.
 
-    Both exporters keep parameter names when constant folding is off (TorchScript) or the
-    parameters are used as they are (dynamo); the redrawn parameters of :func:`make_module`
-    keep the TorchScript exporter from merging any. A parameter that cannot be found fails
-    the test rather than being left out of the comparison.
+    The TorchScript exporter keeps parameter names when constant folding is off, and the
+    redrawn parameters of :func:`make_module` keep it from merging any. The dynamo exporter
+    folds the ``Transpose`` of each ``nn.Linear`` weight it feeds to ``MatMul`` into a new
+    initializer (``val_<n>``); such a parameter is found as the one initializer equal to its
+    transpose. A parameter found neither way fails the test rather than being left out.
     """
-    inits = {i.name for i in model.graph.initializer}
-    names = [n for n, _ in module.named_parameters()]
-    missing = [n for n in names if n not in inits]
-    assert not missing, f"parameters not found among the initializers {sorted(inits)}: {missing}"
-    return names
+    arrays = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    found: dict[str, tuple[str, bool]] = {}
+    for name, param in module.named_parameters():
+        if name in arrays:
+            found[name] = (name, False)
+            continue
+        value = param.detach().numpy()
+        transposed = [
+            k for k, a in arrays.items() if value.ndim == 2 and np.array_equal(a, value.T)
+        ]
+        assert len(transposed) == 1, (
+            f"parameter {name} {tuple(value.shape)} is neither an initializer of that name nor"
+            f" exactly one transposed initializer (candidates {transposed}); initializers:"
+            f" {sorted(arrays)}"
+        )
+        found[name] = (transposed[0], True)
+    return found
 
 
 @pytest.mark.parametrize(("opset", "dynamo"), EXPORTS)
@@ -165,8 +181,9 @@ def parameter_names(module: nn.Module, model: onnx.ModelProto) -> list[str]:
 def test_gradients_match_torch(name: str, opset: int, dynamo: bool) -> None:
     model = export(name, opset, dynamo)
     module = make_module(name)
-    names = parameter_names(module, model)
-    grad_model = build_gradient_graph(model, wrt=names, loss="loss")
+    found = parameter_initializers(module, model)
+    inits = list(dict.fromkeys(onnx_name for onnx_name, _ in found.values()))
+    grad_model = build_gradient_graph(model, wrt=inits, loss="loss")
     onnx.checker.check_model(grad_model, full_check=True)
     assert_default_domain_only(grad_model)
     sess = session(grad_model)
@@ -175,14 +192,17 @@ def test_gradients_match_torch(name: str, opset: int, dynamo: bool) -> None:
     for batch in BATCH_SIZES:
         x, t = make_inputs(name, batch)
         feeds = dict(zip(feed_names, (x.numpy(), t.numpy())))
-        got = sess.run(["loss", *(f"{n}_grad" for n in names)], feeds)
+        got = sess.run(["loss", *(f"{n}_grad" for n in inits)], feeds)
+        grads = dict(zip(inits, got[1:]))
         module.zero_grad()
         loss = module(x, t)
         loss.backward()
         np.testing.assert_allclose(got[0], loss.item(), rtol=RTOL, atol=ATOL, err_msg="loss")
-        for n, g in zip(names, got[1:]):
-            expected = params[n].grad
+        for torch_name, (onnx_name, transposed) in found.items():
+            expected = params[torch_name].grad
             assert expected is not None
+            g = grads[onnx_name].T if transposed else grads[onnx_name]
             np.testing.assert_allclose(
-                g, expected.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"gradient of {n}, batch {batch}"
+                g, expected.numpy(), rtol=RTOL, atol=ATOL,
+                err_msg=f"gradient of {torch_name} (initializer {onnx_name}), batch {batch}",
             )
