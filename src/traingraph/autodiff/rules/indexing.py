@@ -106,7 +106,7 @@ def slice_(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """
     b = ctx.b
     positions = b.Slice(_iota(b, ctx.x(0)), *ctx.inputs[1:])
-    return [_scatter_flat(ctx, positions, grads[0])]
+    return [_scatter_flat(ctx, positions, ctx.grad_or_zeros(grads, 0))]
 
 
 @register_gradient("Gather")
@@ -116,7 +116,7 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     With ``x`` moved so that ``axis`` comes first (``x'``) and ``g`` moved so that the index
     dimensions come first (``g'``): ``dx'[d] = sum_{i: index[i] = d} g'[i]``.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     r = _known_rank(ctx, x, "the data input")
     axis = int(ctx.attr("axis", 0)) % r
     index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, axis))
@@ -139,7 +139,7 @@ def gather_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     weights ``g`` with it and sums over the index axis, then zero-pads up to ``x``'s shape where
     the index is smaller than ``x`` in the other axes.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     r = _known_rank(ctx, x, "the data input")
     axis = int(ctx.attr("axis", 0)) % r
     depth = _dim_scalar(b, x, axis)
@@ -167,7 +167,7 @@ def gather_nd(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     flattened into rows; the row each slice came from is ``GatherND(iota, index, batch_dims)``
     over an ``iota`` of those leading dimensions, and the slices are then added into the rows.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     batch_dims = int(ctx.attr("batch_dims", 0))
     index = ctx.x(1)
     shape = b.shape(x)
@@ -196,7 +196,7 @@ def _reduction(ctx: GradContext) -> str:
 def scatter_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``d data = g`` (with the overwritten positions zeroed when ``reduction="none"``);
     ``d updates = GatherElements(g, indices, axis)``."""
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     reduction = _reduction(ctx)
     axis = int(ctx.attr("axis", 0))
     index = ctx.x(1)
@@ -214,7 +214,7 @@ def scatter_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 def scatter_nd(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``d data = g`` (with the overwritten slices zeroed when ``reduction="none"``);
     ``d updates = GatherND(g, indices)``."""
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     reduction = _reduction(ctx)
     index = ctx.x(1)
     d_data = d_updates = None
@@ -240,7 +240,8 @@ def top_k(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 def trilu(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Trilu masks its input, so the gradient is ``g`` under the same mask."""
     k = ctx.inputs[1] if ctx.has_input(1) else None
-    return [ctx.b.op("Trilu", grads[0], k, upper=int(ctx.attr("upper", 1)))]
+    g = ctx.grad_or_zeros(grads, 0)
+    return [ctx.b.op("Trilu", g, k, upper=int(ctx.attr("upper", 1)))]
 
 
 @register_gradient("CumSum")
@@ -251,7 +252,8 @@ def cum_sum(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """
     reverse = int(ctx.attr("reverse", 0))
     exclusive = int(ctx.attr("exclusive", 0))
-    return [ctx.b.CumSum(grads[0], ctx.x(1), exclusive=exclusive, reverse=1 - reverse)]
+    g = ctx.grad_or_zeros(grads, 0)
+    return [ctx.b.CumSum(g, ctx.x(1), exclusive=exclusive, reverse=1 - reverse)]
 
 
 def contract_axis(b: OpBuilder, g: ir.Value, matrix: ir.Value, axis: int, r: int) -> ir.Value:
@@ -289,7 +291,7 @@ def pad(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     ``A[o, i] = [src(o) = i]``, where ``src = Pad(0..D-1, pads of that axis, mode)``; so
     ``dx`` contracts ``g`` with each ``A`` in turn.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     mode = ctx.attr("mode", "constant")
     pads = ctx.x(1)
     axes = ctx.inputs[3] if ctx.has_input(3) else None
@@ -381,13 +383,13 @@ def interpolation_matrix(
     matrix = np.zeros((out_dim, in_dim))
     rows = np.arange(out_dim)
     if mode == "nearest":
-        rounding = {
-            "round_prefer_floor": lambda v: np.ceil(v - 0.5),
-            "round_prefer_ceil": lambda v: np.floor(v + 0.5),
-            "floor": np.floor,
-            "ceil": np.ceil,
+        rounded = {
+            "round_prefer_floor": np.ceil(x - 0.5),
+            "round_prefer_ceil": np.floor(x + 0.5),
+            "floor": np.floor(x),
+            "ceil": np.ceil(x),
         }[nearest_mode]
-        taps = rounding(x).astype(np.int64)[:, None]
+        taps = rounded.astype(np.int64)[:, None]
         weights = np.ones((out_dim, 1))
     elif mode == "linear":
         base = np.floor(x)
@@ -476,7 +478,7 @@ def resize(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     time from the static input lengths of the resized axes and the constant scales or sizes;
     axes left at their size with an identity transform are skipped, so they may be dynamic.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     mode = ctx.attr("mode", "nearest")
     coordinates = ctx.attr("coordinate_transformation_mode", "half_pixel")
     nearest_mode = ctx.attr("nearest_mode", "round_prefer_floor")

@@ -23,7 +23,7 @@ Grads = Sequence[ir.Value | None]
 
 def restore_shape(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """The gradient of an op that only changes the shape: reshape ``g`` back to the input's."""
-    return [ctx.b.reshape_like(grads[0], ctx.x(0))]
+    return [ctx.b.reshape_like(ctx.grad_or_zeros(grads, 0), ctx.x(0))]
 
 
 for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
@@ -33,10 +33,10 @@ for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
 @register_gradient("Transpose")
 def transpose(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``dx = Transpose(g, argsort(perm))``; the default perm (reversal) is its own inverse."""
-    perm = ctx.attr("perm")
+    g, perm = ctx.grad_or_zeros(grads, 0), ctx.attr("perm")
     if perm is None:
-        return [ctx.b.Transpose(grads[0])]
-    return [ctx.b.Transpose(grads[0], perm=[int(p) for p in np.argsort(perm)])]
+        return [ctx.b.Transpose(g)]
+    return [ctx.b.Transpose(g, perm=[int(p) for p in np.argsort(perm)])]
 
 
 def static_dim(x: ir.Value, axis: int) -> int | None:
@@ -58,14 +58,15 @@ def dim_vector(ctx: GradContext, x: ir.Value, axis: int) -> ir.Value:
 @register_gradient("Concat")
 def concat(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Split ``g`` along ``axis`` into pieces the sizes of the inputs."""
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     axis = int(ctx.attr("axis"))
     xs = [ctx.x(i) for i in range(len(ctx.inputs))]
     if len(xs) == 1:
         return [g]
     sizes = [static_dim(x, axis) for x in xs]
-    if all(s is not None for s in sizes):
-        pieces = b.split(g, sizes, axis=axis)
+    known = [s for s in sizes if s is not None]
+    if len(known) == len(xs):
+        pieces = b.split(g, known, axis=axis)
     else:
         split = b.Concat(*[dim_vector(ctx, x, axis) for x in xs], axis=0)
         pieces = b.op("Split", g, split, axis=axis, num_outputs=len(xs))
@@ -85,7 +86,7 @@ def split(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 @register_gradient("Expand")
 def expand(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Sum ``g`` over the broadcast axes back to the input's shape."""
-    return [ctx.unbroadcast(grads[0], ctx.x(0)), None]
+    return [ctx.unbroadcast(ctx.grad_or_zeros(grads, 0), ctx.x(0)), None]
 
 
 @register_gradient("Tile")
@@ -96,7 +97,7 @@ def tile(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     ``k * d_i + j`` along axis ``i`` is copy ``k`` of ``x``'s index ``j``, so
     ``dx = ReduceSum(Reshape(g, [r0, d0, ..., rn, dn]), axes=[0, 2, ..., 2n])``.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     n = rank(x)
     if n is None:
         ctx.unsupported("the input's rank is unknown; give the input a shape with a known rank")
@@ -124,7 +125,8 @@ def _block_size(ctx: GradContext) -> int:
 @register_gradient("SpaceToDepth")
 def space_to_depth(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """SpaceToDepth is a permutation whose inverse is ``DepthToSpace`` in ``DCR`` mode."""
-    return [ctx.b.DepthToSpace(grads[0], blocksize=_block_size(ctx), mode="DCR")]
+    g = ctx.grad_or_zeros(grads, 0)
+    return [ctx.b.DepthToSpace(g, blocksize=_block_size(ctx), mode="DCR")]
 
 
 @register_gradient("DepthToSpace")
@@ -135,7 +137,7 @@ def depth_to_space(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     transposes it by ``[0, 1, 4, 2, 5, 3]`` into ``[N, C', H, b, W, b]``; the gradient views ``g``
     that way and applies the inverse permutation ``[0, 1, 3, 5, 2, 4]``.
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     block = _block_size(ctx)
     mode = ctx.attr("mode", "DCR")
     if mode == "DCR":
