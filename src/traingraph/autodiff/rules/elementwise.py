@@ -30,11 +30,13 @@ _SELU_GAMMA = 1.05070102214813232421875
 
 
 def _where_positive(
-    ctx: GradContext, g: ir.Value, positive: ir.Value, negative: ir.Value
+    ctx: GradContext, grads: Grads, positive: ir.Value, negative: ir.Value
 ) -> ir.Value:
-    """``g * (positive if x > 0 else negative)``, with ``x`` the node's first input."""
+    """``g * (positive if x > 0 else negative)``, with ``x`` the node's first input and ``g``
+    the gradient of its output."""
     b, x = ctx.b, ctx.x(0)
-    return b.Mul(g, b.Where(b.Greater(x, b.scalar(0.0, x)), positive, negative))
+    mask = b.Greater(x, b.scalar(0.0, x))
+    return b.Mul(ctx.grad_or_zeros(grads, 0), b.Where(mask, positive, negative))
 
 
 # --------------------------------------------------------------------------- structural
@@ -51,13 +53,13 @@ def cast(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = Cast(g, dtype of x)`` between floating-point types; none through an integer cast."""
     if not ctx.need(0) or ir.DataType(ctx.attr("to")) not in FLOAT_TYPES:
         return [None]
-    return [ctx.b.cast_like(grads[0], ctx.x(0))]
+    return [ctx.b.cast_like(ctx.grad_or_zeros(grads, 0), ctx.x(0))]
 
 
 @register_gradient("CastLike")
 def cast_like(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = Cast(g, dtype of x)``; the ``target_type`` input only gives a dtype."""
-    return [ctx.b.cast_like(grads[0], ctx.x(0)) if ctx.need(0) else None, None]
+    return [ctx.b.cast_like(ctx.grad_or_zeros(grads, 0), ctx.x(0)) if ctx.need(0) else None, None]
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -66,7 +68,7 @@ def cast_like(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Add")
 def add(ctx: GradContext, grads: Grads) -> InGrads:
     """``da = g``, ``db = g``, each summed over its broadcast axes."""
-    g = grads[0]
+    g = ctx.grad_or_zeros(grads, 0)
     return [
         ctx.unbroadcast(g, ctx.x(0)) if ctx.need(0) else None,
         ctx.unbroadcast(g, ctx.x(1)) if ctx.need(1) else None,
@@ -76,7 +78,7 @@ def add(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Sub")
 def sub(ctx: GradContext, grads: Grads) -> InGrads:
     """``da = g``, ``db = -g``, each summed over its broadcast axes."""
-    g = grads[0]
+    g = ctx.grad_or_zeros(grads, 0)
     return [
         ctx.unbroadcast(g, ctx.x(0)) if ctx.need(0) else None,
         ctx.unbroadcast(ctx.b.Neg(g), ctx.x(1)) if ctx.need(1) else None,
@@ -86,7 +88,7 @@ def sub(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Mul")
 def mul(ctx: GradContext, grads: Grads) -> InGrads:
     """``da = g b``, ``db = g a``, each summed over its broadcast axes."""
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     a, c = ctx.x(0), ctx.x(1)
     return [
         ctx.unbroadcast(b.Mul(g, c), a) if ctx.need(0) else None,
@@ -97,7 +99,7 @@ def mul(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Div")
 def div(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = a / c``: ``da = g / c``, ``dc = -(g / c) y``, each summed over its broadcast axes."""
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     a, c = ctx.x(0), ctx.x(1)
     ga = b.Div(g, c)
     return [
@@ -115,7 +117,7 @@ def pow_(ctx: GradContext, grads: Grads) -> InGrads:
     The exponent may have another dtype than the base (integer or float); its gradient is cast
     back to it.
     """
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     base, exponent, y = ctx.x(0), ctx.x(1), ctx.outputs[0]
     out: InGrads = [None, None]
     if ctx.need(0):
@@ -144,27 +146,27 @@ def pow_(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Neg")
 def neg(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = -g``."""
-    return [ctx.b.Neg(grads[0])]
+    return [ctx.b.Neg(ctx.grad_or_zeros(grads, 0))]
 
 
 @register_gradient("Abs")
 def abs_(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g sign(x)`` (0 at ``x = 0``)."""
-    return [ctx.b.Mul(grads[0], ctx.b.Sign(ctx.x(0)))]
+    return [ctx.b.Mul(ctx.grad_or_zeros(grads, 0), ctx.b.Sign(ctx.x(0)))]
 
 
 @register_gradient("Sqrt")
 def sqrt(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g / (2 y)``."""
     y = ctx.outputs[0]
-    return [ctx.b.Div(grads[0], ctx.b.Add(y, y))]
+    return [ctx.b.Div(ctx.grad_or_zeros(grads, 0), ctx.b.Add(y, y))]
 
 
 @register_gradient("Reciprocal")
 def reciprocal(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = 1 / x``: ``dx = -g y^2``."""
     b, y = ctx.b, ctx.outputs[0]
-    return [b.Neg(b.Mul(grads[0], b.Mul(y, y)))]
+    return [b.Neg(b.Mul(ctx.grad_or_zeros(grads, 0), b.Mul(y, y)))]
 
 
 # --------------------------------------------------------------------------- math functions
@@ -173,47 +175,47 @@ def reciprocal(ctx: GradContext, grads: Grads) -> InGrads:
 @register_gradient("Exp")
 def exp(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g y``."""
-    return [ctx.b.Mul(grads[0], ctx.outputs[0])]
+    return [ctx.b.Mul(ctx.grad_or_zeros(grads, 0), ctx.outputs[0])]
 
 
 @register_gradient("Log")
 def log(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g / x``."""
-    return [ctx.b.Div(grads[0], ctx.x(0))]
+    return [ctx.b.Div(ctx.grad_or_zeros(grads, 0), ctx.x(0))]
 
 
 @register_gradient("Erf")
 def erf(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g (2 / sqrt(pi)) exp(-x^2)``."""
     b, x = ctx.b, ctx.x(0)
-    density = b.Exp(b.Neg(b.Mul(x, x)))
-    return [b.Mul(grads[0], b.Mul(density, b.scalar(2.0 / math.sqrt(math.pi), x)))]
+    density = b.Mul(b.Exp(b.Neg(b.Mul(x, x))), b.scalar(2.0 / math.sqrt(math.pi), x))
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), density)]
 
 
 @register_gradient("Sin")
 def sin(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g cos(x)``."""
-    return [ctx.b.Mul(grads[0], ctx.b.Cos(ctx.x(0)))]
+    return [ctx.b.Mul(ctx.grad_or_zeros(grads, 0), ctx.b.Cos(ctx.x(0)))]
 
 
 @register_gradient("Cos")
 def cos(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = -g sin(x)``."""
-    return [ctx.b.Neg(ctx.b.Mul(grads[0], ctx.b.Sin(ctx.x(0))))]
+    return [ctx.b.Neg(ctx.b.Mul(ctx.grad_or_zeros(grads, 0), ctx.b.Sin(ctx.x(0))))]
 
 
 @register_gradient("Tanh")
 def tanh(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g (1 - y^2)``."""
     b, y = ctx.b, ctx.outputs[0]
-    return [b.Mul(grads[0], b.Sub(b.scalar(1.0, y), b.Mul(y, y)))]
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), b.Sub(b.scalar(1.0, y), b.Mul(y, y)))]
 
 
 @register_gradient("Sigmoid")
 def sigmoid(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g y (1 - y)``."""
     b, y = ctx.b, ctx.outputs[0]
-    return [b.Mul(grads[0], b.Mul(y, b.Sub(b.scalar(1.0, y), y)))]
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), b.Mul(y, b.Sub(b.scalar(1.0, y), y)))]
 
 
 # --------------------------------------------------------------------------- activations
@@ -224,7 +226,7 @@ def relu(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g`` where ``y > 0``, else 0."""
     b, y = ctx.b, ctx.outputs[0]
     zero = b.scalar(0.0, y)
-    return [b.Where(b.Greater(y, zero), grads[0], zero)]
+    return [b.Where(b.Greater(y, zero), ctx.grad_or_zeros(grads, 0), zero)]
 
 
 @register_gradient("LeakyRelu")
@@ -232,7 +234,7 @@ def leaky_relu(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx = g`` where ``x > 0``, else ``alpha g``."""
     x = ctx.x(0)
     alpha = ctx.attr("alpha", 0.01)
-    return [_where_positive(ctx, grads[0], ctx.b.scalar(1.0, x), ctx.b.scalar(alpha, x))]
+    return [_where_positive(ctx, grads, ctx.b.scalar(1.0, x), ctx.b.scalar(alpha, x))]
 
 
 @register_gradient("PRelu")
@@ -241,11 +243,11 @@ def prelu(ctx: GradContext, grads: Grads) -> InGrads:
 
     The slope ``s`` broadcasts to ``x``; its gradient is summed back to its shape.
     """
-    b, g = ctx.b, grads[0]
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
     x, slope = ctx.x(0), ctx.x(1)
     out: InGrads = [None, None]
     if ctx.need(0):
-        out[0] = _where_positive(ctx, g, b.scalar(1.0, x), slope)
+        out[0] = _where_positive(ctx, grads, b.scalar(1.0, x), slope)
     if ctx.need(1):
         zero = b.scalar(0.0, x)
         slope_grad = b.Where(b.Greater(x, zero), zero, b.Mul(g, x))
@@ -258,7 +260,7 @@ def elu(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = alpha (exp(x) - 1)`` for ``x <= 0``: ``dx = g (y + alpha)`` there, ``g`` elsewhere."""
     b, y = ctx.b, ctx.outputs[0]
     alpha = ctx.attr("alpha", 1.0)
-    return [_where_positive(ctx, grads[0], b.scalar(1.0, y), b.Add(y, b.scalar(alpha, y)))]
+    return [_where_positive(ctx, grads, b.scalar(1.0, y), b.Add(y, b.scalar(alpha, y)))]
 
 
 @register_gradient("Selu")
@@ -269,7 +271,7 @@ def selu(ctx: GradContext, grads: Grads) -> InGrads:
     alpha = ctx.attr("alpha", _SELU_ALPHA)
     gamma = ctx.attr("gamma", _SELU_GAMMA)
     negative = b.Add(y, b.scalar(alpha * gamma, y))
-    return [_where_positive(ctx, grads[0], b.scalar(gamma, y), negative)]
+    return [_where_positive(ctx, grads, b.scalar(gamma, y), negative)]
 
 
 @register_gradient("Celu")
@@ -280,13 +282,13 @@ def celu(ctx: GradContext, grads: Grads) -> InGrads:
     alpha = ctx.attr("alpha", 1.0)
     one = b.scalar(1.0, y)
     negative = b.Add(b.Div(y, b.scalar(alpha, y)), one)
-    return [_where_positive(ctx, grads[0], one, negative)]
+    return [_where_positive(ctx, grads, one, negative)]
 
 
 @register_gradient("Softplus")
 def softplus(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = log(1 + exp(x))``: ``dx = g sigmoid(x)``."""
-    return [ctx.b.Mul(grads[0], ctx.b.Sigmoid(ctx.x(0)))]
+    return [ctx.b.Mul(ctx.grad_or_zeros(grads, 0), ctx.b.Sigmoid(ctx.x(0)))]
 
 
 @register_gradient("Softsign")
@@ -294,7 +296,7 @@ def softsign(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = x / (1 + |x|)``: ``dx = g / (1 + |x|)^2``."""
     b, x = ctx.b, ctx.x(0)
     d = b.Add(b.scalar(1.0, x), b.Abs(x))
-    return [b.Div(grads[0], b.Mul(d, d))]
+    return [b.Div(ctx.grad_or_zeros(grads, 0), b.Mul(d, d))]
 
 
 @register_gradient("HardSigmoid")
@@ -304,7 +306,7 @@ def hard_sigmoid(ctx: GradContext, grads: Grads) -> InGrads:
     alpha = ctx.attr("alpha", 0.2)
     zero = b.scalar(0.0, y)
     inside = b.And(b.Greater(y, zero), b.Less(y, b.scalar(1.0, y)))
-    return [b.Where(inside, b.Mul(grads[0], b.scalar(alpha, y)), zero)]
+    return [b.Where(inside, b.Mul(ctx.grad_or_zeros(grads, 0), b.scalar(alpha, y)), zero)]
 
 
 @register_gradient("HardSwish")
@@ -315,7 +317,7 @@ def hard_swish(ctx: GradContext, grads: Grads) -> InGrads:
     middle = b.Add(b.Div(x, b.scalar(3.0, x)), b.scalar(0.5, x))
     upper = b.Where(b.Greater(x, b.scalar(3.0, x)), b.scalar(1.0, x), middle)
     slope = b.Where(b.Less(x, b.scalar(-3.0, x)), b.scalar(0.0, x), upper)
-    return [b.Mul(grads[0], slope)]
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), slope)]
 
 
 @register_gradient("Mish")
@@ -331,7 +333,7 @@ def mish(ctx: GradContext, grads: Grads) -> InGrads:
     q = b.Sub(one, s)
     t = b.Div(b.Mul(s, b.Add(one, q)), b.Add(one, b.Mul(q, q)))
     slope = b.Add(t, b.Mul(b.Mul(x, s), b.Sub(one, b.Mul(t, t))))
-    return [b.Mul(grads[0], slope)]
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), slope)]
 
 
 @register_gradient("Gelu", since=20)
@@ -364,7 +366,7 @@ def gelu(ctx: GradContext, grads: Grads) -> InGrads:
         ctx.unsupported(
             f'approximate={approximate!r} is not a Gelu mode; expected "none" or "tanh"'
         )
-    return [b.Mul(grads[0], slope)]
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), slope)]
 
 
 # --------------------------------------------------------------------------- selections
@@ -379,7 +381,7 @@ def clip(ctx: GradContext, grads: Grads) -> InGrads:
     ``x < lo <= hi`` and ``hi`` the sum where ``Max(x, lo) > hi``. Every element's gradient goes
     to exactly one of the three, also when ``lo > hi`` (the output is then ``hi`` everywhere).
     """
-    b, g, x = ctx.b, grads[0], ctx.x(0)
+    b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
     zero = b.scalar(0.0, x)
     lo = ctx.x(1) if ctx.has_input(1) else None
     hi = ctx.x(2) if ctx.has_input(2) else None
@@ -408,7 +410,7 @@ def _extremum(ctx: GradContext, grads: Grads) -> InGrads:
     Tie rule: where ``k`` inputs share the extreme value, each receives ``g / k``. For two
     inputs this is ``torch.maximum`` / ``torch.minimum``'s rule (each gets ``g / 2``).
     """
-    b, g, y = ctx.b, grads[0], ctx.outputs[0]
+    b, g, y = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.outputs[0]
     inputs = [ctx.x(i) for i in range(len(ctx.inputs))]
     hits = [b.Equal(x, y) for x in inputs]
     count = b.Sum(*(b.cast_like(hit, y) for hit in hits))
@@ -427,7 +429,7 @@ register_gradient("Min")(_extremum)
 @register_gradient("Where")
 def where(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = cond ? a : c``: ``da = g`` where ``cond``, ``dc = g`` elsewhere; none for ``cond``."""
-    b, g, y = ctx.b, grads[0], ctx.outputs[0]
+    b, g, y = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.outputs[0]
     cond = ctx.x(0)
     zero = b.scalar(0.0, y)
     return [
@@ -444,7 +446,7 @@ def where(ctx: GradContext, grads: Grads) -> InGrads:
 def sum_(ctx: GradContext, grads: Grads) -> InGrads:
     """``dx_i = g``, summed over the broadcast axes of ``x_i``."""
     return [
-        ctx.unbroadcast(grads[0], x) if ctx.need(i) and x is not None else None
+        ctx.unbroadcast(ctx.grad_or_zeros(grads, 0), x) if ctx.need(i) and x is not None else None
         for i, x in enumerate(ctx.inputs)
     ]
 
@@ -453,7 +455,7 @@ def sum_(ctx: GradContext, grads: Grads) -> InGrads:
 def mean(ctx: GradContext, grads: Grads) -> InGrads:
     """``y = (x_1 + ... + x_n) / n``: ``dx_i = g / n``, summed over ``x_i``'s broadcast axes."""
     b, y = ctx.b, ctx.outputs[0]
-    share = b.Mul(grads[0], b.scalar(1.0 / len(ctx.inputs), y))
+    share = b.Mul(ctx.grad_or_zeros(grads, 0), b.scalar(1.0 / len(ctx.inputs), y))
     return [
         ctx.unbroadcast(share, x) if ctx.need(i) and x is not None else None
         for i, x in enumerate(ctx.inputs)

@@ -28,12 +28,12 @@ def _sum_over_axis(ctx: GradContext, value: ir.Value) -> ir.Value:
 @register_gradient("Softmax", since=13)
 def softmax(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``y = exp(x) / sum(exp(x), axis)``: ``dx = y (g - sum(g y, axis))``."""
-    b, g, y = ctx.b, grads[0], ctx.outputs[0]
+    b, g, y = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.outputs[0]
     return [b.Mul(y, b.Sub(g, _sum_over_axis(ctx, b.Mul(g, y))))]
 
 
 @register_gradient("LogSoftmax", since=13)
 def log_softmax(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``y = x - log(sum(exp(x), axis))``: ``dx = g - exp(y) sum(g, axis)``."""
-    b, g, y = ctx.b, grads[0], ctx.outputs[0]
+    b, g, y = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.outputs[0]
     return [b.Sub(g, b.Mul(b.Exp(y), _sum_over_axis(ctx, g)))]
