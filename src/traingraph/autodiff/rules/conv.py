@@ -174,10 +174,11 @@ def transposed_conv_to(
     w: ir.Value,
     win: Window,
     group: int,
-    x: ir.Value,
+    like: ir.Value,
+    in_dims: Sequence[int | None],
     out_dims: Sequence[int | None],
 ) -> ir.Value:
-    """``ConvTranspose(g, w)`` over ``win``, shaped exactly like ``x`` in its spatial dimensions.
+    """``ConvTranspose(g, w)`` over ``win``, with exactly the spatial shape ``in_dims`` of ``like``.
 
     The transposed convolution of the ``O`` windows spans ``full = (O - 1) * s + extent``
     padded positions. Where the sizes are static, the end padding cropped is
@@ -191,13 +192,14 @@ def transposed_conv_to(
         w: Weight in Conv layout ``[M, C / group, k...]``.
         win: The window geometry of the forward node.
         group: Number of groups.
-        x: The forward input, whose spatial shape the result takes.
+        like: A tensor of the result's rank and (run-time) shape, such as the forward input.
+        in_dims: The static spatial sizes of ``like`` (None where unknown).
         out_dims: The number of windows per axis (None where unknown).
     """
     n = len(win.kernel)
     ends, out_pad, fit = [], [], False
     for size, o, s, e, pb, pe in zip(
-        spatial_dims(x, n), out_dims, win.strides, win.extents, win.begins, win.ends
+        in_dims, out_dims, win.strides, win.extents, win.begins, win.ends
     ):
         if size is not None and o is not None:
             full = (o - 1) * s + e
@@ -218,8 +220,8 @@ def transposed_conv_to(
     if not fit:
         return dx
     axes = list(range(2, n + 2))
-    dx = b.slice(dx, [0] * n, b.shape(x, 2), axes)
-    missing = b.Sub(b.shape(x), b.shape(dx))
+    dx = b.slice(dx, [0] * n, b.shape(like, 2), axes)
+    missing = b.Sub(b.shape(like), b.shape(dx))
     return b.op("Pad", dx, b.Concat(b.Sub(missing, missing), missing, axis=0))
 
 
@@ -277,7 +279,8 @@ def conv(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     group = int(ctx.attr("group", 1))
     dx = dw = db = None
     if ctx.need(0):
-        dx = transposed_conv_to(b, g, w, win, group, x, win.out_dims(spatial_dims(x, len(kernel))))
+        sizes = spatial_dims(x, len(kernel))
+        dx = transposed_conv_to(b, g, w, win, group, x, sizes, win.out_dims(sizes))
     if ctx.need(1):
         dw = conv_weight_grad(b, x, g, w, win, group)
     if ctx.need(2):

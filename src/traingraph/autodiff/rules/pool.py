@@ -1,0 +1,168 @@
+"""Gradients of MaxPool, AveragePool, GlobalAveragePool and GlobalMaxPool.
+
+- Max pooling routes each output gradient to the input element it selected (on ties, the first
+  in row-major window order, as onnxruntime and PyTorch pick it):
+  ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``. The positions come from MaxPool's ``Indices``
+  output (flattened over ``N x C x D...``) and the gradients are scatter-added into zeros.
+- Average pooling is linear, ``Y[o] = sum_{i in window(o)} X[i] / div(o)``, so
+  ``dL/dX = ConvTranspose(G / div, ones)`` per channel. ``1 / div(o)`` is read off the forward
+  op itself, ``AveragePool(ones)[o] / count(o)`` with ``count(o)`` the input elements (not
+  padding) in window ``o``, so it matches every ``count_include_pad`` / ``ceil_mode`` convention.
+- The global pools are the same over the whole spatial extent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from traingraph.autodiff.context import GradContext
+from traingraph.autodiff.registry import register_gradient
+from traingraph.autodiff.rules.conv import (
+    Window,
+    kernel_shape,
+    sliding_window,
+    spatial_dims,
+    transposed_conv_to,
+)
+from traingraph.ir.builder import OpBuilder
+
+Grads = Sequence[ir.Value | None]
+
+
+def _max_pool_indices(ctx: GradContext) -> ir.Value:
+    """Row-major flat argmax positions of the node's windows, from its ``Indices`` output or
+    from a second MaxPool with the same attributes that returns them."""
+    outputs = ctx.outputs
+    if len(outputs) > 1 and outputs[1].name and not ctx.attr("storage_order", 0):
+        return outputs[1]
+    attrs = {name: attr for name, attr in ctx.node.attributes.items() if name != "storage_order"}
+    _, indices = ctx.b.op("MaxPool", ctx.x(0), num_outputs=2, **attrs)
+    return indices
+
+
+def _scatter_add(
+    b: OpBuilder, zeros: ir.Value, indices: ir.Value, updates: ir.Value, win: Window
+) -> ir.Value:
+    """``zeros`` (flat) with ``updates`` added at the flat ``indices`` of a pooling's windows.
+
+    From opset 16, one ``ScatterElements(reduction="add")``. Below, ScatterElements only
+    overwrites, so the windows are split into classes that never overlap: windows whose output
+    positions agree modulo ``r = ceil(extent / stride)`` along every axis are at least
+    ``extent`` apart, hence pick distinct elements. Each class is scattered on its own and the
+    results are summed.
+    """
+    if b.opset >= 16:
+        flat = [b.Reshape(v, b.ints([-1])) for v in (indices, updates)]
+        return b.ScatterElements(zeros, *flat, axis=0, reduction="add")
+    n = len(win.kernel)
+    periods = [-(-e // s) for e, s in zip(win.extents, win.strides)]
+    axes = list(range(2, n + 2))
+    parts = []
+    for offsets in itertools.product(*(range(p) for p in periods)):
+        picked = [
+            b.Reshape(b.slice(v, list(offsets), [2**62] * n, axes, periods), b.ints([-1]))
+            for v in (indices, updates)
+        ]
+        parts.append(b.ScatterElements(zeros, *picked, axis=0))
+    return parts[0] if len(parts) == 1 else b.Sum(*parts)
+
+
+@register_gradient("MaxPool")
+def max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Gradient of ``MaxPool``: ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``."""
+    g = grads[0]
+    if g is None:
+        return []
+    b, x = ctx.b, ctx.x(0)
+    win = sliding_window(ctx, kernel_shape(ctx, None), x)
+    zeros = b.Reshape(b.zeros_like(x), b.ints([-1]))
+    dx = _scatter_add(b, zeros, _max_pool_indices(ctx), g, win)
+    return [b.reshape_like(dx, x)]
+
+
+def _average_scale(ctx: GradContext, win: Window, x: ir.Value) -> ir.Value:
+    """``1 / div(o)`` for every window ``o``, shaped ``[1, 1, O...]`` (or a scalar).
+
+    Static spatial sizes: ``AveragePool(ones)[o] / count(o)``, all constants (onnxruntime folds
+    them when the session starts). Unknown sizes: windows without padding or ``ceil_mode`` all
+    hold ``prod(kernel)`` input elements.
+    """
+    b, n = ctx.b, len(win.kernel)
+    ceil_mode = bool(ctx.attr("ceil_mode", 0))
+    sizes = spatial_dims(x, n)
+    if any(size is None for size in sizes):
+        if ceil_mode or any(win.begins) or any(win.ends):
+            ctx.unsupported(
+                "padding or ceil_mode with unknown spatial input sizes (input shape"
+                f" {x.shape}) is not supported; give the input static spatial dimensions"
+            )
+        return b.scalar(1.0 / math.prod(win.kernel), like=x)
+    counts = np.ones((1, 1), dtype=np.float64)
+    for size, o, s, d, k, pb in zip(
+        sizes, win.out_dims(sizes, ceil_mode), win.strides, win.dilations, win.kernel, win.begins
+    ):
+        starts = np.arange(o)[:, None] * s - pb + np.arange(k)[None, :] * d
+        inside = ((starts >= 0) & (starts < size)).sum(axis=1)
+        counts = counts[..., None] * inside
+    ones = b.op(
+        "ConstantOfShape",
+        b.ints([1, 1, *sizes]),
+        value=ir.tensor(np.ones((1,), dtype=x.dtype.numpy())),
+    )
+    averaged = b.op("AveragePool", ones, **dict(ctx.node.attributes))
+    return b.Div(averaged, b.const(counts, like=x))
+
+
+@register_gradient("AveragePool")
+def average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Gradient of ``AveragePool``: ``dL/dX = ConvTranspose(G / div, ones)`` per channel."""
+    g = grads[0]
+    if g is None:
+        return []
+    b, x = ctx.b, ctx.x(0)
+    win = sliding_window(ctx, kernel_shape(ctx, None), x)
+    n = len(win.kernel)
+    planes = b.ints([-1, 1] + [0] * n)
+    scaled = b.Reshape(b.Mul(g, _average_scale(ctx, win, x)), planes)
+    ones = b.const(np.ones((1, 1, *win.kernel)), like=x)
+    sizes = spatial_dims(x, n)
+    dx = transposed_conv_to(
+        b, scaled, ones, win, 1, b.Reshape(x, planes), sizes,
+        win.out_dims(sizes, bool(ctx.attr("ceil_mode", 0))),
+    )
+    return [b.reshape_like(dx, x)]
+
+
+@register_gradient("GlobalAveragePool")
+def global_average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Gradient of ``GlobalAveragePool``: ``dL/dX[n, c, i] = G[n, c] / prod(D)``."""
+    g = grads[0]
+    if g is None:
+        return []
+    b, x = ctx.b, ctx.x(0)
+    sizes: list[int | None] = [None] if x.shape is None else spatial_dims(x, len(x.shape) - 2)
+    if all(size is not None for size in sizes):
+        count = b.scalar(float(math.prod(sizes)), like=x)
+    else:
+        count = b.cast_like(b.Div(b.op("Size", x), b.op("Size", g)), x)
+    return [b.Expand(b.Div(g, count), b.shape(x))]
+
+
+@register_gradient("GlobalMaxPool")
+def global_max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Gradient of ``GlobalMaxPool``: ``G[n, c]`` goes to the first maximum of ``X[n, c]``."""
+    g = grads[0]
+    if g is None:
+        return []
+    b, x = ctx.b, ctx.x(0)
+    flat = b.ints([0, 0, -1])
+    first_max = b.ArgMax(b.Reshape(x, flat), axis=2, keepdims=1)
+    routed = b.ScatterElements(
+        b.Reshape(b.zeros_like(x), flat), first_max, b.Reshape(g, b.ints([0, 0, 1])), axis=2
+    )
+    return [b.reshape_like(routed, x)]
