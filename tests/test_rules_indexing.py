@@ -125,7 +125,7 @@ def test_gather_elements_against_take_along_dim():
 
 
 # --------------------------------------------------------------------------------- GatherND
-@pytest.mark.parametrize(("opset", "dynamic"), [(13, "all"), (16, "none"), (16, "batch")])
+@pytest.mark.parametrize(("opset", "dynamic"), [(13, "all"), (16, "none"), (18, "batch")])
 @pytest.mark.parametrize(
     ("shape", "indices", "batch_dims"),
     [
