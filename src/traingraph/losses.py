@@ -103,7 +103,7 @@ def _reduce(
 
 def _typed(value: ir.Value, like: ir.Value, shape: ir.Shape | None) -> ir.Value:
     """Record ``like``'s dtype and ``shape`` on ``value`` (when it has none)."""
-    if value.dtype is None:
+    if value.dtype is None and like.dtype is not None:
         value.dtype = like.dtype
     if value.shape is None and shape is not None:
         value.shape = shape
@@ -540,8 +540,8 @@ def _broadcast(shape: ir.Shape | None, other: tuple[int, ...]) -> ir.Shape | Non
     """The shape of a tensor of ``shape`` broadcast with a constant of shape ``other``."""
     if shape is None:
         return None
-    dims = list(shape.dims)
-    dims = [1] * (len(other) - len(dims)) + dims
+    dims: list[int | ir.SymbolicDim] = [1] * (len(other) - len(shape))
+    dims.extend(shape.dims)
     padded = (1,) * (len(dims) - len(other)) + tuple(other)
     return ir.Shape([d if o == 1 else o for d, o in zip(dims, padded)])
 

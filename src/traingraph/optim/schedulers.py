@@ -74,23 +74,27 @@ def _require(name: str, condition: bool, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
-def _check_steps(name: str, warmup_step_count: Any, total_step_count: Any) -> None:
+def _count(name: str, arg: str, value: Any, minimum: int) -> int:
+    """``value`` as an int, checked to be an integer of at least ``minimum``."""
+    kind = "non-negative" if minimum == 0 else "positive"
     _require(
         name,
-        isinstance(warmup_step_count, numbers.Integral) and warmup_step_count >= 0,
-        f"warmup_step_count must be a non-negative int; got {warmup_step_count!r}",
+        isinstance(value, numbers.Integral) and int(value) >= minimum,
+        f"{arg} must be a {kind} int; got {value!r}",
     )
+    return int(value)
+
+
+def _step_counts(name: str, warmup_step_count: Any, total_step_count: Any) -> tuple[int, int]:
+    """The checked ``(warmup_step_count, total_step_count)``: ``0 <= warmup <= total >= 1``."""
+    warmup = _count(name, "warmup_step_count", warmup_step_count, 0)
+    total = _count(name, "total_step_count", total_step_count, 1)
     _require(
         name,
-        isinstance(total_step_count, numbers.Integral) and total_step_count >= 1,
-        f"total_step_count must be a positive int; got {total_step_count!r}",
+        total >= warmup,
+        f"total_step_count ({total}) must be at least warmup_step_count ({warmup})",
     )
-    _require(
-        name,
-        total_step_count >= warmup_step_count,
-        f"total_step_count ({total_step_count}) must be at least warmup_step_count"
-        f" ({warmup_step_count})",
-    )
+    return warmup, total
 
 
 class LinearLRScheduler(LRScheduler):
@@ -118,9 +122,9 @@ class LinearLRScheduler(LRScheduler):
         total_step_count: int,
         initial_lr: float,
     ) -> None:
-        _check_steps(type(self).__name__, warmup_step_count, total_step_count)
-        self.warmup_step_count = warmup_step_count
-        self.total_step_count = total_step_count
+        self.warmup_step_count, self.total_step_count = _step_counts(
+            type(self).__name__, warmup_step_count, total_step_count
+        )
         super().__init__(optimizer, initial_lr)
 
     def lr_at(self, step: int) -> float:
@@ -157,14 +161,14 @@ class CosineLRScheduler(LRScheduler):
         min_lr: float = 0.0,
     ) -> None:
         name = type(self).__name__
-        _check_steps(name, warmup_step_count, total_step_count)
+        self.warmup_step_count, self.total_step_count = _step_counts(
+            name, warmup_step_count, total_step_count
+        )
         _require(
             name,
             0 <= min_lr <= initial_lr,
             f"min_lr must be in [0, initial_lr={initial_lr}]; got {min_lr}",
         )
-        self.warmup_step_count = warmup_step_count
-        self.total_step_count = total_step_count
         self.min_lr = float(min_lr)
         super().__init__(optimizer, initial_lr)
 
@@ -193,13 +197,8 @@ class StepLRScheduler(LRScheduler):
         self, optimizer: LearningRateSetter, step_size: int, gamma: float, initial_lr: float
     ) -> None:
         name = type(self).__name__
-        _require(
-            name,
-            isinstance(step_size, numbers.Integral) and step_size >= 1,
-            f"step_size must be a positive int; got {step_size!r}",
-        )
+        self.step_size = _count(name, "step_size", step_size, 1)
         _require(name, gamma > 0, f"gamma must be positive; got {gamma}")
-        self.step_size = step_size
         self.gamma = float(gamma)
         super().__init__(optimizer, initial_lr)
 
