@@ -33,17 +33,21 @@ W4 = [0.5, 1.0, 2.0, 1.5]
 
 
 def loss_model(
-    loss: Loss, outputs: list[np.ndarray], opset: int = 17, output_names: tuple[str, ...] = ()
+    loss: Loss, outputs: list[np.ndarray], opset: int = 17, all_dynamic: bool = False
 ) -> onnx.ModelProto:
-    """A model whose inputs are the (dynamic batch) model outputs and the loss's labels."""
-    names = output_names or tuple(f"pred{i}" for i in range(len(outputs)))
+    """A model whose inputs are the model outputs and the loss's labels.
+
+    The outputs have a symbolic batch dimension, or only symbolic dimensions with ``all_dynamic``.
+    """
     preds = [
         ir.Value(
-            name=name,
-            shape=ir.Shape(["batch", *a.shape[1:]]),
+            name=f"pred{i}",
+            shape=ir.Shape(
+                [f"d{k}" for k in range(a.ndim)] if all_dynamic else ["batch", *a.shape[1:]]
+            ),
             type=ir.TensorType(ir.DataType.from_numpy(a.dtype)),
         )
-        for name, a in zip(names, outputs)
+        for i, a in enumerate(outputs)
     ]
     labels = [
         ir.Value(name=spec.name, shape=spec.shape, type=ir.TensorType(spec.dtype))
@@ -154,7 +158,9 @@ CASES = [
 ]  # fmt: skip
 
 
-def run_case(case: Case, reduction: str, dtype: type, opset: int = 17) -> None:
+def run_case(
+    case: Case, reduction: str, dtype: type, opset: int = 17, all_dynamic: bool = False
+) -> None:
     rng = np.random.default_rng(0)
     pred = rng.standard_normal(case.pred_shape) * case.pred_scale
     if case.log_probabilities:
@@ -164,7 +170,7 @@ def run_case(case: Case, reduction: str, dtype: type, opset: int = 17) -> None:
     if labels.dtype.kind == "f":
         labels = labels.astype(dtype)
     loss = case.make(reduction)
-    model = loss_model(loss, [pred], opset=opset)
+    model = loss_model(loss, [pred], opset=opset, all_dynamic=all_dynamic)
     onnx.checker.check_model(model, full_check=True)
     spec = loss.label_specs(
         [ir.Value(name="p", shape=ir.Shape(list(pred.shape)),
@@ -203,6 +209,15 @@ def test_loss_matches_torch_float32(case: Case) -> None:
 @pytest.mark.parametrize("case_id", ["ce_smoothing_weight_ignore_spatial", "bce", "huber"])
 def test_loss_across_opsets(case_id: str, opset: int) -> None:
     run_case(next(c for c in CASES if c.id == case_id), "mean", np.float64, opset=opset)
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    ["ce_smoothing_weight_ignore_spatial", "ce_probabilities_weight_smoothing_spatial", "mse"],
+)
+def test_loss_with_every_dimension_dynamic(case_id: str) -> None:
+    """The class count comes from the run-time shape when it is not static."""
+    run_case(next(c for c in CASES if c.id == case_id), "mean", np.float64, all_dynamic=True)
 
 
 def test_custom_loss_over_two_outputs() -> None:

@@ -254,8 +254,10 @@ def test_invalid_models() -> None:
         build_optimizer_model(SGD(), [ParamInfo("a", (1,), f32), ParamInfo("b", (1,), f64)])
     with pytest.raises(ValueError, match="one floating-point dtype"):
         build_optimizer_model(SGD(), [ParamInfo("a", (1,), np.dtype(np.int64))])
-    with pytest.raises(ValueError, match="unique"):
+    with pytest.raises(ValueError, match=r"unique; \['a', 'a_grad'\] appear"):
         build_optimizer_model(SGD(), [ParamInfo("a", (1,), f32), ParamInfo("a", (2,), f32)])
+    with pytest.raises(ValueError, match=r"unique; \['step'\]"):
+        build_optimizer_model(SGD(), [ParamInfo("step", (1,), f32)])
     with pytest.raises(ValueError, match="opset 12 is not supported"):
         build_optimizer_model(SGD(), [ParamInfo("a", (1,), f32)], opset=12)
     twice = chain(scale_by_adam(), scale_by_adam(), scale_by_learning_rate())

@@ -7,9 +7,9 @@ output; :class:`CustomLoss` builds any loss over any outputs.
 
 Example:
     >>> loss = CrossEntropyLoss(label_smoothing=0.1)
-    >>> loss.label_specs([logits])
-    [LabelSpec(name='labels', dtype=DataType.INT64, shape=Shape([SymbolicDim(batch)]))]
-    >>> value = loss.build(b, [logits], [labels])
+    >>> [spec] = loss.label_specs([logits])  # int64 labels of shape (batch,) for (batch, C) logits
+    >>> labels = ir.Value(name=spec.name, type=ir.TensorType(spec.dtype), shape=spec.shape)
+    >>> value = loss.build(b, [logits], [labels])  # b: an OpBuilder on the logits' graph
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _class_count(b: OpBuilder, x: ir.Value) -> ir.Value:
     classes = _static_dim(x, 1)
     if classes is not None:
         return b.scalar(float(classes), like=x)
-    return b.cast(b.squeeze(b.shape(x, 1, 2), [0]), x.dtype)  # type: ignore[arg-type]
+    return b.cast_like(b.squeeze(b.shape(x, 1, 2), [0]), x)
 
 
 def _class_dims(x: ir.Value) -> ir.Shape | None:
@@ -216,8 +216,7 @@ def _nll(
 
     ``mean`` divides :math:`\sum_i \ell_i` by :math:`\sum_i m_i w_{t_i}`.
     """
-    b_ignore = b.const(np.int64(ignore_index), name="ignore_index")
-    ignored = b.Equal(target, b_ignore)
+    ignored = b.Equal(target, b.const(np.int64(ignore_index), name="ignore_index"))
     safe_target = b.Where(ignored, b.const(np.int64(0), name="zero_index"), target)
     zero, one = b.scalar(0.0, like=x), b.scalar(1.0, like=x)
     keep = b.Where(ignored, zero, one)

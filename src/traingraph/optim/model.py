@@ -62,16 +62,12 @@ def _tensor(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> ir.Value:
 
 
 def _check(params: list[ParamInfo], opset: int) -> None:
-    """Validate the parameters (one float dtype, unique names) and the opset."""
+    """Validate the parameters' dtypes (one float dtype) and the opset."""
     if not MIN_OPSET <= opset <= max_supported_opset():
         raise ValueError(
             f"opset {opset} is not supported; pass an opset from {MIN_OPSET} to"
             f" {max_supported_opset()}"
         )
-    names = [p.name for p in params]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"parameter names must be unique; {duplicates} appear more than once")
     dtypes = {np.dtype(p.dtype) for p in params}
     if any(d.kind != "f" for d in dtypes) or len(dtypes) > 1:
         raise ValueError(
@@ -97,8 +93,8 @@ def build_optimizer_model(
         docstring for its inputs and outputs.
 
     Raises:
-        ValueError: For an unsupported opset, duplicate parameter names or parameters of
-            several (or non-float) dtypes.
+        ValueError: For an unsupported opset, parameters of several (or non-float) dtypes, or
+            names that clash.
     """
     infos = param_infos(params)
     _check(infos, opset)
@@ -108,6 +104,14 @@ def build_optimizer_model(
     param_in = [_tensor(p.name, p.dtype, p.shape) for p in infos]
     grad_in = [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos]
     state_in = {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots}
+    names = [v.name for v in (lr_in, step_in, *param_in, *grad_in)] + [s.name for s in slots]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"the optimizer model's input names must be unique; {duplicates} appear more than"
+            " once (parameter names clash with each other, with 'learning_rate' or 'step', or"
+            " with gradient or state names). Rename the parameters."
+        )
     graph = ir.Graph(
         [lr_in, step_in, *param_in, *grad_in, *state_in.values()],
         [],
