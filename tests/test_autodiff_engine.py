@@ -292,12 +292,16 @@ def test_op_without_rule_raises(make: Any, op: str, node: str, wrt: list[str]) -
         ({"stop_gradients": ["nope"]}, "stop_gradients tensor 'nope'"),
         ({"user_gradients": ["nope"]}, "user_gradients tensor 'nope'"),
         ({"wrt": ["axes"]}, "only floating-point"),
+        ({"wrt": ["ww"]}, r"did you mean one of \['w'"),
+        ({"wrt": ["w", "w"]}, "'w' twice"),
+        ({"wrt": ["x"]}, "already has a tensor named x_grad"),
     ],
 )
 def test_bad_names_raise_model_error(kwargs: dict[str, Any], match: str) -> None:
     nodes = [
         helper.make_node("Mul", ["x", "w"], ["h"]),
         helper.make_node("ReduceSum", ["h", "axes"], ["loss"], keepdims=0),
+        helper.make_node("Neg", ["x"], ["x_grad"]),
     ]
     model = make_model(nodes, {"x": [2, 3]}, ["loss"], {"w": r(3), "axes": np.array([1])})
     with pytest.raises(traingraph.ModelError, match=match):

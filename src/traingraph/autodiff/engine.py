@@ -7,6 +7,7 @@ rule (see :mod:`traingraph.autodiff.registry`) for its input gradients, accumula
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -106,6 +107,12 @@ def differentiate(
         contributions[loss] = [seed]
         result.seed = seed
     for target in user_targets:
+        if target.type is None:
+            raise ModelError(
+                f"user_gradients tensor {target.name!r} has no known type, so its gradient input"
+                f" {target.name}_user_grad cannot be declared; give the model value_info for it"
+                " (onnx.shape_inference.infer_shapes) or pick a tensor of known type"
+            )
         grad_input = ir.Value(
             name=f"{target.name}_user_grad", shape=target.shape, type=target.type
         )
@@ -226,9 +233,11 @@ def build_gradient_graph(
 
     def lookup(name: str, what: str) -> ir.Value:
         if name not in values:
+            close = difflib.get_close_matches(name, list(values), n=5)
+            hint = f"did you mean one of {close}?" if close else f"e.g. {sorted(values)[:8]}."
             raise ModelError(
                 f"{what} {name!r} is not a tensor of the model. Expected one of its inputs,"
-                f" initializers or node outputs, e.g. {sorted(values)[:8]}."
+                f" initializers or node outputs; {hint}"
             )
         return values[name]
 
@@ -242,11 +251,20 @@ def build_gradient_graph(
         wrt_values = [v for v in graph.initializers.values() if is_float(v)]
     else:
         wrt_values = [lookup(name, "wrt tensor") for name in wrt]
+    seen: set[str] = set()
     for v in wrt_values:
         if v.dtype is not None and not is_float(v):
             raise ModelError(
                 f"wrt tensor {v.name!r} has dtype {v.dtype}; only floating-point tensors carry"
                 " gradients. Remove it from wrt."
+            )
+        if v.name in seen:
+            raise ModelError(f"wrt names {v.name!r} twice; name each tensor once")
+        seen.add(v.name or "")
+        if f"{v.name}_grad" in values:
+            raise ModelError(
+                f"the model already has a tensor named {v.name}_grad, the name of the gradient"
+                f" output of wrt tensor {v.name!r}; rename that tensor first"
             )
     result = differentiate(
         graph,
