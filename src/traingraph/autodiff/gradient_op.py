@@ -119,8 +119,8 @@ def _lower_one(graph: ir.Graph, opset: int, node: ir.Node) -> None:
         g = result.grads[x.name or ""]
         new = b.Identity(g if g is not None else b.zeros_like(x))
         new.shape, new.type = x.shape, x.type
-        name = old.name
+        out_name = old.name
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
         old.name = None
-        new.name = name
+        new.name = out_name
     graph.remove(node, safe=True)
