@@ -27,6 +27,7 @@ from traingraph.optim import (
     chain,
     clip_by_global_norm,
     init_state,
+    scale,
     scale_by_adam,
     scale_by_learning_rate,
     state_slots,
@@ -263,3 +264,13 @@ def test_invalid_models() -> None:
     twice = chain(scale_by_adam(), scale_by_adam(), scale_by_learning_rate())
     with pytest.raises(ValueError, match="state slot named 'a.exp_avg'"):
         build_optimizer_model(Optimizer("twice", 0.1, twice), [ParamInfo("a", (1,), f32)])
+
+
+def test_scale_in_a_custom_chain() -> None:
+    """``chain(scale(c), scale_by_learning_rate())`` steps by ``-lr * c * g``."""
+    optimizer = Optimizer("scaled_sgd", 0.1, chain(scale(0.5), scale_by_learning_rate()))
+    model = build_optimizer_model(optimizer, [ParamInfo("w", (3,), np.dtype(np.float64))])
+    w, g = np.array([1.0, -2.0, 3.0]), np.array([0.5, 0.25, -1.0])
+    feeds = {"learning_rate": np.array(0.25, np.float32), "step": np.array(1, np.int64)}
+    (w_out,) = session(model).run(None, feeds | {"w": w, "w_grad": g})
+    np.testing.assert_allclose(w_out, w - 0.25 * 0.5 * g, rtol=1e-15)
