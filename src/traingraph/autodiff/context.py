@@ -92,8 +92,10 @@ class GradContext:
         g = grads[i] if i < len(grads) else None
         return g if g is not None else self.b.zeros_like(self.node.outputs[i])
 
-    def unbroadcast(self, grad: ir.Value, target: ir.Value, source: ir.Value | None = None) -> ir.Value:
-        """Sum ``grad`` (shaped like ``source``, default the node's first output) down to ``target``'s shape.
+    def unbroadcast(
+        self, grad: ir.Value, target: ir.Value, source: ir.Value | None = None
+    ) -> ir.Value:
+        """Sum ``grad`` (shaped like ``source``, default: the first output) to ``target``'s shape.
 
         Uses the static shapes where every dimension is known and a run-time reduction otherwise.
         """
