@@ -104,7 +104,7 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
             " updates; put stop_gradients on them"
         )
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
-    g = grads[0]
+    g = ctx.grad_or_zeros(grads, 0)
     r = _known_rank(ctx, x, 2)
     axes = _channel_axes(r)
     eps = float(ctx.attr("epsilon", 1e-5))
@@ -151,7 +151,7 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
 def instance_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """InstanceNormalization: statistics over the spatial axes ``2..r-1`` of each (n, c)."""
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
-    g = grads[0]
+    g = ctx.grad_or_zeros(grads, 0)
     r = _known_rank(ctx, x, 3)
     xhat, rstd = standardize(b, x, list(range(2, r)), float(ctx.attr("epsilon", 1e-5)))
     axes = _channel_axes(r)
@@ -225,7 +225,7 @@ def group_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     scale and bias are per group at opset 18-20 and per channel from opset 21.
     """
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
-    g = grads[0]
+    g = ctx.grad_or_zeros(grads, 0)
     r = _known_rank(ctx, x, 2)
     groups = int(ctx.attr("num_groups", 0))
     if groups <= 0:

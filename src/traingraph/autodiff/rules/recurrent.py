@@ -256,7 +256,7 @@ def unroll(
         else:
             r_zr, r_h = b.split(r, [2 * spec.hidden, spec.hidden], axis=0)
             r_zr_t, r_h_t = b.Transpose(r_zr, perm=[1, 0]), b.Transpose(r_h, perm=[1, 0])
-        hs: list[ir.Value | None] = [None] * spec.steps
+        hs: dict[int, ir.Value] = {}
         order = range(spec.steps - 1, -1, -1) if reverse else range(spec.steps)
         for t in order:
             step = b.squeeze(steps[t], [0])
@@ -265,7 +265,7 @@ def unroll(
             else:
                 h = _gru_step(b, step, h, r_zr_t, r_h_t, rb_h, spec)
             hs[t] = h
-        ys.append(hs)
+        ys.append([hs[t] for t in range(spec.steps)])
         last_h.append(h)
         last_c.append(c)
     outputs: list[ir.Value | None] = [None] * len(wanted)
@@ -282,17 +282,16 @@ def unroll(
 def _recurrent_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Backpropagation through time over the unrolled node (see the module docstring)."""
     recurrent_spec(ctx)
-    real = list(ctx.inputs)
+    real = {i: v for i, v in enumerate(ctx.inputs) if v is not None and i != _SEQUENCE_LENS}
     placeholders = {
         i: ir.Value(name=ctx.b.fresh_name(f"input{i}"), shape=v.shape, type=v.type)
-        for i, v in enumerate(real)
-        if v is not None and i != _SEQUENCE_LENS
+        for i, v in real.items()
     }
     scratch = ir.Graph(
         list(placeholders.values()), [], nodes=[], opset_imports={"": ctx.opset}
     )
     rebuilt = OpBuilder(scratch, ctx.opset, prefix=ctx.b.fresh_name("unrolled"))
-    stand_ins = [placeholders.get(i) for i in range(len(real))]
+    stand_ins = [placeholders.get(i) for i in range(len(ctx.inputs))]
     outputs = unroll(ctx, rebuilt, stand_ins, [g is not None for g in grads])
     ShapeInferencePass()(ir.Model(scratch, ir_version=max_ir_version()))
     targets = [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None]
@@ -314,7 +313,7 @@ def _recurrent_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     ctx.b.graph.extend(nodes)
     return [
         result.grads[placeholders[i].name or ""] if i in placeholders and ctx.need(i) else None
-        for i in range(len(real))
+        for i in range(len(ctx.inputs))
     ]
 
 
