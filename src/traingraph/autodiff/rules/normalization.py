@@ -114,17 +114,17 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
             f"BatchNormalization-9 with {len(ctx.outputs)} outputs (training mode) is not"
             " supported; export the model at opset 14 or later (training_mode attribute)"
         )
-    for i in (1, 2):
-        if ctx.has_input(i) and ctx.x(i).dtype != x.dtype:
+    for i in (1, 2) if training else (1, 2, 3, 4):
+        if ctx.x(i).dtype != x.dtype:
             ctx.unsupported(
                 f"input {i} has dtype {ctx.x(i).dtype} but X has {x.dtype}; expected one dtype"
             )
-    scale_b = _per_channel(b, scale, r)
     out: list[ir.Value | None] = [None] * 5
     if training:
         xhat, rstd = standardize(b, x, axes, eps)
         if ctx.need(0):
-            out[0] = standardize_grad(b, b.Mul(g, scale_b), xhat, rstd, axes)
+            gh = b.Mul(g, _per_channel(b, scale, r))
+            out[0] = standardize_grad(b, gh, xhat, rstd, axes)
     else:
         mean_b = _per_channel(b, ctx.x(3), r)
         rstd = b.Reciprocal(b.Sqrt(b.Add(ctx.x(4), b.scalar(eps, x))))
