@@ -205,6 +205,10 @@ def test_batchnorm_cnn_trains_and_updates_running_stats(tmp_path):
         artifact_directory=tmp_path,
     )
     state, module, opt = _open(tmp_path)
+    # Tracing in training mode ran one forward pass, which moved the exported running stats.
+    with torch.no_grad():
+        torch_model.bn.running_mean.copy_(torch.tensor(state.parameters["bn.running_mean"].data))
+        torch_model.bn.running_var.copy_(torch.tensor(state.parameters["bn.running_var"].data))
     torch_opt = torch.optim.SGD(torch_model.parameters(), lr=0.1)
     rng = np.random.default_rng(0)
     for _ in range(5):

@@ -375,13 +375,13 @@ class Module:
             state.grad_scratch = state.grads.like()
         target = state.grad_scratch if accumulate else state.grads
         assert target is not None
-        for name in self._trainable:
-            runner.bind_output(f"{name}_grad", target.ortvalue(name))
+        outs: dict[str, ort.OrtValue | None] = {
+            f"{name}_grad": target.ortvalue(name) for name in self._trainable
+        }
         for out, buffer in self._buffer_outputs.items():
-            runner.bind_output(out, state.buffers.alt.ortvalue(buffer))
-        for name in self._train_outputs:
-            runner.bind_output(name, None)
-        outputs = runner.run()
+            outs[out] = state.buffers.alt.ortvalue(buffer)
+        outs.update(dict.fromkeys(self._train_outputs))
+        outputs = runner.run(outs)
         if accumulate:
             self._accumulate()
         if self._buffer_outputs:
@@ -406,11 +406,12 @@ class Module:
                 self._device,
             )
         total = state.grads.like()
+        outs: dict[str, ort.OrtValue | None] = {}
         for i, name in enumerate(self._trainable):
             self._accumulator.bind_input(f"a{i}", state.grads.ortvalue(name))
             self._accumulator.bind_input(f"b{i}", scratch.ortvalue(name))
-            self._accumulator.bind_output(f"s{i}", total.ortvalue(name))
-        self._accumulator.run()
+            outs[f"s{i}"] = total.ortvalue(name)
+        self._accumulator.run(outs)
         state.grads = total
 
     def _eval_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
@@ -425,14 +426,16 @@ class Module:
             runner.bind_input(name, value)
         for name in self._eval_params:
             runner.bind_input(name, state.ortvalue(name))
-        for name in self._eval_outputs:
-            runner.bind_output(name, None)
-        return runner.run()
+        return runner.run(dict.fromkeys(self._eval_outputs))
 
     # ---------------------------------------------------------- parameters
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """All parameters (or the trainable ones) as one flat OrtValue, in checkpoint order."""
-        return ort.OrtValue.ortvalue_from_numpy(self._runtime.contiguous(trainable_only))
+        flat = self._runtime.contiguous(trainable_only)
+        # An OrtValue that owns its memory: ortvalue_from_numpy would only borrow ``flat``.
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(flat.shape), flat.dtype, "cpu", 0)
+        value.update_inplace(flat)
+        return value
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
         """Number of elements that :meth:`get_contiguous_parameters` returns."""
@@ -590,14 +593,15 @@ class Optimizer:
         runner = self._runner
         runner.bind_input("learning_rate", np.array(state.learning_rate, dtype=np.float32))
         runner.bind_input("step", np.array(state.step + 1, dtype=np.int64))
+        outs: dict[str, ort.OrtValue | None] = {}
         for name in self._params:
             runner.bind_input(name, state.trainable.cur.ortvalue(name))
             runner.bind_input(f"{name}_grad", state.grads.ortvalue(name))
-            runner.bind_output(f"{name}_out", state.trainable.alt.ortvalue(name))
+            outs[f"{name}_out"] = state.trainable.alt.ortvalue(name)
         for name in slots.cur:
             runner.bind_input(name, slots.cur.ortvalue(name))
-            runner.bind_output(f"{name}_out", slots.alt.ortvalue(name))
-        runner.run()
+            outs[f"{name}_out"] = slots.alt.ortvalue(name)
+        runner.run(outs)
         state.trainable.swap()
         slots.swap()
         state.step += 1

@@ -8,6 +8,7 @@ own persistent buffers; their initial values travel in the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.errors import ModelError
@@ -99,6 +101,7 @@ def build_program(
     train = ir.from_proto(proto)
     buffer_updates = _to_training_mode(train.graph, params, opset)
     loss_value, label_names = _attach_loss(train.graph, opset, loss, loss_input_names)
+    _infer_shapes(train)
     extra = [values_by_name(train.graph)[n] for n in additional_output_names or ()]
     wrt = [values_by_name(train.graph)[n] for n, r in params.items() if r]
     result = differentiate(train.graph, opset, wrt, loss=loss_value, prefix="grad")
@@ -145,6 +148,13 @@ def build_program(
         output_names=[LOSS_OUTPUT, *(additional_output_names or ())],
         buffer_updates=dict(_buffer_targets(buffer_updates)),
     )
+
+
+def _infer_shapes(m: ir.Model) -> None:
+    """Annotate the loss block's values with shapes, which some gradient rules need."""
+    # Shape inference is a help, not a requirement: rules that need a shape say so.
+    with contextlib.suppress(Exception):
+        common_passes.ShapeInferencePass()(m)
 
 
 def _describe_optimizer(

@@ -285,7 +285,10 @@ class OpBuilder:
         target = static_shape(like)
         if target is not None and static_shape(x) == target:
             return x
-        return self.op("Reshape", x, self.ints(target) if target is not None else self.shape(like))
+        shape = self.ints(target) if target is not None else self.shape(like)
+        if self.opset >= 14:
+            return self.op("Reshape", x, shape, allowzero=1)
+        return self.op("Reshape", x, shape)
 
 
 def _taken_names(graph: ir.Graph) -> set[str]:

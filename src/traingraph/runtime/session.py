@@ -96,41 +96,49 @@ class BoundRunner:
         self.binding = session.io_binding()
         self.inputs = {i.name: i for i in session.get_inputs()}
         self.outputs = [o.name for o in session.get_outputs()]
-        self._bound_outputs: set[str] = set()
+        self._alive: dict[str, object] = {}
 
     def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
+        """Bind ``name`` to ``value``; the runner keeps ``value`` alive until it is rebound
+        (onnxruntime reads host arrays in place at run time)."""
+        self._alive[name] = value
         if isinstance(value, ort.OrtValue):
             self.binding.bind_ortvalue_input(name, value)
         else:
             self.binding.bind_cpu_input(name, value)
 
-    def bind_output(self, name: str, value: ort.OrtValue | None) -> None:
-        """Bind ``name`` to a buffer, or (None) to a fresh allocation on the device each run."""
-        if value is None:
-            self.binding.bind_output(name, self.device.ort_device_type, self.device.index)
-            self._bound_outputs.discard(name)
-        else:
-            self.binding.bind_ortvalue_output(name, value)
-            self._bound_outputs.add(name)
-
-    def run(self) -> dict[str, ort.OrtValue]:
-        """Run; returns every output by name (buffers bound by the caller included)."""
-        self.binding.synchronize_inputs()
-        self.session.run_with_iobinding(self.binding)
-        self.binding.synchronize_outputs()
-        return dict(zip(self.outputs, self.binding.get_outputs()))
+    def run(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, ort.OrtValue]:
+        """Run with ``outputs`` bound: name -> a buffer to write, or None for a fresh allocation
+        on the device. Returns those outputs by name."""
+        binding = self.binding
+        binding.clear_binding_outputs()
+        order = [name for name in self.outputs if name in outputs]
+        if len(order) != len(outputs):
+            unknown = sorted(set(outputs) - set(order))
+            raise ModelError(f"outputs {unknown} are not outputs of the model ({self.outputs})")
+        for name in order:
+            value = outputs[name]
+            if value is None:
+                binding.bind_output(name, self.device.ort_device_type, self.device.index)
+            else:
+                binding.bind_ortvalue_output(name, value)
+        binding.synchronize_inputs()
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        return dict(zip(order, binding.get_outputs()))
 
 
 def check_feeds(
     session_inputs: Mapping[str, Any], names: list[str], feeds: Mapping[str, Any]
 ) -> None:
     """Raise a ModelError naming the expected input names, ranks, fixed dims or dtypes."""
+    for name in feeds:
+        if name not in names:
+            raise ModelError(f"unknown input {name!r}; the model expects inputs {names}")
     for name in names:
         if name not in feeds:
             raise ModelError(f"missing input {name!r}; the model expects inputs {names}")
     for name, value in feeds.items():
-        if name not in session_inputs:
-            raise ModelError(f"unknown input {name!r}; the model expects inputs {names}")
         info = session_inputs[name]
         shape = tuple(value.shape() if isinstance(value, ort.OrtValue) else np.shape(value))
         expected = info.shape
