@@ -1,0 +1,5 @@
+"""``python -m traingraph``: the ``traingraph`` command line."""
+
+from traingraph.cli import main
+
+main()
