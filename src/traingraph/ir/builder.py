@@ -156,10 +156,11 @@ class OpBuilder:
         array = np.asarray(value)
         if dtype is not None:
             array = array.astype(dtype.numpy())
-        out = self.op("Constant", name=name or "const", value=ir.tensor(array))
+        tensor = ir.tensor(array)
+        out = self.op("Constant", name=name or "const", value=tensor)
         out.dtype = ir.DataType.from_numpy(array.dtype) if dtype is None else dtype
         out.shape = ir.Shape(array.shape)
-        out.const_value = ir.tensor(array)
+        out.const_value = tensor
         return out
 
     def ints(self, values: Sequence[int], name: str | None = None) -> ir.Value:

@@ -117,6 +117,10 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     dimensions come first (``g'``): ``dx'[d] = sum_{i: index[i] = d} g'[i]``.
     """
     b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
+    if int(ctx.attr("axis", 0)) == 0:
+        # Axis 0 needs no rank: the rows are the first dimension whatever follows.
+        index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, 0))
+        return [scatter_add_rows(ctx, b.shape(x), index, g)]
     r = _known_rank(ctx, x, "the data input")
     axis = int(ctx.attr("axis", 0)) % r
     index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, axis))
