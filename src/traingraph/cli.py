@@ -85,11 +85,23 @@ def _error(message: str) -> click.ClickException:
 
 
 # ---------------------------------------------------------------------------------------- data
+def _load_onnx(path: Path, load_external_data: bool = True) -> Any:
+    import onnx
+
+    try:
+        return onnx.load(os.fspath(path), load_external_data=load_external_data)
+    except Exception as exc:
+        raise _error(
+            f"{str(path)!r} is not a readable ONNX model ({type(exc).__name__}); pass an .onnx"
+            " file saved by onnx.save or torch.onnx.export"
+        ) from None
+
+
 def _model_io(path: Path) -> tuple[dict[str, np.dtype], list[str]]:
     """The graph inputs (name -> numpy dtype) and output names of an ONNX file."""
     import onnx
 
-    model = onnx.load(os.fspath(path), load_external_data=False)
+    model = _load_onnx(path, load_external_data=False)
     inputs = {
         i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
         for i in model.graph.input
@@ -342,11 +354,18 @@ def train_command(ctx: click.Context, source: str | None, resume: str | None, ou
         )  # fmt: skip
         name = DEMO if source is None else Path(source).stem
         run = RunFolder.create(out, name)
-        _prepare_run(run, settings)
+        try:
+            _prepare_run(run, settings)
+            run.save_settings(settings)
+            code = _train(run, settings, resume=False)
+        except BaseException:
+            if not run.checkpoint.exists():
+                shutil.rmtree(run.root, ignore_errors=True)
+            raise
+        ctx.exit(code)
+    if given:
         run.save_settings(settings)
-    if resume is not None and given:
-        run.save_settings(settings)
-    ctx.exit(_train(run, settings, resume is not None))
+    ctx.exit(_train(run, settings, resume=True))
 
 
 def _prepare_run(run: RunFolder, settings: dict[str, Any]) -> None:
@@ -377,10 +396,10 @@ def _prepare_run(run: RunFolder, settings: dict[str, Any]) -> None:
 
 
 def _scheduler(settings: dict[str, Any], optimizer: Any, total: int) -> Any:
-    """The run's learning-rate schedule over ``total`` steps, from the optimizer's rate."""
+    """The run's learning-rate schedule over ``total`` steps, from its initial rate."""
     from traingraph.optim import ConstantLRScheduler, CosineLRScheduler, LinearLRScheduler
 
-    lr = optimizer.get_learning_rate()
+    lr = settings["lr"]
     warmup = min(settings["warmup"], total)
     if settings["scheduler"] == "linear":
         return LinearLRScheduler(optimizer, warmup, total, lr)
@@ -400,8 +419,9 @@ def _train(run: RunFolder, settings: dict[str, Any], resume: bool) -> int:
     dtypes = {n: dtypes[n] for n in trainer.input_names}
     train, val = _datasets(settings, dtypes)
     batches = Batches(train, settings["batch_size"], seed=settings["seed"])
-    if settings["lr"] is not None and not resume:
-        trainer.optimizer.set_learning_rate(settings["lr"])
+    if settings["lr"] is None:
+        settings["lr"] = trainer.optimizer.get_learning_rate()
+        run.save_settings(settings)
     scheduler = _scheduler(settings, trainer.optimizer, settings["epochs"] * len(batches))
     metrics = _metrics(dtypes, trainer.module.output_names())
     writer = MetricsWriter(run.root)
@@ -574,21 +594,31 @@ def _parameter_lines(arrays: dict[str, Any], trainable: dict[str, bool] | None) 
     return lines
 
 
+def _lacking_rules(model: Any) -> list[Any]:
+    """The nodes on a float path from an input or initializer that have no gradient rule."""
+    from traingraph.autodiff.engine import NON_DIFFERENTIABLE
+    from traingraph.autodiff.registry import get_rule
+    from traingraph.ir.builder import is_float
+    from traingraph.ir.model import default_opset, load_ir
+
+    m = load_ir(model)
+    opset = default_opset(m)
+    live = {v for v in [*m.graph.inputs, *m.graph.initializers.values()] if is_float(v)}
+    lacking = []
+    for node in m.graph:
+        if node.op_type in NON_DIFFERENTIABLE or not any(v in live for v in node.inputs):
+            continue
+        live.update(o for o in node.outputs if o.dtype is None or is_float(o))
+        if get_rule(node.domain, node.op_type, opset) is None:
+            lacking.append(node)
+    return lacking
+
+
 def _describe_model(path: Path) -> list[str]:
     import onnx
 
-    from traingraph.autodiff.engine import NON_DIFFERENTIABLE
-    from traingraph.autodiff.registry import get_rule
-
-    try:
-        model = onnx.load(os.fspath(path))
-    except Exception as exc:
-        raise _error(
-            f"{str(path)!r} is neither a checkpoint nor a readable ONNX model"
-            f" ({type(exc).__name__}); pass an .onnx file or a checkpoint"
-        ) from None
+    model = _load_onnx(path)
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
-    opset = opsets.get("ai.onnx", 0)
 
     def tensor(v: onnx.ValueInfoProto) -> str:
         t = v.type.tensor_type
@@ -598,11 +628,7 @@ def _describe_model(path: Path) -> list[str]:
 
     initializers = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
     counts = collections.Counter(n.op_type for n in model.graph.node)
-    missing = [
-        n
-        for n in model.graph.node
-        if n.op_type not in NON_DIFFERENTIABLE and get_rule(n.domain, n.op_type, opset) is None
-    ]
+    lacking = _lacking_rules(model)
     lines = [
         f"{path}: ONNX model, IR version {model.ir_version}, opset"
         f" {', '.join(f'{d} {v}' for d, v in opsets.items())}"
@@ -613,15 +639,16 @@ def _describe_model(path: Path) -> list[str]:
         f"ops ({len(model.graph.node)} nodes): "
         + ", ".join(f"{op} x{c}" if c > 1 else op for op, c in sorted(counts.items())),
     ]
-    if missing:
-        lines.append(f"gradients: {len(missing)} node(s) have no gradient rule:")
-        lines += [f"  op {n.op_type} at node {n.name or '<unnamed>'!r}" for n in missing]
+    if lacking:
+        lines.append(f"gradients: {len(lacking)} node(s) on a float path have no gradient rule:")
+        lines += [f"  op {n.op_type} at node {n.name or '<unnamed>'!r}" for n in lacking]
         lines.append(
-            "  Training fails if these nodes lie between a parameter and the loss; register a"
-            " rule with traingraph.autodiff.register_gradient or re-export without these ops."
+            "  Training fails if one of them lies between a parameter and the loss: register a"
+            " rule with traingraph.autodiff.register_gradient, or re-export the model without"
+            " these ops."
         )
     else:
-        lines.append("gradients: every op has a gradient rule (or carries no gradient)")
+        lines.append("gradients: every op on a float path has a gradient rule")
     return lines
 
 
