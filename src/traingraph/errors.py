@@ -30,8 +30,8 @@ class GradientNotImplementedError(TraingraphError, NotImplementedError):
         what = reason or f"no gradient rule is registered for op {qualified!r}"
         lines = [
             f"cannot differentiate node {node_name!r} (op {qualified}, opset {opset}): {what}.",
-            "To fix: put traingraph's stop_gradients on the tensors that feed this node if they need"
-            " no gradient, register a rule with traingraph.autodiff.register_gradient"
+            "To fix: put traingraph's stop_gradients on the tensors that feed this node if they"
+            " need no gradient, register a rule with traingraph.autodiff.register_gradient"
             f"({op_type!r}), or re-export the model so that it uses supported ops.",
         ]
         if supported:

@@ -2,7 +2,8 @@
 
 A rule is a function ``rule(ctx, grads) -> grads_in``: ``grads`` holds the gradient of each node
 output (None where no gradient flows into it) and the rule returns one gradient per node input
-(None for inputs that carry no gradient). ``ctx`` is a :class:`~traingraph.autodiff.context.GradContext`.
+(None for inputs that carry no gradient). ``ctx`` is a
+:class:`~traingraph.autodiff.context.GradContext`.
 
 Example:
     >>> @register_gradient("Neg")
@@ -25,9 +26,7 @@ Rule = Callable[["GradContext", "Sequence[ir.Value | None]"], "Sequence[ir.Value
 _RULES: dict[tuple[str, str], list[tuple[int, Rule]]] = {}
 
 
-def register_gradient(
-    op_type: str, domain: str = "", since: int = 1
-) -> Callable[[Rule], Rule]:
+def register_gradient(op_type: str, domain: str = "", since: int = 1) -> Callable[[Rule], Rule]:
     """Register ``rule`` as the gradient of ``domain::op_type`` for opsets ``>= since``.
 
     A later registration for the same key and ``since`` replaces the earlier one, so users can
@@ -72,4 +71,3 @@ def _load_builtin_rules() -> None:
     from traingraph.autodiff import rules
 
     rules.load_all()
-

@@ -117,7 +117,9 @@ class OpBuilder:
         """Append one default-domain node and return its output (or tuple of outputs)."""
         attrs = [_to_attr(k, v) for k, v in attributes.items() if v is not None]
         node_name = self.fresh_name(name or op_type)
-        outputs = [ir.Value(name=self.fresh_name(f"{name or op_type}_out{i}")) for i in range(num_outputs)]
+        outputs = [
+            ir.Value(name=self.fresh_name(f"{name or op_type}_out{i}")) for i in range(num_outputs)
+        ]
         node = ir.Node(
             "",
             op_type,
@@ -216,7 +218,9 @@ class OpBuilder:
     def unsqueeze(self, x: ir.Value, axes: Axes) -> ir.Value:
         return self.op("Unsqueeze", x, self._axes(axes))
 
-    def split(self, x: ir.Value, sizes: Sequence[int] | ir.Value, axis: int = 0) -> tuple[ir.Value, ...]:
+    def split(
+        self, x: ir.Value, sizes: Sequence[int] | ir.Value, axis: int = 0
+    ) -> tuple[ir.Value, ...]:
         """``Split`` into pieces of ``sizes`` along ``axis`` (always returns a tuple)."""
         if isinstance(sizes, ir.Value):
             raise TypeError("split needs a static list of sizes; pass a Python sequence")
@@ -230,7 +234,9 @@ class OpBuilder:
         if self.opset >= 15:
             return self.op("Shape", x, start=start, end=end)
         full = self.op("Shape", x)
-        return self.slice(full, [0 if start is None else start], [end if end is not None else 2**62], [0])
+        return self.slice(
+            full, [0 if start is None else start], [end if end is not None else 2**62], [0]
+        )
 
     def slice(
         self,
@@ -275,9 +281,13 @@ class OpBuilder:
         dims = static_shape(x)
         shape = self.ints(dims) if dims is not None else self.shape(x)
         if x.dtype is None:
-            filled = self.op("ConstantOfShape", shape, value=ir.tensor(np.full((1,), value, np.float32)))
+            filled = self.op(
+                "ConstantOfShape", shape, value=ir.tensor(np.full((1,), value, np.float32))
+            )
             return self.op("CastLike", filled, x)
-        out = self.op("ConstantOfShape", shape, value=ir.tensor(np.full((1,), value, x.dtype.numpy())))
+        out = self.op(
+            "ConstantOfShape", shape, value=ir.tensor(np.full((1,), value, x.dtype.numpy()))
+        )
         out.dtype = x.dtype
         return out
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
-from typing import Union
+from typing import TypeAlias
 
 import onnx
 import onnx_ir as ir
@@ -13,7 +14,7 @@ import onnx_ir.passes.common as common_passes
 
 from traingraph.errors import ModelError
 
-ModelLike = Union[str, os.PathLike, onnx.ModelProto, ir.Model]
+ModelLike: TypeAlias = "str | os.PathLike[str] | onnx.ModelProto | ir.Model"
 
 MIN_OPSET = 13
 # Over this size a model is saved with its tensors in an external data file.
@@ -29,7 +30,9 @@ def load_ir(model: ModelLike, *, copy: bool = True, infer_shapes: bool = True) -
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         if not path.is_file():
-            raise ModelError(f"model file {str(path)!r} does not exist; pass the path of an .onnx file")
+            raise ModelError(
+                f"model file {str(path)!r} does not exist; pass the path of an .onnx file"
+            )
         try:
             proto = onnx.load(str(path))
         except Exception as exc:
@@ -65,10 +68,9 @@ def _prepare(m: ir.Model, *, infer_shapes: bool) -> None:
         common_passes.InlinePass()(m)
         common_passes.RemoveUnusedFunctionsPass()(m)
     if infer_shapes:
-        try:
+        # Shape inference is a help, not a requirement: rules that need a shape say so.
+        with contextlib.suppress(Exception):
             common_passes.ShapeInferencePass()(m)
-        except Exception:  # noqa: BLE001 - shape inference is a help, not a requirement
-            pass
 
 
 def default_opset(m: ir.Model) -> int:
@@ -108,8 +110,10 @@ def _newest_loadable(candidates: range, settings) -> int:  # type: ignore[no-unt
             graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version
         )
         try:
-            onnxruntime.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-        except Exception:  # noqa: BLE001 - any refusal means "not supported"
+            onnxruntime.InferenceSession(
+                probe.SerializeToString(), providers=["CPUExecutionProvider"]
+            )
+        except Exception:
             return False
         return True
 
