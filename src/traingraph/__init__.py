@@ -4,4 +4,35 @@ from traingraph.errors import GradientNotImplementedError, ModelError, Traingrap
 
 __version__ = "0.1.0"
 
-__all__ = ["GradientNotImplementedError", "ModelError", "TraingraphError", "__version__"]
+__all__ = [
+    "Graph",
+    "GradientNotImplementedError",
+    "InferenceGraph",
+    "ModelError",
+    "TensorSpec",
+    "TraingraphError",
+    "TrainingGraph",
+    "__version__",
+    "layers",
+    "losses",
+    "optim",
+]
+
+_LAZY_ATTRIBUTES = {
+    "Graph": "traingraph.graph.graph",
+    "TensorSpec": "traingraph.graph.graph",
+    "TrainingGraph": "traingraph.graph.training",
+    "InferenceGraph": "traingraph.graph.inference",
+}
+_LAZY_MODULES = {"layers", "losses", "optim"}
+
+
+def __getattr__(name: str) -> object:
+    """Import the graph API and the ``layers``, ``losses`` and ``optim`` modules on first use."""
+    import importlib
+
+    if name in _LAZY_ATTRIBUTES:
+        return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"traingraph.{name}")
+    raise AttributeError(f"module 'traingraph' has no attribute {name!r}")

@@ -1,0 +1,151 @@
+"""What training and inference graphs share: compile options, results, ordered async execution."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import onnxruntime as ort
+
+from traingraph.runtime.session import SessionConfig
+
+__all__ = ["CompileOptions", "ExecutionResult", "OnComplete"]
+
+T = TypeVar("T")
+OnComplete = Callable[[Any, BaseException | None], None]
+
+
+@dataclass
+class CompileOptions:
+    """How a graph is compiled.
+
+    Attributes:
+        debug: No fusion, and after every phase the parameters and gradients are synchronised
+            to the host (``ExecutionResult.parameters`` / ``.gradients``).
+        disable_fusion: Run the graphs without onnxruntime's graph optimizations (no fusion).
+        compute_all_gradients: Also compute the gradients of every data input.
+        profile: Report each phase's execution time in ``ExecutionResult.times``.
+        intra_op_threads: onnxruntime threads per op (0: its default).
+    """
+
+    debug: bool = False
+    disable_fusion: bool = False
+    compute_all_gradients: bool = False
+    profile: bool = False
+    intra_op_threads: int = 0
+
+    def session_config(self) -> SessionConfig:
+        level = "disable" if self.debug or self.disable_fusion else "all"
+        return SessionConfig(optimization=level, intra_op_threads=self.intra_op_threads)
+
+
+@dataclass
+class ExecutionResult:
+    """What one execution returns (host copies).
+
+    Attributes:
+        loss: The loss (None for a phase that does not compute it, or without a loss).
+        outputs: The graph outputs and added outputs by name.
+        times: Seconds per phase ("forward", "gradient", "optimizer"), when profiling.
+        parameters: The parameters after the phase, in debug mode.
+        gradients: The parameter gradients after the gradient phase, in debug mode.
+    """
+
+    loss: np.ndarray | None = None
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    times: dict[str, float] = field(default_factory=dict)
+    parameters: dict[str, np.ndarray] = field(default_factory=dict)
+    gradients: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def merge(self, other: ExecutionResult) -> ExecutionResult:
+        """This result with ``other``'s fields added (other's values win)."""
+        if other.loss is not None:
+            self.loss = other.loss
+        self.outputs.update(other.outputs)
+        self.times.update(other.times)
+        self.parameters.update(other.parameters)
+        self.gradients.update(other.gradients)
+        return self
+
+
+class OrderedExecutor:
+    """Runs submitted work on one worker thread, in submission order.
+
+    Synchronous calls go through the same queue, so they see the effect of every asynchronous
+    call made before them; a call made from the worker itself (an ``on_complete`` callback)
+    runs at once.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._worker: threading.Thread | None = None
+
+    def _in_worker(self) -> bool:
+        return threading.current_thread() is self._worker
+
+    def run(
+        self,
+        fn: Callable[[], T],
+        asynchronous: bool = False,
+        on_complete: OnComplete | None = None,
+    ) -> T | Future[T]:
+        """Run ``fn``; returns its result, or a Future when ``asynchronous``.
+
+        ``on_complete(result, error)`` is called before the Future resolves.
+        """
+
+        def task() -> T:
+            self._worker = threading.current_thread()
+            try:
+                result = fn()
+            except BaseException as error:
+                if on_complete is not None:
+                    on_complete(None, error)
+                raise
+            if on_complete is not None:
+                on_complete(result, None)
+            return result
+
+        if self._in_worker():
+            if asynchronous:
+                future: Future[T] = Future()
+                try:
+                    future.set_result(task())
+                except BaseException as error:  # noqa: BLE001 - handed to the future
+                    future.set_exception(error)
+                return future
+            return task()
+        future = self._pool.submit(task)
+        return future if asynchronous else future.result()
+
+    def wait(self) -> None:
+        """Block until everything submitted so far has run."""
+        if not self._in_worker():
+            self._pool.submit(lambda: None).result()
+
+
+def host(value: ort.OrtValue) -> np.ndarray:
+    """A host copy of an OrtValue."""
+    return np.array(value.numpy(), copy=True)
+
+
+def as_device_feed(value: Any, device_type: str, device_index: int) -> ort.OrtValue:
+    """``value`` as an OrtValue on the device, owning its own copy of the data."""
+    if isinstance(value, ort.OrtValue):
+        return value
+    array = np.array(value, copy=True, order="C")
+    return ort.OrtValue.ortvalue_from_numpy(array, device_type, device_index)
+
+
+def check_names(kind: str, given: Mapping[str, Any], expected: list[str]) -> None:
+    """Raise a ValueError when ``given`` misses or adds names against ``expected``."""
+    missing = [n for n in expected if n not in given]
+    unknown = [n for n in given if n not in expected]
+    if missing or unknown:
+        raise ValueError(
+            f"{kind}: expected {expected}; missing {missing}, unknown {unknown}"
+        )
