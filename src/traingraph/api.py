@@ -489,7 +489,7 @@ def export_inference_model(
     graph.outputs.clear()
     graph.outputs.extend(values[n] for n in graph_output_names)
     for value in list(graph.inputs):
-        if value.name in parameters:
+        if value.name is not None and value.name in parameters:
             graph.inputs.remove(value)
             value.const_value = ir.tensor(
                 np.ascontiguousarray(parameters[value.name]), name=value.name

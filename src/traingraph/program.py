@@ -182,7 +182,7 @@ def _initializer_array(graph: ir.Graph, name: str) -> np.ndarray:
 
 
 def _bn_buffers(graph: ir.Graph) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for node in graph:
         if node.op_type == "BatchNormalization":
             names.update(v.name for v in node.inputs[3:5] if v is not None and v.name)

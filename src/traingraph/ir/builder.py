@@ -190,7 +190,7 @@ class OpBuilder:
         noop_with_empty_axes: bool = False,
     ) -> ir.Value:
         """A ``Reduce*`` node; ``axes`` None reduces all axes."""
-        extra = {"noop_with_empty_axes": 1} if noop_with_empty_axes else {}
+        extra: dict[str, Any] = {"noop_with_empty_axes": 1} if noop_with_empty_axes else {}
         if self.opset >= _AXES_INPUT_SINCE[op_type]:
             if axes is None:
                 return self.op(op_type, x, keepdims=int(keepdims), **extra)

@@ -104,7 +104,8 @@ def build_optimizer_model(
     param_in = [_tensor(p.name, p.dtype, p.shape) for p in infos]
     grad_in = [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos]
     state_in = {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots}
-    names = [v.name for v in (lr_in, step_in, *param_in, *grad_in)] + [s.name for s in slots]
+    names = [v.name or "" for v in (lr_in, step_in, *param_in, *grad_in)]
+    names += [s.name for s in slots]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(

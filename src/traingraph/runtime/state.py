@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 import onnxruntime as ort
@@ -21,8 +22,8 @@ class TrainingState:
     """
 
     def __init__(
-        self, data: CheckpointData, device: Device, buffers: set[str] = frozenset()
-    ) -> None:  # type: ignore[assignment]
+        self, data: CheckpointData, device: Device, buffers: AbstractSet[str] = frozenset()
+    ) -> None:
         self.device = device
         self.names = list(data.parameters)
         self.requires_grad = dict(data.requires_grad)
