@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 import torch
+import torch.nn.grad
 
 from traingraph.autodiff.rules.conv import Window, conv_weight_grad, transposed_conv_to
 from traingraph.ir.builder import OpBuilder
@@ -102,14 +103,22 @@ def _transposed_conv(b: OpBuilder, x: ir.Value, dy: ir.Value, w: ir.Value, pad: 
     return b.Transpose(grad, perm=swap)
 
 
+def _transposed(case: Case) -> Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
+    return lambda b, x, dy, w: _transposed_conv(b, x, dy, w, case.pad)
+
+
 def _input_grad(case: Case) -> Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
     sizes = [case.size] * 2
     outs = [case.out_size] * 2
     return lambda b, x, dy, w: transposed_conv_to(b, dy, w, case.window, case.group, x, sizes, outs)
 
 
+def _runner(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> Callable[[], np.ndarray]:
+    return lambda: sess.run(None, feeds)[0]
+
+
 def _time_interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int
+    fns: Mapping[str, Callable[[], object]], repeats: int
 ) -> dict[str, tuple[float, float]]:
     """``{name: (median ms, min ms)}``; each repeat runs every function once, in turn, so that
     changes in the machine's load fall on all of them alike."""
@@ -142,13 +151,11 @@ def run(case: Case, repeats: int, threads: int) -> dict[str, tuple[float, float,
     }
     builders = {"unfold": _unfold(case)}
     if case.group == 1:
-        builders["transposed_conv"] = lambda b, x, dy, w: _transposed_conv(b, x, dy, w, case.pad)
+        builders["transposed_conv"] = _transposed(case)
     for name, build in builders.items():
-        sess = _session(case, build, threads)
-        fns[name] = lambda s=sess: s.run(None, feeds)[0]
+        fns[name] = _runner(_session(case, build, threads), feeds)
     fns["torch input"] = lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tdy, **kw).numpy()
-    sess = _session(case, _input_grad(case), threads)
-    fns["conv_transpose input"] = lambda: sess.run(None, feeds)[0]
+    fns["conv_transpose input"] = _runner(_session(case, _input_grad(case), threads), feeds)
 
     ref_w = torch.nn.grad.conv2d_weight(tx.double(), tw.shape, tdy.double(), **kw).numpy()
     ref_x = torch.nn.grad.conv2d_input(tx.shape, tw.double(), tdy.double(), **kw).numpy()

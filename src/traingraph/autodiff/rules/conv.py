@@ -102,8 +102,8 @@ def kernel_shape(ctx: GradContext, w_index: int | None) -> tuple[int, ...]:
         return tuple(int(k) for k in attr)
     if w_index is not None:
         w = ctx.x(w_index)
-        dims = [] if w.shape is None else list(w.shape.dims[2:])
-        if dims and all(isinstance(d, int) for d in dims):
+        dims = [] if w.shape is None else [d for d in w.shape.dims[2:] if isinstance(d, int)]
+        if dims and w.shape is not None and len(dims) == len(w.shape) - 2:
             return tuple(dims)
     ctx.unsupported(
         "the kernel size is unknown: the node has no kernel_shape attribute and the weight's"
@@ -268,7 +268,7 @@ def conv_weight_grad(
 
 
 def channel_count(x: ir.Value, w: ir.Value, group: int) -> int | None:
-    """The static channel count of ``x`` (from its shape, else the weight's ``C / group``)."""
+    """The static channel count of ``x``: its dimension 1, else the weight's times ``group``."""
     for value, index, scale in ((x, 1, 1), (w, 1, group)):
         if value.shape is not None and len(value.shape) > index:
             dim = value.shape.dims[index]
@@ -315,8 +315,8 @@ def transpose_window(ctx: GradContext, kernel: tuple[int, ...], x: ir.Value) -> 
     output_shape = ctx.attr("output_shape")
     if not output_shape and auto_pad in ("NOTSET", "VALID"):
         return explicit_window(ctx, kernel, strides, dilations, auto_pad)
-    sizes = spatial_dims(x, n)
-    if any(size is None for size in sizes):
+    sizes = [size for size in spatial_dims(x, n) if size is not None]
+    if len(sizes) < n:
         ctx.unsupported(
             "output_shape or auto_pad=SAME_* needs static spatial input dimensions to place the"
             f" padding, got input shape {x.shape}; export with explicit pads"

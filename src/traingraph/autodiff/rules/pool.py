@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -40,7 +41,9 @@ def _max_pool_indices(ctx: GradContext) -> ir.Value:
     outputs = ctx.outputs
     if len(outputs) > 1 and outputs[1].name and not ctx.attr("storage_order", 0):
         return outputs[1]
-    attrs = {name: attr for name, attr in ctx.node.attributes.items() if name != "storage_order"}
+    attrs: dict[str, Any] = {
+        name: attr for name, attr in ctx.node.attributes.items() if name != "storage_order"
+    }
     _, indices = ctx.b.op("MaxPool", ctx.x(0), num_outputs=2, **attrs)
     return indices
 
@@ -94,8 +97,8 @@ def _average_scale(ctx: GradContext, win: Window, x: ir.Value) -> ir.Value:
     """
     b, n = ctx.b, len(win.kernel)
     ceil_mode = bool(ctx.attr("ceil_mode", 0))
-    sizes = spatial_dims(x, n)
-    if any(size is None for size in sizes):
+    sizes = [size for size in spatial_dims(x, n) if size is not None]
+    if len(sizes) < n or x.dtype is None:
         if ceil_mode or any(win.begins) or any(win.ends):
             ctx.unsupported(
                 "padding or ceil_mode with unknown spatial input sizes (input shape"
@@ -114,7 +117,8 @@ def _average_scale(ctx: GradContext, win: Window, x: ir.Value) -> ir.Value:
         b.ints([1, 1, *sizes]),
         value=ir.tensor(np.ones((1,), dtype=x.dtype.numpy())),
     )
-    averaged = b.op("AveragePool", ones, **dict(ctx.node.attributes))
+    attrs: dict[str, Any] = dict(ctx.node.attributes)
+    averaged = b.op("AveragePool", ones, **attrs)
     return b.Div(averaged, b.const(counts, like=x))
 
 
@@ -145,8 +149,9 @@ def global_average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     if g is None:
         return []
     b, x = ctx.b, ctx.x(0)
-    sizes: list[int | None] = [None] if x.shape is None else spatial_dims(x, len(x.shape) - 2)
-    if all(size is not None for size in sizes):
+    dims = [None] if x.shape is None else spatial_dims(x, len(x.shape) - 2)
+    sizes = [size for size in dims if size is not None]
+    if len(sizes) == len(dims):
         count = b.scalar(float(math.prod(sizes)), like=x)
     else:
         count = b.cast_like(b.Div(b.op("Size", x), b.op("Size", g)), x)
