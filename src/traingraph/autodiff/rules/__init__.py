@@ -14,15 +14,10 @@ FAMILIES = (
     "normalization",
     "loss",
     "recurrent",
-    "training",
 )
 
 
 def load_all() -> None:
     """Import every rule module (each registers its rules on import)."""
     for family in FAMILIES:
-        try:
-            importlib.import_module(f"{__name__}.{family}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{family}":
-                raise
+        importlib.import_module(f"{__name__}.{family}")
