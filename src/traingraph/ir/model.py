@@ -134,10 +134,15 @@ def to_proto(m: ir.Model) -> onnx.ModelProto:
 
 
 def save(m: ir.Model | onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Save a model, with external data when it is too large for one protobuf."""
+    """Save a model (never modifying ``m``), with its tensors in ``<file>.data`` when it is
+    too large for one protobuf."""
     proto = to_proto(m) if isinstance(m, ir.Model) else m
     path = Path(path)
     if not _small_enough(proto) or proto.ByteSize() > EXTERNAL_DATA_THRESHOLD:
+        if proto is m:
+            # onnx.save rewrites the tensors of the proto it is given into external references.
+            proto = onnx.ModelProto()
+            proto.CopyFrom(m)
         onnx.save(
             proto,
             str(path),
