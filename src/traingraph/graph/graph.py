@@ -132,7 +132,7 @@ class Graph:
         self.builder = OpBuilder(self.ir_graph, opset, prefix=name)
         self.parameters: dict[str, np.ndarray | WeightSource] = {}
         self.frozen: set[str] = set()
-        self._layer_names: dict[int, str] = {}
+        self._layer_names: dict[int, tuple[object, str]] = {}  # the graph keeps its layers alive
         self._kind_counts: dict[str, int] = {}
 
     def __repr__(self) -> str:
@@ -195,8 +195,8 @@ class Graph:
                 count = self._kind_counts.get(kind, 0)
                 self._kind_counts[kind] = count + 1
                 name = f"{kind}{count}"
-            self._layer_names[key] = name
-        return self._layer_names[key]
+            self._layer_names[key] = (layer, name)
+        return self._layer_names[key][1]
 
     def wrap(self, value: ir.Value, like: Tensor | None = None) -> Tensor:
         """A handle to ``value``; its dtype defaults to that of ``like``."""
@@ -225,7 +225,7 @@ class Graph:
     # ------------------------------------------------------------- output
     def to_onnx(self) -> onnx.ModelProto:
         """The graph as a standard ONNX model, with the parameter values embedded."""
-        return self._model(load_weights=True)
+        return to_proto(load_ir(self._model(load_weights=True)))
 
     def save(self, path: str | os.PathLike) -> None:
         """Save the graph as an ``.onnx`` file (large weights go to external data)."""

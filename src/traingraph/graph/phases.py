@@ -30,7 +30,8 @@ class PhaseModels:
     """The two phases of a train graph.
 
     Attributes:
-        forward: Inputs: data, labels, parameters. Outputs: the forward outputs, then ``saved``.
+        forward: Inputs: data, labels, parameters. Outputs: the forward outputs, then the
+            ``saved`` ones that are not forward outputs already.
         gradient: Inputs: parameters, data and labels it reads, ``saved``, user gradients.
             Outputs: the gradients.
         saved: The activations handed from the forward phase to the gradient phase.
@@ -107,7 +108,9 @@ def split_phases(
         return phase
 
     return PhaseModels(
-        forward=build("forward", fwd_nodes, [], [*forward_outputs, *saved]),
+        forward=build(
+            "forward", fwd_nodes, [], [*forward_outputs, *[v for v in saved if v not in forward_outputs]]
+        ),
         gradient=build("gradient", grad_nodes, saved, list(gradient_outputs)),
         saved=saved,
         full=full,
