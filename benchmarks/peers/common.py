@@ -1,0 +1,97 @@
+"""What every benchmark runner shares: arguments, the timed loop and the JSON it prints.
+
+A runner is a script run by ``benchmarks/run.py`` in its own process (and virtual
+environment). It reads the cache entry written by :mod:`benchmarks.models`, takes
+``warmup + steps`` training steps over the cached batches, and prints one JSON object on its
+last stdout line: step times, losses, peak resident memory and setup time. This module only
+needs numpy and the standard library, so it runs in every environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULT_PREFIX = "BENCH-RESULT "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run one benchmark system on one model.")
+    parser.add_argument("--entry", type=Path, required=True, help="cache entry directory")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--config", default="{}", help="system options as a JSON object")
+    return parser.parse_args(argv)
+
+
+def load_entry(entry: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(meta, weights, data)`` of a cache entry (see ``benchmarks.models.prepare``)."""
+    meta = json.loads((entry / "meta.json").read_text())
+    with np.load(entry / "weights.npz") as w:
+        weights = {k: w[k] for k in w.files}
+    with np.load(entry / "data.npz") as d:
+        data = {k: d[k] for k in d.files}
+    return meta, weights, data
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-memory high-water mark, in MiB."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 1024.0
+
+
+def timed_loop(
+    step: Callable[[np.ndarray, np.ndarray], float],
+    data: dict[str, np.ndarray],
+    steps: int,
+    warmup: int,
+) -> tuple[list[float], list[float]]:
+    """Run ``warmup + steps`` steps over the cached batches in order.
+
+    Returns:
+        The wall time of each timed step in seconds, and the loss of every step (warm-up
+        included, so step k's loss is comparable across systems).
+    """
+    x, y = data["x"], data["y"]
+    times: list[float] = []
+    losses: list[float] = []
+    for i in range(warmup + steps):
+        xb, yb = x[i % len(x)], y[i % len(y)]
+        start = time.perf_counter()
+        loss = step(xb, yb)
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss))
+        if i >= warmup:
+            times.append(elapsed)
+    return times, losses
+
+
+def report(
+    system: str,
+    meta: dict[str, Any],
+    times: list[float],
+    losses: list[float],
+    setup_s: float,
+    **extra: Any,
+) -> None:
+    """Print the result line that ``benchmarks/run.py`` parses."""
+    result = {
+        "system": system,
+        "model": meta["name"],
+        "times": times,
+        "median_ms": float(np.median(times) * 1e3) if times else None,
+        "losses": losses,
+        "peak_rss_mb": peak_rss_mb(),
+        "setup_s": setup_s,
+        **extra,
+    }
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()

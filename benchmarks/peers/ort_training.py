@@ -1,0 +1,85 @@
+"""onnxruntime-training 1.19.2: its own artifacts from the cached ONNX export.
+
+Runs in an environment with ``onnxruntime-training-cpu==1.19.2`` (see ``benchmarks/envs.py``).
+Its optimizer types are AdamW and plain SGD: the SGD-momentum model (LeNet) runs with plain
+SGD here, which is reported in the result (``optimizer``) and excluded from loss agreement.
+Config keys: ``threads`` (intra-op threads; 0: one per core).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import load_entry, parse_args, report, timed_loop
+
+ORT_MAX_IR_VERSION = 10  # the newest IR version onnxruntime 1.19.2 loads
+OPTIONAL_OUTPUTS = {"Dropout": ("mask",), "LayerNormalization": ("mean", "inv_std_dev")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    import numpy as np
+    import onnx
+    from onnxruntime import SessionOptions
+    from onnxruntime.training import api, artifacts
+
+    config = json.loads(args.config)
+    meta, _, data = load_entry(args.entry)
+    model = onnx.load(args.entry / "model.onnx")
+    for node in model.graph.node:  # its gradient builder reads these optional outputs
+        for extra in OPTIONAL_OUTPUTS.get(node.op_type, ())[len(node.output) - 1 :]:
+            node.output.append(f"{node.output[0]}_{extra}")
+    trainable = meta["trainable"]
+    frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
+    kind = artifacts.OptimType.SGD if meta["optimizer"] == "sgd" else artifacts.OptimType.AdamW
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        artifacts.generate_artifacts(
+            model,
+            requires_grad=trainable,
+            frozen_params=frozen,
+            loss=artifacts.LossType.CrossEntropyLoss,
+            optimizer=kind,
+            artifact_directory=directory,
+        )
+        for path in directory.glob("*.onnx"):
+            proto = onnx.load(path)
+            proto.ir_version = min(proto.ir_version, ORT_MAX_IR_VERSION)
+            onnx.save(proto, path)
+        state = api.CheckpointState.load_checkpoint(str(directory / "checkpoint"))
+        options = SessionOptions()
+        if config.get("threads"):
+            options.intra_op_num_threads = int(config["threads"])
+        module = api.Module(str(directory / "training_model.onnx"), state, None, "cpu")
+        optimizer = api.Optimizer(str(directory / "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(meta["lr"])
+    module.train()
+
+    def step(x, y):
+        loss = module(x, y.astype(np.int64))
+        optimizer.step()
+        module.lazy_reset_grad()
+        return loss
+
+    setup = time.perf_counter() - start
+    times, losses = timed_loop(step, data, args.steps, args.warmup)
+    report(
+        "ort_training",
+        meta,
+        times,
+        losses,
+        setup,
+        config=config,
+        optimizer="sgd (no momentum)" if meta["optimizer"] == "sgd" else "adamw",
+    )
+
+
+if __name__ == "__main__":
+    main()
