@@ -699,8 +699,14 @@ def info_command(path: str) -> None:
     else:
         try:
             lines = _describe_checkpoint(target)
-        except CheckpointError:
-            lines = _describe_model(target)
+        except CheckpointError as exc:
+            try:
+                lines = _describe_model(target)
+            except click.ClickException:
+                raise _error(
+                    f"{path!r} is neither a checkpoint nor an ONNX model ({exc}); pass a"
+                    " checkpoint, an .onnx file, a run folder or an artifacts directory"
+                ) from None
     click.echo("\n".join(lines))
 
 
