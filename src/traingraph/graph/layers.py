@@ -104,7 +104,7 @@ class Layer:
             out = self.forward(g, weights, *[g.as_value(x) for x in inputs])
         finally:
             g.builder.scope = ""
-        self.inputs, self.output = inputs, g.wrap(out, like=inputs[0])
+        self.inputs, self.output = inputs, g.wrap(out)
         return self.output
 
     def parameter_names(self, graph: Graph) -> list[str]:

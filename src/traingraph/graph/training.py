@@ -637,6 +637,8 @@ class _TrainProgram:
         for name in [*tg.loss_inputs, *tg.extra_outputs, *tg.stopped, *tg.user_gradients, *tg.tracked]:
             if name not in values:
                 raise ModelError(f"{name!r} is not a tensor of the graphs; e.g. {model_outputs}")
+        update_builder = OpBuilder(graph, opset, prefix="train_mode")
+        update_outputs = [name_output(update_builder, v, n, v) for n, v in buffer_values.items()]
         label_names: list[str] = []
         loss_value = None
         if tg.loss is not None:
@@ -644,6 +646,7 @@ class _TrainProgram:
         common_passes.ShapeInferencePass()(model)
         values = values_by_name(graph)
         loss_value = values[LOSS_OUTPUT] if loss_value is not None else None
+        update_outputs = [values[v.name or ""] for v in update_outputs]
         forward_node_count = len(graph)
         wrt_names = [n for n in param_order if requires_grad[n]]
         tensor_grads = list(tg.tracked)
@@ -663,7 +666,6 @@ class _TrainProgram:
             g = result.grads[name]
             v = values[name]
             grad_outputs.append(name_output(b, g if g is not None else b.zeros_like(v), f"{name}_grad", v))
-        update_outputs = [name_output(b, v, n, v) for n, v in buffer_values.items()]
         output_names = [*model_outputs, *[n for n in tg.extra_outputs if n not in model_outputs]]
         forward = [*([loss_value] if loss_value is not None else []),
                    *[values[n] for n in output_names], *update_outputs]  # fmt: skip
