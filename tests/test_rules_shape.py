@@ -47,11 +47,6 @@ def test_reshape_shape_computed_at_run_time():
     )
 
 
-@pytest.mark.xfail(
-    reason="OpBuilder.reshape_like emits Reshape without allowzero=1, so a target shape with a"
-    " zero dimension is read as 'copy this dimension'",
-    strict=True,
-)
 def test_reshape_zero_sized_allowzero():
     check_op_gradient(
         "Reshape", {"x": r(2, 0, 3), "shape": ints(0, 6)}, {"allowzero": 1},
