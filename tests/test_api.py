@@ -10,7 +10,16 @@ import torch
 
 from torch_models import MLP, SmallCNN, classification_data, export, seeded
 from traingraph import artifacts, optim
-from traingraph.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+from traingraph.api import (
+    CheckpointState,
+    ConstantLRScheduler,
+    CosineLRScheduler,
+    ExponentialLRScheduler,
+    LinearLRScheduler,
+    Module,
+    Optimizer,
+    StepLRScheduler,
+)
 from traingraph.errors import CheckpointError, ModelError
 
 STEPS = 50
@@ -152,19 +161,38 @@ def test_eval_export_and_parameter_buffers(tmp_path):
         np.testing.assert_allclose(logits, reference(torch.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_learning_rate_and_scheduler(tmp_path):
+def test_learning_rate_and_schedulers(tmp_path):
     directory = _artifacts(tmp_path, seeded(MLP))
     _, module, opt = _open(directory)
     opt.set_learning_rate(0.5)
     assert opt.get_learning_rate() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="learning rate"):
+        opt.set_learning_rate(float("nan"))
     scheduler = LinearLRScheduler(opt, warmup_step_count=2, total_step_count=4, initial_lr=1.0)
+    assert opt.get_learning_rate() == 0.0
     rates = []
     for _ in range(4):
         scheduler.step()
         rates.append(opt.get_learning_rate())
-    assert rates == pytest.approx([1.0, 0.5, 0.0, 0.0]) or rates == pytest.approx(
-        [0.5, 1.0, 0.5, 0.0]
-    )
+    assert rates == pytest.approx([0.5, 1.0, 0.5, 0.0])
+    for scheduler in (
+        CosineLRScheduler(opt, warmup_step_count=1, total_step_count=3, initial_lr=0.2),
+        StepLRScheduler(opt, step_size=1, gamma=0.5, initial_lr=0.2),
+        ExponentialLRScheduler(opt, gamma=0.5, initial_lr=0.2),
+        ConstantLRScheduler(opt, initial_lr=0.2),
+    ):
+        scheduler.step()
+        assert opt.get_learning_rate() == pytest.approx(scheduler.lr_at(1))
+
+
+def test_inputs_may_be_ortvalues(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    _, module, _ = _open(directory)
+    x, y = classification_data(BATCH, 20, 5)
+    as_numpy = module(x, y)
+    module.lazy_reset_grad()
+    as_ortvalues = module(ort.OrtValue.ortvalue_from_numpy(x), ort.OrtValue.ortvalue_from_numpy(y))
+    assert float(as_numpy) == float(as_ortvalues)
 
 
 def test_misuse_raises_clear_errors(tmp_path):
