@@ -1,4 +1,5 @@
-"""The graph API end to end: the issue's snippet, phases, async, link, user gradients, inspection."""
+"""The graph API end to end: the issue's snippet, phases, async, link, user gradients,
+inspection, memory plan and a digits CNN."""
 
 from __future__ import annotations
 
@@ -222,7 +223,9 @@ def test_inspection_freeze_stop_gradient_and_state(batches, tmp_path) -> None:
     X, Y = batches[0]
     g, x = _cnn()
     conv = next(layer for layer, _ in g._layer_names.values() if isinstance(layer, L.Conv2d))
-    train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.Adam(lr=0.1))
+    train = tg.TrainingGraph(
+        [g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.Adam(lr=0.1)
+    )
     train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")})
     train.track_gradient([conv]).freeze([conv])
     train.add_outputs([conv.output])
@@ -372,7 +375,9 @@ def test_digits_cnn_reaches_95_percent() -> None:
     h = L.ReLU()(L.Conv2d(16, 32, 3, padding=1)(h))
     h = L.Flatten()(L.MaxPool2d(2)(h))
     g.output("logits", L.Linear(32 * 2 * 2, 10)(h))
-    train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.Adam(lr=5e-3))
+    train = tg.TrainingGraph(
+        [g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.Adam(lr=5e-3)
+    )
     train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")}).compile("cpu")
     rng = np.random.default_rng(0)
     for _ in range(12):

@@ -4,6 +4,7 @@ initializers against torch's default distributions."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import pytest
@@ -35,38 +36,52 @@ def _run_layer(layer: L.Layer, shape: tuple[int, ...], dtype: str = "float32", s
     return train, X, y, dy
 
 
+def _same(name: str, *args, **kwargs) -> tuple:
+    """The traingraph layer and the torch module of one name, with the same arguments."""
+    ours, theirs = getattr(L, name), getattr(torch.nn, name)
+    return partial(ours, *args, **kwargs), partial(theirs, *args, **kwargs)
+
+
+def _global_avg() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+
+
 CASES = [
-    (lambda: L.Linear(5, 3), lambda: torch.nn.Linear(5, 3), (4, 5)),
-    (lambda: L.Linear(5, 3), lambda: torch.nn.Linear(5, 3), (2, 4, 5)),
-    (lambda: L.Conv1d(4, 6, 3, padding=1, groups=2), lambda: torch.nn.Conv1d(4, 6, 3, padding=1, groups=2), (2, 4, 7)),
-    (lambda: L.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), lambda: torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2), (2, 4, 7, 7)),
-    (lambda: L.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1), lambda: torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1), (2, 4, 5, 5)),
-    (lambda: L.MaxPool2d(2), lambda: torch.nn.MaxPool2d(2), (2, 3, 6, 6)),
-    (lambda: L.AvgPool2d(3, stride=2, padding=1), lambda: torch.nn.AvgPool2d(3, stride=2, padding=1), (2, 3, 7, 7)),
-    (lambda: L.MaxPool1d(2), lambda: torch.nn.MaxPool1d(2), (2, 3, 8)),
-    (lambda: L.AvgPool1d(2), lambda: torch.nn.AvgPool1d(2), (2, 3, 8)),
-    (lambda: L.GlobalAvgPool(flatten=True), lambda: torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), (2, 3, 5, 5)),
-    (lambda: L.GlobalMaxPool(), lambda: torch.nn.AdaptiveMaxPool2d(1), (2, 3, 5, 5)),
-    (lambda: L.BatchNorm2d(3), lambda: torch.nn.BatchNorm2d(3), (4, 3, 5, 5)),
-    (lambda: L.BatchNorm1d(3), lambda: torch.nn.BatchNorm1d(3), (6, 3)),
-    (lambda: L.LayerNorm(6), lambda: torch.nn.LayerNorm(6), (2, 4, 6)),
-    (lambda: L.GroupNorm(2, 4), lambda: torch.nn.GroupNorm(2, 4), (3, 4, 5, 5)),
-    (lambda: L.ReLU(), lambda: torch.nn.ReLU(), (3, 7)),
-    (lambda: L.GELU(), lambda: torch.nn.GELU(), (3, 7)),
-    (lambda: L.GELU("tanh"), lambda: torch.nn.GELU("tanh"), (3, 7)),
-    (lambda: L.Sigmoid(), lambda: torch.nn.Sigmoid(), (3, 7)),
-    (lambda: L.Tanh(), lambda: torch.nn.Tanh(), (3, 7)),
-    (lambda: L.Softmax(1), lambda: torch.nn.Softmax(1), (3, 7)),
-    (lambda: L.LogSoftmax(-1), lambda: torch.nn.LogSoftmax(-1), (3, 7)),
-    (lambda: L.LeakyReLU(0.2), lambda: torch.nn.LeakyReLU(0.2), (3, 7)),
-    (lambda: L.ELU(), lambda: torch.nn.ELU(), (3, 7)),
-    (lambda: L.SiLU(), lambda: torch.nn.SiLU(), (3, 7)),
-    (lambda: L.Softplus(), lambda: torch.nn.Softplus(), (3, 7)),
-    (lambda: L.Flatten(), lambda: torch.nn.Flatten(), (2, 3, 4)),
-    (lambda: L.Dropout(0.0), lambda: torch.nn.Dropout(0.0), (3, 7)),
-    (lambda: L.MultiheadAttention(8, 2), lambda: _TorchMHA(8, 2), (2, 5, 8)),
-    (lambda: L.MultiheadAttention(8, 2, causal=True), lambda: _TorchMHA(8, 2, causal=True), (2, 5, 8)),
-]  # fmt: skip
+    (*_same("Linear", 5, 3), (4, 5)),
+    (*_same("Linear", 5, 3), (2, 4, 5)),
+    (*_same("Conv1d", 4, 6, 3, padding=1, groups=2), (2, 4, 7)),
+    (*_same("Conv2d", 4, 6, 3, stride=2, padding=1, groups=2), (2, 4, 7, 7)),
+    (*_same("ConvTranspose2d", 4, 6, 3, stride=2, padding=1, output_padding=1), (2, 4, 5, 5)),
+    (*_same("MaxPool2d", 2), (2, 3, 6, 6)),
+    (*_same("AvgPool2d", 3, stride=2, padding=1), (2, 3, 7, 7)),
+    (*_same("MaxPool1d", 2), (2, 3, 8)),
+    (*_same("AvgPool1d", 2), (2, 3, 8)),
+    (partial(L.GlobalAvgPool, flatten=True), _global_avg, (2, 3, 5, 5)),
+    (L.GlobalMaxPool, partial(torch.nn.AdaptiveMaxPool2d, 1), (2, 3, 5, 5)),
+    (*_same("BatchNorm2d", 3), (4, 3, 5, 5)),
+    (*_same("BatchNorm1d", 3), (6, 3)),
+    (*_same("LayerNorm", 6), (2, 4, 6)),
+    (*_same("GroupNorm", 2, 4), (3, 4, 5, 5)),
+    (*_same("ReLU"), (3, 7)),
+    (*_same("GELU"), (3, 7)),
+    (*_same("GELU", "tanh"), (3, 7)),
+    (*_same("Sigmoid"), (3, 7)),
+    (*_same("Tanh"), (3, 7)),
+    (*_same("Softmax", 1), (3, 7)),
+    (*_same("LogSoftmax", -1), (3, 7)),
+    (*_same("LeakyReLU", 0.2), (3, 7)),
+    (*_same("ELU"), (3, 7)),
+    (*_same("SiLU"), (3, 7)),
+    (*_same("Softplus"), (3, 7)),
+    (*_same("Flatten"), (2, 3, 4)),
+    (*_same("Dropout", 0.0), (3, 7)),
+    (partial(L.MultiheadAttention, 8, 2), lambda: _TorchMHA(8, 2), (2, 5, 8)),
+    (
+        partial(L.MultiheadAttention, 8, 2, causal=True),
+        lambda: _TorchMHA(8, 2, causal=True),
+        (2, 5, 8),
+    ),
+]
 
 
 class _TorchMHA(torch.nn.MultiheadAttention):
@@ -88,7 +103,8 @@ def test_layer_matches_torch(make, make_torch, shape) -> None:
     module = make_torch().train()
     params = train.get_parameters()
     state = {n.split(".", 1)[1]: torch.from_numpy(v) for n, v in params.items()}
-    module.load_state_dict(state, strict=True) if state else None
+    if state:
+        module.load_state_dict(state, strict=True)
     xt = torch.from_numpy(X).requires_grad_(True)
     yt = module(xt)
     yt.backward(torch.from_numpy(dy))
@@ -112,7 +128,9 @@ def test_embedding_matches_torch() -> None:
     yt = module(torch.from_numpy(X))
     yt.backward(torch.from_numpy(dy))
     np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-6)
-    np.testing.assert_allclose(train.gradient_data("embedding0.weight"), module.weight.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        train.gradient_data("embedding0.weight"), module.weight.grad.numpy(), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_functional_ops_match_numpy() -> None:
@@ -183,4 +201,6 @@ def test_layers_are_seeded() -> None:
     assert np.array_equal(c.params["weight"], d.params["weight"])
     conv = L.Conv2d(6, 8, 3, groups=2, seed=1)
     bound = 1 / math.sqrt(3 * 9)
-    assert np.abs(conv.params["weight"]).max() <= bound and np.abs(conv.params["bias"]).max() <= bound
+    assert (
+        np.abs(conv.params["weight"]).max() <= bound and np.abs(conv.params["bias"]).max() <= bound
+    )

@@ -44,7 +44,9 @@ class WeightSource:
         >>> layer = layers.Linear(784, 256, weight=src)
     """
 
-    def __init__(self, loader: Callable[[], np.ndarray], shape: Any, dtype: Any = "float32") -> None:
+    def __init__(
+        self, loader: Callable[[], np.ndarray], shape: Any, dtype: Any = "float32"
+    ) -> None:
         self.loader = loader
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
@@ -175,7 +177,7 @@ class InputPipeline:
                     if stop.is_set():
                         return
                 prepared.put(_DONE)
-            except BaseException as error:  # noqa: BLE001 - re-raised in the consumer
+            except BaseException as error:
                 prepared.put(error)
 
         worker = threading.Thread(target=produce, name="traingraph-input", daemon=True)

@@ -115,7 +115,7 @@ class OrderedExecutor:
                 future: Future[T] = Future()
                 try:
                     future.set_result(task())
-                except BaseException as error:  # noqa: BLE001 - handed to the future
+                except BaseException as error:
                     future.set_exception(error)
                 return future
             return task()
@@ -146,6 +146,4 @@ def check_names(kind: str, given: Mapping[str, Any], expected: list[str]) -> Non
     missing = [n for n in expected if n not in given]
     unknown = [n for n in given if n not in expected]
     if missing or unknown:
-        raise ValueError(
-            f"{kind}: expected {expected}; missing {missing}, unknown {unknown}"
-        )
+        raise ValueError(f"{kind}: expected {expected}; missing {missing}, unknown {unknown}")

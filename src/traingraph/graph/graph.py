@@ -265,7 +265,9 @@ class Graph:
         return np.asarray(value)
 
 
-def compose(graphs: Sequence[Graph], load_weights: bool = False) -> tuple[ir.Model, dict[str, Graph]]:
+def compose(
+    graphs: Sequence[Graph], load_weights: bool = False
+) -> tuple[ir.Model, dict[str, Graph]]:
     """Connect ``graphs`` into one model, in order.
 
     An input of a later graph whose name is an output of an earlier graph reads that output.

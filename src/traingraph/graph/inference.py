@@ -38,7 +38,8 @@ class InferenceGraph:
     """Graphs run forward only, in inference mode (Dropout off, BatchNorm on running stats).
 
     Args:
-        graphs: The graphs, composed in order as in :class:`~traingraph.graph.training.TrainingGraph`.
+        graphs: The graphs, composed in order as in
+            :class:`~traingraph.graph.training.TrainingGraph`.
     """
 
     def __init__(self, graphs: Sequence[Graph]) -> None:
@@ -63,8 +64,10 @@ class InferenceGraph:
         self.extra_outputs += [t.name if isinstance(t, Tensor) else t for t in outputs]
         return self
 
-    def compile(self, device: str | Device = "cpu", options: CompileOptions | None = None) -> InferenceGraph:
-        """Create the session on ``device`` and copy the weights there (each loaded, then purged)."""
+    def compile(
+        self, device: str | Device = "cpu", options: CompileOptions | None = None
+    ) -> InferenceGraph:
+        """Create the session on ``device``; copy the weights there (each loaded, then purged)."""
         self.options = options or CompileOptions()
         self.device = parse_device(device)
         model, owners = compose(self.graphs)
@@ -132,4 +135,3 @@ class InferenceGraph:
         self._executor.wait()
         for name, value in values.items():
             self._params.write(name, np.asarray(value))
-

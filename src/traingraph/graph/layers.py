@@ -81,8 +81,7 @@ class Layer:
             value = np.asarray(value, dtype=np.float32)
         if tuple(value.shape) != tuple(shape):
             raise ValueError(
-                f"{type(self).__name__}.{local} needs shape {list(shape)}; got"
-                f" {list(value.shape)}"
+                f"{type(self).__name__}.{local} needs shape {list(shape)}; got {list(value.shape)}"
             )
         self.params[local] = value
         self.trainable[local] = trainable
@@ -225,7 +224,10 @@ class Conv2d(_ConvNd):
 
 
 class ConvTranspose2d(_ConvNd):
-    """Transposed 2-D convolution, as ``torch.nn.ConvTranspose2d``; weight (in, out/groups, kH, kW)."""
+    """Transposed 2-D convolution, as ``torch.nn.ConvTranspose2d``.
+
+    The weight has shape (in, out / groups, kH, kW).
+    """
 
     kind = "conv_transpose2d"
     dims = 2
@@ -358,7 +360,7 @@ class BatchNorm2d(_BatchNorm):
 
 
 class LayerNorm(Layer):
-    """Normalization over the last ``len(normalized_shape)`` dimensions, as ``torch.nn.LayerNorm``."""
+    """Normalization over the last ``len(normalized_shape)`` dims, as ``torch.nn.LayerNorm``."""
 
     kind = "layernorm"
 
@@ -371,7 +373,9 @@ class LayerNorm(Layer):
         name: str | None = None,
     ) -> None:
         super().__init__(name)
-        self.shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        self.shape = (
+            [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+        )
         self.eps = eps
         self.affine = elementwise_affine
         self._param("weight", self.shape, init.ones(), trainable=elementwise_affine)
@@ -422,14 +426,17 @@ class GroupNorm(Layer):
 
 
 def _spatial_broadcast(g: Graph, x: ir.Value) -> ir.Value:
-    """The shape ``[C, 1, ..., 1]`` that broadcasts a per-channel vector over ``x``'s spatial dims."""
+    """The shape ``[C, 1, ..., 1]`` broadcasting a per-channel vector over ``x``'s spatial dims."""
     b = g.builder
     spatial_ones = b.Mul(b.shape(x, 2), b.ints([0]))
     return b.Concat(b.ints([-1]), b.Add(spatial_ones, b.ints([1])), axis=0)
 
 
 class Dropout(Layer):
-    """Zeroes elements with probability ``p`` in training and scales by 1/(1-p); identity in inference."""
+    """Zeroes elements with probability ``p`` in training, scaling the rest by 1 / (1 - p).
+
+    The identity in inference.
+    """
 
     kind = "dropout"
 
@@ -612,7 +619,9 @@ class MultiheadAttention(Layer):
             self._param("in_proj_bias", (3 * e,), init.zeros())
             self._param("out_proj.bias", (e,), init.zeros())
 
-    def __call__(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def __call__(
+        self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
+    ) -> Tensor:  # type: ignore[override]
         key = query if key is None else key
         value = key if value is None else value
         return super().__call__(query, key, value)
@@ -622,7 +631,9 @@ class MultiheadAttention(Layer):
         e, h = self.embed_dim, self.num_heads
         d = e // h
         wq, wk, wv = b.split(w["in_proj_weight"], [e, e, e], axis=0)
-        biases = b.split(w["in_proj_bias"], [e, e, e], axis=0) if "in_proj_bias" in w else (None,) * 3
+        biases = (
+            b.split(w["in_proj_bias"], [e, e, e], axis=0) if "in_proj_bias" in w else (None,) * 3
+        )
         heads = []
         for inp, weight, bias in zip(x, (wq, wk, wv), biases):
             proj = b.MatMul(inp, b.Transpose(weight, perm=[1, 0]))
@@ -710,7 +721,7 @@ def split(x: Tensor, sizes: Sequence[int], axis: int = 0) -> tuple[Tensor, ...]:
     return tuple(x.graph.wrap(p, like=x) for p in parts)
 
 
-def slice(  # noqa: A001 - the ONNX op's name
+def slice(
     x: Tensor,
     starts: Sequence[int],
     ends: Sequence[int],

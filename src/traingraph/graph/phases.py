@@ -109,7 +109,10 @@ def split_phases(
 
     return PhaseModels(
         forward=build(
-            "forward", fwd_nodes, [], [*forward_outputs, *[v for v in saved if v not in forward_outputs]]
+            "forward",
+            fwd_nodes,
+            [],
+            [*forward_outputs, *[v for v in saved if v not in forward_outputs]],
         ),
         gradient=build("gradient", grad_nodes, saved, list(gradient_outputs)),
         saved=saved,

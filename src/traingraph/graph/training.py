@@ -65,7 +65,7 @@ TensorRef = Tensor | str
 Feeds = Mapping[str, Any]
 
 
-def tensor_name(t: TensorRef | Layer) -> str:
+def tensor_name(t: TensorRef) -> str:
     if isinstance(t, Tensor):
         return t.name
     if isinstance(t, str):
@@ -163,7 +163,9 @@ class TrainingGraph:
     def add_outputs(self, outputs: Sequence[TensorRef] | Mapping[str, TensorRef]) -> TrainingGraph:
         """Also return these tensors (intermediate ones included) from the forward phase."""
         values = outputs.values() if isinstance(outputs, Mapping) else outputs
-        self.extra_outputs += [tensor_name(t) for t in values if tensor_name(t) not in self.extra_outputs]
+        self.extra_outputs += [
+            tensor_name(t) for t in values if tensor_name(t) not in self.extra_outputs
+        ]
         self._changed()
         return self
 
@@ -243,7 +245,9 @@ class TrainingGraph:
             self._stale = True
 
     # ---------------------------------------------------------------- compile
-    def compile(self, device: str | Device = "cpu", options: CompileOptions | None = None) -> TrainingGraph:
+    def compile(
+        self, device: str | Device = "cpu", options: CompileOptions | None = None
+    ) -> TrainingGraph:
         """Build the phase graphs and their sessions on ``device``; parameters go to the device.
 
         Compiling again (after freezing or adding outputs) keeps the current parameter values.
@@ -262,7 +266,9 @@ class TrainingGraph:
             ("optimizer", self._program.optimizer_model),
         ):
             if proto is not None:
-                runners[phase] = BoundRunner(create_session(proto, self.device, config), self.device)
+                runners[phase] = BoundRunner(
+                    create_session(proto, self.device, config), self.device
+                )
         self._runners = runners
         self._state = self._program.new_state(self.device, previous, owners)
         self._pending = None
@@ -313,7 +319,9 @@ class TrainingGraph:
         """The forward phase: loss and outputs; the saved activations stay on the device."""
         self._require_compiled()
         return self._executor.run(
-            lambda: self._forward(inputs, loss_labels, loss_label_weights), asynchronous, on_complete
+            lambda: self._forward(inputs, loss_labels, loss_label_weights),
+            asynchronous,
+            on_complete,
         )
 
     def execute_gradient(
@@ -350,22 +358,31 @@ class TrainingGraph:
             if phase == "gradient":
                 result.gradients = {n: state.grads.read(n) for n in state.grads}
 
-    def _forward(self, inputs: Feeds, labels: Feeds | None, weights: Feeds | None) -> ExecutionResult:
+    def _forward(
+        self, inputs: Feeds, labels: Feeds | None, weights: Feeds | None
+    ) -> ExecutionResult:
         start = time.perf_counter()
         state, program = self._require_compiled(), self._program
         device = state.device
         feeds = {**inputs, **(labels or {}), **(weights or {})}
         check_names("feeds", feeds, program.feed_names)
         runner = self._runners["forward"]
-        check_feeds(runner.inputs, [n for n in program.feed_names if n in runner.inputs], {
-            n: v for n, v in feeds.items() if n in runner.inputs
-        })
-        device_feeds = {n: as_device_feed(v, device.ort_device_type, device.index) for n, v in feeds.items()}
+        check_feeds(
+            runner.inputs,
+            [n for n in program.feed_names if n in runner.inputs],
+            {n: v for n, v in feeds.items() if n in runner.inputs},
+        )
+        device_feeds = {
+            n: as_device_feed(v, device.ort_device_type, device.index) for n, v in feeds.items()
+        }
         self._last_shapes = {n: tuple(v.shape()) for n, v in device_feeds.items()}
         for name in runner.inputs:
-            runner.bind_input(name, device_feeds[name] if name in device_feeds else state.ortvalue(name))
+            runner.bind_input(
+                name, device_feeds[name] if name in device_feeds else state.ortvalue(name)
+            )
         bound: dict[str, ort.OrtValue | None] = {
-            out: state.buffers.alt.ortvalue(buffer) for out, buffer in program.buffer_updates.items()
+            out: state.buffers.alt.ortvalue(buffer)
+            for out, buffer in program.buffer_updates.items()
         }
         bound.update({n: None for n in [*program.forward_outputs, *program.phases.saved]})
         outputs = runner.run(bound)
@@ -408,7 +425,9 @@ class TrainingGraph:
         runner = self._runners["gradient"]
         for name in runner.inputs:
             if name.endswith("_user_grad") and name[: -len("_user_grad")] in given:
-                value = as_device_feed(given[name[: -len("_user_grad")]], device.ort_device_type, device.index)
+                value = as_device_feed(
+                    given[name[: -len("_user_grad")]], device.ort_device_type, device.index
+                )
             elif name in self._pending:
                 value = self._pending[name]
             else:
@@ -469,7 +488,7 @@ class TrainingGraph:
         return host(self._tensor_grads[name])
 
     def layer_gradients(self, layer: Layer) -> tuple[np.ndarray, list[np.ndarray]]:
-        """A tracked layer's source gradient (of its output) and result gradients (of its inputs)."""
+        """A layer's source gradient (of its output) and result gradients (of its inputs)."""
         if layer.output is None:
             raise ModelError(f"layer {layer!r} was never called")
         return self.gradient_tensor(layer.output), [self.gradient_tensor(x) for x in layer.inputs]
@@ -489,7 +508,9 @@ class TrainingGraph:
         values = {n: state.grads.read(n) for n in names}
         return values[names[0]] if isinstance(parameter, str) else values
 
-    def memory_plan(self, input_shapes: Mapping[str, Sequence[int]] | int | None = None) -> MemoryPlan:
+    def memory_plan(
+        self, input_shapes: Mapping[str, Sequence[int]] | int | None = None
+    ) -> MemoryPlan:
         """The static plan of the intermediates' bytes.
 
         Args:
@@ -508,7 +529,10 @@ class TrainingGraph:
         else:
             shapes = {n: tuple(s) for n, s in input_shapes.items()}
         return plan_memory(
-            program.phases, shapes, [*program.forward_outputs], [f"{n}_grad" for n in program.trainable]
+            program.phases,
+            shapes,
+            [*program.forward_outputs],
+            [f"{n}_grad" for n in program.trainable],
         )
 
     @property
@@ -541,13 +565,15 @@ class TrainingGraph:
         """The optimizer's slots by name (e.g. ``"fc.weight.exp_avg"``) and ``"step"``."""
         state = self._require_compiled()
         self._executor.wait()
-        slots = {} if state.optimizer_slots is None else {
-            n: state.optimizer_slots.cur.read(n) for n in state.optimizer_slots.cur
-        }
+        slots = (
+            {}
+            if state.optimizer_slots is None
+            else {n: state.optimizer_slots.cur.read(n) for n in state.optimizer_slots.cur}
+        )
         return {**slots, "step": np.array(state.step, dtype=np.int64)}
 
     def bind_optimizer_data(self, data: Mapping[str, np.ndarray]) -> None:
-        """Restore or transplant optimizer slots (and ``"step"``), e.g. from :meth:`optimizer_state`."""
+        """Restore or transplant optimizer slots and ``"step"`` (from :meth:`optimizer_state`)."""
         state = self._require_compiled()
         self._executor.wait()
         slots = state.optimizer_slots
@@ -574,7 +600,9 @@ class TrainingGraph:
             raise ValueError(f"learning rate must be a finite number >= 0; got {value!r}")
         state.learning_rate = float(value)
 
-    def export_inference(self, path: str | os.PathLike, outputs: Sequence[str] | None = None) -> None:
+    def export_inference(
+        self, path: str | os.PathLike, outputs: Sequence[str] | None = None
+    ) -> None:
         """Write a plain inference ``.onnx`` (inference mode, current weights embedded)."""
         self._require_compiled()
         names = list(outputs) if outputs is not None else self._program.model_outputs
@@ -634,7 +662,13 @@ class _TrainProgram:
 
         buffer_values = _to_training_mode(graph, requires_grad, opset)
         values = values_by_name(graph)
-        for name in [*tg.loss_inputs, *tg.extra_outputs, *tg.stopped, *tg.user_gradients, *tg.tracked]:
+        for name in [
+            *tg.loss_inputs,
+            *tg.extra_outputs,
+            *tg.stopped,
+            *tg.user_gradients,
+            *tg.tracked,
+        ]:
             if name not in values:
                 raise ModelError(f"{name!r} is not a tensor of the graphs; e.g. {model_outputs}")
         update_builder = OpBuilder(graph, opset, prefix="train_mode")
@@ -652,7 +686,10 @@ class _TrainProgram:
         tensor_grads = list(tg.tracked)
         if tg.options.compute_all_gradients:
             tensor_grads += [
-                n for n in data_inputs if n not in tensor_grads and values[n].dtype is not None
+                n
+                for n in data_inputs
+                if n not in tensor_grads
+                and values[n].dtype is not None
                 and values[n].dtype.is_floating_point()
             ]
         result = differentiate(
@@ -665,7 +702,9 @@ class _TrainProgram:
         for name in [*wrt_names, *tensor_grads]:
             g = result.grads[name]
             v = values[name]
-            grad_outputs.append(name_output(b, g if g is not None else b.zeros_like(v), f"{name}_grad", v))
+            grad_outputs.append(
+                name_output(b, g if g is not None else b.zeros_like(v), f"{name}_grad", v)
+            )
         output_names = [*model_outputs, *[n for n in tg.extra_outputs if n not in model_outputs]]
         forward = [*([loss_value] if loss_value is not None else []),
                    *[values[n] for n in output_names], *update_outputs]  # fmt: skip
@@ -703,7 +742,7 @@ class _TrainProgram:
     def new_state(
         self, device: Device, previous: Mapping[str, np.ndarray] | None, owners: Mapping[str, Graph]
     ) -> TrainingState:
-        """A device state holding the parameters: each weight is loaded, copied and purged in turn."""
+        """A device state holding the parameters; each weight is loaded, copied, purged in turn."""
         specs = self.phases.full.graph.input
         shapes = {
             v.name: (tuple(d.dim_value for d in v.type.tensor_type.shape.dim),
@@ -744,8 +783,10 @@ def _attach_loss(
     labels = []
     for name, spec in zip(names, specs):
         user = tg.label_specs.get(name)
-        value = user.ir_value(name) if user is not None else ir.Value(
-            name=name, shape=spec.shape, type=ir.TensorType(spec.dtype)
+        value = (
+            user.ir_value(name)
+            if user is not None
+            else ir.Value(name=name, shape=spec.shape, type=ir.TensorType(spec.dtype))
         )
         graph.inputs.append(value)
         labels.append(value)
@@ -758,7 +799,7 @@ def _attach_loss(
                 f" {type(loss).__name__} with reduction {reduction!r}"
             )
         per_sample = dataclasses.replace(loss, reduction="none").build(b, outputs, labels)
-        (weight_name, weight_spec), = tg.label_weight_specs.items()
+        ((weight_name, weight_spec),) = tg.label_weight_specs.items()
         weight = (weight_spec or TensorSpec([None])).ir_value(weight_name)
         graph.inputs.append(weight)
         weight_cast = b.cast_like(weight, outputs[0])
