@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +130,7 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
             f"{str(file)!r} is not a readable .npz file ({type(exc).__name__}: {exc}); save the"
             " arrays with numpy.savez(path, x=..., y=...)"
         ) from None
-    if not isinstance(loaded, Mapping):
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise ModelError(
             f"{str(file)!r} holds a single array, not named arrays; save them with"
             " numpy.savez(path, x=..., y=...)"

@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -57,8 +59,8 @@ def digits_cnn(seed: int = 0, channels: tuple[int, int] = (16, 32)) -> onnx.Mode
         "fc.weight": _he_uniform(rng, (CLASSES, features), features) / np.float32(np.sqrt(2.0)),
         "fc.bias": np.zeros(CLASSES, np.float32),
     }
-    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
-    pool = {"kernel_shape": [2, 2], "strides": [2, 2]}
+    conv: dict[str, Any] = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+    pool: dict[str, Any] = {"kernel_shape": [2, 2], "strides": [2, 2]}
     nodes = [
         helper.make_node(
             "Conv", [INPUT_NAME, "conv1.weight", "conv1.bias"], ["c1"], name="conv1", **conv
