@@ -719,7 +719,8 @@ def bench_command(args: tuple[str, ...]) -> None:
     """Run the performance benchmarks (arguments are passed on).
 
     Uses traingraph.bench when installed, else `python -m benchmarks.run` from the source
-    checkout that traingraph is installed from (pip install -e .).
+    checkout that traingraph is installed from (pip install -e .). The benchmark's own options:
+    traingraph bench -- --help
     """
     import importlib.util
     import subprocess
