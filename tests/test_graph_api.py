@@ -307,14 +307,6 @@ import numpy as np, onnxruntime as ort
 import traingraph as tg
 from traingraph import layers as L
 from traingraph.graph import CompileOptions, init
-from traingraph.runtime.session import SessionConfig
-
-plain = SessionConfig.session_options
-def no_arena(self):
-    options = plain(self)
-    options.enable_cpu_mem_arena = False
-    return options
-SessionConfig.session_options = no_arena
 
 def vm(key):
     for line in open("/proc/self/status"):
@@ -328,7 +320,7 @@ h = L.Tanh()(L.Linear(512, 512)(L.ReLU()(L.Linear(256, 512)(x))))
 g.output("y", L.Linear(512, 10)(h))
 train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.SGD(lr=0.1))
 train.add_inputs({"x": x}, loss_labels={"t": tg.TensorSpec([None], "int64")})
-train.compile("cpu", CompileOptions(intra_op_threads=1))
+train.compile("cpu", CompileOptions(intra_op_threads=1, memory_arena=False))
 n = 8192
 X = np.random.default_rng(0).random((n, 256), dtype=np.float32)
 Y = np.zeros(n, np.int64)

@@ -42,6 +42,7 @@ from traingraph.optim.schedulers import (
 )
 from traingraph.program import BUFFER_UPDATE_SUFFIX
 from traingraph.runtime.device import Device, parse_device
+from traingraph.runtime.optimizer import optimizer_step
 from traingraph.runtime.session import BoundRunner, SessionConfig, check_feeds, create_session
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
@@ -587,24 +588,7 @@ class Optimizer:
 
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients."""
-        state = self._state
-        slots = state.optimizer_slots
-        assert slots is not None
-        runner = self._runner
-        runner.bind_input("learning_rate", np.array(state.learning_rate, dtype=np.float32))
-        runner.bind_input("step", np.array(state.step + 1, dtype=np.int64))
-        outs: dict[str, ort.OrtValue | None] = {}
-        for name in self._params:
-            runner.bind_input(name, state.trainable.cur.ortvalue(name))
-            runner.bind_input(f"{name}_grad", state.grads.ortvalue(name))
-            outs[f"{name}_out"] = state.trainable.alt.ortvalue(name)
-        for name in slots.cur:
-            runner.bind_input(name, slots.cur.ortvalue(name))
-            outs[f"{name}_out"] = slots.alt.ortvalue(name)
-        runner.run(outs)
-        state.trainable.swap()
-        slots.swap()
-        state.step += 1
+        optimizer_step(self._runner, self._state)
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Set the learning rate used by the next :meth:`step`."""

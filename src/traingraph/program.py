@@ -99,7 +99,7 @@ def build_program(
     proto = to_proto(base)
 
     train = ir.from_proto(proto)
-    buffer_updates = _to_training_mode(train.graph, params, opset)
+    buffer_updates = to_training_mode(train.graph, params, opset)
     loss_value, label_names = _attach_loss(train.graph, opset, loss, loss_input_names)
     _infer_shapes(train)
     extra = [values_by_name(train.graph)[n] for n in additional_output_names or ()]
@@ -120,7 +120,7 @@ def build_program(
     _lift_parameters(train.graph, params)
 
     evaluation = ir.from_proto(proto)
-    _to_inference_mode(evaluation.graph)
+    to_inference_mode(evaluation.graph)
     eval_loss, _ = _attach_loss(evaluation.graph, opset, loss, loss_input_names)
     eval_extra = [values_by_name(evaluation.graph)[n] for n in additional_output_names or ()]
     evaluation.graph.outputs.clear()
@@ -181,7 +181,7 @@ def _initializer_array(graph: ir.Graph, name: str) -> np.ndarray:
     return np.array(value.const_value.numpy(), copy=True)
 
 
-def _bn_buffers(graph: ir.Graph) -> set[str]:
+def batchnorm_buffers(graph: ir.Graph) -> set[str]:
     names: set[str] = set()
     for node in graph:
         if node.op_type == "BatchNormalization":
@@ -213,7 +213,7 @@ def _choose_parameters(
         raise ModelError(
             f"{sorted(overlap)} are in both requires_grad and frozen_params; name each once"
         )
-    buffers = _bn_buffers(graph)
+    buffers = batchnorm_buffers(graph)
     if requires_grad is None:
         trainable = [
             n for n, v in inits.items() if is_float(v) and n not in frozen and n not in buffers
@@ -246,7 +246,7 @@ def _lift_parameters(graph: ir.Graph, params: dict[str, bool]) -> None:
             graph.inputs.append(value)
 
 
-def _to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> dict[str, ir.Value]:
+def to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> dict[str, ir.Value]:
     """BatchNorm computes batch statistics and updates its running stats; Dropout is active.
 
     Returns the running-statistics outputs by the graph-output name they get.
@@ -276,7 +276,7 @@ def _to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> d
     return updates
 
 
-def _to_inference_mode(graph: ir.Graph) -> None:
+def to_inference_mode(graph: ir.Graph) -> None:
     """BatchNorm uses its running stats; Dropout is the identity."""
     for node in list(graph):
         if node.domain not in ("", "ai.onnx"):

@@ -30,6 +30,7 @@ class CompileOptions:
         compute_all_gradients: Also compute the gradients of every data input.
         profile: Report each phase's execution time in ``ExecutionResult.times``.
         intra_op_threads: onnxruntime threads per op (0: its default).
+        memory_arena: Use onnxruntime's CPU memory arena (off for exact memory measurements).
     """
 
     debug: bool = False
@@ -37,10 +38,15 @@ class CompileOptions:
     compute_all_gradients: bool = False
     profile: bool = False
     intra_op_threads: int = 0
+    memory_arena: bool = True
 
     def session_config(self) -> SessionConfig:
         level = "disable" if self.debug or self.disable_fusion else "all"
-        return SessionConfig(optimization=level, intra_op_threads=self.intra_op_threads)
+        return SessionConfig(
+            optimization=level,
+            intra_op_threads=self.intra_op_threads,
+            memory_arena=self.memory_arena,
+        )
 
 
 @dataclass

@@ -26,7 +26,7 @@ from traingraph.graph.execution import (
 )
 from traingraph.graph.graph import Graph, Tensor, TensorSpec, compose
 from traingraph.ir.model import to_proto
-from traingraph.program import _to_inference_mode
+from traingraph.program import to_inference_mode
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.session import BoundRunner, check_feeds, create_session
 from traingraph.runtime.tensors import TensorStore
@@ -71,7 +71,7 @@ class InferenceGraph:
         self.options = options or CompileOptions()
         self.device = parse_device(device)
         model, owners = compose(self.graphs)
-        _to_inference_mode(model.graph)
+        to_inference_mode(model.graph)
         names = [o.name for o in model.graph.outputs]
         values = {o.name: o for node in model.graph for o in node.outputs}
         missing = [n for n in self.extra_outputs if n not in values]

@@ -53,8 +53,14 @@ from traingraph.losses import Loss
 from traingraph.optim.alias import Optimizer
 from traingraph.optim.model import build_optimizer_model, init_state
 from traingraph.optim.transforms import ParamInfo
-from traingraph.program import LOSS_OUTPUT, _bn_buffers, _to_inference_mode, _to_training_mode
+from traingraph.program import (
+    LOSS_OUTPUT,
+    batchnorm_buffers,
+    to_inference_mode,
+    to_training_mode,
+)
 from traingraph.runtime.device import Device, parse_device
+from traingraph.runtime.optimizer import optimizer_step
 from traingraph.runtime.session import BoundRunner, check_feeds, create_session
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
@@ -454,22 +460,7 @@ class TrainingGraph:
             return result
         if not state.grads_valid:
             raise ModelError("no gradients yet; run execute_gradient(...) before the update")
-        slots = state.optimizer_slots
-        assert slots is not None and state.learning_rate is not None
-        runner.bind_input("learning_rate", np.array(state.learning_rate, dtype=np.float32))
-        runner.bind_input("step", np.array(state.step + 1, dtype=np.int64))
-        bound = {}
-        for name in state.grads:
-            runner.bind_input(name, state.trainable.cur.ortvalue(name))
-            runner.bind_input(f"{name}_grad", state.grads.ortvalue(name))
-            bound[f"{name}_out"] = state.trainable.alt.ortvalue(name)
-        for name in slots.cur:
-            runner.bind_input(name, slots.cur.ortvalue(name))
-            bound[f"{name}_out"] = slots.alt.ortvalue(name)
-        runner.run(bound)
-        state.trainable.swap()
-        slots.swap()
-        state.step += 1
+        optimizer_step(runner, state)
         self._timed("optimizer", result, start)
         return result
 
@@ -639,7 +630,7 @@ class _TrainProgram:
         graph = model.graph
         opset = model.opset_imports[""]
         param_order = [n for g in tg.graphs for n in g.parameters]
-        buffers = _bn_buffers(graph)
+        buffers = batchnorm_buffers(graph)
         if tg.trainable_override is not None:
             trainable = set(tg.trainable_override)
         else:
@@ -657,10 +648,10 @@ class _TrainProgram:
         model_outputs = [o.name or "" for o in graph.outputs]
         eval_model = to_proto(model)
         eval_ir = ir.from_proto(eval_model)
-        _to_inference_mode(eval_ir.graph)
+        to_inference_mode(eval_ir.graph)
         eval_model = to_proto(eval_ir)
 
-        buffer_values = _to_training_mode(graph, requires_grad, opset)
+        buffer_values = to_training_mode(graph, requires_grad, opset)
         values = values_by_name(graph)
         for name in [
             *tg.loss_inputs,

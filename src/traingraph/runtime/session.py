@@ -32,6 +32,7 @@ class SessionConfig:
         allow_spinning: Whether idle worker threads spin; off by default so that work that runs
             between steps (data loading, other sessions) keeps its cores.
         profile: Write onnxruntime's profile.
+        memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
         extra: Further session config entries (``add_session_config_entry``).
     """
 
@@ -39,6 +40,7 @@ class SessionConfig:
     intra_op_threads: int = 0
     allow_spinning: bool = False
     profile: bool = False
+    memory_arena: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 
     def session_options(self) -> ort.SessionOptions:
@@ -60,6 +62,7 @@ class SessionConfig:
         for key, value in self.extra.items():
             options.add_session_config_entry(key, value)
         options.enable_profiling = self.profile
+        options.enable_cpu_mem_arena = self.memory_arena
         return options
 
 
