@@ -25,6 +25,7 @@ from traingraph.graph.execution import (
     host,
 )
 from traingraph.graph.graph import Graph, Tensor, TensorSpec, compose
+from traingraph.ir.builder import value_spec
 from traingraph.ir.model import to_proto
 from traingraph.program import to_inference_mode
 from traingraph.runtime.device import Device, parse_device
@@ -55,7 +56,9 @@ class InferenceGraph:
         known = {v.name for g in self.graphs for v in g.ir_graph.inputs}
         for name, value in inputs.items():
             if name not in known:
-                raise ModelError(f"{name!r} is not an input of the graphs; inputs: {sorted(known)}")
+                raise ModelError(
+                    f"{name!r} is not an input of the graphs; inputs: {sorted(map(str, known))}"
+                )
             self.input_specs[name] = value if isinstance(value, TensorSpec) else None
         return self
 
@@ -81,7 +84,7 @@ class InferenceGraph:
         self.output_names = [o.name or "" for o in model.graph.outputs]
         params = {v.name: v for v in model.graph.inputs if v.name in owners}
         self.feed_names = [v.name or "" for v in model.graph.inputs if v.name not in owners]
-        specs = {n: (tuple(v.shape.numpy()), np.dtype(v.dtype.numpy())) for n, v in params.items()}
+        specs = {n: value_spec(v) for n, v in params.items()}
         previous = self.get_parameters() if self._params is not None else None
         self._params = TensorStore(self.device, specs)
         for name in specs:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "Initializer",
@@ -103,7 +104,7 @@ class uniform:  # noqa: N801 - used like a function, as torch.nn.init.uniform_
     high: float = 1.0
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         return rng.uniform(self.low, self.high, size=tuple(shape)).astype(dtype)
 
@@ -116,7 +117,7 @@ class normal:  # noqa: N801 - used like a function, as torch.nn.init.normal_
     std: float = 1.0
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         return rng.normal(self.mean, self.std, size=tuple(shape)).astype(dtype)
 
@@ -128,7 +129,7 @@ class constant:  # noqa: N801 - used like a function, as torch.nn.init.constant_
     value: float = 0.0
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         return np.full(tuple(shape), self.value, dtype=dtype)
 
@@ -150,7 +151,7 @@ class glorot_uniform:  # noqa: N801 - used like a function, as torch.nn.init.xav
     gain: float = 1.0
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         fan_in, fan_out = calculate_fans(shape)
         bound = self.gain * math.sqrt(6.0 / (fan_in + fan_out))
@@ -164,7 +165,7 @@ class glorot_normal:  # noqa: N801 - used like a function, as torch.nn.init.xavi
     gain: float = 1.0
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         fan_in, fan_out = calculate_fans(shape)
         return normal(0.0, self.gain * math.sqrt(2.0 / (fan_in + fan_out)))(shape, rng, dtype)
@@ -179,7 +180,7 @@ class kaiming_uniform:  # noqa: N801 - used like a function, as torch.nn.init.ka
     nonlinearity: str = "leaky_relu"
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         gain = calculate_gain(self.nonlinearity, self.a)
         bound = gain * math.sqrt(3.0 / _fan(shape, self.mode))
@@ -195,7 +196,7 @@ class kaiming_normal:  # noqa: N801 - used like a function, as torch.nn.init.kai
     nonlinearity: str = "leaky_relu"
 
     def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: np.dtype = np.float32
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
         gain = calculate_gain(self.nonlinearity, self.a)
         return normal(0.0, gain / math.sqrt(_fan(shape, self.mode)))(shape, rng, dtype)

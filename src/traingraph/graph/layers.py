@@ -619,9 +619,9 @@ class MultiheadAttention(Layer):
             self._param("in_proj_bias", (3 * e,), init.zeros())
             self._param("out_proj.bias", (e,), init.zeros())
 
-    def __call__(
+    def __call__(  # type: ignore[override]
         self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
-    ) -> Tensor:  # type: ignore[override]
+    ) -> Tensor:
         key = query if key is None else key
         value = key if value is None else value
         return super().__call__(query, key, value)

@@ -164,9 +164,9 @@ def plan_memory(
     for value in model.graph.input:
         if value.name in input_shapes:
             dims = value.type.tensor_type.shape.dim
-            for dim, size in zip(dims, input_shapes[value.name]):
+            for dim, extent in zip(dims, input_shapes[value.name]):
                 dim.Clear()
-                dim.dim_value = int(size)
+                dim.dim_value = int(extent)
     del model.graph.value_info[:]
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     sizes: dict[str, int | None] = {}

@@ -47,7 +47,7 @@ from traingraph.graph.execution import (
 from traingraph.graph.graph import Graph, Tensor, TensorSpec, compose
 from traingraph.graph.layers import Layer
 from traingraph.graph.phases import MemoryPlan, PhaseModels, plan_memory, split_phases
-from traingraph.ir.builder import OpBuilder
+from traingraph.ir.builder import OpBuilder, is_float, value_spec
 from traingraph.ir.model import to_proto
 from traingraph.losses import Loss
 from traingraph.optim.alias import Optimizer
@@ -157,7 +157,9 @@ class TrainingGraph:
         known = {v.name for g in self.graphs for v in g.ir_graph.inputs}
         for name, value in inputs.items():
             if name not in known:
-                raise ModelError(f"{name!r} is not an input of the graphs; inputs: {sorted(known)}")
+                raise ModelError(
+                    f"{name!r} is not an input of the graphs; inputs: {sorted(map(str, known))}"
+                )
             self.input_specs[name] = value if isinstance(value, TensorSpec) else None
         self.label_specs.update(loss_labels or {})
         self.label_weight_specs.update(loss_label_weights or {})
@@ -680,8 +682,7 @@ class _TrainProgram:
                 n
                 for n in data_inputs
                 if n not in tensor_grads
-                and values[n].dtype is not None
-                and values[n].dtype.is_floating_point()
+                and is_float(values[n])
             ]
         result = differentiate(
             graph, opset, [values[n] for n in [*wrt_names, *tensor_grads]], loss=loss_value,
@@ -707,8 +708,7 @@ class _TrainProgram:
 
         optimizer_model = None
         if tg.optimizer is not None and wrt_names:
-            infos = [ParamInfo(n, tuple(values[n].shape.numpy()), np.dtype(values[n].dtype.numpy()))
-                     for n in wrt_names]  # fmt: skip
+            infos = [ParamInfo(n, *value_spec(values[n])) for n in wrt_names]
             optimizer_model = build_optimizer_model(tg.optimizer, infos, opset=opset)
         feed_names = [*data_inputs, *label_names]
         return cls(

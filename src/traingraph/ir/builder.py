@@ -60,6 +60,17 @@ def static_shape(value: ir.Value) -> tuple[int, ...] | None:
     return None
 
 
+def value_spec(value: ir.Value) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` of a value whose shape is static and dtype known (a parameter)."""
+    shape = static_shape(value)
+    if shape is None or value.dtype is None:
+        raise ValueError(
+            f"tensor {value.name!r} needs a static shape and a known dtype; it has shape"
+            f" {value.shape} and dtype {value.dtype}"
+        )
+    return shape, np.dtype(value.dtype.numpy())
+
+
 def rank(value: ir.Value) -> int | None:
     """The rank of ``value`` when known."""
     return None if value.shape is None else len(value.shape)
