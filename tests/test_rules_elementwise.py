@@ -614,3 +614,27 @@ def test_rules_on_values_of_unknown_dtype():
     d = torch.relu(torch.tanh(F.leaky_relu(torch.sigmoid(t), 0.3)) - t)
     (torch.softmax(F.mish(d), -1).sum() * t).sum().backward()
     np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _random_broadcast_pair(rng: np.random.Generator) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two shapes that broadcast together: a random output shape, each side dropping leading
+    dimensions and setting random dimensions to 1."""
+    out = tuple(int(d) for d in rng.integers(1, 4, size=rng.integers(1, 5)))
+
+    def side() -> tuple[int, ...]:
+        keep = out[rng.integers(0, len(out)) :] if rng.random() < 0.5 else out
+        return tuple(1 if rng.random() < 0.4 else d for d in keep) or (1,)
+
+    return side(), side()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_randomized_broadcast_shapes(seed):
+    rng = np.random.default_rng(100 + seed)
+    sa, sb = _random_broadcast_pair(rng)
+    op = ["Add", "Sub", "Mul", "Div"][seed % 4]
+    a, b = rng.standard_normal(sa), rng.standard_normal(sb)
+    if op == "Div":
+        b = np.sign(b) * (np.abs(b) + 0.5)
+    dynamic = ["none", "batch", "all"][seed % 3]
+    check_op_gradient(op, {"a": a, "b": b}, dynamic=dynamic, torch_fn=BINARY[op])
