@@ -302,6 +302,7 @@ class Module:
             self._eval_outputs = list(e_outputs)
             self._eval_params = [n for n in e_inputs if n in params]
         self._accumulator: BoundRunner | None = None
+        self._accumulated: TensorStore | None = None  # the sum's target; swaps with the grads
         self.training = True
 
     # ----------------------------------------------------------------- modes
@@ -406,14 +407,16 @@ class Module:
                 create_session(_accumulator_model(state.grads), self._device, self._config),
                 self._device,
             )
-        total = state.grads.like()
+        if self._accumulated is None:
+            self._accumulated = state.grads.like()
+        total = self._accumulated
         outs: dict[str, ort.OrtValue | None] = {}
         for i, name in enumerate(self._trainable):
             self._accumulator.bind_input(f"a{i}", state.grads.ortvalue(name))
             self._accumulator.bind_input(f"b{i}", scratch.ortvalue(name))
             outs[f"s{i}"] = total.ortvalue(name)
         self._accumulator.run(outs)
-        state.grads = total
+        self._accumulated, state.grads = state.grads, total
 
     def _eval_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
         if self._eval is None:
