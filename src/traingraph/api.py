@@ -42,6 +42,7 @@ from traingraph.optim.schedulers import (
 )
 from traingraph.program import BUFFER_UPDATE_SUFFIX
 from traingraph.runtime.device import Device, parse_device
+from traingraph.runtime.fused import fused_update
 from traingraph.runtime.optimizer import optimizer_step
 from traingraph.runtime.session import BoundRunner, SessionConfig, check_feeds, create_session
 from traingraph.runtime.state import TrainingState
@@ -588,10 +589,36 @@ class Optimizer:
         if state.learning_rate is None:
             state.learning_rate = float(meta.get("traingraph.learning_rate", 1e-3))
         self._runner = BoundRunner(create_session(path, state.device, module._config), state.device)
+        # On the CPU a fused in-place update replaces the graph when one exists for this
+        # optimizer; both give the same numbers.
+        self._fused = None
+        if state.device.kind == "cpu" and "traingraph.hyperparameters" in meta:
+            self._fused = fused_update(
+                meta.get("traingraph.optimizer", ""),
+                json.loads(meta["traingraph.hyperparameters"]),
+            )
+        self._slot_keys = {
+            name: {state.slot_owner(s)[1]: s for s in slot_names if state.slot_owner(s)[0] == name}
+            for name in self._params
+        }
 
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients."""
-        optimizer_step(self._runner, self._state)
+        if self._fused is None:
+            optimizer_step(self._runner, self._state)
+            return
+        state = self._state
+        assert state.optimizer_slots is not None and state.learning_rate is not None
+        lr = float(np.float32(state.learning_rate))
+        for name, keys in self._slot_keys.items():
+            self._fused(
+                state.trainable.cur.host_view(name),
+                state.grads.host_view(name),
+                {key: state.optimizer_slots.cur.host_view(slot) for key, slot in keys.items()},
+                lr=lr,
+                step=state.step + 1,
+            )
+        state.step += 1
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Set the learning rate used by the next :meth:`step`."""

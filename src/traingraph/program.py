@@ -166,6 +166,7 @@ def _describe_optimizer(
         "traingraph.optimizer": optimizer.name,
         "traingraph.learning_rate": repr(float(optimizer.lr)),
         "traingraph.slot_init": json.dumps({s.name: float(s.init) for s in slots}),
+        "traingraph.hyperparameters": json.dumps(optimizer.hyperparameters),
     }
     for key, value in entries.items():
         model.metadata_props.add(key=key, value=value)

@@ -88,6 +88,13 @@ class TensorStore:
         """The host view of ``name`` (CPU only; None on other devices)."""
         return self._views.get(name)
 
+    def host_view(self, name: str) -> np.ndarray:
+        """The in-place host view of ``name``; only CPU tensors have one."""
+        view = self._views.get(name)
+        if view is None:
+            raise ModelError(f"tensor {name!r} lives on {self.device}; it has no host view")
+        return view
+
     def read(self, name: str) -> np.ndarray:
         """A host copy of ``name``."""
         view = self._views.get(name)
