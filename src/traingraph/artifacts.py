@@ -64,29 +64,18 @@ class OptimType(enum.Enum):
         return getattr(optim, self.value)()
 
 
-def _resolve_loss(loss: Any) -> losses.Loss | None:
-    if loss is None or isinstance(loss, losses.Loss):
-        return loss
-    if isinstance(loss, LossType):
-        return loss.build()
-    if isinstance(loss, str) and loss in LossType.__members__:
-        return LossType[loss].build()
+def _resolve(value: Any, kind: type, members: type[enum.Enum], what: str) -> Any:
+    """``value`` as an instance of ``kind``: given as one, as a ``members`` enum member or by
+    that member's name; None stays None."""
+    if value is None or isinstance(value, kind):
+        return value
+    if isinstance(value, members):
+        return value.build()  # type: ignore[attr-defined]
+    if isinstance(value, str) and value in members.__members__:
+        return members[value].build()  # type: ignore[attr-defined]
     raise ModelError(
-        f"loss must be a LossType member, a traingraph.losses.Loss or None, got {loss!r}."
-        f" Built-in losses: {', '.join(LossType.__members__)}"
-    )
-
-
-def _resolve_optimizer(optimizer: Any) -> optim.Optimizer | None:
-    if optimizer is None or isinstance(optimizer, optim.Optimizer):
-        return optimizer
-    if isinstance(optimizer, OptimType):
-        return optimizer.build()
-    if isinstance(optimizer, str) and optimizer in OptimType.__members__:
-        return OptimType[optimizer].build()
-    raise ModelError(
-        f"optimizer must be an OptimType member or a traingraph.optim.Optimizer, got"
-        f" {optimizer!r}. Built-in optimizers: {', '.join(OptimType.__members__)}"
+        f"{what} must be a {members.__name__} member, a {kind.__module__}.{kind.__name__} or"
+        f" None, got {value!r}. Built-in: {', '.join(members.__members__)}"
     )
 
 
@@ -148,8 +137,8 @@ def generate_artifacts(
         model,
         requires_grad=requires_grad,
         frozen_params=frozen_params,
-        loss=_resolve_loss(loss),
-        optimizer=_resolve_optimizer(optimizer),
+        loss=_resolve(loss, losses.Loss, LossType, "loss"),
+        optimizer=_resolve(optimizer, optim.Optimizer, OptimType, "optimizer"),
         additional_output_names=additional_output_names,
         loss_input_names=loss_input_names,
     )
