@@ -262,3 +262,13 @@ def test_batchnorm_cnn_trains_and_updates_running_stats(tmp_path):
     y = rng.integers(0, 10, 4).astype(np.int64)
     expected = torch.nn.functional.cross_entropy(torch_model(torch.tensor(x)), torch.tensor(y))
     np.testing.assert_allclose(float(module(x, y)), expected.item(), rtol=1e-4)
+
+
+def test_contiguous_buffer_of_the_wrong_size_is_refused(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    _, module, _ = _open(directory)
+    trainable = module.get_parameters_size()
+    with pytest.raises(ModelError, match="elements"):
+        module.copy_buffer_to_parameters(np.zeros(trainable + 1, np.float32), trainable_only=False)
+    with pytest.raises(ModelError, match="elements"):
+        module.copy_buffer_to_parameters(np.zeros(trainable - 1, np.float32))

@@ -28,11 +28,12 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
+from onnx import helper
 
 from traingraph.checkpoint import CheckpointData, load_checkpoint_data, save_checkpoint_data
 from traingraph.errors import CheckpointError, ModelError
+from traingraph.ir.model import max_ir_version, to_proto
 from traingraph.ir.model import save as save_model
-from traingraph.ir.model import to_proto
 from traingraph.optim.schedulers import (
     ConstantLRScheduler,
     CosineLRScheduler,
@@ -511,10 +512,6 @@ def export_inference_model(
 
 
 def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
-    from onnx import helper
-
-    from traingraph.ir.model import max_ir_version
-
     nodes, inputs, outputs = [], [], []
     for i, (name, (shape, dtype)) in enumerate(grads.specs.items()):
         elem = helper.np_dtype_to_tensor_dtype(dtype)

@@ -146,7 +146,7 @@ def build_program(
         requires_grad=dict(params),
         input_names=data_inputs + label_names,
         output_names=[LOSS_OUTPUT, *(additional_output_names or ())],
-        buffer_updates=dict(_buffer_targets(buffer_updates)),
+        buffer_updates={name: name[: -len(BUFFER_UPDATE_SUFFIX)] for name in buffer_updates},
     )
 
 
@@ -170,10 +170,6 @@ def _describe_optimizer(
     }
     for key, value in entries.items():
         model.metadata_props.add(key=key, value=value)
-
-
-def _buffer_targets(updates: dict[str, ir.Value]) -> list[tuple[str, str]]:
-    return [(name, name[: -len(BUFFER_UPDATE_SUFFIX)]) for name in updates]
 
 
 def _initializer_array(graph: ir.Graph, name: str) -> np.ndarray:

@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from traingraph.checkpoint import CheckpointData
+from traingraph.errors import ModelError
 from traingraph.runtime.device import Device
 from traingraph.runtime.tensors import PingPong, TensorStore
 
@@ -70,12 +71,11 @@ class TrainingState:
     # ----------------------------------------------------------- contiguity
     def contiguous(self, trainable_only: bool) -> np.ndarray:
         """The parameters as one flat host buffer, in checkpoint order."""
-        names = [n for n in self.names if self.requires_grad.get(n) or not trainable_only]
         if trainable_only:
             return self.trainable.cur.read_flat()
-        if not names:
+        if not self.names:
             return np.zeros(0, np.float32)
-        return np.concatenate([self.read(n).reshape(-1) for n in names])
+        return np.concatenate([self.read(n).reshape(-1) for n in self.names])
 
     def parameters_size(self, trainable_only: bool) -> int:
         return sum(
@@ -92,7 +92,10 @@ class TrainingState:
         expected = self.parameters_size(False)
         flat = np.asarray(buffer).reshape(-1)
         if flat.size != expected:
-            self.trainable.cur.write_flat(flat)  # raises with the sizes
+            raise ModelError(
+                f"the buffer holds {flat.size} elements, but all parameters need {expected};"
+                " get the expected size from get_parameters_size(trainable_only=False)"
+            )
         offset = 0
         for name in self.names:
             shape = self.store_of(name).specs[name][0]
