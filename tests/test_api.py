@@ -85,6 +85,38 @@ def test_mlp_matches_pytorch_for_50_steps(tmp_path, kind):
         )
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_fused_flat_update_equals_the_optimizer_graph(tmp_path, kind):
+    directory = _artifacts(tmp_path, seeded(MLP), kind)
+    x, y = classification_data(10 * BATCH, 20, 5)
+    results = []
+    for fused in (True, False):
+        state, module, opt = _open(directory)
+        assert (opt._blocks is not None) is True
+        if not fused:
+            opt._fused = None  # the standard-op optimizer graph
+        for step in range(10):
+            module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
+            opt.step()
+            module.lazy_reset_grad()
+        results.append({n: state.parameters[n].data for n in state.parameters})
+    for name, value in results[0].items():
+        np.testing.assert_array_equal(value, results[1][name], err_msg=name)
+
+
+def test_returned_outputs_are_not_overwritten_by_the_next_step(tmp_path):
+    directory = _artifacts(tmp_path, seeded(MLP))
+    x, y = classification_data(2 * BATCH, 20, 5)
+    _, module, opt = _open(directory)
+    first = module(x[:BATCH], y[:BATCH])
+    kept = float(first)
+    opt.step()
+    module.lazy_reset_grad()
+    second = module(x[BATCH:], y[BATCH:])
+    assert float(first) == kept
+    assert float(second) != kept
+
+
 def test_resume_is_bit_identical(tmp_path):
     directory = _artifacts(tmp_path, seeded(MLP))
     x, y = classification_data(20 * BATCH, 20, 5)

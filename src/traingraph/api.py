@@ -45,7 +45,13 @@ from traingraph.program import BUFFER_UPDATE_SUFFIX
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.fused import fused_update
 from traingraph.runtime.optimizer import optimizer_step
-from traingraph.runtime.session import BoundRunner, SessionConfig, check_feeds, create_session
+from traingraph.runtime.session import (
+    BoundRunner,
+    SessionConfig,
+    _ort_type_to_numpy,
+    check_feeds,
+    create_session,
+)
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
 
@@ -305,6 +311,9 @@ class Module:
             self._eval_params = [n for n in e_inputs if n in params]
         self._accumulator: BoundRunner | None = None
         self._accumulated: TensorStore | None = None  # the sum's target; swaps with the grads
+        # Outputs of a static shape get buffers once; calls return copies of them.
+        self._fixed_outputs = _preallocated_outputs(self._train, self._train_outputs)
+        self._checked: set[tuple[object, ...]] = set()  # input signatures already validated
         self.training = True
 
     # ----------------------------------------------------------------- modes
@@ -363,13 +372,34 @@ class Module:
                 )
             feeds = dict(zip(names, user_inputs))
         feeds = {k: _as_feed(v) for k, v in feeds.items()}
-        outputs = self._train_step(feeds) if self.training else self._eval_step(feeds)
-        values = [outputs[n].numpy() for n in self.output_names()]
+        if self.training:
+            outputs = self._train_step(feeds)
+            fixed = self._fixed_outputs
+        else:
+            outputs, fixed = self._eval_step(feeds), {}
+        values = [
+            outputs[n].numpy().copy() if n in fixed else outputs[n].numpy()
+            for n in self.output_names()
+        ]
         return values[0] if len(values) == 1 else values
+
+    def _check_feeds(self, runner: BoundRunner, names: list[str], feeds: dict[str, Any]) -> None:
+        """Validate ``feeds`` against the model once per distinct names / shapes / dtypes."""
+        signature = tuple(
+            (k, tuple(v.shape()), v.data_type())
+            if isinstance(v, ort.OrtValue)
+            else (k, v.shape, v.dtype)
+            for k, v in feeds.items()
+        )
+        if signature not in self._checked:
+            check_feeds(runner.inputs, names, feeds)
+            if len(self._checked) >= 256:  # many shapes (e.g. variable lengths): stay small
+                self._checked.clear()
+            self._checked.add(signature)
 
     def _train_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
         runner, state = self._train, self._runtime
-        check_feeds(runner.inputs, self._train_inputs, feeds)
+        self._check_feeds(runner, self._train_inputs, feeds)
         for name, value in feeds.items():
             runner.bind_input(name, value)
         for name in self._train_params:
@@ -384,7 +414,8 @@ class Module:
         }
         for out, buffer in self._buffer_outputs.items():
             outs[out] = state.buffers.alt.ortvalue(buffer)
-        outs.update(dict.fromkeys(self._train_outputs))
+        for name in self._train_outputs:
+            outs[name] = self._fixed_outputs.get(name)
         outputs = runner.run(outs)
         if accumulate:
             self._accumulate()
@@ -427,7 +458,7 @@ class Module:
                 create_session(self._eval_uri, self._device, self._config), self._device
             )
         runner, state = self._eval, self._runtime
-        check_feeds(runner.inputs, self._eval_inputs, feeds)
+        self._check_feeds(runner, self._eval_inputs, feeds)
         for name, value in feeds.items():
             runner.bind_input(name, value)
         for name in self._eval_params:
@@ -511,6 +542,19 @@ def export_inference_model(
     save_model(to_proto(m), path)
 
 
+def _preallocated_outputs(runner: BoundRunner, names: Sequence[str]) -> dict[str, ort.OrtValue]:
+    """Buffers on the runner's device for the outputs among ``names`` whose shape is static."""
+    device, buffers = runner.device, {}
+    for info in runner.session.get_outputs():
+        dtype = _ort_type_to_numpy(info.type)
+        static = info.shape is not None and all(isinstance(d, int) for d in info.shape)
+        if info.name in names and static and dtype is not None:
+            buffers[info.name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                list(info.shape), dtype, device.ort_device_type, device.index
+            )
+    return buffers
+
+
 def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
     nodes, inputs, outputs = [], [], []
     for i, (name, (shape, dtype)) in enumerate(grads.specs.items()):
@@ -570,6 +614,12 @@ class Optimizer:
         slot_names = [n for n in inputs if n not in known]
         slot_init = json.loads(meta.get("traingraph.slot_init", "{}"))
         value_info = {i.name: i for i in proto.graph.input}
+        # Slots of one kind (all "exp_avg", then all "exp_avg_sq", ...) lie next to each other
+        # in the parameters' order, so a fused update covers each kind as one flat block.
+        owners = {slot: state.slot_owner(slot) for slot in slot_names}
+        order = {name: i for i, name in enumerate(state.trainable.cur)}
+        kinds = list(dict.fromkeys(key for _, key in owners.values()))
+        slot_names.sort(key=lambda s: (kinds.index(owners[s][1]), order.get(owners[s][0], -1)))
         specs = {}
         for name in slot_names:
             t = value_info[name].type.tensor_type
@@ -595,9 +645,10 @@ class Optimizer:
                 json.loads(meta["traingraph.hyperparameters"]),
             )
         self._slot_keys = {
-            name: {state.slot_owner(s)[1]: s for s in slot_names if state.slot_owner(s)[0] == name}
+            name: {key: s for s, (owner, key) in owners.items() if owner == name}
             for name in self._params
         }
+        self._blocks = self._flat_blocks(kinds) if self._fused is not None else None
 
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients."""
@@ -607,6 +658,13 @@ class Optimizer:
         state = self._state
         assert state.optimizer_slots is not None and state.learning_rate is not None
         lr = float(np.float32(state.learning_rate))
+        params, grads, slots = state.trainable.cur.flat, state.grads.flat, state.optimizer_slots.cur
+        if self._blocks is not None and params is not None and grads is not None:
+            assert slots.flat is not None
+            blocks = {key: slots.flat[start:stop] for key, (start, stop) in self._blocks.items()}
+            self._fused(params, grads, blocks, lr=lr, step=state.step + 1)
+            state.step += 1
+            return
         for name, keys in self._slot_keys.items():
             self._fused(
                 state.trainable.cur.host_view(name),
@@ -616,6 +674,22 @@ class Optimizer:
                 step=state.step + 1,
             )
         state.step += 1
+
+    def _flat_blocks(self, kinds: list[str]) -> dict[str, tuple[int, int]] | None:
+        """Where each slot kind lies in the slots' flat block, as ``(start, stop)``, when every
+        kind holds one slot per trainable parameter in the parameters' order; else None."""
+        state = self._state
+        slots = state.optimizer_slots
+        if slots is None or slots.cur.flat is None or state.trainable.cur.flat is None:
+            return None
+        params = list(state.trainable.cur)
+        if sorted(params) != sorted(self._params):
+            return None
+        expected = [self._slot_keys[p].get(k) for k in kinds for p in params]
+        if list(slots.cur) != expected or slots.cur.flat.dtype != state.trainable.cur.flat.dtype:
+            return None
+        size = state.trainable.cur.size
+        return {kind: (i * size, (i + 1) * size) for i, kind in enumerate(kinds)}
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Set the learning rate used by the next :meth:`step`."""

@@ -20,6 +20,8 @@ _LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
+_CONV_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+_ARENA_STRATEGIES = ("kNextPowerOfTwo", "kSameAsRequested")
 
 
 @dataclass
@@ -34,6 +36,26 @@ class SessionConfig:
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
         extra: Further session config entries (``add_session_config_entry``).
+        cuda_graph: Capture the session's kernels into a CUDA graph on the first run and replay
+            it afterwards (onnxruntime's ``enable_cuda_graph``). Needs static shapes, every node
+            on the GPU and inputs and outputs bound to device buffers that keep their
+            addresses, as :class:`~traingraph.runtime.cuda.CudaGraphStep` binds them.
+        tf32: Let float32 MatMul/Gemm/Conv use TensorFloat-32 tensor cores (products keep about
+            10 bits of mantissa; onnxruntime's default). False gives full float32 products.
+        cudnn_conv_algo_search: How cuDNN picks convolution algorithms: "EXHAUSTIVE" (benchmark
+            them all on the first run; onnxruntime's default), "HEURISTIC" (cuDNN's heuristics,
+            faster start) or "DEFAULT" (the implicit-GEMM algorithm, no search).
+        gpu_mem_limit: Bytes the CUDA memory arena may hold (None: no limit). Parameters,
+            gradients and optimizer slots are allocated outside it, by the runtime's stores.
+        arena_extend_strategy: How the CUDA arena grows: "kNextPowerOfTwo" (onnxruntime's
+            default) or "kSameAsRequested" (tighter, for a ``gpu_mem_limit`` close to the need).
+        cuda_extra: Further CUDA execution provider options, passed as they are (see
+            onnxruntime's CUDA provider documentation), e.g. ``{"do_copy_in_default_stream": "0"}``.
+
+    Example:
+        >>> config = SessionConfig(tf32=False, cudnn_conv_algo_search="HEURISTIC")
+        >>> config.cuda_options()["use_tf32"]
+        '0'
     """
 
     optimization: str = "all"
@@ -42,6 +64,45 @@ class SessionConfig:
     profile: bool = False
     memory_arena: bool = True
     extra: dict[str, str] = field(default_factory=dict)
+    cuda_graph: bool = False
+    tf32: bool = True
+    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    gpu_mem_limit: int | None = None
+    arena_extend_strategy: str = "kNextPowerOfTwo"
+    cuda_extra: dict[str, str] = field(default_factory=dict)
+
+    def cuda_options(self) -> dict[str, str]:
+        """The CUDA execution provider options these settings stand for.
+
+        Raises:
+            ModelError: For an unknown algorithm search, arena strategy, or a memory limit
+                that is not a positive number of bytes.
+        """
+        if self.cudnn_conv_algo_search not in _CONV_SEARCH:
+            raise ModelError(
+                f"unknown cudnn_conv_algo_search {self.cudnn_conv_algo_search!r}; expected one"
+                f" of {list(_CONV_SEARCH)}"
+            )
+        if self.arena_extend_strategy not in _ARENA_STRATEGIES:
+            raise ModelError(
+                f"unknown arena_extend_strategy {self.arena_extend_strategy!r}; expected one of"
+                f" {list(_ARENA_STRATEGIES)}"
+            )
+        options = {
+            "enable_cuda_graph": "1" if self.cuda_graph else "0",
+            "use_tf32": "1" if self.tf32 else "0",
+            "cudnn_conv_algo_search": self.cudnn_conv_algo_search,
+            "arena_extend_strategy": self.arena_extend_strategy,
+        }
+        if self.gpu_mem_limit is not None:
+            if isinstance(self.gpu_mem_limit, bool) or int(self.gpu_mem_limit) <= 0:
+                raise ModelError(
+                    f"gpu_mem_limit must be a positive number of bytes or None, got"
+                    f" {self.gpu_mem_limit!r}"
+                )
+            options["gpu_mem_limit"] = str(int(self.gpu_mem_limit))
+        options.update({key: str(value) for key, value in self.cuda_extra.items()})
+        return options
 
     def session_options(self) -> ort.SessionOptions:
         if self.optimization not in _LEVELS:
@@ -83,13 +144,15 @@ def create_session(
         source = path
     else:
         source = model
-    return ort.InferenceSession(source, config.session_options(), providers=device.providers())
+    providers = device.providers(config.cuda_options())
+    return ort.InferenceSession(source, config.session_options(), providers=providers)
 
 
 class BoundRunner:
     """Runs one session through an IOBinding whose persistent bindings are set once.
 
-    Per-step inputs are bound on each call; outputs not bound to a buffer are allocated by
+    Per-step inputs are bound on each call; an input or output bound to the same OrtValue as
+    in the previous run is not bound again. Outputs not bound to a buffer are allocated by
     onnxruntime on ``device`` and returned as OrtValues.
     """
 
@@ -100,10 +163,15 @@ class BoundRunner:
         self.inputs = {i.name: i for i in session.get_inputs()}
         self.outputs = [o.name for o in session.get_outputs()]
         self._alive: dict[str, object] = {}
+        self._bound_outputs: dict[str, ort.OrtValue | None] = {}
+        self._order: list[str] = []
+        self._host = device.kind == "cpu"
 
     def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
         """Bind ``name`` to ``value``; the runner keeps ``value`` alive until it is rebound
         (onnxruntime reads host arrays in place at run time)."""
+        if self._alive.get(name) is value:
+            return
         self._alive[name] = value
         if isinstance(value, ort.OrtValue):
             self.binding.bind_ortvalue_input(name, value)
@@ -113,22 +181,30 @@ class BoundRunner:
     def run(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, ort.OrtValue]:
         """Run with ``outputs`` bound: name -> a buffer to write, or None for a fresh allocation
         on the device. Returns those outputs by name."""
-        binding = self.binding
-        binding.clear_binding_outputs()
-        order = [name for name in self.outputs if name in outputs]
-        if len(order) != len(outputs):
-            unknown = sorted(set(outputs) - set(order))
-            raise ModelError(f"outputs {unknown} are not outputs of the model ({self.outputs})")
-        for name in order:
+        binding, bound = self.binding, self._bound_outputs
+        if bound.keys() != outputs.keys():
+            order = [name for name in self.outputs if name in outputs]
+            if len(order) != len(outputs):
+                unknown = sorted(set(outputs) - set(order))
+                raise ModelError(f"outputs {unknown} are not outputs of the model ({self.outputs})")
+            binding.clear_binding_outputs()
+            bound.clear()
+            self._order = order
+        for name in self._order:
             value = outputs[name]
             if value is None:
                 binding.bind_output(name, self.device.ort_device_type, self.device.index)
-            else:
+            elif bound.get(name) is not value:
                 binding.bind_ortvalue_output(name, value)
-        binding.synchronize_inputs()
+            bound[name] = value
+        if not self._host:
+            binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        return dict(zip(order, binding.get_outputs()))
+        if not self._host:
+            binding.synchronize_outputs()
+        if all(outputs[name] is not None for name in self._order):
+            return dict(outputs)  # type: ignore[arg-type]
+        return dict(zip(self._order, binding.get_outputs()))
 
 
 def check_feeds(
