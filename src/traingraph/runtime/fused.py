@@ -1,11 +1,21 @@
-r"""Fused optimizer updates on the CPU: in-place numpy, no allocation per step.
+r"""Fused optimizer updates on the CPU: in place, one pass, no allocation per step.
 
 The standard-op optimizer graph (:func:`traingraph.optim.build_optimizer_model`) stays the
 portable artifact. On the CPU, where parameters, gradients and slots are numpy views of
-contiguous :class:`~traingraph.runtime.tensors.TensorStore` blocks, these functions apply the
-same update in place, with the graph's float32 operations in the graph's order, so both give
-the same numbers. Each works on any shape; called on flat blocks (all parameters at once) it
-costs a fixed number of numpy calls per step, whatever the number of parameters.
+contiguous :class:`~traingraph.runtime.tensors.TensorStore` blocks, :func:`fused_update` applies
+the same update in place, with the graph's float operations in the graph's order, so both give
+the same numbers bit for bit.
+
+Two backends compute it (:data:`BACKEND` says which one :func:`fused_update` uses):
+
+- ``"native"``: the C extension ``traingraph.runtime._fusedc``, built at install time where a C
+  compiler exists. One pass over memory per call, without the GIL, on C-contiguous float32 or
+  float64 arrays (others go to the numpy code).
+- ``"numpy"``: :func:`adamw_step` and :func:`sgd_step`, a fixed number of in-place numpy calls
+  (about ten passes over memory) on arrays of any layout and float dtype.
+
+Either works on any shape; called on flat blocks (all parameters at once) one call updates
+everything.
 
 Example:
     >>> update = fused_update("adamw", {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
@@ -15,10 +25,26 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
+
+
+def _load_native() -> ModuleType | None:
+    try:
+        return importlib.import_module("traingraph.runtime._fusedc")
+    except ImportError:
+        return None
+
+
+_native = _load_native()
+
+BACKEND: str = "native" if _native is not None else "numpy"
+"""The backend :func:`fused_update` uses by default: ``"native"`` when the C extension was
+built at install time, else ``"numpy"``."""
 
 
 class Scratch:
@@ -176,39 +202,87 @@ class FusedUpdate(Protocol):
     ) -> None: ...
 
 
-def fused_update(name: str, hyperparameters: Mapping[str, Any]) -> FusedUpdate | None:
+def fused_update(
+    name: str, hyperparameters: Mapping[str, Any], *, backend: str | None = None
+) -> FusedUpdate | None:
     """The fused update of optimizer ``name`` with ``hyperparameters``, or None.
 
     ``name`` and ``hyperparameters`` are :class:`traingraph.optim.Optimizer`'s ``name`` and
     ``hyperparameters``. None means there is no fused form (another algorithm, AMSGrad,
     clipping or L1 terms): run the optimizer graph instead.
+
+    Args:
+        name: The optimizer's name (``"adamw"``, ``"sgd"``, ...).
+        hyperparameters: Its hyperparameters.
+        backend: ``"native"`` or ``"numpy"``; None picks :data:`BACKEND`. The native update
+            hands arrays it does not take (not C-contiguous, or neither float32 nor float64)
+            to the numpy code.
+
+    Raises:
+        ValueError: ``backend`` is unknown, or ``"native"`` where the extension was not built.
     """
+    backend = BACKEND if backend is None else backend
+    if backend not in ("native", "numpy"):
+        raise ValueError(f"fused_update: backend must be 'native' or 'numpy'; got {backend!r}")
+    if backend == "native" and _native is None:
+        raise ValueError(
+            "fused_update: the native backend is not available (traingraph.runtime._fusedc was"
+            " not built: no C compiler at install time); use backend='numpy', or reinstall"
+            " traingraph where gcc or clang exists"
+        )
     extras = {"l1", "clip_grad_value", "max_grad_norm_per_tensor", "clip_grad_norm"}
     if extras & set(hyperparameters):
         return None
+    native = _native if backend == "native" else None
     scratch = Scratch()
     h = dict(hyperparameters)
     if name == "adamw" and not h.get("amsgrad", False):
+        b1, b2 = h.get("betas", (0.9, 0.999))
+        eps, weight_decay = h.get("eps", 1e-8), h.get("weight_decay", 0.01)
 
         def adamw(params, grads, slots, *, lr, step):
             adamw_step(
                 params, grads, slots["exp_avg"], slots["exp_avg_sq"], lr=lr, step=step,
-                betas=tuple(h.get("betas", (0.9, 0.999))), eps=h.get("eps", 1e-8),
-                weight_decay=h.get("weight_decay", 0.01), scratch=scratch,
+                betas=(b1, b2), eps=eps, weight_decay=weight_decay, scratch=scratch,
             )  # fmt: skip
 
-        return adamw
+        if native is None:
+            return adamw
+
+        def native_adamw(params, grads, slots, *, lr, step):
+            try:
+                native.adamw(
+                    params, grads, slots["exp_avg"], slots["exp_avg_sq"], lr, step, b1, b2, eps,
+                    weight_decay,
+                )  # fmt: skip
+            except native.UnsupportedArray:
+                adamw(params, grads, slots, lr=lr, step=step)
+
+        return native_adamw
     if name == "sgd":
+        momentum, dampening = h.get("momentum", 0.0), h.get("dampening", 0.0)
+        nesterov, weight_decay = h.get("nesterov", False), h.get("weight_decay", 0.0)
 
         def sgd(params, grads, slots, *, lr, step):
             sgd_step(
-                params, grads, slots.get("momentum_buffer"), lr=lr, step=step,
-                momentum=h.get("momentum", 0.0), dampening=h.get("dampening", 0.0),
-                nesterov=h.get("nesterov", False), weight_decay=h.get("weight_decay", 0.0),
+                params, grads, slots.get("momentum_buffer"), lr=lr, step=step, momentum=momentum,
+                dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
                 scratch=scratch,
             )  # fmt: skip
 
-        return sgd
+        if native is None:
+            return sgd
+
+        def native_sgd(params, grads, slots, *, lr, step):
+            try:
+                native.sgd(
+                    params, grads, slots.get("momentum_buffer"), lr, step, momentum, dampening,
+                    nesterov, weight_decay,
+                )  # fmt: skip
+            except native.UnsupportedArray:
+                sgd(params, grads, slots, lr=lr, step=step)
+
+        return native_sgd
     return None
 
 
@@ -223,4 +297,4 @@ def _check_same(param: np.ndarray, **others: np.ndarray) -> None:
             )
 
 
-__all__ = ["FusedUpdate", "Scratch", "adamw_step", "fused_update", "sgd_step"]
+__all__ = ["BACKEND", "FusedUpdate", "Scratch", "adamw_step", "fused_update", "sgd_step"]
