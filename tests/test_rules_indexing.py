@@ -2,8 +2,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
 
 from gradcheck import check_op_gradient
+from traingraph.autodiff import build_gradient_graph
 from traingraph.errors import GradientNotImplementedError
 
 rng = np.random.default_rng(0)
@@ -37,6 +39,7 @@ SLICES = [
     ((-1, 4), (-1000, -1000), (0, 1), (-2, -2), np.s_[::-2, 4::-2]),
     ((1, 1, 1), (3, 4, 3), None, None, np.s_[1:3, 1:4, 1:3]),
     ((2,), (2,), (-1,), None, np.s_[:, :, 2:2]),
+    ((-3, 0), (100, -1), (-1, 1), (1, 1), np.s_[:, 0:4, 1:4]),
 ]
 
 
@@ -52,6 +55,21 @@ def test_slice(case, opset, dynamic):
         "Slice", inputs, const_inputs=["starts", "ends", "axes", "steps"], opset=opset,
         dynamic=dynamic, torch_fn=take(iota(x.shape)[index]),
     )
+
+
+def test_unit_step_slice_gradient_is_one_pad():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 12])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    bounds = [numpy_helper.from_array(ints(*v), n) for n, v in
+              (("starts", (4,)), ("ends", (-4,)), ("axes", (-1,)))]
+    node = helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])
+    model = helper.make_model(
+        helper.make_graph([node], "g", [x], [y], initializer=bounds),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    grad = build_gradient_graph(model, ["x"])
+    ops = {n.op_type for n in grad.graph.node}
+    assert "Pad" in ops and "ScatterElements" not in ops
 
 
 def test_slice_bounds_computed_at_run_time():

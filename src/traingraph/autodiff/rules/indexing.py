@@ -105,8 +105,45 @@ def slice_(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     bounds, negative steps and run-time bounds are handled exactly as the forward op does.
     """
     b = ctx.b
+    g = ctx.grad_or_zeros(grads, 0)
+    pads = _slice_pads(ctx)
+    if pads is not None:
+        return [b.op("Pad", g, b.ints(pads))]
     positions = b.Slice(_iota(b, ctx.x(0)), *ctx.inputs[1:])
-    return [_scatter_flat(ctx, positions, ctx.grad_or_zeros(grads, 0))]
+    return [_scatter_flat(ctx, positions, g)]
+
+
+def _slice_pads(ctx: GradContext) -> list[int] | None:
+    """Pad's ``pads`` that undo a unit-step Slice with constant bounds on static axes, or None.
+
+    ``Slice(x)[i] = x[start + i]`` along each sliced axis, so the adjoint zero-pads ``start``
+    elements before and ``D - end`` after (bounds resolved and clamped as Slice does). Pad is
+    one pass over the gradient; the general scatter is several.
+    """
+    x = ctx.x(0)
+    r = rank(x)
+    consts = [ctx.const_input(i) if i < len(ctx.inputs) else None for i in range(1, 5)]
+    starts, ends, axes, steps = consts
+    if r is None or starts is None or ends is None:
+        return None
+    if (len(ctx.inputs) > 3 and ctx.inputs[3] is not None and axes is None) or (
+        len(ctx.inputs) > 4 and ctx.inputs[4] is not None and steps is None
+    ):
+        return None
+    axes = list(range(len(starts))) if axes is None else [int(a) % r for a in axes]
+    if steps is not None and any(int(step) != 1 for step in steps):
+        return None
+    pads = [0] * (2 * r)
+    for axis, start, end in zip(axes, starts.tolist(), ends.tolist()):
+        size = static_dim(x, axis)
+        if size is None:
+            return None
+        start = min(max(start + size if start < 0 else start, 0), size)
+        end = min(max(end + size if end < 0 else end, 0), size)
+        if end <= start:
+            return None
+        pads[axis], pads[axis + r] = start, size - end
+    return pads
 
 
 @register_gradient("Gather")
