@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
 
-from gradcheck import check_model_gradient, check_op_gradient, make_op_model, session
+from gradcheck import (
+    add_weighted_sum_loss,
+    check_model_gradient,
+    check_op_gradient,
+    make_op_model,
+    session,
+)
 from traingraph.autodiff import build_gradient_graph, differentiate
 from traingraph.errors import GradientNotImplementedError
 from traingraph.ir.model import max_ir_version
@@ -261,6 +267,21 @@ def test_mish_wide_range():
 def test_unary_opsets(op, opset):
     fn, domain = UNARY[op]
     check_op_gradient(op, {"x": unary_input(domain, (3, 4))}, opset=opset, torch_fn=fn)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_relu_kink_and_signed_zeros_match_torch(dtype):
+    """At ``x = 0`` (either sign) and below, the gradient is 0, as in torch; above, ``g``."""
+    x = np.array([-2.0, -0.0, 0.0, 1e-30, 3.0, -1e-30], dtype=dtype)
+    g = np.array([1.5, 2.0, -3.0, -4.0, 5.0, 6.0], dtype=dtype)
+    model = make_op_model("Relu", {"x": x}, dynamic="none")
+    weighted = add_weighted_sum_loss(model, ["y0"], [x])
+    (got,) = session(build_gradient_graph(weighted, ["x"], loss="loss")).run(
+        ["x_grad"], {"x": x, "w_y0": g}
+    )
+    t = torch.tensor(x, requires_grad=True)
+    (torch.relu(t) * torch.tensor(g)).sum().backward()
+    np.testing.assert_array_equal(got, t.grad.numpy())
 
 
 # --------------------------------------------------------------------------- attributes

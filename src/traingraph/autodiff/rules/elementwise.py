@@ -223,10 +223,15 @@ def sigmoid(ctx: GradContext, grads: Grads) -> InGrads:
 
 @register_gradient("Relu")
 def relu(ctx: GradContext, grads: Grads) -> InGrads:
-    """``dx = g`` where ``y > 0``, else 0."""
+    """``dx = g * (y > 0)``, with ``y`` the output (0 where ``y`` is 0 or NaN).
+
+    A multiplication by the cast mask rather than ``Where(y > 0, g, 0)``, which onnxruntime
+    runs at less than half the speed. The two differ only where ``y`` is 0 and ``g`` is not
+    finite (NaN instead of 0) or negative (-0.0 instead of 0.0).
+    """
     b, y = ctx.b, ctx.outputs[0]
-    zero = b.scalar(0.0, y)
-    return [b.Where(b.Greater(y, zero), ctx.grad_or_zeros(grads, 0), zero)]
+    active = b.cast_like(b.Greater(y, b.scalar(0.0, y)), y)
+    return [b.Mul(ctx.grad_or_zeros(grads, 0), active)]
 
 
 @register_gradient("LeakyRelu")
