@@ -133,6 +133,74 @@ def test_max_pool_ties_go_to_the_first_maximum(opset):
     )
 
 
+def distinct(*shape):
+    """float32 values one apart in random order: no ties, and a step of 0.5 keeps every
+    window's order, so central differences of the piecewise-linear max are exact."""
+    size = int(np.prod(shape))
+    return (rng.permutation(size) - size // 2).reshape(shape).astype(np.float32)
+
+
+TILED_CASES = {
+    # name: (x shape, kernel); strides = kernel, no padding: the windows tile the input.
+    "1d": ((2, 3, 8), [2]),
+    "1d_rest": ((2, 2, 11), [3]),
+    "2d_lenet": ((3, 2, 6, 8), [2, 2]),
+    "2d_rest": ((2, 2, 7, 9), [2, 3]),
+    "2d_flat_kernel": ((2, 2, 4, 6), [1, 3]),
+    "3d": ((1, 2, 4, 6, 4), [2, 3, 2]),
+    "3d_rest": ((1, 2, 5, 4, 7), [2, 2, 3]),
+}
+
+
+def tiled_torch(kernel):
+    fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[len(kernel)]
+    return lambda x: fn(x, kernel, kernel)
+
+
+@pytest.mark.parametrize("case", sorted(TILED_CASES))
+@pytest.mark.parametrize("dynamic", ["none", "batch", "all"])
+def test_max_pool_tiling_windows(case, dynamic):
+    """Windows that tile the input (float32) take the ArgMax routing; with ``dynamic="all"``
+    the spatial sizes are unknown and the scatter path runs instead."""
+    shape, kernel = TILED_CASES[case]
+    check_op_gradient(
+        "MaxPool", {"x": distinct(*shape)}, {"kernel_shape": kernel, "strides": kernel},
+        dynamic=dynamic, torch_fn=tiled_torch(kernel), **F32,
+    )
+
+
+def test_max_pool_tiling_windows_auto_pad_and_ceil_mode_without_padding():
+    """``SAME_UPPER`` and ``ceil_mode`` on sizes the kernel divides add no padding."""
+    for attrs in ({"auto_pad": "SAME_UPPER"}, {"ceil_mode": 1}):
+        check_op_gradient(
+            "MaxPool", {"x": distinct(2, 2, 6, 4)},
+            {"kernel_shape": [3, 2], "strides": [3, 2], **attrs},
+            torch_fn=tiled_torch([3, 2]), **F32,
+        )
+
+
+@pytest.mark.parametrize("opset", [13, 18, 26])
+@pytest.mark.parametrize("case", ["2d_rest", "3d"])
+@pytest.mark.parametrize("relu_first", [False, True])
+def test_max_pool_tiling_ties_go_to_the_first_maximum(opset, case, relu_first):
+    """Many ties (small integers; after a Relu, all-zero windows): exactly torch's gradient."""
+    shape, kernel = TILED_CASES[case]
+    x = np.floor(rng.uniform(-2, 3, size=shape)).astype(np.float32)
+    if relu_first:
+        x = np.maximum(x, 0)
+    model = make_op_model(
+        "MaxPool", {"x": x}, {"kernel_shape": kernel, "strides": kernel}, opset=opset
+    )
+    y = session(model).run(None, {"x": x})[0]
+    weights = {"w_y0": rng.uniform(0.5, 1.5, size=y.shape).astype(np.float32)}
+    grad_model = build_gradient_graph(
+        add_weighted_sum_loss(model, ["y0"], [y]), wrt=["x"], loss="loss"
+    )
+    assert "Resize" in {n.op_type for n in grad_model.graph.node}
+    (dx,) = session(grad_model).run(["x_grad"], {"x": x, **weights})
+    compare_with_torch(tiled_torch(kernel), {"x": x}, ["x"], {"x": dx}, weights, ["y0"], 0, 0)
+
+
 AVG_CASES = {
     # name: (x shape, kernel, strides, pads, ceil_mode)
     "1d": ((2, 3, 9), [3], [2], [1, 1], 0),

@@ -2,8 +2,11 @@
 
 - Max pooling routes each output gradient to the input element it selected (on ties, the first
   in row-major window order, as onnxruntime and PyTorch pick it):
-  ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``. The positions come from MaxPool's ``Indices``
-  output (flattened over ``N x C x D...``) and the gradients are scatter-added into zeros.
+  ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``. Windows that tile the input (kernel equal to
+  the strides, no padding or dilation, static spatial sizes, float32) are gathered into one axis
+  and their ``ArgMax`` is compared with each input position's place in its window, all in dense
+  elementwise ops. Any other window geometry takes the positions from MaxPool's ``Indices``
+  output (flattened over ``N x C x D...``) and scatter-adds the gradients into zeros.
 - Average pooling is linear, ``Y[o] = sum_{i in window(o)} X[i] / div(o)``, so
   ``dL/dX = ConvTranspose(G / div, ones)`` per channel. ``1 / div(o)`` is read off the forward
   op itself, ``AveragePool(ones)[o] / count(o)`` with ``count(o)`` the input elements (not
@@ -75,6 +78,78 @@ def _scatter_add(
     return parts[0] if len(parts) == 1 else b.Sum(*parts)
 
 
+def _tiling_counts(ctx: GradContext, win: Window, x: ir.Value) -> list[int] | None:
+    """The number of windows per spatial axis when they tile ``x`` without overlap, else None.
+
+    Tiling windows have the kernel as strides, no dilation or padding, and static spatial
+    sizes; input rows past the last whole window are allowed (no window reads them). The
+    routing also needs float32 (onnxruntime's ``Resize`` has no float64 kernel) and
+    ``Resize``'s opset-13 form.
+    """
+    n = len(win.kernel)
+    sizes = spatial_dims(x, n)
+    if (
+        ctx.opset < 13
+        or x.dtype != ir.DataType.FLOAT
+        or win.strides != win.kernel
+        or any(d != 1 for d in win.dilations)
+        or any(win.begins)
+        or any(win.ends)
+        or any(size is None for size in sizes)
+    ):
+        return None
+    counts = win.out_dims(sizes, bool(ctx.attr("ceil_mode", 0)))
+    fits = all(
+        o is not None and s is not None and 0 < o * k <= s
+        for o, k, s in zip(counts, win.kernel, sizes)
+    )
+    return [int(o) for o in counts if o is not None] if fits else None
+
+
+def _route_to_first_max(
+    b: OpBuilder, x: ir.Value, g: ir.Value, kernel: tuple[int, ...], counts: list[int]
+) -> ir.Value:
+    """``G`` routed to the first maximum of each of the tiling windows of ``x``.
+
+    With ``K = prod(kernel)``, ``x`` (cropped to the windows) is viewed as
+    ``[N, C, O1, k1, O2, k2, ...]`` and transposed to ``[N, C, O..., K]``; ``a = ArgMax``
+    over the last axis is the row-major place of the first maximum (``select_last_index=0``,
+    the element MaxPool itself reports). Both ``a`` and ``G`` are upsampled to the input
+    size by nearest-neighbour ``Resize`` and
+
+        dL/dX[p] = G[p // k] * (a[p // k] == place(p % k)),
+
+    with ``place`` the row-major index within a window (a constant). Rows past the last
+    window get zeros. A non-finite ``G`` gives NaN (not 0) at the other places of its window.
+    """
+    n = len(kernel)
+    axes = list(range(2, n + 2))
+    sizes = spatial_dims(x, n)
+    covered = [o * k for o, k in zip(counts, kernel)]
+    tiled = x if covered == sizes else b.slice(x, [0] * n, covered, axes)
+    split = b.Reshape(tiled, b.ints([0, 0, *itertools.chain(*zip(counts, kernel))]))
+    perm = [0, 1, *range(2, 2 * n + 2, 2), *range(3, 2 * n + 2, 2)]
+    windows = split if n == 1 else b.Transpose(split, perm=perm)
+    flat = b.Reshape(windows, b.ints([0, 0, *counts, math.prod(kernel)]))
+    first = b.cast_like(b.ArgMax(flat, axis=-1, keepdims=0, select_last_index=0), x)
+    scales = b.const(np.array([1.0, 1.0, *kernel], dtype=np.float32), name="scales")
+
+    def upsample(v: ir.Value) -> ir.Value:
+        return b.Resize(
+            v, None, scales, mode="nearest", coordinate_transformation_mode="asymmetric",
+            nearest_mode="floor",
+        )
+
+    grid = np.indices(covered)
+    place = np.ravel_multi_index(tuple(i % k for i, k in zip(grid, kernel)), kernel)
+    chosen = b.Equal(upsample(first), b.const(place, like=x, name="window_place"))
+    dx = b.Mul(upsample(g), b.cast_like(chosen, x))
+    if covered == sizes:
+        return dx
+    rest = [int(s) - c for s, c in zip(sizes, covered) if s is not None]
+    return b.Pad(dx, b.ints([0] * (n + 2) + [0, 0, *rest]))
+
+
 @register_gradient("MaxPool")
 def max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Gradient of ``MaxPool``: ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``."""
@@ -83,6 +158,9 @@ def max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         return []
     b, x = ctx.b, ctx.x(0)
     win = sliding_window(ctx, kernel_shape(ctx, None), x)
+    counts = _tiling_counts(ctx, win, x)
+    if counts is not None:
+        return [_route_to_first_max(b, x, g, win.kernel, counts)]
     zeros = b.Reshape(b.zeros_like(x), b.ints([-1]))
     dx = _scatter_add(b, zeros, _max_pool_indices(ctx), g, win)
     return [b.reshape_like(dx, x)]
