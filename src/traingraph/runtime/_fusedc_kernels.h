@@ -5,7 +5,7 @@
  *   SQRT    its square root (sqrtf, sqrt),
  *   SUFFIX  the name suffix of the generated functions (f32, f64).
  *
- * Every element is read once and written once. The arithmetic is the optimizer graph's, op by
+ * Each element of each array is read once and written at most once. The arithmetic is the optimizer graph's, op by
  * op and in its order, in T; the module is compiled with -ffp-contract=off so that no
  * multiply-add is fused and the results equal the graph's separate Mul and Add nodes.
  */
