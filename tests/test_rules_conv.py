@@ -6,12 +6,21 @@ central differences are exact up to float32 rounding for any step: a large ``eps
 rounding small next to the tolerances.
 """
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gradcheck import check_op_gradient
+from gradcheck import (
+    add_weighted_sum_loss,
+    check_model_gradient,
+    check_op_gradient,
+    make_op_model,
+    session,
+)
+from traingraph.autodiff import build_gradient_graph
 from traingraph.errors import GradientNotImplementedError
 
 rng = np.random.default_rng(0)
@@ -207,3 +216,135 @@ def test_conv_weight_grad_matches_torch_on_a_larger_case():
         rtol=2e-3, atol=2e-4, eps=1.0,
     )
     assert grads["w"].shape == (6, 8, 3, 3)
+
+
+def gradient_op_types(inputs, attrs, dynamic="batch", static_weight=False):
+    """The op types of the nodes the Conv rule emits (loss: a weighted sum of the output).
+
+    With ``static_weight`` only the batch dimension of ``x`` is symbolic, as in a model whose
+    parameters have fixed shapes.
+    """
+    model = gradient_model(inputs, attrs, dynamic, static_weight)
+    grad_model = build_gradient_graph(model, wrt=list(inputs), loss="loss")
+    return Counter(
+        node.op_type for node in grad_model.graph.node
+        if node.output[0].startswith("grad/Conv_node/")
+    )
+
+
+def gradient_model(inputs, attrs, dynamic="batch", static_weight=False):
+    """One Conv node and a weighted-sum loss; see :func:`gradient_op_types`."""
+    model = make_op_model("Conv", inputs, attrs, dynamic="none" if static_weight else dynamic)
+    if static_weight:
+        model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    out = session(model).run(None, inputs)[0]
+    return add_weighted_sum_loss(model, ["y0"], [out])
+
+
+FLIPPED_CASES = {
+    # Stride 1 with p_begin + p_end >= extent - 1: dL/dX is a Conv with the flipped weight.
+    # name: (x shape, w shape, pads, dilations, group)
+    "1d_asym_dilation": ((2, 3, 9), (4, 3, 3), [3, 2], [2], 1),
+    "2d_asym": ((2, 3, 6, 5), (4, 3, 4, 3), [2, 0, 1, 2], [1, 1], 1),
+    "2d_output_larger": ((2, 2, 5, 5), (3, 2, 3, 3), [2, 1, 2, 2], [1, 1], 1),
+    "2d_dilation": ((1, 2, 8, 7), (3, 2, 3, 2), [2, 1, 2, 1], [2, 2], 1),
+    "2d_groups": ((2, 6, 5, 5), (4, 3, 3, 3), [1, 1, 1, 1], [1, 1], 2),
+    "2d_depthwise_multiplier": ((2, 3, 5, 6), (6, 1, 3, 3), [1, 2, 1, 0], [1, 1], 3),
+    "3d": ((1, 2, 4, 5, 6), (3, 2, 3, 2, 3), [1, 1, 2, 1, 0, 2], [1, 1, 2], 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLIPPED_CASES))
+@pytest.mark.parametrize("dynamic", ["batch", "all"])
+def test_conv_stride1_input_gradient_as_flipped_conv(case, dynamic):
+    xs, ws, pads, dilations, group = FLIPPED_CASES[case]
+    strides = [1] * (len(xs) - 2)
+    attrs = {
+        "pads": pads, "dilations": dilations, "group": group, "kernel_shape": list(ws[2:]),
+    }
+    inputs = {"x": r(*xs), "w": r(*ws), "b": r(ws[0])}
+    check_op_gradient(
+        "Conv", inputs, attrs, dynamic=dynamic,
+        torch_fn=torch_conv(pads, strides, dilations, group), **TOL,
+    )
+    ops = gradient_op_types(inputs, attrs, dynamic)
+    # With every shape dynamic, a grouped weight cannot be regrouped: ConvTranspose instead.
+    flipped = group == 1 or dynamic == "batch"
+    assert ops["ConvTranspose"] == (0 if flipped else 1), ops
+
+
+@pytest.mark.parametrize(
+    "pads", [[0, 0, 0, 0], [1, 0, 0, 1], [3, 1, 0, 1]], ids=["valid", "short", "beyond_kernel"]
+)
+def test_conv_stride1_input_gradient_keeps_conv_transpose(pads):
+    """Where the input has more positions than the output, or a pad exceeds extent - 1."""
+    inputs = {"x": r(2, 3, 6, 6), "w": r(4, 3, 3, 3)}
+    attrs = {"pads": pads}
+    check_op_gradient("Conv", inputs, attrs, torch_fn=torch_conv(pads, [1, 1], [1, 1], 1), **TOL)
+    assert gradient_op_types(inputs, attrs)["ConvTranspose"] == 1
+
+
+GEMM_CASES = {
+    # A sample's output positions O <= the filters per group: dL/dW is one GEMM over the batch.
+    # name: (x shape, w shape, strides, pads, group)
+    "2d": ((3, 4, 3, 3), (12, 4, 2, 2), [1, 1], [0, 0, 0, 0], 1),
+    "2d_padded_stride2": ((2, 3, 5, 4), (9, 3, 3, 3), [2, 2], [1, 0, 0, 1], 1),
+    "2d_groups": ((2, 4, 3, 3), (8, 2, 2, 2), [1, 1], [0, 0, 0, 0], 2),
+    "1x1": ((2, 3, 2, 3), (7, 3, 1, 1), [1, 1], [0, 0, 0, 0], 1),
+    "1x1_stride2": ((2, 3, 5, 5), (10, 3, 1, 1), [2, 2], [0, 0, 0, 0], 1),
+    "1d": ((2, 3, 5), (6, 3, 3), [1], [0, 0], 1),
+    "3d": ((2, 2, 3, 2, 3), (8, 2, 2, 1, 2), [1, 1, 1], [0, 0, 0, 0, 0, 0], 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GEMM_CASES))
+def test_conv_weight_gradient_as_one_gemm(case):
+    xs, ws, strides, pads, group = GEMM_CASES[case]
+    dilations = [1] * len(strides)
+    attrs = {"strides": strides, "pads": pads, "group": group}
+    inputs = {"x": r(*xs), "w": r(*ws)}
+    check_op_gradient(
+        "Conv", inputs, attrs, dynamic="none",
+        torch_fn=torch_conv(pads, strides, dilations, group), **TOL,
+    )
+    ops = gradient_op_types(inputs, attrs, "none")
+    assert ops["ReduceSum"] == 0 and ops["MatMul"] == 1, ops
+    if set(ws[2:]) == {1}:
+        assert ops["Conv"] + ops["ConvTranspose"] == 1, ops
+
+
+@pytest.mark.parametrize("case", ["2d_groups", "1x1_stride2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_conv_weight_gradient_as_one_gemm_dynamic_batch(case, batch):
+    """A dynamic batch with static weight shapes (the way models come) keeps the GEMM."""
+    xs, ws, strides, pads, group = GEMM_CASES[case]
+    attrs = {"strides": strides, "pads": pads, "group": group}
+    inputs = {"x": r(batch, *xs[1:]), "w": r(*ws)}
+    assert gradient_op_types(inputs, attrs, static_weight=True)["ReduceSum"] == 0
+    check_model_gradient(
+        gradient_model(inputs, attrs, static_weight=True),
+        {**inputs, "w_y0": r(*session(make_op_model("Conv", inputs, attrs)).run(None, inputs)[0]
+                             .shape)},
+        wrt=["x", "w"], **TOL,
+    )
+
+
+@pytest.mark.parametrize("strides", [[1, 1], [2, 3]])
+@pytest.mark.parametrize("dynamic", ["none", "batch", "all"])
+def test_conv_1x1_weight_gradient_per_sample_without_unfold(strides, dynamic):
+    inputs = {"x": r(2, 3, 7, 8), "w": r(2, 3, 1, 1), "b": r(2)}
+    attrs = {"strides": strides, "kernel_shape": [1, 1]}
+    check_op_gradient(
+        "Conv", inputs, attrs, dynamic=dynamic,
+        torch_fn=torch_conv([0] * 4, strides, [1, 1], 1), **TOL,
+    )
+    ops = gradient_op_types(inputs, attrs, dynamic)
+    assert ops["Conv"] + ops["ConvTranspose"] == 1 and ops["ReduceSum"] == 2, ops
+
+
+def test_conv_transpose_weight_gradient_as_one_gemm():
+    attrs = {"strides": [2, 2], "pads": [1, 1, 1, 1], "output_padding": [1, 1]}
+    check_op_gradient(
+        "ConvTranspose", {"x": r(2, 8, 2, 2), "w": r(8, 3, 3, 3), "b": r(3)}, attrs,
+        torch_fn=torch_conv_transpose([2, 2], [1, 1, 1, 1], [1, 1], [1, 1], 1), **TOL,
+    )

@@ -6,18 +6,26 @@ For ``Y = Conv(X, W, B)`` with strides ``s``, dilations ``d``, begin pads ``p`` 
 
 so, with ``G = dL/dY``:
 
-- ``dL/dX = ConvTranspose(G, W)`` with the same strides, dilations, groups and pads; the end pads
-  and ``output_padding`` are chosen so that the result has exactly ``X``'s shape (input rows that
-  no window reaches get a zero gradient).
+- ``dL/dX[n, c, i] = sum_{m, k} G[n, m, (i + p - k * d) / s] * W[m, c, k]`` (over the ``k`` where
+  the division is exact and in range). With stride 1 this is a plain Conv of ``G`` with the
+  weight transposed to ``[C, M / g, k...]`` per group and flipped along every spatial axis,
+  dilations ``d`` and pads ``extent - 1 - p`` at each end (``extent = (k - 1) * d + 1``); it is
+  used when those pads are not negative and ``X`` has no more positions than ``Y``, so that it
+  does no more work than the alternative. Otherwise ``dL/dX = ConvTranspose(G, W)`` with the
+  same strides, dilations, groups and pads, the end pads and ``output_padding`` chosen so that
+  the result has exactly ``X``'s shape (input rows that no window reaches get a zero gradient).
 - ``dL/dW[m, c, k] = sum_{n, o} G[n, m, o] * X[n, g(m) * Cg + c, o * s + k * d - p]``: the input is
   unfolded into its ``K = prod(kernel)`` shifted, strided views (one grouped Conv with one-hot
-  kernels, which copies values exactly) and contracted with ``G`` in one batched MatMul, summed
-  over ``N``. On CPU this is up to twice as fast as the textbook "Conv over transposed tensors"
-  form, whose kernel is as large as the output (see ``benchmarks/conv_grad_micro.py``).
+  kernels, which copies values exactly; a strided Slice, or nothing, for an unpadded 1x1
+  kernel) and contracted with ``G``. Where a sample has more output positions ``O`` than a group
+  has filters ``Mg``, the contraction is one batched MatMul per sample, summed over ``N``;
+  otherwise that sum would cost more than the product, and the batch is moved inside the
+  contraction instead: one GEMM ``[Mg, N * O] x [N * O, Cg * K]`` per group.
 - ``dL/dB[m] = sum_{n, o} G[n, m, o]``.
 
-``ConvTranspose`` is the adjoint of ``Conv`` with the same weight and geometry, so its gradients
-are the same three pieces with the roles of input and output exchanged.
+``benchmarks/conv_grad_micro.py`` times these forms against each other on the benchmark models'
+shapes. ``ConvTranspose`` is the adjoint of ``Conv`` with the same weight and geometry, so its
+gradients are the same three pieces with the roles of input and output exchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ from traingraph.autodiff.registry import register_gradient
 from traingraph.ir.builder import OpBuilder
 
 Grads = Sequence[ir.Value | None]
+
+_INT64_MIN = int(np.iinfo(np.int64).min)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True)
@@ -225,15 +236,83 @@ def transposed_conv_to(
     return b.op("Pad", dx, b.Concat(b.Sub(missing, missing), missing, axis=0))
 
 
+def flipped_conv_fits(win: Window) -> bool:
+    """Whether ``dL/dX`` of a Conv over ``win`` is best taken as a Conv with the flipped weight.
+
+    That needs stride 1 and pads ``extent - 1 - p`` that are not negative; it is chosen only
+    where the input has no more positions than the output (``p_begin + p_end >= extent - 1``),
+    since otherwise it would compute over the larger input and ConvTranspose does less work.
+    """
+    return all(
+        s == 1 and pb <= e - 1 and pe <= e - 1 and pb + pe >= e - 1
+        for s, e, pb, pe in zip(win.strides, win.extents, win.begins, win.ends)
+    )
+
+
+def flipped_weight(
+    b: OpBuilder, w: ir.Value, kernel: tuple[int, ...], group: int
+) -> ir.Value | None:
+    """``W [M, C / group, k...]`` as the weight of the adjoint Conv, ``[C, M / group, k...]``.
+
+    Each group's filter and channel axes are exchanged and every spatial axis longer than 1 is
+    reversed (Slice with step -1). Returns None when ``group > 1`` and the weight's channel
+    dimension is not static, which the regrouping needs.
+    """
+    n = len(kernel)
+    spatial = list(range(2, n + 2))
+    if group == 1:
+        swapped = b.Transpose(w, perm=[1, 0, *spatial])
+    else:
+        cg = static_dim(w, 1)
+        if cg is None:
+            return None
+        grouped = b.Reshape(w, b.ints([group, -1, cg, *kernel]))
+        regrouped = b.Transpose(grouped, perm=[0, 2, 1, *range(3, n + 3)])
+        swapped = b.Reshape(regrouped, b.ints([group * cg, -1, *kernel]))
+    axes = [axis for axis, k in zip(spatial, kernel) if k > 1]
+    if not axes:
+        return swapped
+    flips = [-1] * len(axes)
+    return b.slice(swapped, flips, [_INT64_MIN] * len(axes), axes, flips)
+
+
+def conv_input_grad(
+    b: OpBuilder,
+    g: ir.Value,
+    w: ir.Value,
+    win: Window,
+    group: int,
+    like: ir.Value,
+    in_dims: Sequence[int | None],
+    out_dims: Sequence[int | None],
+) -> ir.Value:
+    """``dL/dX`` of ``Y = Conv(X, W)``: a Conv of ``g`` with the flipped weight where
+    :func:`flipped_conv_fits`, else :func:`transposed_conv_to` (same arguments)."""
+    flipped = flipped_weight(b, w, win.kernel, group) if flipped_conv_fits(win) else None
+    if flipped is None:
+        return transposed_conv_to(b, g, w, win, group, like, in_dims, out_dims)
+    pads = [e - 1 - p for e, p in zip(win.extents, win.begins)]
+    pads += [e - 1 - p for e, p in zip(win.extents, win.ends)]
+    return b.Conv(
+        g, flipped, group=group, kernel_shape=list(win.kernel),
+        dilations=list(win.dilations), pads=pads,
+    )
+
+
 def unfold(b: OpBuilder, x: ir.Value, win: Window, channels: int | None) -> ir.Value:
     """The windows of ``x [N, C, D...]``, ``K = prod(kernel)`` values per channel and window.
 
     Channel ``c * K + k`` holds the input element at kernel offset ``k`` (row-major) of every
     window of channel ``c``: a grouped Conv with one-hot kernels, which copies each value
     exactly. The result is ``[N, C * K, O...]``; when the channel count ``C`` is not static,
-    the same values come as ``[N * C, K, O...]`` (one plane per channel, a slower Conv).
+    the same values come as ``[N * C, K, O...]`` (one plane per channel, a slower Conv). An
+    unpadded 1x1 kernel needs no copy: its windows are ``x`` itself, or a strided Slice of it.
     """
     n = len(win.kernel)
+    if all(k == 1 for k in win.kernel) and not any(win.begins) and not any(win.ends):
+        if all(s == 1 for s in win.strides):
+            return x
+        return b.slice(x, [0] * n, [_INT64_MAX] * n, list(range(2, n + 2)), list(win.strides))
     count = math.prod(win.kernel)
     one_hot = np.eye(count).reshape(count, 1, *win.kernel)
     if channels is None:
@@ -248,8 +327,10 @@ def conv_weight_grad(
 ) -> ir.Value:
     """``dL/dW`` of ``Y = Conv(X, W)`` from the input ``x`` and the output gradient ``g``.
 
-    ``dW[m, c, k] = sum_{n, o} g[n, m, o] * unfold(x)[n, c, k, o]``, computed per group as one
-    batched MatMul ``[N, g, Cg * K, O] x [N, g, O, Mg]`` summed over ``N``.
+    ``dW[m, c, k] = sum_{n, o} g[n, m, o] * unfold(x)[n, c, k, o]``: one GEMM over the batch
+    (:func:`weight_grad_by_gemm`) where the channel count, the filters per group ``Mg`` and the
+    output positions per sample ``O`` are static and ``O <= Mg``, else per sample
+    (:func:`weight_grad_by_sample`).
 
     Args:
         b: Builder.
@@ -259,22 +340,77 @@ def conv_weight_grad(
         win: The window geometry of the forward node.
         group: Number of groups.
     """
+    channels = channel_count(x, w, group)
+    cols = unfold(b, x, win, channels)
+    n = len(win.kernel)
+    out_dims = spatial_dims(g, n)
+    if None in out_dims:
+        out_dims = win.out_dims(spatial_dims(x, n))
+    filters = static_dim(w, 0) or static_dim(g, 1)
+    positions = None if None in out_dims else math.prod(out_dims)  # type: ignore[arg-type]
+    if channels and filters and positions and positions <= filters // group:
+        return weight_grad_by_gemm(b, cols, g, w, group, positions)
+    return weight_grad_by_sample(b, cols, x, g, w, group)
+
+
+def weight_grad_by_sample(
+    b: OpBuilder, cols: ir.Value, x: ir.Value, g: ir.Value, w: ir.Value, group: int
+) -> ir.Value:
+    """``dL/dW`` as one batched MatMul per sample and group,
+    ``[N, g, Cg * K, O] x [N, g, O, Mg]``, summed over ``N``.
+
+    Args:
+        b: Builder.
+        cols: ``unfold(x)``.
+        x: Conv input ``[N, C, D...]`` (only its run-time batch size is used).
+        g: Gradient of the Conv output ``[N, M, O...]``.
+        w: The weight ``[M, C / group, k...]`` (only its shape is used).
+        group: Number of groups.
+    """
     grad = b.Reshape(b.Reshape(g, b.ints([0, 0, 1, -1])), b.ints([0, group, -1, 0]))
     shape = b.Concat(b.shape(x, 0, 1), b.ints([group, -1]), b.shape(grad, 3, 4), axis=0)
-    cols = b.Reshape(unfold(b, x, win, channel_count(x, w, group)), shape)
-    per_sample = b.MatMul(cols, b.Transpose(grad, perm=[0, 1, 3, 2]))
+    per_sample = b.MatMul(b.Reshape(cols, shape), b.Transpose(grad, perm=[0, 1, 3, 2]))
     summed = b.sum(per_sample, [0], keepdims=False)
     return b.reshape_like(b.Transpose(summed, perm=[0, 2, 1]), w)
 
 
+def weight_grad_by_gemm(
+    b: OpBuilder, cols: ir.Value, g: ir.Value, w: ir.Value, group: int, positions: int
+) -> ir.Value:
+    """``dL/dW`` as one GEMM per group with the batch inside the contraction,
+    ``[g, Mg, N * O] x [g, N * O, Cg * K]``.
+
+    Args:
+        b: Builder.
+        cols: ``unfold(x)`` as ``[N, C * K, O...]``.
+        g: Gradient of the Conv output ``[N, M, O...]``.
+        w: The weight ``[M, C / group, k...]`` (only its shape is used).
+        group: Number of groups.
+        positions: The number of output positions per sample, ``O = prod(O...)``.
+    """
+
+    def batch_inside(t: ir.Value) -> ir.Value:
+        grouped = b.Reshape(t, b.ints([0, group, -1, positions]))
+        return b.Reshape(b.Transpose(grouped, perm=[1, 2, 0, 3]), b.ints([0, 0, -1]))
+
+    dw = b.MatMul(batch_inside(g), b.Transpose(batch_inside(cols), perm=[0, 2, 1]))
+    return b.reshape_like(dw, w)
+
+
+def static_dim(value: ir.Value, index: int) -> int | None:
+    """Dimension ``index`` of ``value`` where it is static, else None."""
+    if value.shape is None or len(value.shape) <= index:
+        return None
+    dim = value.shape.dims[index]
+    return dim if isinstance(dim, int) else None
+
+
 def channel_count(x: ir.Value, w: ir.Value, group: int) -> int | None:
     """The static channel count of ``x``: its dimension 1, else the weight's times ``group``."""
-    for value, index, scale in ((x, 1, 1), (w, 1, group)):
-        if value.shape is not None and len(value.shape) > index:
-            dim = value.shape.dims[index]
-            if isinstance(dim, int):
-                return dim * scale
-    return None
+    channels = static_dim(x, 1)
+    if channels is None and (per_group := static_dim(w, 1)) is not None:
+        channels = per_group * group
+    return channels
 
 
 def bias_grad(b: OpBuilder, g: ir.Value, n: int) -> ir.Value:
@@ -295,7 +431,7 @@ def conv(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     dx = dw = db = None
     if ctx.need(0):
         sizes = spatial_dims(x, len(kernel))
-        dx = transposed_conv_to(b, g, w, win, group, x, sizes, win.out_dims(sizes))
+        dx = conv_input_grad(b, g, w, win, group, x, sizes, win.out_dims(sizes))
     if ctx.need(1):
         dw = conv_weight_grad(b, x, g, w, win, group)
     if ctx.need(2):
