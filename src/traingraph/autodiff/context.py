@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from traingraph.errors import GradientNotImplementedError
 from traingraph.ir.builder import OpBuilder, static_shape
+from traingraph.ir.fold import constant_value
 
 
 @dataclass
@@ -63,19 +64,14 @@ class GradContext:
         return value
 
     def const_input(self, i: int) -> Any:
-        """The constant value of input ``i`` as numpy, or None when it is only known at run time."""
+        """The value of input ``i`` as numpy, or None when it is only known at run time.
+
+        Constants, and small integer arithmetic on static shapes
+        (:func:`traingraph.ir.fold.constant_value`), count as known.
+        """
         if not self.has_input(i):
             return None
-        value = self.node.inputs[i]
-        assert value is not None
-        tensor = value.const_value
-        if tensor is None and value.producer() is not None:
-            producer = value.producer()
-            assert producer is not None
-            if producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
-                attr = producer.attributes.get("value")
-                tensor = attr.value if attr is not None else None
-        return None if tensor is None else tensor.numpy()
+        return constant_value(self.node.inputs[i])
 
     def unsupported(self, reason: str) -> NoReturn:
         """Raise the error for an attribute value or input form this rule does not handle."""
