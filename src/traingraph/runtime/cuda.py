@@ -1,4 +1,4 @@
-"""CUDA-specific execution: provider options and whole-step CUDA graph capture.
+"""CUDA sessions and whole-step CUDA graph capture.
 
 onnxruntime's CUDA execution provider can capture a session's kernels into a CUDA graph
 (``enable_cuda_graph``) and replay it in one launch. A captured graph reads and writes fixed
@@ -20,69 +20,165 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import onnx
+import onnx_ir as ir
 import onnxruntime as ort
+from onnx import TensorProto, helper
 
 from traingraph.errors import DeviceError, ModelError
+from traingraph.ir.builder import OpBuilder
+from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.runtime.device import Device
-from traingraph.runtime.session import SessionConfig, _ort_type_to_numpy
-from traingraph.runtime.tensors import TensorStore
+from traingraph.runtime.session import SessionConfig, _ort_type_to_numpy, create_session
+from traingraph.runtime.tensors import Spec, TensorStore
 
 if TYPE_CHECKING:
     from traingraph.api import Module, Optimizer
 
 
-def cuda_providers(device: Device, *, cuda_graph: bool = False, tf32: bool = True) -> list[Any]:
-    """The execution providers, with options, for a CUDA session on ``device``.
-
-    Args:
-        device: A CUDA device.
-        cuda_graph: Capture the session's kernels into a CUDA graph on the first runs and replay
-            it afterwards (every node must run on the GPU, and inputs and outputs must be bound
-            to device buffers that keep their addresses).
-        tf32: Let float32 MatMul/Gemm/Conv use TensorFloat-32 tensor cores (about 10 bits of
-            mantissa in the products; onnxruntime's default).
-    """
-    if device.kind != "cuda":
-        raise DeviceError(f"cuda_providers needs a CUDA device, got {device}")
-    options = {
-        "device_id": str(device.index),
-        "enable_cuda_graph": "1" if cuda_graph else "0",
-        "use_tf32": "1" if tf32 else "0",
-    }
-    return [("CUDAExecutionProvider", options)]
-
-
 def create_cuda_session(
-    model: str | os.PathLike | bytes,
+    model: str | os.PathLike | bytes | onnx.ModelProto,
     device: Device,
     config: SessionConfig | None = None,
-    *,
-    cuda_graph: bool = False,
-    tf32: bool = True,
 ) -> ort.InferenceSession:
-    """An ``InferenceSession`` of ``model`` on the CUDA ``device`` only (no CPU fallback).
+    """An ``InferenceSession`` of ``model`` on the CUDA ``device``, with ``config``'s CUDA options.
 
     Raises:
-        DeviceError: When onnxruntime cannot place the whole graph on the GPU while
-            ``cuda_graph`` is asked for (the message says which check failed).
+        DeviceError: When ``config.cuda_graph`` is on and onnxruntime cannot place the whole
+            graph on the GPU (the message says which check failed).
     """
+    if device.kind != "cuda":
+        raise DeviceError(f"create_cuda_session needs a CUDA device, got {device}")
     config = config or SessionConfig()
-    source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
-    providers = cuda_providers(device, cuda_graph=cuda_graph, tf32=tf32)
     try:
-        return ort.InferenceSession(source, config.session_options(), providers=providers)
+        return create_session(model, device, config)
     except Exception as error:  # onnxruntime raises its own exception types
-        if not cuda_graph:
+        if not config.cuda_graph:
             raise
+        what = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "the model"
         raise DeviceError(
-            f"onnxruntime could not capture {source if isinstance(source, str) else 'the model'}"
-            f" into a CUDA graph: {error}. CUDA graphs need every node on the GPU and static"
-            " shapes; run without cuda_graph, or export the model with a fixed batch size"
+            f"onnxruntime could not capture {what} into a CUDA graph: {error}. CUDA graphs need"
+            " every node on the GPU and static shapes; run without cuda_graph"
         ) from error
+
+
+def with_static_inputs(
+    model: str | os.PathLike | onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]
+) -> onnx.ModelProto:
+    """A copy of ``model`` whose inputs ``shapes`` names have those fixed shapes.
+
+    Training graphs keep the batch dimension symbolic, so the shape computations of their
+    gradients (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape``/``Expand``) run at every
+    step. With every input shape fixed, onnxruntime's constant folding turns them into
+    initializers, so no node of the step reads a shape tensor from device memory; a CUDA
+    graph capture fails on the device-to-host copy such a read needs.
+
+    Raises:
+        ModelError: When a shape contradicts a fixed dimension or the rank of the input.
+    """
+    proto = onnx.load(os.fspath(model)) if not isinstance(model, onnx.ModelProto) else model
+    proto = copy.deepcopy(proto) if isinstance(model, onnx.ModelProto) else proto
+    for value in proto.graph.input:
+        if value.name not in shapes:
+            continue
+        shape = shapes[value.name]
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            raise ModelError(
+                f"input {value.name!r} has rank {len(dims)}, but the batch gives it shape"
+                f" {list(shape)}"
+            )
+        for dim, size in zip(dims, shape):
+            if dim.HasField("dim_value") and dim.dim_value != size:
+                raise ModelError(
+                    f"input {value.name!r} has a fixed dimension {dim.dim_value}, but the batch"
+                    f" gives it shape {list(shape)}"
+                )
+            dim.Clear()
+            dim.dim_value = size
+    return proto
+
+
+def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Spec]]:
+    """Rewrite each training-mode ``Dropout`` of a static-shape ``proto`` to read its random
+    numbers from a new graph input.
+
+    A CUDA graph replays the random seeds it captured, so a captured ``Dropout`` would drop the
+    same elements at every step. After the rewrite, ``Dropout(x, ratio, True)`` is
+    ``keep = noise >= ratio``, ``y = x * keep / (1 - ratio)`` (the mask output is ``keep``),
+    with ``noise`` a uniform [0, 1) input of ``x``'s shape that the caller fills outside the
+    capture. Inference-mode Dropouts stay as they are.
+
+    Returns:
+        The rewritten model and the noise inputs it takes (name -> (shape, float32)).
+
+    Raises:
+        ModelError: For a Dropout whose training mode is not a constant, or whose input shape
+            is not static.
+    """
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(proto, data_prop=True))
+    graph = model.graph
+    b = OpBuilder(graph, default_opset(model), prefix="dropout_noise")
+    noise: dict[str, Spec] = {}
+    for node in list(graph):
+        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+            continue
+        inputs = list(node.inputs) + [None] * (3 - len(node.inputs))
+        x, ratio, training = inputs[:3]
+        mode = None if training is None else ir.convenience.get_const_tensor(training)
+        if training is not None and mode is None:
+            raise ModelError(
+                f"Dropout node {node.name!r} takes a training mode computed at run time; a CUDA"
+                " graph step needs it constant"
+            )
+        if mode is None or not bool(mode.numpy()):
+            continue
+        assert x is not None
+        dims = [] if x.shape is None else [d for d in x.shape if isinstance(d, int)]
+        if x.shape is None or len(dims) != len(x.shape):
+            raise ModelError(
+                f"Dropout node {node.name!r} has input shape {x.shape}; a CUDA graph step needs"
+                " static shapes"
+            )
+        name = f"{node.name or x.name}_noise"
+        value = ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(ir.DataType.FLOAT))
+        graph.inputs.append(value)
+        noise[name] = (tuple(dims), np.dtype(np.float32))
+        p = b.const(0.5, ir.DataType.FLOAT) if ratio is None else b.cast(ratio, ir.DataType.FLOAT)
+        keep = b.op("GreaterOrEqual", value, p)
+        scale = b.Div(b.scalar(1.0, like=p), b.Sub(b.scalar(1.0, like=p), p))
+        y = b.Mul(b.Mul(x, b.cast_like(keep, x)), b.cast_like(scale, x))
+        replacements = [y, keep][: len(node.outputs)]
+        for old, new in zip(node.outputs, replacements):
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            new.name, new.shape, new.type = old.name, old.shape, old.type
+            old.name = None
+        graph.remove(node, safe=True)
+    graph.sort()
+    return to_proto(model), noise
+
+
+def noise_model(noise: Mapping[str, Spec]) -> onnx.ModelProto:
+    """A graph whose outputs are fresh uniform [0, 1) tensors with the specs of ``noise``."""
+    nodes = [
+        helper.make_node("RandomUniform", [], [name], shape=list(shape), dtype=TensorProto.FLOAT)
+        for name, (shape, _) in noise.items()
+    ]
+    outputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+        for name, (shape, _) in noise.items()
+    ]
+    graph = helper.make_graph(nodes, "dropout_noise", [], outputs)
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version()
+    )
 
 
 class CudaGraphStep:
@@ -92,16 +188,19 @@ class CudaGraphStep:
     ``module``'s training state in place, so the module's parameters, checkpoints and eval
     mode see every step. Batches must keep the shape and dtype of the first one.
 
+    The sessions are created on the first call, with the module's ``session_config`` (its
+    CUDA options: TF32, cuDNN algorithm search, memory limits) plus ``cuda_graph=True``, from a
+    copy of the training graph whose input shapes are fixed to the first batch's
+    (:func:`with_static_inputs`) and whose Dropouts read fresh random numbers that a small
+    uncaptured session draws before each step (:func:`dropout_from_noise`).
+
     Args:
         module: A :class:`~traingraph.api.Module` on a CUDA device, in training mode.
         optimizer_uri: Path of ``optimizer_model.onnx``; an :class:`~traingraph.api.Optimizer`
             for it is available as :attr:`optimizer` (learning rate, step count).
-        tf32: Let float32 matrix products and convolutions use TensorFloat-32.
     """
 
-    def __init__(
-        self, module: Module, optimizer_uri: str | os.PathLike, *, tf32: bool = True
-    ) -> None:
+    def __init__(self, module: Module, optimizer_uri: str | os.PathLike) -> None:
         from traingraph.api import Optimizer
 
         device = module._device
@@ -113,22 +212,43 @@ class CudaGraphStep:
         self.module = module
         self.optimizer: Optimizer = Optimizer(optimizer_uri, module)
         self.device = device
-        config = module._config
-        self._train = create_cuda_session(
-            module._train_uri, device, config, cuda_graph=True, tf32=tf32
-        )
-        self._optim = create_cuda_session(
-            os.fspath(optimizer_uri), device, config, cuda_graph=True, tf32=tf32
-        )
+        self._config = dataclasses.replace(module._config, cuda_graph=True)
+        self._optimizer_uri = os.fspath(optimizer_uri)
+        self._train: ort.InferenceSession | None = None
+        self._optim: ort.InferenceSession | None = None
         self._inputs: TensorStore | None = None
-        self._outputs = TensorStore(device, self._static_outputs())
+        self._outputs: TensorStore | None = None
         self._scalars = TensorStore(
             device, {"learning_rate": ((), np.dtype(np.float32)), "step": ((), np.dtype(np.int64))}
         )
         self._graphs: dict[tuple[int, ...], tuple[int, Any, Any, tuple[object, ...]]] = {}
+        self._noise: TensorStore | None = None
+        self._noise_session: ort.InferenceSession | None = None
+        self._noise_binding: Any = None
 
-    def _static_outputs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        infos = {o.name: o for o in self._train.get_outputs()}
+    def _capture_sessions(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Create the sessions for batches shaped like ``arrays``, and the buffers they bind."""
+        specs = {n: (tuple(a.shape), a.dtype) for n, a in arrays.items()}
+        self._inputs = TensorStore(self.device, specs)
+        static = with_static_inputs(
+            self.module._train_uri, {n: shape for n, (shape, _) in specs.items()}
+        )
+        static, noise = dropout_from_noise(static)
+        if noise:
+            self._noise = TensorStore(self.device, noise)
+            session = create_cuda_session(noise_model(noise), self.device, self.module._config)
+            self._noise_binding = session.io_binding()
+            for name in noise:
+                self._noise_binding.bind_ortvalue_output(name, self._noise.ortvalue(name))
+            self._noise_session = session
+        self._train = create_cuda_session(static, self.device, self._config)
+        self._optim = create_cuda_session(self._optimizer_uri, self.device, self._config)
+        self._outputs = TensorStore(self.device, self._static_outputs(self._train))
+
+    def _static_outputs(
+        self, session: ort.InferenceSession
+    ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        infos = {o.name: o for o in session.get_outputs()}
         specs = {}
         for name in self.module._train_outputs:
             info = infos[name]
@@ -136,7 +256,7 @@ class CudaGraphStep:
             if dtype is None or not all(isinstance(d, int) for d in info.shape):
                 raise ModelError(
                     f"output {name!r} has shape {info.shape} and type {info.type}; a CUDA graph"
-                    " needs static output shapes: export the model with a fixed batch size"
+                    " needs static output shapes"
                 )
             specs[name] = (tuple(info.shape), dtype)
         return specs
@@ -158,8 +278,9 @@ class CudaGraphStep:
             raise ModelError(f"got {len(batch)} inputs, but the training model takes {names}")
         arrays = {n: np.ascontiguousarray(a) for n, a in zip(names, batch)}
         if self._inputs is None:
-            specs = {n: (tuple(a.shape), a.dtype) for n, a in arrays.items()}
-            self._inputs = TensorStore(self.device, specs)
+            self._capture_sessions(arrays)
+        assert self._inputs is not None and self._outputs is not None
+        assert self._train is not None and self._optim is not None
         for name, array in arrays.items():
             shape, dtype = self._inputs.specs[name]
             if array.shape != shape or array.dtype != dtype:
@@ -175,6 +296,8 @@ class CudaGraphStep:
         graph_id, train_binding, optim_binding, _ = self._graph_for_layout()
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        if self._noise_session is not None:
+            self._noise_session.run_with_iobinding(self._noise_binding)
         self._train.run_with_iobinding(train_binding, options)
         self._optim.run_with_iobinding(optim_binding, options)
         state.trainable.swap()
@@ -216,12 +339,15 @@ class CudaGraphStep:
 
     def _bind_train(self) -> Any:
         module, state = self.module, self.module._runtime
-        assert self._inputs is not None
+        assert self._inputs is not None and self._outputs is not None and self._train is not None
         binding = self._train.io_binding()
         for name in module._train_inputs:
             binding.bind_ortvalue_input(name, self._inputs.ortvalue(name))
         for name in module._train_params:
             binding.bind_ortvalue_input(name, state.ortvalue(name))
+        if self._noise is not None:
+            for name in self._noise:
+                binding.bind_ortvalue_input(name, self._noise.ortvalue(name))
         for name in module._trainable:
             binding.bind_ortvalue_output(f"{name}_grad", state.grads.ortvalue(name))
         for out, buffer in module._buffer_outputs.items():
@@ -233,7 +359,7 @@ class CudaGraphStep:
     def _bind_optimizer(self) -> Any:
         state = self.module._runtime
         slots = state.optimizer_slots
-        assert slots is not None
+        assert slots is not None and self._optim is not None
         binding = self._optim.io_binding()
         binding.bind_ortvalue_input("learning_rate", self._scalars.ortvalue("learning_rate"))
         binding.bind_ortvalue_input("step", self._scalars.ortvalue("step"))

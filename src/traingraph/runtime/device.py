@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +39,26 @@ class Device:
         """The device name that onnxruntime's OrtValue and IOBinding use."""
         return self.kind
 
-    def providers(self) -> list[Any]:
-        """The execution providers (with options) for a session on this device."""
+    def providers(self, cuda_options: Mapping[str, str] | None = None) -> list[Any]:
+        """The execution providers (with options) for a session on this device.
+
+        Args:
+            cuda_options: CUDA execution provider options (``SessionConfig.cuda_options()``
+                gives them), ignored on the CPU. ``device_id`` is this device's index. With
+                ``enable_cuda_graph`` on, the CPU provider is left out: a captured graph needs
+                every node on the GPU.
+
+        Example:
+            >>> Device("cuda", 1).providers({"use_tf32": "0"})
+            [('CUDAExecutionProvider', {'use_tf32': '0', 'device_id': '1'}), 'CPUExecutionProvider']
+        """
         if self.kind == "cpu":
             return ["CPUExecutionProvider"]
-        return [("CUDAExecutionProvider", {"device_id": str(self.index)}), "CPUExecutionProvider"]
+        options = {**(cuda_options or {}), "device_id": str(self.index)}
+        cuda = ("CUDAExecutionProvider", options)
+        if options.get("enable_cuda_graph") == "1":
+            return [cuda]
+        return [cuda, "CPUExecutionProvider"]
 
 
 def parse_device(device: str | Device | None) -> Device:
