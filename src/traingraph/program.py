@@ -22,10 +22,18 @@ from traingraph.autodiff.engine import differentiate, name_output, values_by_nam
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
+from traingraph.ir.random import lower_dropout
 from traingraph.losses import Loss
 from traingraph.optim.alias import Optimizer
 from traingraph.optim.model import build_optimizer_model, state_slots
 from traingraph.optim.transforms import ParamInfo
+from traingraph.precision import (
+    GRADS_FINITE,
+    autocast,
+    low_precision_type,
+    scale_loss,
+    unscale_gradients,
+)
 
 LOSS_OUTPUT = "loss"
 BATCH_DIM = "batch"
@@ -69,6 +77,7 @@ def build_program(
     optimizer: Optimizer | None = None,
     additional_output_names: Sequence[str] | None = None,
     loss_input_names: Sequence[str] | None = None,
+    mixed_precision: str | None = None,
 ) -> TrainingProgram:
     """Turn ``model`` into a :class:`TrainingProgram`.
 
@@ -83,6 +92,10 @@ def build_program(
         additional_output_names: Model outputs (or intermediate tensors) that the train and eval
             graphs also return.
         loss_input_names: Model outputs fed to the loss (default: every model output).
+        mixed_precision: "fp16" or "bf16" to compute in that type with float32 parameters
+            (:mod:`traingraph.precision`): the train graph then takes a float32 scalar input
+            ``loss_scale``, returns gradients of the unscaled loss and a boolean output
+            ``grads_finite``. None: float32.
     """
     base = load_ir(model, copy=True)
     opset = default_opset(base)
@@ -100,27 +113,39 @@ def build_program(
 
     train = ir.from_proto(proto)
     buffer_updates = to_training_mode(train.graph, params, opset)
+    low = None
+    if mixed_precision is not None:
+        low = low_precision_type(mixed_precision)
+        _infer_shapes(train)
+        autocast(train.graph, opset, low)
+        train.metadata_props["traingraph.mixed_precision"] = mixed_precision
     loss_value, label_names = _attach_loss(train.graph, opset, loss, loss_input_names)
     _infer_shapes(train)
     extra = [values_by_name(train.graph)[n] for n in additional_output_names or ()]
     wrt = [values_by_name(train.graph)[n] for n, r in params.items() if r]
-    result = differentiate(train.graph, opset, wrt, loss=loss_value, prefix="grad")
+    scale = scale_loss(train.graph) if low is not None else None
+    result = differentiate(
+        train.graph, opset, wrt, loss=loss_value, loss_seed=scale, prefix="grad"
+    )
     b = OpBuilder(train.graph, opset, prefix="grad")
-    grad_outputs = []
-    for v in wrt:
-        g = result.grads[v.name or ""]
-        grad_outputs.append(
-            name_output(b, g if g is not None else b.zeros_like(v), f"{v.name}_grad", v)
-        )
+    grads = [_grad_or_zeros(b, result.grads[v.name or ""], v) for v in wrt]
+    finite = []
+    if scale is not None:
+        grads, all_finite = unscale_gradients(b, grads, scale)
+        finite.append(name_output(b, all_finite, GRADS_FINITE, all_finite))
+    grad_outputs = [name_output(b, g, f"{v.name}_grad", v) for g, v in zip(grads, wrt)]
     update_outputs = [
         name_output(b, value, out_name, value) for out_name, value in buffer_updates.items()
     ]
     train.graph.outputs.clear()
-    train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs])
+    train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs, *finite])
     _lift_parameters(train.graph, params)
 
     evaluation = ir.from_proto(proto)
     to_inference_mode(evaluation.graph)
+    if low is not None:
+        _infer_shapes(evaluation)
+        autocast(evaluation.graph, opset, low)
     eval_loss, _ = _attach_loss(evaluation.graph, opset, loss, loss_input_names)
     eval_extra = [values_by_name(evaluation.graph)[n] for n in additional_output_names or ()]
     evaluation.graph.outputs.clear()
@@ -148,6 +173,10 @@ def build_program(
         output_names=[LOSS_OUTPUT, *(additional_output_names or ())],
         buffer_updates={name: name[: -len(BUFFER_UPDATE_SUFFIX)] for name in buffer_updates},
     )
+
+
+def _grad_or_zeros(b: OpBuilder, grad: ir.Value | None, param: ir.Value) -> ir.Value:
+    return b.zeros_like(param) if grad is None else grad
 
 
 def _infer_shapes(m: ir.Model) -> None:
@@ -269,6 +298,7 @@ def to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> di
                 node.replace_input_with(1, ratio)
             node.resize_inputs(3)
             node.replace_input_with(2, b.const(True, ir.DataType.BOOL, name="training_mode"))
+    lower_dropout(b, [node for node in graph if node.op_type == "Dropout"])
     graph.sort()
     return updates
 
