@@ -1,21 +1,32 @@
 """Time the Conv weight and input gradients that traingraph emits, on onnxruntime's CPU provider.
 
-Two formulations of ``dL/dW`` for ``Y = Conv(X, W)`` are compared with PyTorch's own backward
-(``torch.nn.grad.conv2d_weight`` / ``conv2d_input``) on the same number of threads:
+Each formulation runs alone in a small ONNX model, in a session made the way the runtime makes
+them (optimization level "all", ``--threads`` intra-op threads, no spinning), next to PyTorch's
+own backward (``torch.nn.grad.conv2d_weight`` / ``conv2d_input``) on the same number of threads.
 
-- ``unfold``: the graph of :func:`traingraph.autodiff.rules.conv.conv_weight_grad`: the input's
-  ``K*K`` shifted views (one Conv with one-hot kernels) contracted with the output gradient in
-  one batched MatMul, summed over the batch. This is the rule's formulation.
-- ``transposed_conv``: the textbook form, a Conv of ``X`` transposed to ``[C, N, H, W]`` with the
-  output gradient transposed to ``[M, N, H', W']`` as its kernel (stride-1 convolutions only).
+``dL/dW`` for ``Y = Conv(X, W)`` (the input unfolded by
+:func:`traingraph.autodiff.rules.conv.unfold`, then contracted with the output gradient):
 
-The input gradient (``ConvTranspose``, from
-:func:`traingraph.autodiff.rules.conv.transposed_conv_to`) is timed too. Every result is checked
-against a float64 PyTorch reference. Cases: LeNet-5's two convolutions at batch 64 and
-ResNet-style 3x3 convolutions at 32x32, batch 32.
+- ``per_sample``: :func:`~traingraph.autodiff.rules.conv.weight_grad_by_sample`, one batched
+  MatMul per sample summed over the batch;
+- ``gemm``: :func:`~traingraph.autodiff.rules.conv.weight_grad_by_gemm`, the batch moved inside
+  the contraction and one GEMM;
+- ``transposed_conv``: the textbook form, a Conv of ``X`` transposed to ``[C, N, H, W]`` with
+  the output gradient transposed to ``[M, N, H', W']`` as its kernel (stride 1 only).
+
+``dL/dX``:
+
+- ``conv_transpose``: :func:`~traingraph.autodiff.rules.conv.transposed_conv_to`;
+- ``flipped_conv``: a Conv of the output gradient with the flipped, transposed weight
+  (:func:`~traingraph.autodiff.rules.conv.conv_input_grad`), timed where
+  :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits` lets the rule use it.
+
+The rule's pick for each case is marked with ``*``. Every result is checked against a float64
+PyTorch reference. Cases: the convolutions of the benchmark models (``benchmarks/models.py``):
+LeNet-5 at batch 64 and ResNet-8 at batch 32, plus a depthwise and a stride-1 1x1 convolution.
 
 Usage:
-    python benchmarks/conv_grad_micro.py [--repeats 30] [--threads 2]
+    python benchmarks/conv_grad_micro.py [--repeats 30] [--threads 2] [--cases lenet resnet]
 """
 
 from __future__ import annotations
@@ -32,13 +43,22 @@ import onnxruntime as ort
 import torch
 import torch.nn.grad
 
-from traingraph.autodiff.rules.conv import Window, conv_weight_grad, transposed_conv_to
+from traingraph.autodiff.rules.conv import (
+    Window,
+    conv_input_grad,
+    flipped_conv_fits,
+    transposed_conv_to,
+    unfold,
+    weight_grad_by_gemm,
+    weight_grad_by_sample,
+)
 from traingraph.ir.builder import OpBuilder
+from traingraph.runtime.session import SessionConfig
 
 
 @dataclass(frozen=True)
 class Case:
-    """One 2-D convolution: ``[N, C, H, H] -> [N, M, H', H']`` with a ``k x k`` kernel."""
+    """One 2-D convolution: ``[N, C, H, H] -> [N, M, H', H']``, a ``k x k`` kernel, stride ``s``."""
 
     name: str
     batch: int
@@ -47,74 +67,110 @@ class Case:
     filters: int
     kernel: int
     pad: int
+    stride: int = 1
     group: int = 1
 
     @property
     def out_size(self) -> int:
-        return self.size + 2 * self.pad - self.kernel + 1
+        return (self.size + 2 * self.pad - self.kernel) // self.stride + 1
 
     @property
     def window(self) -> Window:
-        k, p = self.kernel, self.pad
-        return Window((k, k), (1, 1), (1, 1), (p, p), (p, p))
+        k, p, s = self.kernel, self.pad, self.stride
+        return Window((k, k), (s, s), (1, 1), (p, p), (p, p))
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shapes of the Conv input ``x``, output gradient ``dy`` and weight ``w``."""
+        n, c, m, h, o, k = (
+            self.batch, self.channels, self.filters, self.size, self.out_size, self.kernel
+        )
+        return {"x": (n, c, h, h), "dy": (n, m, o, o), "w": (m, c // self.group, k, k)}
 
 
 CASES = (
-    Case("lenet conv1 1->6 k5 28x28", 64, 1, 28, 6, 5, 0),
-    Case("lenet conv2 6->16 k5 12x12", 64, 6, 12, 16, 5, 0),
-    Case("resnet 16->16 k3 32x32", 32, 16, 32, 16, 3, 1),
-    Case("resnet 32->32 k3 32x32", 32, 32, 32, 32, 3, 1),
-    Case("resnet 64->64 k3 32x32", 32, 64, 32, 64, 3, 1),
-    Case("depthwise 32 k3 32x32", 32, 32, 32, 32, 3, 1, group=32),
+    Case("lenet conv1 1->6 k5 p2 28x28", 64, 1, 28, 6, 5, 2),
+    Case("lenet conv2 6->16 k5 14x14", 64, 6, 14, 16, 5, 0),
+    Case("resnet stem 3->16 k3 32x32", 32, 3, 32, 16, 3, 1),
+    Case("resnet layer1 16->16 k3 32x32", 32, 16, 32, 16, 3, 1),
+    Case("resnet layer2.conv1 16->32 k3 s2 32x32", 32, 16, 32, 32, 3, 1, 2),
+    Case("resnet layer2.down 16->32 k1 s2 32x32", 32, 16, 32, 32, 1, 0, 2),
+    Case("resnet layer2.conv2 32->32 k3 16x16", 32, 32, 16, 32, 3, 1),
+    Case("resnet layer3.conv1 32->64 k3 s2 16x16", 32, 32, 16, 64, 3, 1, 2),
+    Case("resnet layer3.down 32->64 k1 s2 16x16", 32, 32, 16, 64, 1, 0, 2),
+    Case("resnet layer3.conv2 64->64 k3 8x8", 32, 64, 8, 64, 3, 1),
+    Case("pointwise 32->64 k1 16x16", 32, 32, 16, 64, 1, 0),
+    Case("depthwise 32 k3 16x16", 32, 32, 16, 32, 3, 1, group=32),
 )
 
-
-def _tensor(name: str, shape: tuple[int, ...]) -> ir.Value:
-    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+Build = Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
 
-def _session(
-    case: Case, build: Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value], threads: int
-) -> ort.InferenceSession:
+def _session(case: Case, build: Build, threads: int) -> ort.InferenceSession:
     """A session with inputs ``x``, ``dy`` and ``w`` and the one output ``build`` returns."""
-    x = _tensor("x", (case.batch, case.channels, case.size, case.size))
-    dy = _tensor("dy", (case.batch, case.filters, case.out_size, case.out_size))
-    w = _tensor("w", (case.filters, case.channels // case.group, case.kernel, case.kernel))
-    graph = ir.Graph([x, dy, w], [], nodes=[], name="bench")
-    out = build(OpBuilder(graph, 17), x, dy, w)
-    graph.outputs.append(out)
+    inputs = [
+        ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+        for name, shape in case.shapes.items()
+    ]
+    graph = ir.Graph(inputs, [], nodes=[], name="bench")
+    graph.outputs.append(build(OpBuilder(graph, 17), *inputs))
     model = ir.Model(graph, ir_version=10)
     model.opset_imports[""] = 17
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
+    config = SessionConfig(intra_op_threads=threads)
     return ort.InferenceSession(
-        ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"]
+        ir.to_proto(model).SerializeToString(),
+        config.session_options(),
+        providers=["CPUExecutionProvider"],
     )
 
 
-def _unfold(case: Case) -> Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
-    return lambda b, x, dy, w: conv_weight_grad(b, x, dy, w, case.window, case.group)
+def _weight_forms(case: Case) -> dict[str, Build]:
+    win, group = case.window, case.group
+
+    def cols(b: OpBuilder, x: ir.Value, w: ir.Value) -> ir.Value:
+        return unfold(b, x, win, case.channels)
+
+    def transposed_conv(b: OpBuilder, x: ir.Value, dy: ir.Value, w: ir.Value) -> ir.Value:
+        swap = [1, 0, 2, 3]
+        grad = b.Conv(
+            b.Transpose(x, perm=swap), b.Transpose(dy, perm=swap), pads=[case.pad] * 4
+        )
+        return b.Transpose(grad, perm=swap)
+
+    forms: dict[str, Build] = {
+        "per_sample": lambda b, x, dy, w: weight_grad_by_sample(b, cols(b, x, w), x, dy, w, group),
+        "gemm": lambda b, x, dy, w: weight_grad_by_gemm(
+            b, cols(b, x, w), dy, w, group, case.out_size**2
+        ),
+    }
+    if case.group == 1 and case.stride == 1:
+        forms["transposed_conv"] = transposed_conv
+    return forms
 
 
-def _transposed_conv(b: OpBuilder, x: ir.Value, dy: ir.Value, w: ir.Value, pad: int) -> ir.Value:
-    swap = [1, 0, 2, 3]
-    grad = b.Conv(b.Transpose(x, perm=swap), b.Transpose(dy, perm=swap), pads=[pad] * 4)
-    return b.Transpose(grad, perm=swap)
+def _input_forms(case: Case) -> dict[str, Build]:
+    win, group = case.window, case.group
+    sizes, outs = [case.size] * 2, [case.out_size] * 2
+    forms: dict[str, Build] = {
+        "conv_transpose": lambda b, x, dy, w: transposed_conv_to(
+            b, dy, w, win, group, x, sizes, outs
+        ),
+    }
+    if _flips(case):
+        forms["flipped_conv"] = lambda b, x, dy, w: conv_input_grad(
+            b, dy, w, win, group, x, sizes, outs
+        )
+    return forms
 
 
-def _transposed(case: Case) -> Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
-    return lambda b, x, dy, w: _transposed_conv(b, x, dy, w, case.pad)
+def _rule_picks(case: Case) -> tuple[str, str]:
+    """The weight and input gradient forms that the Conv rule emits for ``case``."""
+    weight = "gemm" if case.out_size**2 <= case.filters // case.group else "per_sample"
+    return weight, "flipped_conv" if _flips(case) else "conv_transpose"
 
 
-def _input_grad(case: Case) -> Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
-    sizes = [case.size] * 2
-    outs = [case.out_size] * 2
-    return lambda b, x, dy, w: transposed_conv_to(b, dy, w, case.window, case.group, x, sizes, outs)
-
-
-def _runner(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> Callable[[], np.ndarray]:
-    return lambda: sess.run(None, feeds)[0]
+def _flips(case: Case) -> bool:
+    return flipped_conv_fits(case.window, case.channels, case.filters, case.group)
 
 
 def _time_interleaved(
@@ -134,52 +190,52 @@ def _time_interleaved(
 
 
 def run(case: Case, repeats: int, threads: int) -> dict[str, tuple[float, float, float]]:
-    """``{formulation: (median ms, min ms, max relative error)}`` for one case."""
+    """``{"weight <form>" | "input <form>": (median ms, min ms, max relative error)}``."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((case.batch, case.channels, case.size, case.size), dtype=np.float32)
-    dy = rng.standard_normal(
-        (case.batch, case.filters, case.out_size, case.out_size), dtype=np.float32
-    )
-    w = rng.standard_normal(
-        (case.filters, case.channels // case.group, case.kernel, case.kernel), dtype=np.float32
-    )
-    feeds = {"x": x, "dy": dy, "w": w}
-    tx, tdy, tw = (torch.from_numpy(a) for a in (x, dy, w))
-    kw = {"padding": case.pad, "groups": case.group}
-    fns: dict[str, Callable[[], np.ndarray]] = {
-        "torch weight": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy, **kw).numpy(),
+    feeds = {k: rng.standard_normal(v, dtype=np.float32) for k, v in case.shapes.items()}
+    tx, tdy, tw = (torch.from_numpy(feeds[k]) for k in ("x", "dy", "w"))
+    kw = {"stride": case.stride, "padding": case.pad, "groups": case.group}
+    refs = {
+        "weight": torch.nn.grad.conv2d_weight(tx.double(), tw.shape, tdy.double(), **kw).numpy(),
+        "input": torch.nn.grad.conv2d_input(tx.shape, tw.double(), tdy.double(), **kw).numpy(),
     }
-    builders = {"unfold": _unfold(case)}
-    if case.group == 1:
-        builders["transposed_conv"] = _transposed(case)
-    for name, build in builders.items():
-        fns[name] = _runner(_session(case, build, threads), feeds)
-    fns["torch input"] = lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tdy, **kw).numpy()
-    fns["conv_transpose input"] = _runner(_session(case, _input_grad(case), threads), feeds)
-
-    ref_w = torch.nn.grad.conv2d_weight(tx.double(), tw.shape, tdy.double(), **kw).numpy()
-    ref_x = torch.nn.grad.conv2d_input(tx.shape, tw.double(), tdy.double(), **kw).numpy()
+    fns: dict[str, Callable[[], np.ndarray]] = {
+        "weight torch": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy, **kw).numpy(),
+        "input torch": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tdy, **kw).numpy(),
+    }
+    for kind, forms in (("weight", _weight_forms(case)), ("input", _input_forms(case))):
+        for name, build in forms.items():
+            sess = _session(case, build, threads)
+            fns[f"{kind} {name}"] = lambda sess=sess: sess.run(None, feeds)[0]
     errors = {}
     for name, fn in fns.items():
-        ref = ref_x if name.endswith("input") else ref_w
+        ref = refs[name.split()[0]]
         errors[name] = float(np.abs(fn() - ref).max() / np.abs(ref).max())
     timings = _time_interleaved(fns, repeats)
-    return {k: (*timings[k], errors[k]) for k in fns}
+    return {k: (*timings[k], errors[k]) for k in sorted(fns)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--cases", nargs="*", default=[], help="run only the cases whose name contains one of these"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"onnxruntime {ort.__version__}, torch {torch.__version__}, {args.threads} threads,"
           f" {args.repeats} interleaved runs: median / min ms (max error relative to a float64"
-          " reference)")
+          " reference); * marks the rule's pick")
     for case in CASES:
-        print(case.name)
+        if args.cases and not any(part in case.name for part in args.cases):
+            continue
+        print(case.name, flush=True)
+        picks = {f"weight {pick}" for pick in _rule_picks(case)[:1]}
+        picks.add(f"input {_rule_picks(case)[1]}")
         for name, (median, best, err) in run(case, args.repeats, args.threads).items():
-            print(f"    {name:22s} {median:8.2f} / {best:8.2f}  ({err:.0e})")
+            mark = "*" if name in picks else " "
+            print(f"   {mark}{name:24s} {median:8.2f} / {best:8.2f}  ({err:.0e})", flush=True)
 
 
 if __name__ == "__main__":

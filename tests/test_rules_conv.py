@@ -242,15 +242,16 @@ def gradient_model(inputs, attrs, dynamic="batch", static_weight=False):
 
 
 FLIPPED_CASES = {
-    # Stride 1 with p_begin + p_end >= extent - 1: dL/dX is a Conv with the flipped weight.
+    # Stride 1, p_begin + p_end >= extent - 1 and at least 8 channels per group (or depthwise):
+    # dL/dX is a Conv with the flipped weight.
     # name: (x shape, w shape, pads, dilations, group)
-    "1d_asym_dilation": ((2, 3, 9), (4, 3, 3), [3, 2], [2], 1),
-    "2d_asym": ((2, 3, 6, 5), (4, 3, 4, 3), [2, 0, 1, 2], [1, 1], 1),
-    "2d_output_larger": ((2, 2, 5, 5), (3, 2, 3, 3), [2, 1, 2, 2], [1, 1], 1),
-    "2d_dilation": ((1, 2, 8, 7), (3, 2, 3, 2), [2, 1, 2, 1], [2, 2], 1),
-    "2d_groups": ((2, 6, 5, 5), (4, 3, 3, 3), [1, 1, 1, 1], [1, 1], 2),
-    "2d_depthwise_multiplier": ((2, 3, 5, 6), (6, 1, 3, 3), [1, 2, 1, 0], [1, 1], 3),
-    "3d": ((1, 2, 4, 5, 6), (3, 2, 3, 2, 3), [1, 1, 2, 1, 0, 2], [1, 1, 2], 1),
+    "1d_asym_dilation": ((2, 8, 9), (4, 8, 3), [3, 2], [2], 1),
+    "2d_asym": ((2, 8, 6, 5), (3, 8, 4, 3), [2, 0, 1, 2], [1, 1], 1),
+    "2d_output_larger": ((2, 8, 5, 5), (3, 8, 3, 3), [2, 1, 2, 2], [1, 1], 1),
+    "2d_dilation": ((1, 9, 8, 7), (3, 9, 3, 2), [2, 1, 2, 1], [2, 2], 1),
+    "2d_groups": ((2, 16, 4, 4), (4, 8, 3, 3), [1, 1, 1, 1], [1, 1], 2),
+    "2d_depthwise": ((2, 3, 5, 6), (3, 1, 3, 3), [1, 2, 1, 0], [1, 1], 3),
+    "3d": ((1, 8, 4, 5, 3), (2, 8, 3, 2, 3), [1, 1, 2, 1, 0, 2], [1, 1, 2], 1),
 }
 
 
@@ -267,18 +268,20 @@ def test_conv_stride1_input_gradient_as_flipped_conv(case, dynamic):
         "Conv", inputs, attrs, dynamic=dynamic,
         torch_fn=torch_conv(pads, strides, dilations, group), **TOL,
     )
-    ops = gradient_op_types(inputs, attrs, dynamic)
-    # With every shape dynamic, a grouped weight cannot be regrouped: ConvTranspose instead.
-    flipped = group == 1 or dynamic == "batch"
-    assert ops["ConvTranspose"] == (0 if flipped else 1), ops
+    # With every dimension dynamic the channel counts are unknown: ConvTranspose instead.
+    ops = gradient_op_types(inputs, attrs, dynamic, static_weight=dynamic == "batch")
+    assert ops["ConvTranspose"] == (1 if dynamic == "all" else 0), ops
 
 
 @pytest.mark.parametrize(
-    "pads", [[0, 0, 0, 0], [1, 0, 0, 1], [3, 1, 0, 1]], ids=["valid", "short", "beyond_kernel"]
+    "channels, pads",
+    [(8, [0, 0, 0, 0]), (8, [1, 0, 0, 1]), (8, [3, 1, 0, 1]), (3, [1, 1, 1, 1])],
+    ids=["valid", "short", "beyond_kernel", "few_channels"],
 )
-def test_conv_stride1_input_gradient_keeps_conv_transpose(pads):
-    """Where the input has more positions than the output, or a pad exceeds extent - 1."""
-    inputs = {"x": r(2, 3, 6, 6), "w": r(4, 3, 3, 3)}
+def test_conv_stride1_input_gradient_keeps_conv_transpose(channels, pads):
+    """Where the input has more positions than the output, a pad exceeds extent - 1, or the
+    groups have few channels."""
+    inputs = {"x": r(2, channels, 6, 6), "w": r(4, channels, 3, 3)}
     attrs = {"pads": pads}
     check_op_gradient("Conv", inputs, attrs, torch_fn=torch_conv(pads, [1, 1], [1, 1], 1), **TOL)
     assert gradient_op_types(inputs, attrs)["ConvTranspose"] == 1
@@ -290,7 +293,7 @@ GEMM_CASES = {
     "2d": ((3, 4, 3, 3), (12, 4, 2, 2), [1, 1], [0, 0, 0, 0], 1),
     "2d_padded_stride2": ((2, 3, 5, 4), (9, 3, 3, 3), [2, 2], [1, 0, 0, 1], 1),
     "2d_groups": ((2, 4, 3, 3), (8, 2, 2, 2), [1, 1], [0, 0, 0, 0], 2),
-    "1x1": ((2, 3, 2, 3), (7, 3, 1, 1), [1, 1], [0, 0, 0, 0], 1),
+    "1x1": ((2, 8, 2, 3), (7, 8, 1, 1), [1, 1], [0, 0, 0, 0], 1),
     "1x1_stride2": ((2, 3, 5, 5), (10, 3, 1, 1), [2, 2], [0, 0, 0, 0], 1),
     "1d": ((2, 3, 5), (6, 3, 3), [1], [0, 0], 1),
     "3d": ((2, 2, 3, 2, 3), (8, 2, 2, 1, 2), [1, 1, 1], [0, 0, 0, 0, 0, 0], 1),

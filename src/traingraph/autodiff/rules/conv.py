@@ -10,8 +10,9 @@ so, with ``G = dL/dY``:
   the division is exact and in range). With stride 1 this is a plain Conv of ``G`` with the
   weight transposed to ``[C, M / g, k...]`` per group and flipped along every spatial axis,
   dilations ``d`` and pads ``extent - 1 - p`` at each end (``extent = (k - 1) * d + 1``); it is
-  used when those pads are not negative and ``X`` has no more positions than ``Y``, so that it
-  does no more work than the alternative. Otherwise ``dL/dX = ConvTranspose(G, W)`` with the
+  used when those pads are not negative, ``X`` has no more positions than ``Y`` and the groups
+  have enough channels (see :func:`flipped_conv_fits`), where onnxruntime runs it faster than
+  the alternative. Otherwise ``dL/dX = ConvTranspose(G, W)`` with the
   same strides, dilations, groups and pads, the end pads and ``output_padding`` chosen so that
   the result has exactly ``X``'s shape (input rows that no window reaches get a zero gradient).
 - ``dL/dW[m, c, k] = sum_{n, o} G[n, m, o] * X[n, g(m) * Cg + c, o * s + k * d - p]``: the input is
@@ -46,6 +47,8 @@ Grads = Sequence[ir.Value | None]
 
 _INT64_MIN = int(np.iinfo(np.int64).min)
 _INT64_MAX = int(np.iinfo(np.int64).max)
+# Fewer input channels per group make the flipped Conv's GEMM too thin to beat ConvTranspose.
+_MIN_FLIPPED_CHANNELS = 8
 
 
 @dataclass(frozen=True)
@@ -236,13 +239,25 @@ def transposed_conv_to(
     return b.op("Pad", dx, b.Concat(b.Sub(missing, missing), missing, axis=0))
 
 
-def flipped_conv_fits(win: Window) -> bool:
+def flipped_conv_fits(win: Window, channels: int | None, filters: int | None, group: int) -> bool:
     """Whether ``dL/dX`` of a Conv over ``win`` is best taken as a Conv with the flipped weight.
 
-    That needs stride 1 and pads ``extent - 1 - p`` that are not negative; it is chosen only
-    where the input has no more positions than the output (``p_begin + p_end >= extent - 1``),
-    since otherwise it would compute over the larger input and ConvTranspose does less work.
+    That needs stride 1 and pads ``extent - 1 - p`` that are not negative. It is chosen only
+    where it does no more work than ConvTranspose: the input has no more positions than the
+    output (``p_begin + p_end >= extent - 1``), and the flipped Conv's filters, the input
+    channels per group ``Cg``, fill a GEMM (``Cg >= 8``) or the Conv is depthwise.
+
+    Args:
+        win: The window geometry of the forward node.
+        channels: The static number of input channels ``C`` (None where unknown).
+        filters: The static number of output channels ``M``, which tells a depthwise Conv
+            (None where unknown).
+        group: Number of groups.
     """
+    if channels is None:
+        return False
+    if channels // group < _MIN_FLIPPED_CHANNELS and not channels == filters == group:
+        return False
     return all(
         s == 1 and pb <= e - 1 and pe <= e - 1 and pb + pe >= e - 1
         for s, e, pb, pe in zip(win.strides, win.extents, win.begins, win.ends)
@@ -288,7 +303,10 @@ def conv_input_grad(
 ) -> ir.Value:
     """``dL/dX`` of ``Y = Conv(X, W)``: a Conv of ``g`` with the flipped weight where
     :func:`flipped_conv_fits`, else :func:`transposed_conv_to` (same arguments)."""
-    flipped = flipped_weight(b, w, win.kernel, group) if flipped_conv_fits(win) else None
+    channels = channel_count(like, w, group)
+    filters = static_dim(w, 0) or static_dim(g, 1)
+    fits = flipped_conv_fits(win, channels, filters, group)
+    flipped = flipped_weight(b, w, win.kernel, group) if fits else None
     if flipped is None:
         return transposed_conv_to(b, g, w, win, group, like, in_dims, out_dims)
     pads = [e - 1 - p for e, p in zip(win.extents, win.begins)]
