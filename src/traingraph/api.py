@@ -41,7 +41,9 @@ from traingraph.optim.schedulers import (
     LinearLRScheduler,
     StepLRScheduler,
 )
+from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.program import BUFFER_UPDATE_SUFFIX
+from traingraph.runtime.amp import DynamicLossScaler
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.fused import fused_update
 from traingraph.runtime.optimizer import optimizer_step
@@ -250,6 +252,11 @@ class Module:
         eval_model_uri: Path of ``eval_model.onnx`` (needed for :meth:`eval` mode).
         device: "cpu", "cuda" or "cuda:N".
         session_config: onnxruntime session settings (threads, optimization level, spinning).
+
+    Attributes:
+        loss_scaler: For a model generated with ``mixed_precision``, the
+            :class:`~traingraph.runtime.amp.DynamicLossScaler` whose scale each train step
+            uses and which :meth:`Optimizer.step` updates; None otherwise.
     """
 
     training: bool
@@ -291,10 +298,15 @@ class Module:
             for o in outputs
             if o.endswith(BUFFER_UPDATE_SUFFIX) and o[: -len(BUFFER_UPDATE_SUFFIX)] in params
         }
-        self._train_inputs = [n for n in inputs if n not in params]
+        self._train_inputs = [n for n in inputs if n not in params and n != LOSS_SCALE]
         self._train_outputs = [
-            o for o in outputs if o not in grad_outputs and o not in self._buffer_outputs
+            o
+            for o in outputs
+            if o not in grad_outputs and o not in self._buffer_outputs and o != GRADS_FINITE
         ]
+        # Mixed-precision graphs take a loss scale and say whether their gradients are finite.
+        self.loss_scaler = DynamicLossScaler() if LOSS_SCALE in inputs else None
+        self._grads_finite = True
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
         self._train = BoundRunner(
             create_session(self._train_uri, self._device, self._config), self._device
@@ -404,6 +416,8 @@ class Module:
             runner.bind_input(name, value)
         for name in self._train_params:
             runner.bind_input(name, state.ortvalue(name))
+        if self.loss_scaler is not None:
+            runner.bind_input(LOSS_SCALE, np.array(self.loss_scaler.scale, np.float32))
         accumulate = not state.reset_grads_pending and state.grads_valid
         if accumulate and state.grad_scratch is None:
             state.grad_scratch = state.grads.like()
@@ -416,7 +430,12 @@ class Module:
             outs[out] = state.buffers.alt.ortvalue(buffer)
         for name in self._train_outputs:
             outs[name] = self._fixed_outputs.get(name)
+        if self.loss_scaler is not None:
+            outs[GRADS_FINITE] = None
         outputs = runner.run(outs)
+        if self.loss_scaler is not None:
+            finite = bool(outputs[GRADS_FINITE].numpy())
+            self._grads_finite = finite and (self._grads_finite or not accumulate)
         if accumulate:
             self._accumulate()
         if self._buffer_outputs:
@@ -651,7 +670,15 @@ class Optimizer:
         self._blocks = self._flat_blocks(kinds) if self._fused is not None else None
 
     def step(self) -> None:
-        """Apply one optimizer update to the parameters with the current gradients."""
+        """Apply one optimizer update to the parameters with the current gradients.
+
+        For a mixed-precision model the module's loss scaler sees the step first: when some
+        gradient is inf or NaN the update is skipped (parameters, slots and the step count stay
+        as they are) and the loss scale shrinks.
+        """
+        scaler = self._module.loss_scaler
+        if scaler is not None and not scaler.update(self._module._grads_finite):
+            return
         if self._fused is None:
             optimizer_step(self._runner, self._state)
             return

@@ -94,6 +94,7 @@ def generate_artifacts(
     ort_format: bool = False,
     checkpoint_format: str = "native",
     custom_op_library: str | None = None,
+    mixed_precision: str | None = None,
 ) -> TrainingProgram:
     """Generate the training, eval and optimizer models and the checkpoint.
 
@@ -116,6 +117,10 @@ def generate_artifacts(
             minimal build); raises when True.
         checkpoint_format: "native" (safetensors) or "ort" (onnxruntime-training's format).
         custom_op_library: Not supported: traingraph's graphs hold standard ops only.
+        mixed_precision: "fp16" or "bf16": MatMul/Gemm/Conv compute in that type with float32
+            parameters, and the training model takes a ``loss_scale`` input and returns a
+            ``grads_finite`` flag, which :class:`traingraph.api.Module` drives with a dynamic
+            loss scaler (see :mod:`traingraph.precision`). None: float32 throughout.
 
     Returns:
         The :class:`~traingraph.program.TrainingProgram` that was written.
@@ -141,6 +146,7 @@ def generate_artifacts(
         optimizer=_resolve(optimizer, optim.Optimizer, OptimType, "optimizer"),
         additional_output_names=additional_output_names,
         loss_input_names=loss_input_names,
+        mixed_precision=mixed_precision,
     )
     directory = Path(artifact_directory) if artifact_directory is not None else Path.cwd()
     directory.mkdir(parents=True, exist_ok=True)
