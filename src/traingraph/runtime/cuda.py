@@ -35,6 +35,7 @@ from onnx import TensorProto, helper
 from traingraph.errors import DeviceError, ModelError
 from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import default_opset, max_ir_version, to_proto
+from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.runtime.device import Device
 from traingraph.runtime.session import SessionConfig, _ort_type_to_numpy, create_session
 from traingraph.runtime.tensors import Spec, TensorStore
@@ -219,7 +220,13 @@ class CudaGraphStep:
         self._inputs: TensorStore | None = None
         self._outputs: TensorStore | None = None
         self._scalars = TensorStore(
-            device, {"learning_rate": ((), np.dtype(np.float32)), "step": ((), np.dtype(np.int64))}
+            device,
+            {
+                "learning_rate": ((), np.dtype(np.float32)),
+                "step": ((), np.dtype(np.int64)),
+                LOSS_SCALE: ((), np.dtype(np.float32)),
+                GRADS_FINITE: ((), np.dtype(np.bool_)),
+            },
         )
         self._graphs: dict[tuple[int, ...], tuple[int, Any, Any, tuple[object, ...]]] = {}
         self._noise: TensorStore | None = None
@@ -293,19 +300,24 @@ class CudaGraphStep:
         assert state.learning_rate is not None
         self._scalars.write("learning_rate", np.array(state.learning_rate, np.float32))
         self._scalars.write("step", np.array(state.step + 1, np.int64))
+        scaler = module.loss_scaler
+        if scaler is not None:
+            self._scalars.write(LOSS_SCALE, np.array(scaler.scale, np.float32))
         graph_id, train_binding, optim_binding, _ = self._graph_for_layout()
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", str(graph_id))
         if self._noise_session is not None:
             self._noise_session.run_with_iobinding(self._noise_binding)
         self._train.run_with_iobinding(train_binding, options)
-        self._optim.run_with_iobinding(optim_binding, options)
-        state.trainable.swap()
         if module._buffer_outputs:
             state.buffers.swap()
-        assert state.optimizer_slots is not None
-        state.optimizer_slots.swap()
-        state.step += 1
+        finite = scaler is None or scaler.update(bool(self._scalars.read(GRADS_FINITE)))
+        if finite:
+            self._optim.run_with_iobinding(optim_binding, options)
+            state.trainable.swap()
+            assert state.optimizer_slots is not None
+            state.optimizer_slots.swap()
+            state.step += 1
         state.grads_valid = True
         state.reset_grads_pending = True
         if not fetch_loss:
@@ -354,6 +366,9 @@ class CudaGraphStep:
             binding.bind_ortvalue_output(out, state.buffers.alt.ortvalue(buffer))
         for name in module._train_outputs:
             binding.bind_ortvalue_output(name, self._outputs.ortvalue(name))
+        if module.loss_scaler is not None:
+            binding.bind_ortvalue_input(LOSS_SCALE, self._scalars.ortvalue(LOSS_SCALE))
+            binding.bind_ortvalue_output(GRADS_FINITE, self._scalars.ortvalue(GRADS_FINITE))
         return binding
 
     def _bind_optimizer(self) -> Any:
