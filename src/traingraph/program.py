@@ -19,6 +19,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
+from traingraph.autodiff.lowering import lower_training_batch_norm
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
@@ -139,6 +140,7 @@ def build_program(
     ]
     train.graph.outputs.clear()
     train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs, *finite])
+    lower_training_batch_norm(train.graph, opset)
     _lift_parameters(train.graph, params)
 
     evaluation = ir.from_proto(proto)

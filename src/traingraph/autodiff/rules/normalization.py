@@ -12,7 +12,10 @@ training mode, LayerNormalization, InstanceNormalization, GroupNormalization), t
 
 with the means over the normalized axes; ``dL/dscale = sum(g * xhat)`` and ``dL/dbias = sum(g)``
 over the axes the parameters are broadcast along. The statistics are recomputed from ``x`` in
-the gradient graph, so no optional forward output is needed.
+the gradient graph, so no optional forward output is needed. BatchNormalization's statistics
+come from :func:`batch_statistics`, which the training-mode lowering
+(:mod:`traingraph.autodiff.lowering`) shares, so a runtime that merges common subexpressions
+computes them once.
 """
 
 from __future__ import annotations
@@ -39,6 +42,27 @@ def standardize(
     var = b.mean(b.Mul(centered, centered), axes)
     rstd = b.Reciprocal(b.Sqrt(b.Add(var, b.scalar(eps, x))))
     return b.Mul(centered, rstd), rstd
+
+
+def batch_statistics(
+    b: OpBuilder, x: ir.Value, axes: Sequence[int]
+) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """``(mean, x - mean, var)`` over ``axes`` (kept dims), with the biased variance.
+
+    The variance is the mean of the squared centered values (two passes), not
+    ``mean(x^2) - mean^2``, which loses the digits of a variance small against the mean.
+    """
+    mean = b.mean(x, axes)
+    centered = b.Sub(x, mean)
+    return mean, centered, b.mean(b.Mul(centered, centered), axes)
+
+
+def inverse_channel_count(b: OpBuilder, x: ir.Value, channels: ir.Value) -> ir.Value:
+    """``1 / M``, ``M`` the elements of ``x`` per entry of the per-channel ``channels``."""
+    dims, c_dims = static_shape(x), static_shape(channels)
+    if dims is not None and c_dims is not None:
+        return b.scalar(math.prod(c_dims) / math.prod(dims), x)
+    return b.Div(b.cast_like(b.op("Size", channels), x), b.cast_like(b.op("Size", x), x))
 
 
 def standardize_grad(
@@ -93,8 +117,16 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
 
     Training mode (``training_mode=1``, opset 14+) normalizes with the batch statistics; its
     ``running_mean`` / ``running_var`` outputs are state updates and carry no gradient, and the
-    ``input_mean`` / ``input_var`` inputs only feed them. Inference mode uses ``input_mean`` and
-    ``input_var`` as given: with ``s = scale * rstd``, ``rstd = 1 / sqrt(var + eps)``,
+    ``input_mean`` / ``input_var`` inputs only feed them. With ``M`` elements per channel,
+    ``xc = x - mean``, ``rstd = 1 / sqrt(var + eps)`` and the per-channel sums
+    ``S = sum(g)``, ``T = sum(g * xc)``:
+
+        dL/dscale = rstd * T,   dL/dbias = S,
+        dL/dx = (scale * rstd / M) * (M g - S - xhat * rstd * T) = a g + k xc + c,
+        a = scale * rstd,   k = -a * rstd^2 * T / M,   c = -a * S / M,
+
+    so the full-size tensors are read for the statistics, the two sums and one affine map.
+    Inference mode uses ``input_mean`` and ``input_var`` as given: with ``s = scale * rstd``,
 
         dL/dx = g * s,   dL/dmean = -sum(g) * s,   dL/dvar = -sum(g * (x - mean)) * s * rstd^2 / 2.
     """
@@ -119,31 +151,50 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
             ctx.unsupported(
                 f"input {i} has dtype {ctx.x(i).dtype} but X has {x.dtype}; expected one dtype"
             )
-    out: list[ir.Value | None] = [None] * 5
     if training:
-        xhat, rstd = standardize(b, x, axes, eps)
-        if ctx.need(0):
-            gh = b.Mul(g, _per_channel(b, scale, r))
-            out[0] = standardize_grad(b, gh, xhat, rstd, axes)
-    else:
-        mean_b = _per_channel(b, ctx.x(3), r)
-        rstd = b.Reciprocal(b.Sqrt(b.Add(ctx.x(4), b.scalar(eps, x))))
-        rstd_b = _per_channel(b, rstd, r)
-        centered = b.Sub(x, mean_b)
-        xhat = b.Mul(centered, rstd_b)
-        s = b.Mul(scale, rstd)
-        if ctx.need(0):
-            out[0] = b.Mul(g, _per_channel(b, s, r))
-        if ctx.need(3):
-            out[3] = b.Neg(b.Mul(b.sum(g, axes, keepdims=False), s))
-        if ctx.need(4):
-            g_centered = b.sum(b.Mul(g, centered), axes, keepdims=False)
-            half_s_rstd2 = b.Mul(b.Mul(s, b.Mul(rstd, rstd)), b.scalar(-0.5, x))
-            out[4] = b.Mul(g_centered, half_s_rstd2)
+        return _batch_norm_training_grads(ctx, g, axes, eps)
+    out: list[ir.Value | None] = [None] * 5
+    mean_b = _per_channel(b, ctx.x(3), r)
+    rstd = b.Reciprocal(b.Sqrt(b.Add(ctx.x(4), b.scalar(eps, x))))
+    centered = b.Sub(x, mean_b)
+    s = b.Mul(scale, rstd)
+    if ctx.need(0):
+        out[0] = b.Mul(g, _per_channel(b, s, r))
     if ctx.need(1):
+        xhat = b.Mul(centered, _per_channel(b, rstd, r))
         out[1] = b.sum(b.Mul(g, xhat), axes, keepdims=False)
-    if ctx.need(2):
-        out[2] = b.sum(g, axes, keepdims=False)
+    if ctx.need(2) or ctx.need(3):
+        sum_g = b.sum(g, axes, keepdims=False)
+        out[2] = sum_g if ctx.need(2) else None
+        out[3] = b.Neg(b.Mul(sum_g, s)) if ctx.need(3) else None
+    if ctx.need(4):
+        g_centered = b.sum(b.Mul(g, centered), axes, keepdims=False)
+        half_s_rstd2 = b.Mul(b.Mul(s, b.Mul(rstd, rstd)), b.scalar(-0.5, x))
+        out[4] = b.Mul(g_centered, half_s_rstd2)
+    return out
+
+
+def _batch_norm_training_grads(
+    ctx: GradContext, g: ir.Value, axes: list[int], eps: float
+) -> list[ir.Value | None]:
+    """The training-mode gradients of x, scale and bias (see :func:`batch_normalization`)."""
+    b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
+    _, centered, var = batch_statistics(b, x, axes)
+    rstd = b.Reciprocal(b.Sqrt(b.Add(var, b.scalar(eps, x))))
+    sum_g = b.sum(g, axes) if ctx.need(0) or ctx.need(2) else None
+    sum_gc = b.sum(b.Mul(g, centered), axes) if ctx.need(0) or ctx.need(1) else None
+    out: list[ir.Value | None] = [None] * 5
+    if ctx.need(0):
+        assert sum_g is not None and sum_gc is not None
+        inv_m = inverse_channel_count(b, x, scale)
+        a = b.Mul(_per_channel(b, scale, len(axes) + 1), rstd)
+        k = b.Neg(b.Mul(b.Mul(a, b.Mul(rstd, rstd)), b.Mul(sum_gc, inv_m)))
+        c = b.Neg(b.Mul(a, b.Mul(sum_g, inv_m)))
+        out[0] = b.Add(b.Add(b.Mul(a, g), b.Mul(k, centered)), c)
+    if sum_gc is not None and ctx.need(1):
+        out[1] = b.squeeze(b.Mul(rstd, sum_gc), axes)
+    if sum_g is not None and ctx.need(2):
+        out[2] = b.squeeze(sum_g, axes)
     return out
 
 
