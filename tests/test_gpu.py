@@ -26,7 +26,9 @@ from traingraph import layers as L
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.errors import DeviceError
 from traingraph.graph import init
-from traingraph.runtime.device import parse_device
+from traingraph.runtime.cuda import dropout_from_noise, noise_model, with_static_inputs
+from traingraph.runtime.device import Device, parse_device
+from traingraph.runtime.session import SessionConfig
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 needs_cuda = pytest.mark.skipif(
@@ -53,12 +55,13 @@ def _static_export(model: torch.nn.Module, example: torch.Tensor) -> onnx.ModelP
     return onnx.load_from_string(buffer.getvalue())
 
 
-def _artifacts(directory, model: onnx.ModelProto) -> None:
+def _artifacts(directory, model: onnx.ModelProto, precision: str | None = None) -> None:
     artifacts.generate_artifacts(
         model,
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=optim.AdamW(lr=1e-2, weight_decay=0.01),
         artifact_directory=directory,
+        mixed_precision=precision,
     )
 
 
@@ -209,3 +212,124 @@ def test_cli_trains_on_cuda(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "cuda" in result.stdout + result.stderr
+
+
+def test_session_config_gives_the_cuda_provider_options() -> None:
+    config = SessionConfig(
+        tf32=False, cudnn_conv_algo_search="HEURISTIC", gpu_mem_limit=2**30,
+        arena_extend_strategy="kSameAsRequested", cuda_extra={"do_copy_in_default_stream": "1"},
+    )
+    providers = Device("cuda", 1).providers(config.cuda_options())
+    assert providers == [
+        ("CUDAExecutionProvider", {
+            "enable_cuda_graph": "0", "use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC",
+            "arena_extend_strategy": "kSameAsRequested", "gpu_mem_limit": str(2**30),
+            "do_copy_in_default_stream": "1", "device_id": "1",
+        }),
+        "CPUExecutionProvider",
+    ]
+    captured = Device("cuda").providers(SessionConfig(cuda_graph=True).cuda_options())
+    assert len(captured) == 1  # a captured graph runs every node on the GPU
+    assert Device("cpu").providers(config.cuda_options()) == ["CPUExecutionProvider"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"cudnn_conv_algo_search": "FAST"}, "cudnn_conv_algo_search"),
+     ({"arena_extend_strategy": "grow"}, "arena_extend_strategy"),
+     ({"gpu_mem_limit": 0}, "gpu_mem_limit")],
+)
+def test_session_config_refuses_unknown_cuda_options(kwargs, match) -> None:
+    with pytest.raises(tg.errors.ModelError, match=match):
+        SessionConfig(**kwargs).cuda_options()
+
+
+def test_captured_dropout_reads_fresh_noise_each_step() -> None:
+    """A CUDA graph replays the random seeds it captured, so the step's Dropouts are rewritten
+    to read uniform noise that an uncaptured session draws before each replay."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Dropout", ["x", "r", "t"], ["y", "m"], name="drop"),
+         helper.make_node("Relu", ["y"], ["z"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("m", TensorProto.BOOL, None)],
+        [helper.make_tensor("r", TensorProto.FLOAT, [], [0.25]),
+         helper.make_tensor("t", TensorProto.BOOL, [], [True])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    rewritten, noise = dropout_from_noise(with_static_inputs(model, {"x": (4, 8)}))
+    onnx.checker.check_model(rewritten, full_check=True)
+    assert noise == {"drop_noise": ((4, 8), np.dtype(np.float32))}
+    assert "Dropout" not in {n.op_type for n in rewritten.graph.node}
+    rng = np.random.default_rng(0)
+    x, u = rng.standard_normal((4, 8)).astype(np.float32), rng.random((4, 8), np.float32)
+    z, mask = ort.InferenceSession(rewritten.SerializeToString()).run(
+        None, {"x": x, "drop_noise": u}
+    )
+    np.testing.assert_array_equal(mask, u >= 0.25)
+    np.testing.assert_allclose(z, np.maximum(x * mask / 0.75, 0), rtol=1e-6)
+    (drawn,) = ort.InferenceSession(noise_model(noise).SerializeToString()).run(None, {})
+    assert drawn.shape == (4, 8) and drawn.min() >= 0 and drawn.max() < 1
+
+
+class LeNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 6, 5, padding=2)
+        self.conv2 = torch.nn.Conv2d(6, 16, 5)
+        self.fc = torch.nn.Linear(16 * 5 * 5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        h = torch.max_pool2d(torch.relu(self.conv2(h)), 2)
+        return self.fc(h.flatten(1))
+
+
+# Low-precision loss curves against float32 ones, 20 AdamW steps. float16 keeps 11 significant
+# bits (relative rounding 2**-11 ~ 5e-4) and bfloat16 8 (2**-8 ~ 4e-3) in every Gemm/Conv input;
+# AdamW turns each gradient into an update of about lr = 1e-2 whatever its size, so rounding
+# that flips a near-zero gradient moves that weight by up to 2 lr, and the curves drift apart
+# over the steps by a few times the rounding of one step.
+MIXED_ATOL = {"fp16": 2e-2, "bf16": 6e-2}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("model_kind", ["mlp", "lenet"])
+@pytest.mark.gpu
+@needs_cuda
+def test_mixed_precision_follows_the_float32_curve(tmp_path, model_kind, precision) -> None:
+    if model_kind == "mlp":
+        model, shape = export(seeded(MLP), torch.zeros(2, 20), training=True), (20,)
+    else:
+        model, shape = export(seeded(LeNet), torch.zeros(2, 1, 28, 28), training=True), (1, 28, 28)
+    batches = _batches(shape)
+    _artifacts(tmp_path / "fp32", model)
+    _artifacts(tmp_path / precision, model, precision)
+    reference, _ = _curve(tmp_path / "fp32", "cuda", batches)
+    losses, params = _curve(tmp_path / precision, "cuda", batches)
+    np.testing.assert_allclose(losses, reference, rtol=0, atol=MIXED_ATOL[precision])
+    assert losses[-1] < losses[0]
+    assert all(v.dtype == np.float32 for v in params.values())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_step_trains_in_fp16(tmp_path) -> None:
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)), "fp16")
+    batches = _batches((20,))
+    reference, _ = _curve(tmp_path, "cuda", batches)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
+    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+    np.testing.assert_allclose(losses, reference, rtol=RTOL, atol=ATOL)
+    x, y = batches[0]
+    x = x.copy()
+    x[0, 0] = np.inf
+    step(x, y)
+    assert module.loss_scaler is not None and module.loss_scaler.skipped_steps == 1
+    assert step.optimizer._state.step == STEPS
