@@ -8,6 +8,9 @@ batches) on the same GPU:
   API returns the loss to the host every step).
 - ``traingraph_graph``: :class:`traingraph.runtime.cuda.CudaGraphStep`, the same graphs captured
   as CUDA graphs (one copy of each batch in, the loss left on the GPU).
+- ``traingraph_graph_fp16`` / ``traingraph_graph_bf16``: the CUDA graph step on artifacts
+  generated with ``mixed_precision="fp16"`` / ``"bf16"`` (float32 master weights, dynamic loss
+  scaling).
 - ``torch_eager``: ``torch.nn`` and ``torch.optim`` (foreach AdamW / SGD).
 - ``torch_compile``: ``torch.compile(model, mode="reduce-overhead")`` (inductor with CUDA
   graphs); the optimizer stays eager, as in the CPU benchmark.
@@ -43,7 +46,15 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import models  # noqa: E402
 
 CURVE_STEPS = 20
-SYSTEMS = ("traingraph", "traingraph_graph", "torch_eager", "torch_compile")
+SYSTEMS = (
+    "traingraph",
+    "traingraph_graph",
+    "traingraph_graph_fp16",
+    "traingraph_graph_bf16",
+    "torch_eager",
+    "torch_compile",
+)
+FP32_SYSTEMS = ("traingraph", "traingraph_graph")
 # (model, batch): the benchmark batch sizes, then larger batches reported in samples/s.
 CONFIGS = (
     ("mlp", 64),
@@ -69,8 +80,11 @@ def batch_size(name: str, batch: int) -> Iterator[None]:
 Step = Callable[[np.ndarray, np.ndarray, bool], float | None]
 
 
-def traingraph_step(entry: models.Prepared, device: str, cuda_graph: bool) -> Step:
-    """A traingraph training step on ``device`` (through :class:`CudaGraphStep` if asked)."""
+def traingraph_step(
+    entry: models.Prepared, device: str, cuda_graph: bool, precision: str | None = None
+) -> Step:
+    """A traingraph training step on ``device`` (through :class:`CudaGraphStep` if asked), in
+    float32 or the mixed ``precision``."""
     import onnx
 
     from traingraph import artifacts, optim
@@ -92,6 +106,7 @@ def traingraph_step(entry: models.Prepared, device: str, cuda_graph: bool) -> St
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=optimizer,
         artifact_directory=directory,
+        mixed_precision=precision,
     )
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.onnx", state, device=device)
@@ -178,6 +193,8 @@ def run_config(
         factories: dict[str, Callable[[], Step]] = {
             "traingraph": lambda: traingraph_step(entry, device, cuda_graph=False),
             "traingraph_graph": lambda: traingraph_step(entry, device, cuda_graph=True),
+            "traingraph_graph_fp16": lambda: traingraph_step(entry, device, True, "fp16"),
+            "traingraph_graph_bf16": lambda: traingraph_step(entry, device, True, "bf16"),
             "torch_eager": lambda: torch_step(entry, device, compile_model=False),
             "torch_compile": lambda: torch_step(entry, device, compile_model=True),
         }
@@ -199,8 +216,9 @@ def run_config(
 
 
 def markdown(rows: list[dict[str, Any]], systems: list[str], device_name: str) -> str:
-    """The results table: ms/step and samples/s per system, and traingraph's speed-ups."""
-    head = ["model", "batch", *systems, "best traingraph vs eager", "vs torch.compile"]
+    """The results table: ms/step and samples/s per system, and the float32 traingraph
+    systems' best speed-up."""
+    head = ["model", "batch", *systems, "best fp32 traingraph vs eager", "vs torch.compile"]
     lines = [f"Device: {device_name}", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for row in rows:
@@ -211,7 +229,7 @@ def markdown(rows: list[dict[str, Any]], systems: list[str], device_name: str) -
             cells.append(
                 f"{r['ms']:.3f} ms ({r['samples_per_s']:.0f}/s)" if "ms" in r else "failed"
             )
-        ours = [results[s]["ms"] for s in ("traingraph", "traingraph_graph")
+        ours = [results[s]["ms"] for s in FP32_SYSTEMS
                 if "ms" in results.get(s, {})]
         for peer in ("torch_eager", "torch_compile"):
             if ours and "ms" in results.get(peer, {}):
