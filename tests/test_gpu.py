@@ -98,20 +98,7 @@ def test_cuda_without_provider_names_the_fix(monkeypatch) -> None:
         parse_device("cuda:0")
 
 
-@pytest.mark.parametrize(
-    "model_kind",
-    [
-        "mlp",
-        pytest.param(
-            "cnn",
-            marks=pytest.mark.xfail(
-                reason="onnxruntime's CUDA BatchNormalization refuses training_mode=1 at opset"
-                " >= 14 ('Training mode does not support BN opset 14 (or higher) yet')",
-                strict=True,
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("model_kind", ["mlp", "cnn"])
 @pytest.mark.gpu
 @needs_cuda
 def test_cpu_and_cuda_give_the_same_loss_curve(tmp_path, model_kind) -> None:
