@@ -57,6 +57,45 @@ def test_batch_norm_training(shape, dynamic, opset):
     )
 
 
+@pytest.mark.parametrize("wrt", [["x"], ["scale"], ["bias"], ["scale", "bias"], ["x", "bias"]])
+def test_batch_norm_training_partial_wrt(wrt):
+    """Only the wanted gradients are built; each equals torch's."""
+    inputs = {"x": r(4, 3, 2, 3), "scale": r(3), "bias": r(3), "mean": r(3), "var": positive(3)}
+    check_op_gradient(
+        "BatchNormalization", inputs, {"training_mode": 1}, wrt=wrt,
+        const_inputs=["mean", "var"], num_outputs=3, used_outputs=[0], opset=15,
+        torch_fn=lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+    )
+
+
+@pytest.mark.parametrize("dynamic", ["none", "all"])
+def test_batch_norm_training_float32_offset_matches_torch(dynamic):
+    """float32 activations far from zero (mean 50, spread 0.5): the centered statistics keep
+    dx, dscale and dbias at float32 accuracy against torch's kernel."""
+    x = (50.0 + 0.5 * r(8, 4, 6, 6)).astype(np.float32)
+    inputs = {
+        "x": x, "scale": r(4, dtype=np.float32), "bias": r(4, dtype=np.float32),
+        "mean": np.zeros(4, np.float32), "var": np.ones(4, np.float32),
+    }
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1}, const_inputs=["mean", "var"],
+        num_outputs=3, opset=17, dynamic=dynamic,
+    )
+    feeds = {k: inputs[k] for k in ("x", "scale", "bias")}
+    y = session(model).run(["y0"], feeds)[0]
+    weights = {"w_y0": r(*y.shape, dtype=np.float32)}
+    grad_model = build_gradient_graph(
+        add_weighted_sum_loss(model, ["y0"], [y]), wrt=["x", "scale", "bias"], loss="loss"
+    )
+    got = session(grad_model).run(["x_grad", "scale_grad", "bias_grad"], {**feeds, **weights})
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    out = F.batch_norm(t["x"], None, None, t["scale"], t["bias"], training=True)
+    (out * torch.tensor(weights["w_y0"])).sum().backward()
+    for name, value in zip(("x", "scale", "bias"), got):
+        expected = t[name].grad.numpy()
+        np.testing.assert_allclose(value, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
 def _batch_norm_eval(x, w, b, mean, var):
     # F.batch_norm does not differentiate its running statistics; the same formula does.
     view = (1, -1) + (1,) * (x.dim() - 2)

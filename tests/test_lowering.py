@@ -1,0 +1,178 @@
+"""The training-mode BatchNormalization lowering against onnxruntime's native training kernel."""
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+
+from gradcheck import add_weighted_sum_loss, make_op_model, session
+from torch_models import export
+from traingraph.autodiff import build_gradient_graph
+from traingraph.autodiff.lowering import is_training_batch_norm, lower_training_batch_norm
+from traingraph.errors import ModelError
+from traingraph.losses import CrossEntropyLoss
+from traingraph.program import build_program
+
+rng = np.random.default_rng(0)
+
+SHAPES = [(5, 3), (4, 3, 5), (3, 2, 3, 4), (2, 2, 3, 2, 2)]
+
+
+def bn_inputs(shape, dtype=np.float64):
+    c = shape[1]
+    return {
+        "x": (rng.standard_normal(shape) * 2 + 1).astype(dtype),
+        "scale": rng.standard_normal(c).astype(dtype),
+        "bias": rng.standard_normal(c).astype(dtype),
+        "mean": rng.standard_normal(c).astype(dtype),
+        "var": rng.uniform(0.5, 2.0, c).astype(dtype),
+    }
+
+
+def lowered(model: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    m = ir.from_proto(model)
+    assert lower_training_batch_norm(m.graph, opset)
+    assert not any(is_training_batch_norm(n) for n in m.graph)
+    proto = ir.to_proto(m)
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("opset", [14, 15, 17, 26])
+def test_lowered_outputs_equal_the_native_node(shape, opset):
+    inputs = bn_inputs(shape)
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1, "momentum": 0.7, "epsilon": 1e-3},
+        num_outputs=3, opset=opset, dynamic="batch",
+    )
+    expected = session(model).run(None, inputs)
+    got = session(lowered(model, opset)).run(None, inputs)
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_lowered_defaults_and_float32():
+    """Without epsilon / momentum attributes the spec's defaults (1e-5, 0.9) apply."""
+    inputs = bn_inputs((8, 4, 6, 6), np.float32)
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1}, num_outputs=3, opset=17
+    )
+    expected = session(model).run(None, inputs)
+    got = session(lowered(model, 17)).run(None, inputs)
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_lowered_running_stats_follow_the_spec():
+    """running = momentum * running + (1 - momentum) * batch statistic (biased variance)."""
+    inputs = bn_inputs((4, 3, 5))
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1, "momentum": 0.8},
+        num_outputs=3, opset=15,
+    )
+    _, running_mean, running_var = session(lowered(model, 15)).run(None, inputs)
+    x, momentum = inputs["x"], float(np.float32(0.8))  # attributes are float32
+    for running, previous, batch in (
+        (running_mean, inputs["mean"], x.mean(axis=(0, 2))),
+        (running_var, inputs["var"], x.var(axis=(0, 2))),
+    ):
+        np.testing.assert_allclose(
+            running, momentum * previous + (1 - momentum) * batch, rtol=1e-12
+        )
+
+
+def test_only_used_outputs_are_replaced_and_names_kept():
+    inputs = bn_inputs((4, 3, 2, 2))
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1}, num_outputs=3, opset=15
+    )
+    del model.graph.output[1:]
+    proto = lowered(model, 15)
+    assert [o.name for o in proto.graph.output] == ["y0"]
+    np.testing.assert_allclose(
+        session(proto).run(None, inputs)[0], session(model).run(None, inputs)[0], rtol=1e-12
+    )
+
+
+def test_inference_batch_norm_is_left_alone():
+    inputs = bn_inputs((4, 3, 2))
+    model = make_op_model("BatchNormalization", inputs, {"training_mode": 0}, opset=15)
+    m = ir.from_proto(model)
+    assert not lower_training_batch_norm(m.graph, 15)
+    assert [n.op_type for n in m.graph] == ["BatchNormalization"]
+
+
+def test_unknown_rank_is_refused():
+    inputs = bn_inputs((4, 3, 2))
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1}, num_outputs=3, opset=15
+    )
+    m = ir.from_proto(model)
+    m.graph.inputs[0].shape = None
+    with pytest.raises(ModelError, match="rank"):
+        lower_training_batch_norm(m.graph, 15)
+
+
+@pytest.mark.parametrize("opset", [15, 26])
+def test_lowered_gradient_graph_equals_the_native_one(opset):
+    """Lowering the forward nodes of a gradient graph changes no gradient."""
+    inputs = bn_inputs((6, 3, 4, 4))
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1}, const_inputs=["mean", "var"],
+        num_outputs=3, opset=opset, dynamic="batch",
+    )
+    feeds = {k: inputs[k] for k in ("x", "scale", "bias")}
+    y = session(model).run(["y0"], feeds)[0]
+    feeds["w_y0"] = rng.standard_normal(y.shape)
+    loss_model = add_weighted_sum_loss(model, ["y0"], [y])
+    names = ["x_grad", "scale_grad", "bias_grad"]
+    grad_model = build_gradient_graph(loss_model, wrt=["x", "scale", "bias"], loss="loss")
+    expected = session(grad_model).run(names, feeds)
+    got = session(lowered(grad_model, opset)).run(names, feeds)
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
+
+
+class _ConvBN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 3, 3)
+        self.bn = torch.nn.BatchNorm2d(3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def test_train_graph_has_no_training_mode_batch_norm():
+    """build_program lowers the train graph, which then matches torch one step later."""
+    torch.manual_seed(0)
+    net = _ConvBN()
+    program = build_program(
+        export(net, torch.zeros(2, 1, 6, 6), training=True), loss=CrossEntropyLoss()
+    )
+    train = program.train_model
+    assert not any(is_training_batch_norm(n) for n in ir.from_proto(train).graph)
+    onnx.checker.check_model(train, full_check=True)
+    x = rng.standard_normal((4, 1, 6, 6)).astype(np.float32)
+    labels = rng.integers(0, 5, 4).astype(np.int64)
+    feeds = {n: v for n, v in program.parameters.items()}
+    feeds.update(dict(zip(program.input_names, (x, labels))))
+    sess = session(train)
+    outputs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    with torch.no_grad():
+        net.bn.running_mean.copy_(torch.tensor(program.parameters["bn.running_mean"]))
+        net.bn.running_var.copy_(torch.tensor(program.parameters["bn.running_var"]))
+    net.train()
+    loss = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(labels))
+    loss.backward()
+    np.testing.assert_allclose(outputs["loss"], loss.item(), rtol=1e-5)
+    for name, p in net.named_parameters():
+        np.testing.assert_allclose(
+            outputs[f"{name}_grad"], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name
+        )
+    np.testing.assert_allclose(
+        outputs["bn.running_mean_updated"], net.bn.running_mean.numpy(), rtol=1e-5, atol=1e-6
+    )
