@@ -195,8 +195,19 @@ def plan_memory(
     )
 
 
+# Elementwise kernels whose output onnxruntime's planner places in the buffer of an input of
+# the same size that dies at that node ("may in-place").
+_IN_PLACE = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Relu", "Sigmoid", "Tanh", "Neg", "Identity", "Where",
+     "LeakyRelu", "Erf", "Exp", "Sqrt", "Abs", "Reciprocal", "Softplus", "Gelu"}
+)  # fmt: skip
+
+
 def _peak(nodes: list[onnx.NodeProto], kept: set[str], free: set[str], size) -> int:  # type: ignore[no-untyped-def]
-    """Most bytes alive at once while ``nodes`` run; ``kept`` outputs live to the end."""
+    """Most bytes alive at once while ``nodes`` run; ``kept`` outputs live to the end.
+
+    An elementwise node's output reuses a dying input of the same size, as onnxruntime does.
+    """
     last_use: dict[str, int] = {}
     for index, node in enumerate(nodes):
         for name in node.input:
@@ -207,8 +218,12 @@ def _peak(nodes: list[onnx.NodeProto], kept: set[str], free: set[str], size) -> 
     for index, node in enumerate(nodes):
         for out in node.output:
             if out and out not in free:
-                alive[out] = size(out)
                 produced.add(out)
+                donor = _donor(node, out, index, alive, last_use, kept, size)
+                if donor is not None:
+                    alive[out] = alive.pop(donor)
+                    continue
+                alive[out] = size(out)
         peak = max(peak, sum(alive.values()))
         for name in set(node.input):
             if name in produced and last_use.get(name) == index and name not in kept:
@@ -217,6 +232,18 @@ def _peak(nodes: list[onnx.NodeProto], kept: set[str], free: set[str], size) -> 
             if out in alive and out not in last_use and out not in kept:
                 alive.pop(out)
     return peak
+
+
+def _donor(node, out, index, alive, last_use, kept, size) -> str | None:  # type: ignore[no-untyped-def]
+    """The input whose buffer ``out`` takes over in place, if any."""
+    if node.op_type not in _IN_PLACE or len(node.output) != 1:
+        return None
+    inputs = list(node.input)
+    for name in inputs:
+        dying = last_use.get(name) == index and name not in kept and inputs.count(name) == 1
+        if dying and name in alive and alive[name] == size(out) > 0:
+            return name
+    return None
 
 
 def _nbytes(value: onnx.ValueInfoProto) -> int | None:
