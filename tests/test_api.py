@@ -91,10 +91,10 @@ def test_fused_flat_update_equals_the_optimizer_graph(tmp_path, kind):
     x, y = classification_data(10 * BATCH, 20, 5)
     results = []
     for fused in (True, False):
-        state, module, opt = _open(directory)
-        assert (opt._blocks is not None) is True
-        if not fused:
-            opt._fused = None  # the standard-op optimizer graph
+        state = CheckpointState.load_checkpoint(directory / "checkpoint")
+        module = Module(directory / "training_model.onnx", state)
+        opt = Optimizer(directory / "optimizer_model.onnx", module, fused=fused)
+        assert (opt._blocks is not None) is fused
         for step in range(10):
             module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
             opt.step()

@@ -41,7 +41,7 @@ def _run(label: str, cache: Path, model: str) -> dict:
 @pytest.mark.parametrize("model", ["mlp", "lenet"])
 def test_traingraph_losses_match_torch_eager(cache, model):
     expected = _run("torch_eager", cache, model)["losses"]
-    for label in ("traingraph", "traingraph fused-opt"):
+    for label in ("traingraph", "traingraph graph-opt"):
         got = _run(label, cache, model)
         assert len(got["losses"]) == STEPS
         np.testing.assert_allclose(got["losses"], expected, rtol=1e-4, err_msg=label)

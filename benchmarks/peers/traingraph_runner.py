@@ -2,10 +2,9 @@
 
 Config keys (``--config``): ``optimization`` ("disable", "basic", "extended", "all"),
 ``intra_op_threads`` (0: one per core), ``allow_spinning`` (bool), fields of
-``traingraph.runtime.session.SessionConfig``; and ``fused_optimizer`` (bool): replace
-``Optimizer.step`` by :func:`traingraph.runtime.fused.fused_update` applied in place to the
-runtime's parameter, gradient and slot buffers, a measurement of that fast path before it is
-wired into ``traingraph.api``.
+``traingraph.runtime.session.SessionConfig``; and ``graph_optimizer`` (bool): run the
+standard-op optimizer graph at every step (``Optimizer(..., fused=False)``) instead of the
+fused in-place CPU update, to measure the portable path.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     meta, weights, data = load_entry(args.entry)
     options = json.loads(args.config)
-    fused = options.pop("fused_optimizer", False)
+    fused = not options.pop("graph_optimizer", False)
     config = SessionConfig(**options)
     model = onnx.load(args.entry / "model.onnx")
     trainable = meta["trainable"]
@@ -53,46 +52,18 @@ def main(argv: list[str] | None = None) -> None:
         )
         state = CheckpointState.load_checkpoint(directory / "checkpoint")
         module = Module(directory / "training_model.onnx", state, session_config=config)
-        opt = Optimizer(directory / "optimizer_model.onnx", module)
+        opt = Optimizer(directory / "optimizer_model.onnx", module, fused=fused)
     module.train()
-    update = opt.step
-    if fused:
-        update = fused_step(optimizer, module._runtime)
 
     def step(x, y):
         loss = module(x, y)
-        update()
+        opt.step()
         module.lazy_reset_grad()
         return loss
 
     setup = time.perf_counter() - start
     times, losses = timed_loop(step, data, args.steps, args.warmup)
     report("traingraph", meta, times, losses, setup, config=json.loads(args.config))
-
-
-def fused_step(optimizer, state):
-    """``Optimizer.step`` done by the fused CPU update, in place on the runtime's buffers."""
-    from traingraph.runtime.fused import fused_update
-
-    update = fused_update(optimizer.name, optimizer.hyperparameters)
-    if update is None:
-        raise SystemExit(f"no fused update for {optimizer.name} {optimizer.hyperparameters}")
-    slots = state.optimizer_slots.cur
-    groups = [
-        (
-            state.trainable.cur.view(name),
-            state.grads.view(name),
-            {k[len(name) + 1 :]: slots.view(k) for k in slots if k.startswith(name + ".")},
-        )
-        for name in state.trainable.cur
-    ]
-
-    def step():
-        state.step += 1
-        for param, grad, kinds in groups:
-            update(param, grad, kinds, lr=state.learning_rate, step=state.step)
-
-    return step
 
 
 if __name__ == "__main__":

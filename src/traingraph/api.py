@@ -607,9 +607,14 @@ class Optimizer:
     Args:
         optimizer_uri: Path of ``optimizer_model.onnx``.
         module: The :class:`Module` whose parameters it updates.
+        fused: On the CPU, apply the update in place with :mod:`traingraph.runtime.fused`
+            (one pass over flat blocks) when it has this optimizer; the numbers are the
+            optimizer graph's. False always runs the optimizer graph.
     """
 
-    def __init__(self, optimizer_uri: str | os.PathLike, module: Module) -> None:
+    def __init__(
+        self, optimizer_uri: str | os.PathLike, module: Module, *, fused: bool = True
+    ) -> None:
         if not isinstance(module, Module):
             raise TypeError(f"module must be a traingraph.api.Module, got {type(module).__name__}")
         path = Path(optimizer_uri)
@@ -658,7 +663,7 @@ class Optimizer:
         # On the CPU a fused in-place update replaces the graph when one exists for this
         # optimizer; both give the same numbers.
         self._fused = None
-        if state.device.kind == "cpu" and "traingraph.hyperparameters" in meta:
+        if fused and state.device.kind == "cpu" and "traingraph.hyperparameters" in meta:
             self._fused = fused_update(
                 meta.get("traingraph.optimizer", ""),
                 json.loads(meta["traingraph.hyperparameters"]),

@@ -63,12 +63,12 @@ REFERENCE = System("traingraph", "traingraph_runner.py")
 
 
 def traingraph_systems(sweep: bool) -> list[System]:
-    """traingraph's default session, spinning on, the fused optimizer update, and with
-    ``sweep`` every optimization level with 1 and 2 threads."""
+    """traingraph's default session, spinning on, the optimizer graph instead of the fused
+    update, and with ``sweep`` every optimization level with 1 and 2 threads."""
     systems = [
         REFERENCE,
         System("traingraph spin", "traingraph_runner.py", {"allow_spinning": True}),
-        System("traingraph fused-opt", "traingraph_runner.py", {"fused_optimizer": True}),
+        System("traingraph graph-opt", "traingraph_runner.py", {"graph_optimizer": True}),
     ]
     if sweep:
         for level in ("disable", "basic", "extended", "all"):
