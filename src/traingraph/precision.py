@@ -70,6 +70,12 @@ FOLLOW_OPS = frozenset(
     }
 )  # fmt: skip
 
+# bfloat16 runs only the products in low precision: onnxruntime's CUDA provider has no
+# bfloat16 kernels for several ops that gradients use (Greater in Relu's, Pad in Slice's), and
+# ONNX allows bfloat16 Conv only from opset 22 on.
+_BF16_OPS = frozenset({"MatMul", "Gemm"})
+_BF16_CONV_SINCE = 22
+
 # Inputs of FOLLOW_OPS that hold the data; the others (Dropout's ratio, Resize's scales)
 # keep their own type.
 _DATA_INPUTS = {"Dropout": (0,), "Resize": (0,)}
@@ -100,7 +106,8 @@ def autocast(graph: ir.Graph, opset: int, dtype: ir.DataType) -> int:
     """Run ``graph``'s compute in ``dtype`` (float16 or bfloat16), in place.
 
     Every value of the graph must have its dtype set (run shape inference first). Float32
-    values entering a :data:`LOW_PRECISION_OPS` op are cast to ``dtype``. An op of
+    values entering a :data:`LOW_PRECISION_OPS` op are cast to ``dtype`` (for bfloat16: MatMul
+    and Gemm, and Conv/ConvTranspose from opset 22 on, and no op follows them). An op of
     :data:`FOLLOW_OPS` with a low-precision input runs in ``dtype`` too, its float32 weights and
     constants cast down; where it meets a float32 activation, both go to float32 (as PyTorch's
     autocast promotes). Every other op gets float32 inputs. Graph outputs keep their float32
@@ -119,6 +126,10 @@ def autocast(graph: ir.Graph, opset: int, dtype: ir.DataType) -> int:
     b = OpBuilder(graph, opset, prefix="autocast")
     casts: dict[tuple[int, ir.DataType], ir.Value] = {}
     floats = (ir.DataType.FLOAT, dtype)
+    low_ops, follow_ops = LOW_PRECISION_OPS, FOLLOW_OPS
+    if dtype == ir.DataType.BFLOAT16:
+        convs = {"Conv", "ConvTranspose"} if opset >= _BF16_CONV_SINCE else set()
+        low_ops, follow_ops = _BF16_OPS | convs, frozenset()
 
     def cast(value: ir.Value, to: ir.DataType) -> ir.Value:
         key = (id(value), to)
@@ -142,9 +153,9 @@ def autocast(graph: ir.Graph, opset: int, dtype: ir.DataType) -> int:
         if not data:
             continue
         target: ir.DataType
-        if node.op_type in LOW_PRECISION_OPS:
+        if node.op_type in low_ops:
             target = dtype
-        elif node.op_type in FOLLOW_OPS:
+        elif node.op_type in follow_ops:
             low = any(v.dtype == dtype for _, v in data)
             promote = any(v.dtype == ir.DataType.FLOAT and not _is_cheap(v) for _, v in data)
             target = dtype if low and not promote else ir.DataType.FLOAT
