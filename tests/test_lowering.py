@@ -3,6 +3,7 @@
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -133,6 +134,27 @@ def test_lowered_gradient_graph_equals_the_native_one(opset):
     got = session(lowered(grad_model, opset)).run(names, feeds)
     for e, g in zip(expected, got):
         np.testing.assert_allclose(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_forward_and_backward_statistics_merge_in_onnxruntime(opset, tmp_path):
+    """After lowering, onnxruntime's common-subexpression pass keeps one copy of the batch
+    statistics for the forward node and its gradient (axes as attribute and as input)."""
+    inputs = bn_inputs((6, 3, 4, 4), np.float32)
+    model = make_op_model(
+        "BatchNormalization", inputs, {"training_mode": 1}, const_inputs=["mean", "var"],
+        num_outputs=3, opset=opset, dynamic="batch",
+    )
+    loss_model = add_weighted_sum_loss(model, ["y0"], [inputs["x"]])
+    grad_model = lowered(build_gradient_graph(loss_model, wrt=["x"], loss="loss"), opset)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(
+        grad_model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    optimized = onnx.load(options.optimized_model_filepath)
+    assert sum(n.op_type == "ReduceMean" for n in grad_model.graph.node) == 4
+    assert sum(n.op_type == "ReduceMean" for n in optimized.graph.node) == 2
 
 
 class _ConvBN(torch.nn.Module):
