@@ -97,3 +97,31 @@ def test_dropout_whose_mask_is_read_stays_a_dropout():
     program = build_program(model, requires_grad=["w"], loss_input_names=["total"])
     assert "Dropout" in {n.op_type for n in program.train_model.graph.node}
     onnx.checker.check_model(program.train_model, full_check=True)
+
+
+def test_lowered_dropout_runs_under_cuda_graph_rewrites():
+    """For a captured CUDA step, the seed draw becomes an input filled outside the capture
+    (``dropout_from_noise``), and the shifts become divisions (the CUDA provider has no
+    BitShift); the masks then follow the fed noise exactly."""
+    from traingraph.runtime.cuda import dropout_from_noise, with_static_inputs
+    from traingraph.runtime.session import _shifts_as_divisions
+
+    program, _, _ = _train_session([0.5])
+    static = with_static_inputs(program.train_model, {"x0": SHAPE})
+    rewritten, noise = dropout_from_noise(static)
+    rewritten = onnx.load_from_string(_shifts_as_divisions(rewritten.SerializeToString()))
+    ops = {n.op_type for n in rewritten.graph.node}
+    assert not {"RandomUniform", "BitShift", "Dropout"} & ops
+    (name, (shape, _)), = noise.items()
+    session = ort.InferenceSession(rewritten.SerializeToString())
+    feeds = {"x0": np.ones(SHAPE, np.float32), "w": np.ones(SHAPE, np.float32)}
+    outputs = [o.name for o in session.get_outputs()]
+
+    def mask(u):
+        return session.run(None, {**feeds, name: np.full(shape, u, np.float32)})[
+            outputs.index("y0")
+        ] != 0
+
+    assert np.array_equal(mask(0.25), mask(0.25))
+    assert not np.array_equal(mask(0.25), mask(0.75))
+    assert abs(mask(0.75).mean() - 0.5) < 0.01

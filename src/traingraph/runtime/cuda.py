@@ -108,8 +108,8 @@ def with_static_inputs(
 
 
 def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Spec]]:
-    """Rewrite each training-mode ``Dropout`` of a static-shape ``proto`` to read its random
-    numbers from a new graph input.
+    """Rewrite each training-mode ``Dropout`` and each ``RandomUniform`` of a static-shape
+    ``proto`` to read its random numbers from a new graph input.
 
     A CUDA graph replays the random seeds it captured, so a captured ``Dropout`` would drop the
     same elements at every step. After the rewrite, ``Dropout(x, ratio, True)`` is
@@ -129,6 +129,9 @@ def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     b = OpBuilder(graph, default_opset(model), prefix="dropout_noise")
     noise: dict[str, Spec] = {}
     for node in list(graph):
+        if node.op_type == "RandomUniform" and node.domain in ("", "ai.onnx"):
+            _uniform_from_noise(b, node, noise)
+            continue
         if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
             continue
         inputs = list(node.inputs) + [None] * (3 - len(node.inputs))
@@ -164,6 +167,27 @@ def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
         graph.remove(node, safe=True)
     graph.sort()
     return to_proto(model), noise
+
+
+def _uniform_from_noise(b: OpBuilder, node: ir.Node, noise: dict[str, Spec]) -> None:
+    """Replace a ``RandomUniform`` node (such as the per-step seed draw of a lowered training
+    Dropout, :mod:`traingraph.ir.random`) by ``low + (high - low) * noise`` with ``noise`` a new
+    uniform [0, 1) graph input."""
+    shape = tuple(node.attributes.get_ints("shape", ()))
+    dtype = ir.DataType(node.attributes.get_int("dtype", int(ir.DataType.FLOAT)))
+    low = node.attributes.get_float("low", 0.0)
+    high = node.attributes.get_float("high", 1.0)
+    name = f"{node.name or node.outputs[0].name}_noise"
+    value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+    b.graph.inputs.append(value)
+    noise[name] = (shape, np.dtype(np.float32))
+    drawn = b.Add(b.Mul(value, b.const(np.float32(high - low))), b.const(np.float32(low)))
+    out = b.cast(drawn, dtype) if dtype != ir.DataType.FLOAT else drawn
+    old = node.outputs[0]
+    old.replace_all_uses_with(out, replace_graph_outputs=True)
+    out.name, out.shape, out.type = old.name, old.shape, old.type
+    old.name = None
+    b.graph.remove(node, safe=True)
 
 
 def noise_model(noise: Mapping[str, Spec]) -> onnx.ModelProto:
