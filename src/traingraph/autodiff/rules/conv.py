@@ -195,7 +195,9 @@ def transposed_conv_to(
 
     The transposed convolution of the ``O`` windows spans ``full = (O - 1) * s + extent``
     padded positions. Where the sizes are static, the end padding cropped is
-    ``max(full - p_begin - D, 0)`` and ``output_padding`` adds the rows no window reached; where
+    ``max(full - p_begin - D, 0)`` and ``output_padding`` adds the rows no window reached (or,
+    where ``output_padding`` stays below the stride, the end crop equals the begin crop and
+    ``output_padding`` makes up the difference: the same values with symmetric pads); where
     they are not (and a stride exceeds 1), the result is cropped and zero-padded to ``x``'s shape
     at run time.
 
@@ -211,14 +213,19 @@ def transposed_conv_to(
     """
     n = len(win.kernel)
     ends, out_pad, fit = [], [], False
-    for size, o, s, e, pb, pe in zip(
-        in_dims, out_dims, win.strides, win.extents, win.begins, win.ends
+    for size, o, s, d, e, pb, pe in zip(
+        in_dims, out_dims, win.strides, win.dilations, win.extents, win.begins, win.ends
     ):
         if size is not None and o is not None:
             full = (o - 1) * s + e
             end = max(full - pb - size, 0)
+            pad = size - (full - pb - end)
+            if end < pb and pad + pb - end < max(s, d):
+                # The same result with symmetric pads: onnxruntime's CUDA provider runs
+                # ConvTranspose on the GPU only when the pads are symmetric.
+                end, pad = pb, pad + pb - end
             ends.append(end)
-            out_pad.append(size - (full - pb - end))
+            out_pad.append(pad)
         elif s == 1:
             ends.append(pe)
             out_pad.append(0)
