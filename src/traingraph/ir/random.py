@@ -110,18 +110,26 @@ def _hashed_positions(b: OpBuilder, x: ir.Value, start: ir.Value) -> ir.Value:
 
     With ``C`` the last dimension, position ``i = r * C + c`` gives ``r * (C G) + (c G + s)``:
     two short ranges added with broadcasting, one vectorized pass over the whole tensor
-    (a ``Range`` over every element is a slow scalar loop).
+    (a ``Range`` over every element is a slow scalar loop). The ranges depend on the shape
+    only, so with static shapes they fold to constants, and the seed enters through one
+    addition on the ``C`` column values: no shape arithmetic is left in a CUDA graph step.
     """
     golden = b.const(np.int64(GOLDEN))
-    uint32 = ir.DataType.UINT32
-    if not rank(x):  # a scalar, or the rank is unknown: one range over every element
-        count = b.op("Size", x)
-        positions = b.Range(start, b.Add(start, b.Mul(count, golden)), golden)
-        return b.op("Cast", positions, to=uint32)
-    columns = b.Max(b.squeeze(b.shape(x, -1), [0]), b.const(np.int64(1)))
-    rows = b.Div(b.op("Size", x), columns)
-    stride = b.Mul(columns, golden)
     zero = b.const(np.int64(0))
-    within = b.op("Cast", b.Range(start, b.Add(start, stride), golden), to=uint32)
+    uint32 = ir.DataType.UINT32
+    seed = b.op("Cast", start, to=uint32)
+    r = rank(x)
+    if not r:  # a scalar, or the rank is unknown: one range over every element
+        count = b.op("Size", x)
+        positions = b.op("Cast", b.Range(zero, b.Mul(count, golden), golden), to=uint32)
+        return b.Add(positions, seed)
+    columns = b.Max(b.squeeze(b.shape(x, -1), [0]), b.const(np.int64(1)))
+    rows = (
+        b.reduce("ReduceProd", b.shape(x, 0, -1), [0], keepdims=False)
+        if r > 1
+        else b.const(np.int64(1))
+    )
+    stride = b.Mul(columns, golden)
+    within = b.Add(b.op("Cast", b.Range(zero, stride, golden), to=uint32), seed)
     across = b.op("Cast", b.Range(zero, b.Mul(rows, stride), stride), to=uint32)
     return b.Add(b.unsqueeze(across, [1]), b.unsqueeze(within, [0]))
