@@ -50,9 +50,9 @@ from traingraph.runtime.optimizer import optimizer_step
 from traingraph.runtime.session import (
     BoundRunner,
     SessionConfig,
-    _ort_type_to_numpy,
     check_feeds,
     create_session,
+    ort_type_to_numpy,
 )
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
@@ -565,7 +565,7 @@ def _preallocated_outputs(runner: BoundRunner, names: Sequence[str]) -> dict[str
     """Buffers on the runner's device for the outputs among ``names`` whose shape is static."""
     device, buffers = runner.device, {}
     for info in runner.session.get_outputs():
-        dtype = _ort_type_to_numpy(info.type)
+        dtype = ort_type_to_numpy(info.type)
         static = info.shape is not None and all(isinstance(d, int) for d in info.shape)
         if info.name in names and static and dtype is not None:
             buffers[info.name] = ort.OrtValue.ortvalue_from_shape_and_type(

@@ -37,7 +37,7 @@ from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.runtime.device import Device
-from traingraph.runtime.session import SessionConfig, _ort_type_to_numpy, create_session
+from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
 from traingraph.runtime.tensors import Spec, TensorStore
 
 if TYPE_CHECKING:
@@ -283,7 +283,7 @@ class CudaGraphStep:
         specs = {}
         for name in self.module._train_outputs:
             info = infos[name]
-            dtype = _ort_type_to_numpy(info.type)
+            dtype = ort_type_to_numpy(info.type)
             if dtype is None or not all(isinstance(d, int) for d in info.shape):
                 raise ModelError(
                     f"output {name!r} has shape {info.shape} and type {info.type}; a CUDA graph"

@@ -266,9 +266,9 @@ def check_feeds(
                 raise ModelError(
                     f"input {name!r} has shape {list(shape)}, but the model expects {expected}"
                 )
-        dtype = _ort_type_to_numpy(info.type)
+        dtype = ort_type_to_numpy(info.type)
         got_dtype = (
-            _ort_type_to_numpy(value.data_type())
+            ort_type_to_numpy(value.data_type())
             if isinstance(value, ort.OrtValue)
             else np.asarray(value).dtype
         )
@@ -291,6 +291,6 @@ _ORT_TYPES = {
 }
 
 
-def _ort_type_to_numpy(type_name: str) -> np.dtype | None:
+def ort_type_to_numpy(type_name: str) -> np.dtype | None:
     t = _ORT_TYPES.get(type_name)
     return None if t is None else np.dtype(t)
