@@ -33,6 +33,7 @@ import onnxruntime as ort
 
 from traingraph.api import export_inference_model
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
+from traingraph.autodiff.lowering import lower_training_batch_norm
 from traingraph.checkpoint import CheckpointData
 from traingraph.errors import ModelError
 from traingraph.graph.execution import (
@@ -679,10 +680,7 @@ class _TrainProgram:
         tensor_grads = list(tg.tracked)
         if tg.options.compute_all_gradients:
             tensor_grads += [
-                n
-                for n in data_inputs
-                if n not in tensor_grads
-                and is_float(values[n])
+                n for n in data_inputs if n not in tensor_grads and is_float(values[n])
             ]
         result = differentiate(
             graph, opset, [values[n] for n in [*wrt_names, *tensor_grads]], loss=loss_value,
@@ -702,6 +700,7 @@ class _TrainProgram:
                    *[values[n] for n in output_names], *update_outputs]  # fmt: skip
         graph.outputs.clear()
         graph.outputs.extend([*forward, *grad_outputs])
+        forward_node_count = _lower_batch_norm(graph, opset, forward_node_count)
         forward_names = [v.name or "" for v in forward]
         phases = split_phases(to_proto(model), forward_node_count, forward_names,
                               [v.name or "" for v in grad_outputs])  # fmt: skip
@@ -755,6 +754,31 @@ class _TrainProgram:
             slot_specs = {n: (a.shape, a.dtype) for n, a in initial.items()}
             state.optimizer_slots = PingPong(TensorStore(device, slot_specs, initial))
         return state
+
+
+def _lower_batch_norm(graph: ir.Graph, opset: int, forward_node_count: int) -> int:
+    """Lower the training-mode BatchNormalizations of a train graph, keeping forward nodes first.
+
+    :func:`~traingraph.autodiff.lowering.lower_training_batch_norm` re-sorts the graph; its
+    new nodes read only forward tensors, so moving the gradient nodes back behind every other
+    node (in their sorted order) keeps the order topological and the forward nodes first, as
+    :func:`~traingraph.graph.phases.split_phases` needs.
+
+    Args:
+        graph: The train graph (forward nodes, then gradient nodes), changed in place.
+        opset: The graph's default-domain opset.
+        forward_node_count: How many of ``graph``'s first nodes are forward nodes.
+
+    Returns:
+        How many of ``graph``'s first nodes are forward nodes after the lowering.
+    """
+    gradient_nodes = set(list(graph)[forward_node_count:])
+    if not lower_training_batch_norm(graph, opset):
+        return forward_node_count
+    moved = [node for node in graph if node in gradient_nodes]
+    graph.remove(moved)
+    graph.extend(moved)
+    return len(graph) - len(moved)
 
 
 def _attach_loss(
