@@ -4,7 +4,10 @@ phases that run on a device (ML Compute's ``MLCTrainingGraph``).
 Compiling differentiates the composed graphs with :func:`traingraph.autodiff.differentiate`
 and the same training-mode, loss and optimizer builders as :func:`traingraph.program.build_program`;
 :func:`~traingraph.graph.phases.split_phases` cuts the train graph into a forward and a
-gradient model. Parameters, gradients and optimizer slots live in a
+gradient model. Training-mode BatchNormalization is first lowered to standard ops
+(:func:`~traingraph.autodiff.lowering.lower_training_batch_norm`), as in the artifacts, so that
+every phase runs on execution providers without a training-mode kernel (CUDA from opset 14
+on). Parameters, gradients and optimizer slots live in a
 :class:`~traingraph.runtime.state.TrainingState` on the device; the forward phase hands its saved
 activations to the gradient phase as device OrtValues. :meth:`TrainingGraph.execute` runs the
 three phases in a row, exactly as calling them one by one does.
