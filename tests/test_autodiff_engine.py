@@ -96,6 +96,50 @@ def test_fan_out_accumulates() -> None:
     assert_grads(got, expected)
 
 
+def _slices_of_x(bounds: Sequence[tuple[int, int]]) -> tuple[onnx.ModelProto, list[str]]:
+    """loss = sum_i sum(tanh(x[:, b_i:e_i]) * (i + 1)) over static x[2, 6] (an 'n' batch)."""
+    nodes, terms, consts = [], [], {}
+    for i, (begin, end) in enumerate(bounds):
+        consts[f"b{i}"] = np.array([begin], np.int64)
+        consts[f"e{i}"] = np.array([end], np.int64)
+        consts[f"k{i}"] = np.array(float(i + 1))
+        nodes += [
+            helper.make_node("Slice", ["x", f"b{i}", f"e{i}", "axis"], [f"s{i}"]),
+            helper.make_node("Tanh", [f"s{i}"], [f"t{i}"]),
+            helper.make_node("Mul", [f"t{i}", f"k{i}"], [f"m{i}"]),
+            helper.make_node("ReduceSum", [f"m{i}"], [f"r{i}"], keepdims=0),
+        ]
+        terms.append(f"r{i}")
+    nodes.append(helper.make_node("Sum", terms, ["loss"]))
+    consts["axis"] = np.array([1], np.int64)
+    return make_model(nodes, {"x": ["n", 6]}, ["loss"], initializers=consts), terms
+
+
+@pytest.mark.parametrize(
+    ("bounds", "joined"),
+    [
+        ([(2, 4), (0, 2), (4, 6)], True),  # pieces in any order that tile the axis: one Concat
+        ([(0, 3), (3, 6)], True),
+        ([(0, 3), (2, 6)], False),  # overlapping pieces: padded and summed
+        ([(0, 2), (3, 6)], False),  # a gap: padded and summed
+    ],
+)
+def test_slices_that_tile_an_axis_join_with_concat(
+    bounds: list[tuple[int, int]], joined: bool
+) -> None:
+    model, _ = _slices_of_x(bounds)
+    feeds = {"x": r(2, 6)}
+    grad_model, got = run_gradients(model, feeds, wrt=["x"])
+    ops = [n.op_type for n in grad_model.graph.node]
+    assert ("Concat" in ops and "Pad" not in ops) == joined, ops
+    assert joined or "Sum" in ops
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return sum(torch.tanh(x[:, b:e]).sum() * (i + 1) for i, (b, e) in enumerate(bounds))
+
+    assert_grads(got, torch_grads(fn, feeds, ["x"]))
+
+
 def test_shape_subgraph_and_integer_paths_carry_no_gradient() -> None:
     # h = x * w; t = Reshape(h, Concat(Shape(h)[0:1], [-1])); an integer path through Cast(int64)
     # and a bool path through Greater both feed the loss as constants.

@@ -2,7 +2,9 @@
 
 The engine walks the nodes between the parameters and the loss in reverse, asks each node's
 rule (see :mod:`traingraph.autodiff.registry`) for its input gradients, accumulates fan-out with
-``Sum`` and leaves integer, bool and shape paths alone.
+``Sum`` and leaves integer, bool and shape paths alone. Where the contributions are the zero-padded
+gradients of slices that tile one axis (the pieces of a ``chunk`` or ``split`` written as
+Slices), they are joined with one ``Concat`` instead of padded and summed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import get_rule, supported_ops
 from traingraph.errors import GradientNotImplementedError, ModelError
 from traingraph.ir.builder import OpBuilder, is_float
+from traingraph.ir.fold import constant_value
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
 
 # Ops whose outputs never carry a gradient, whatever their dtype.
@@ -129,7 +132,7 @@ def differentiate(
             if not parts:
                 totals[value] = None
             else:
-                g = parts[0] if len(parts) == 1 else b.Sum(*parts)
+                g = parts[0] if len(parts) == 1 else _accumulate(b, parts, value)
                 if g.shape is None and value.shape is not None:
                     g.shape = value.shape
                 if g.type is None and value.type is not None:
@@ -171,6 +174,69 @@ def differentiate(
     for v in wrt:
         result.grads[v.name or ""] = total(v)
     return result
+
+
+def _accumulate(b: OpBuilder, parts: Sequence[ir.Value], value: ir.Value) -> ir.Value:
+    """The sum of the gradient ``parts`` of ``value``: one ``Concat`` where they are padded
+    pieces that tile an axis (see :func:`_tiling_pads`), else ``Sum``."""
+    pieces = _tiling_pads(parts, value)
+    if pieces is None:
+        return b.Sum(*parts)
+    axis, ordered = pieces
+    joined = b.Concat(*(pad.inputs[0] for pad in ordered), axis=axis)
+    for pad in ordered:
+        pads = pad.inputs[1]
+        b.graph.remove(pad, safe=True)
+        source = pads.producer() if pads is not None and not pads.uses() else None
+        if source is not None and source.op_type == "Constant":
+            b.graph.remove(source, safe=True)
+    return joined
+
+
+def _tiling_pads(parts: Sequence[ir.Value], value: ir.Value) -> tuple[int, list[ir.Node]] | None:
+    """``(axis, Pad nodes in order)`` when each part is a constant-mode, zero-valued Pad along
+    the same single axis, with constant pads, and the pieces fill that (static) axis of
+    ``value`` end to end without overlap; None otherwise.
+
+    Such parts are the Slice gradients of a tensor cut into consecutive pieces; their sum is
+    the pieces concatenated, written once instead of padded to full size and summed.
+    """
+    if len(set(parts)) != len(parts) or value.shape is None:
+        return None
+    found: list[tuple[int, int, int, ir.Node]] = []
+    for part in parts:
+        node = part.producer()
+        if (
+            node is None
+            or node.op_type != "Pad"
+            or node.domain not in ("", "ai.onnx")
+            or len(node.inputs) != 2
+            or part.uses()
+            or part.is_graph_output()
+            or node.attributes.get_string("mode", "constant") != "constant"
+        ):
+            return None
+        pads = constant_value(node.inputs[1])
+        rank = len(value.shape)
+        if pads is None or pads.shape != (2 * rank,) or (pads < 0).any():
+            return None
+        axes = [a for a in range(rank) if pads[a] or pads[rank + a]]
+        if len(axes) != 1:
+            return None
+        found.append((axes[0], int(pads[axes[0]]), int(pads[rank + axes[0]]), node))
+    axis = found[0][0]
+    total = value.shape[axis]
+    if not isinstance(total, int) or any(a != axis for a, *_ in found):
+        return None
+    found.sort(key=lambda item: item[1])
+    position = 0
+    for _, begin, end, _ in found:
+        if begin != position or end >= total - begin:
+            return None
+        position = total - end
+    if position != total:
+        return None
+    return axis, [node for *_, node in found]
 
 
 def _reads(node: ir.Node) -> list[ir.Value]:
