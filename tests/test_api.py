@@ -104,6 +104,30 @@ def test_fused_flat_update_equals_the_optimizer_graph(tmp_path, kind):
         np.testing.assert_array_equal(value, results[1][name], err_msg=name)
 
 
+def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
+    onnx_model = export(seeded(MLP), torch.zeros(2, 20))
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.RMSProp(lr=0.01, momentum=0.9, centered=True),
+        artifact_directory=tmp_path,
+    )
+    x, y = classification_data(5 * BATCH, 20, 5)
+    results = []
+    for fused in (True, False):
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state)
+        opt = Optimizer(tmp_path / "optimizer_model.onnx", module, fused=fused)
+        assert opt.graph_model.graph.name.endswith("_flat_step") is fused
+        for step in range(5):
+            module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
+            opt.step()
+            module.lazy_reset_grad()
+        results.append({n: state.parameters[n].data for n in state.parameters})
+    for name, value in results[0].items():
+        np.testing.assert_array_equal(value, results[1][name], err_msg=name)
+
+
 def test_returned_outputs_are_not_overwritten_by_the_next_step(tmp_path):
     directory = _artifacts(tmp_path, seeded(MLP))
     x, y = classification_data(2 * BATCH, 20, 5)

@@ -23,9 +23,12 @@ from traingraph.optim import (
     Optimizer,
     ParamInfo,
     RMSProp,
+    build_flat_optimizer_model,
     build_optimizer_model,
     chain,
     clip_by_global_norm,
+    flattenable,
+    from_hyperparameters,
     init_state,
     scale,
     scale_by_adam,
@@ -274,3 +277,50 @@ def test_scale_in_a_custom_chain() -> None:
     feeds = {"learning_rate": np.array(0.25, np.float32), "step": np.array(1, np.int64)}
     (w_out,) = session(model).run(None, feeds | {"w": w, "w_grad": g})
     np.testing.assert_allclose(w_out, w - 0.25 * 0.5 * g, rtol=1e-15)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_flat_model_equals_the_per_parameter_model(case: Case) -> None:
+    shapes = {"a.weight": (4, 3), "a.bias": (4,), "b": (2, 3, 2), "c": ()}
+    infos = [ParamInfo(n, s, np.dtype(np.float32)) for n, s in shapes.items()]
+    optimizer = case.ours(case.lr)
+    reference = build_optimizer_model(optimizer, infos)
+    if not flattenable(optimizer):
+        with pytest.raises(ValueError, match="max_grad_norm_per_tensor"):
+            build_flat_optimizer_model(optimizer, infos)
+        return
+    flat = build_flat_optimizer_model(optimizer, infos)
+    onnx.checker.check_model(flat, full_check=True)
+    assert [i.name for i in flat.graph.input] == [i.name for i in reference.graph.input]
+    assert [o.name for o in flat.graph.output] == [o.name for o in reference.graph.output]
+    rng = np.random.default_rng(1)
+    feeds = {"learning_rate": np.array(case.lr, np.float32), "step": np.array(3, np.int64)}
+    for name, shape in shapes.items():
+        feeds[name] = np.asarray(rng.standard_normal(shape), np.float32)
+        feeds[f"{name}_grad"] = np.asarray(rng.standard_normal(shape) * case.grad_scale, np.float32)
+    for name, value in init_state(optimizer, infos).items():
+        feeds[name] = np.asarray(value + np.abs(rng.standard_normal(value.shape)), np.float32)
+    expected = session(reference).run(None, feeds)
+    got = session(flat).run(None, feeds)
+    # Elementwise updates are the same float operations; a global norm is summed in another
+    # order, so it agrees to rounding.
+    exact = case.clip_global_norm is None
+    for name, e, g in zip([o.name for o in flat.graph.output], expected, got):
+        if exact:
+            np.testing.assert_array_equal(g, e, err_msg=name)
+        else:
+            np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-7, err_msg=name)
+    kernels = {n.op_type for n in flat.graph.node} - {"Constant", "Identity", "Reshape"}
+    per_parameter = sum(n.op_type in kernels for n in reference.graph.node)
+    assert sum(n.op_type in kernels for n in flat.graph.node) < per_parameter or len(infos) < 4
+
+
+def test_from_hyperparameters_rebuilds_named_optimizers() -> None:
+    for case in CASES:
+        optimizer = case.ours(case.lr)
+        again = from_hyperparameters(optimizer.name, optimizer.hyperparameters)
+        if optimizer.name == "custom":
+            assert again is None
+            continue
+        assert again is not None and again.hyperparameters == optimizer.hyperparameters
+    assert from_hyperparameters("adamw", {"lr": 0.1, "unknown": 1}) is None

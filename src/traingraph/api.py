@@ -34,6 +34,13 @@ from traingraph.checkpoint import CheckpointData, load_checkpoint_data, save_che
 from traingraph.errors import CheckpointError, ModelError
 from traingraph.ir.model import max_ir_version, to_proto
 from traingraph.ir.model import save as save_model
+from traingraph.optim import (
+    ParamInfo,
+    build_flat_optimizer_model,
+    flattenable,
+    from_hyperparameters,
+    state_slots,
+)
 from traingraph.optim.schedulers import (
     ConstantLRScheduler,
     CosineLRScheduler,
@@ -601,15 +608,48 @@ def _as_feed(value: Any) -> Any:
     return np.ascontiguousarray(value)
 
 
+def _flat_equivalent(
+    proto: onnx.ModelProto, name: str, hyperparameters: Mapping[str, Any]
+) -> onnx.ModelProto | None:
+    """:func:`~traingraph.optim.model.build_flat_optimizer_model` for the optimizer that the
+    optimizer model ``proto`` was generated for (named ``name`` with ``hyperparameters`` in its
+    metadata), with the same inputs and outputs; None where that optimizer is not a named,
+    elementwise one or the model's inputs are not the ones it would have."""
+    optimizer = from_hyperparameters(name, hyperparameters)
+    if optimizer is None or not flattenable(optimizer):
+        return None
+    inputs = {i.name: i.type.tensor_type for i in proto.graph.input}
+    params = [n[: -len("_grad")] for n in inputs if n.endswith("_grad") and n[:-5] in inputs]
+    if len(params) < 2:
+        return None
+    infos = [
+        ParamInfo(
+            n,
+            tuple(d.dim_value for d in inputs[n].shape.dim),
+            np.dtype(helper_dtype(inputs[n].elem_type)),
+        )
+        for n in params
+    ]
+    expected = ["learning_rate", "step", *params, *(f"{n}_grad" for n in params)]
+    expected += [slot.name for slot in state_slots(optimizer, infos)]
+    if expected != list(inputs):
+        return None
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    return build_flat_optimizer_model(optimizer, infos, opset)
+
+
 class Optimizer:
     """Runs the optimizer graph over the module's parameters and gradients.
 
     Args:
         optimizer_uri: Path of ``optimizer_model.onnx``.
         module: The :class:`Module` whose parameters it updates.
-        fused: On the CPU, apply the update in place with :mod:`traingraph.runtime.fused`
-            (one pass over flat blocks) when it has this optimizer; the numbers are the
-            optimizer graph's. False always runs the optimizer graph.
+        fused: Update all parameters at once: on the CPU in place with
+            :mod:`traingraph.runtime.fused` (one pass over flat blocks) when it has this
+            optimizer, else with the optimizer graph rewritten as one update of all parameters
+            concatenated (:func:`~traingraph.optim.model.build_flat_optimizer_model`: a few
+            kernels instead of a few per parameter, which a GPU step needs). The numbers are the
+            optimizer graph's. False runs the optimizer model as the file holds it.
     """
 
     def __init__(
@@ -659,15 +699,21 @@ class Optimizer:
             state.optimizer_slots = PingPong(store)
         if state.learning_rate is None:
             state.learning_rate = float(meta.get("traingraph.learning_rate", 1e-3))
-        self._runner = BoundRunner(create_session(path, state.device, module._config), state.device)
         # On the CPU a fused in-place update replaces the graph when one exists for this
-        # optimizer; both give the same numbers.
+        # optimizer; elsewhere the graph runs as one update of all parameters concatenated.
+        # Both give the same numbers.
         self._fused = None
-        if fused and state.device.kind == "cpu" and "traingraph.hyperparameters" in meta:
-            self._fused = fused_update(
-                meta.get("traingraph.optimizer", ""),
-                json.loads(meta["traingraph.hyperparameters"]),
-            )
+        hyperparameters = json.loads(meta.get("traingraph.hyperparameters", "null"))
+        name = meta.get("traingraph.optimizer", "")
+        if fused and state.device.kind == "cpu" and hyperparameters is not None:
+            self._fused = fused_update(name, hyperparameters)
+        self.graph_model: onnx.ModelProto = proto
+        """The optimizer model the session runs: the file's, or its flat equivalent."""
+        if fused and self._fused is None and hyperparameters is not None:
+            self.graph_model = _flat_equivalent(proto, name, hyperparameters) or proto
+        self._runner = BoundRunner(
+            create_session(self.graph_model, state.device, module._config), state.device
+        )
         self._slot_keys = {
             name: {key: s for s, (owner, key) in owners.items() if owner == name}
             for name in self._params

@@ -6,8 +6,23 @@ Example:
     >>> model = build_optimizer_model(opt, [ParamInfo("w", (4, 3), np.dtype("float32"))])
 """
 
-from traingraph.optim.alias import SGD, Adagrad, Adam, AdamW, Optimizer, RMSProp
-from traingraph.optim.model import build_optimizer_model, init_state, param_infos, state_slots
+from traingraph.optim.alias import (
+    SGD,
+    Adagrad,
+    Adam,
+    AdamW,
+    Optimizer,
+    RMSProp,
+    from_hyperparameters,
+)
+from traingraph.optim.model import (
+    build_flat_optimizer_model,
+    build_optimizer_model,
+    flattenable,
+    init_state,
+    param_infos,
+    state_slots,
+)
 from traingraph.optim.schedulers import (
     ConstantLRScheduler,
     CosineLRScheduler,
@@ -57,11 +72,14 @@ __all__ = [
     "add_decayed_weights",
     "add_l1_regularization",
     "add_l2",
+    "build_flat_optimizer_model",
     "build_optimizer_model",
     "chain",
     "clip",
     "clip_by_global_norm",
     "clip_by_norm",
+    "flattenable",
+    "from_hyperparameters",
     "init_state",
     "momentum",
     "param_infos",

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,3 +266,31 @@ def Adagrad(
 
 
 __all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Optimizer", "RMSProp"]
+
+
+_NAMED: dict[str, Callable[..., Optimizer]] = {
+    "sgd": SGD, "adam": Adam, "adamw": AdamW, "rmsprop": RMSProp, "adagrad": Adagrad,
+}  # fmt: skip
+
+
+def from_hyperparameters(name: str, hyperparameters: Mapping[str, Any]) -> Optimizer | None:
+    """The named optimizer that :attr:`Optimizer.name` and :attr:`Optimizer.hyperparameters`
+    describe (as an optimizer model's metadata records them), or None for a custom chain or
+    arguments the named optimizer does not take.
+
+    Example:
+        >>> opt = AdamW(lr=3e-4, weight_decay=0.1)
+        >>> again = from_hyperparameters(opt.name, opt.hyperparameters)
+        >>> again.hyperparameters == opt.hyperparameters
+        True
+    """
+    make = _NAMED.get(name)
+    if make is None:
+        return None
+    arguments = dict(hyperparameters)
+    if "betas" in arguments:
+        arguments["betas"] = tuple(arguments["betas"])
+    try:
+        return make(**arguments)
+    except (TypeError, ValueError):
+        return None

@@ -135,10 +135,112 @@ def build_optimizer_model(
     return to_proto(ir.Model(graph, ir_version=max_ir_version()))
 
 
+FLAT = "parameters"
+"""The name of the one parameter a flat optimizer model updates (suffixed where it clashes)."""
+
+
+def flattenable(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` treats every element alike, so one update of all parameters
+    concatenated equals the updates of each: False with a per-tensor norm clip."""
+    return optimizer.hyperparameters.get("max_grad_norm_per_tensor") is None
+
+
+def build_flat_optimizer_model(
+    optimizer: Optimizer, params: Params, opset: int = 17
+) -> onnx.ModelProto:
+    """The model of :func:`build_optimizer_model`, with the same inputs and outputs, computed as
+    one update of all parameters concatenated.
+
+    Parameters, gradients and each kind of state slot are flattened and concatenated, updated
+    once as a single vector, and split back. The update's elementwise ops run once instead of
+    once per parameter, which matters where each op costs a kernel launch (a GPU): for AdamW on
+    a model with 30 parameter tensors, about 20 kernels instead of 600. Elementwise optimizers
+    give the per-parameter model's numbers bit for bit; with ``clip_grad_norm`` the global
+    norm is summed in another order.
+
+    Args:
+        optimizer: The optimizer; :func:`flattenable` must hold.
+        params: The trainable parameters.
+        opset: The default-domain opset of the model.
+
+    Raises:
+        ValueError: As :func:`build_optimizer_model`, or for an optimizer with a per-tensor
+            norm clip (``max_grad_norm_per_tensor``), which is not elementwise.
+    """
+    infos = param_infos(params)
+    if len(infos) < 2:
+        return build_optimizer_model(optimizer, infos, opset)
+    if not flattenable(optimizer):
+        raise ValueError(
+            f"{optimizer.name}: max_grad_norm_per_tensor clips each tensor by its own norm, so"
+            " the update of the parameters concatenated differs; use build_optimizer_model"
+        )
+    _check(infos, opset)
+    slots = state_slots(optimizer, infos)
+    lr_in = _tensor("learning_rate", np.dtype(np.float32), ())
+    step_in = _tensor("step", np.dtype(np.int64), ())
+    param_in = [_tensor(p.name, p.dtype, p.shape) for p in infos]
+    grad_in = [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos]
+    state_in = {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots}
+    taken = {p.name for p in infos} | set(state_in)
+    flat_name = FLAT
+    while flat_name in taken or any(n.startswith(f"{flat_name}.") for n in taken):
+        flat_name = f"_{flat_name}"
+    sizes = [int(np.prod(p.shape, dtype=np.int64)) for p in infos]
+    flat = ParamInfo(flat_name, (sum(sizes),), infos[0].dtype)
+    kinds = [slot.name[len(flat_name) + 1 :] for slot in state_slots(optimizer, [flat])]
+    graph = ir.Graph(
+        [lr_in, step_in, *param_in, *grad_in, *state_in.values()],
+        [],
+        nodes=[],
+        opset_imports={"": opset},
+        name=f"{optimizer.name}_flat_step",
+    )
+    b = OpBuilder(graph, opset, prefix="optim")
+    row = b.ints([-1])
+
+    def join(values: Sequence[ir.Value], name: str) -> ir.Value:
+        joined = b.Concat(*(b.Reshape(v, row) for v in values), axis=0)
+        joined.name = name
+        joined.type, joined.shape = values[0].type, ir.Shape(flat.shape)
+        return joined
+
+    def split(value: ir.Value) -> list[ir.Value]:
+        parts = b.op("Split", value, b.ints(sizes), num_outputs=len(infos), axis=0)
+        return [b.Reshape(part, b.ints(list(p.shape))) for part, p in zip(parts, infos)]
+
+    flat_param = join(param_in, flat_name)
+    flat_state = {
+        f"{flat_name}.{kind}": join([state_in[f"{p.name}.{kind}"] for p in infos], f"{kind}_flat")
+        for kind in kinds
+    }
+    ctx = UpdateContext(b, b.cast_like(lr_in, flat_param), b.cast_like(step_in, flat_param))
+    updates, new_state = optimizer.transform.update(
+        ctx, [join(grad_in, "grads_flat")], flat_state, [flat_param]
+    )
+    new_values = dict(zip((p.name for p in infos), split(b.Add(flat_param, updates[0]))))
+    for kind in kinds:
+        key = f"{flat_name}.{kind}"
+        if key in new_state:
+            slot_names = [f"{p.name}.{kind}" for p in infos]
+            new_values.update(zip(slot_names, split(new_state[key])))
+    for value in [*param_in, *state_in.values()]:
+        name = value.name or ""
+        graph.outputs.append(_output(b, new_values.get(name, value), f"{name}_out", value))
+    return to_proto(ir.Model(graph, ir_version=max_ir_version()))
+
+
 def _output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
     out = b.Identity(value)
     out.name, out.type, out.shape = name, like.type, like.shape
     return out
 
 
-__all__ = ["build_optimizer_model", "init_state", "param_infos", "state_slots"]
+__all__ = [
+    "build_flat_optimizer_model",
+    "build_optimizer_model",
+    "flattenable",
+    "init_state",
+    "param_infos",
+    "state_slots",
+]

@@ -238,7 +238,6 @@ class CudaGraphStep:
         self.optimizer: Optimizer = Optimizer(optimizer_uri, module)
         self.device = device
         self._config = dataclasses.replace(module._config, cuda_graph=True)
-        self._optimizer_uri = os.fspath(optimizer_uri)
         self._train: ort.InferenceSession | None = None
         self._optim: ort.InferenceSession | None = None
         self._inputs: TensorStore | None = None
@@ -273,7 +272,7 @@ class CudaGraphStep:
                 self._noise_binding.bind_ortvalue_output(name, self._noise.ortvalue(name))
             self._noise_session = session
         self._train = create_cuda_session(static, self.device, self._config)
-        self._optim = create_cuda_session(self._optimizer_uri, self.device, self._config)
+        self._optim = create_cuda_session(self.optimizer.graph_model, self.device, self._config)
         self._outputs = TensorStore(self.device, self._static_outputs(self._train))
 
     def _static_outputs(
