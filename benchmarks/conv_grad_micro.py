@@ -25,17 +25,23 @@ The rule's pick for each case is marked with ``*``. Every result is checked agai
 PyTorch reference. Cases: the convolutions of the benchmark models (``benchmarks/models.py``):
 LeNet-5 at batch 64 and ResNet-8 at batch 32, plus a depthwise and a stride-1 1x1 convolution.
 
+With ``--device cuda`` every form runs on onnxruntime's CUDA provider (inputs and outputs bound
+in GPU memory, cuDNN's algorithms searched exhaustively) next to PyTorch's CUDA backward.
+
 Usage:
     python benchmarks/conv_grad_micro.py [--repeats 30] [--threads 2] [--cases lenet resnet]
+        [--device cpu|cuda] [--batch 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -106,7 +112,7 @@ CASES = (
 Build = Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
 
-def _session(case: Case, build: Build, threads: int) -> ort.InferenceSession:
+def _session(case: Case, build: Build, threads: int, device: str) -> ort.InferenceSession:
     """A session with inputs ``x``, ``dy`` and ``w`` and the one output ``build`` returns."""
     inputs = [
         ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
@@ -117,10 +123,11 @@ def _session(case: Case, build: Build, threads: int) -> ort.InferenceSession:
     model = ir.Model(graph, ir_version=10)
     model.opset_imports[""] = 17
     config = SessionConfig(intra_op_threads=threads)
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if device == "cuda":
+        providers = [("CUDAExecutionProvider", config.cuda_options()), *providers]
     return ort.InferenceSession(
-        ir.to_proto(model).SerializeToString(),
-        config.session_options(),
-        providers=["CPUExecutionProvider"],
+        ir.to_proto(model).SerializeToString(), config.session_options(), providers=providers
     )
 
 
@@ -189,7 +196,26 @@ def _time_interleaved(
     return {k: (statistics.median(v) * 1e3, min(v) * 1e3) for k, v in times.items()}
 
 
-def run(case: Case, repeats: int, threads: int) -> dict[str, tuple[float, float, float]]:
+def _runner(sess: ort.InferenceSession, feeds: dict[str, np.ndarray], device: str) -> Callable:
+    """A call that runs ``sess`` once and returns its output on the host; on CUDA the inputs
+    and the output stay bound in GPU memory, and only the result check copies."""
+    if device != "cuda":
+        return lambda: sess.run(None, feeds)[0]
+    binding = sess.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+    binding.bind_output(sess.get_outputs()[0].name, "cuda")
+
+    def call(fetch: bool = False) -> np.ndarray | None:
+        sess.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0] if fetch else None
+
+    return call
+
+
+def run(
+    case: Case, repeats: int, threads: int, device: str = "cpu"
+) -> dict[str, tuple[float, float, float]]:
     """``{"weight <form>" | "input <form>": (median ms, min ms, max relative error)}``."""
     rng = np.random.default_rng(0)
     feeds = {k: rng.standard_normal(v, dtype=np.float32) for k, v in case.shapes.items()}
@@ -199,18 +225,29 @@ def run(case: Case, repeats: int, threads: int) -> dict[str, tuple[float, float,
         "weight": torch.nn.grad.conv2d_weight(tx.double(), tw.shape, tdy.double(), **kw).numpy(),
         "input": torch.nn.grad.conv2d_input(tx.shape, tw.double(), tdy.double(), **kw).numpy(),
     }
-    fns: dict[str, Callable[[], np.ndarray]] = {
-        "weight torch": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy, **kw).numpy(),
-        "input torch": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tdy, **kw).numpy(),
+    dx, ddy, dw = (t.to(device) for t in (tx, tdy, tw))
+
+    def torch_call(fn: Callable[[], torch.Tensor]) -> Callable[..., np.ndarray | None]:
+        def call(fetch: bool = True) -> np.ndarray | None:
+            out = fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return out.cpu().numpy() if fetch else None
+
+        return call
+
+    fns: dict[str, Callable[..., np.ndarray | None]] = {
+        "weight torch": torch_call(lambda: torch.nn.grad.conv2d_weight(dx, dw.shape, ddy, **kw)),
+        "input torch": torch_call(lambda: torch.nn.grad.conv2d_input(dx.shape, dw, ddy, **kw)),
     }
     for kind, forms in (("weight", _weight_forms(case)), ("input", _input_forms(case))):
         for name, build in forms.items():
-            sess = _session(case, build, threads)
-            fns[f"{kind} {name}"] = lambda sess=sess: sess.run(None, feeds)[0]
+            fns[f"{kind} {name}"] = _runner(_session(case, build, threads, device), feeds, device)
     errors = {}
     for name, fn in fns.items():
         ref = refs[name.split()[0]]
-        errors[name] = float(np.abs(fn() - ref).max() / np.abs(ref).max())
+        got = fn(True) if device == "cuda" else fn()
+        errors[name] = float(np.abs(got - ref).max() / np.abs(ref).max())
     timings = _time_interleaved(fns, repeats)
     return {k: (*timings[k], errors[k]) for k in sorted(fns)}
 
@@ -219,21 +256,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--batch", type=int, default=None, help="batch size of every case")
     parser.add_argument(
         "--cases", nargs="*", default=[], help="run only the cases whose name contains one of these"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
     print(f"onnxruntime {ort.__version__}, torch {torch.__version__}, {args.threads} threads,"
           f" {args.repeats} interleaved runs: median / min ms (max error relative to a float64"
           " reference); * marks the rule's pick")
     for case in CASES:
         if args.cases and not any(part in case.name for part in args.cases):
             continue
+        if args.batch:
+            case = dataclasses.replace(case, batch=args.batch)
         print(case.name, flush=True)
         picks = {f"weight {pick}" for pick in _rule_picks(case)[:1]}
         picks.add(f"input {_rule_picks(case)[1]}")
-        for name, (median, best, err) in run(case, args.repeats, args.threads).items():
+        results = run(case, args.repeats, args.threads, args.device)
+        for name, (median, best, err) in results.items():
             mark = "*" if name in picks else " "
             print(f"   {mark}{name:24s} {median:8.2f} / {best:8.2f}  ({err:.0e})", flush=True)
 

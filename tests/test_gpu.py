@@ -167,7 +167,9 @@ def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_training_graph_compiles_for_cuda() -> None:
+@pytest.mark.parametrize("batch_norm", [False, True], ids=["plain", "batch_norm"])
+def test_training_graph_compiles_for_cuda(batch_norm: bool) -> None:
+    # With BatchNorm the phase models hold its lowered form, which the CUDA provider runs.
     curves = {}
     rng = np.random.default_rng(0)
     data = [
@@ -178,7 +180,10 @@ def test_training_graph_compiles_for_cuda() -> None:
         init.manual_seed(0)
         g = tg.Graph("cnn")
         x = g.input("x", shape=[None, 1, 8, 8])
-        h = L.MaxPool2d(2)(L.ReLU()(L.Conv2d(1, 8, kernel_size=3, padding=1)(x)))
+        h = L.Conv2d(1, 8, kernel_size=3, padding=1)(x)
+        if batch_norm:
+            h = L.BatchNorm2d(8)(h)
+        h = L.MaxPool2d(2)(L.ReLU()(h))
         g.output("logits", L.Linear(8 * 4 * 4, 10)(L.Flatten()(h)))
         train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(),
                                  optimizer=tg.optim.AdamW(lr=1e-2))
