@@ -104,12 +104,12 @@ def test_lowered_dropout_runs_under_cuda_graph_rewrites():
     (``dropout_from_noise``), and the shifts become divisions (the CUDA provider has no
     BitShift); the masks then follow the fed noise exactly."""
     from traingraph.runtime.cuda import dropout_from_noise, with_static_inputs
-    from traingraph.runtime.session import _shifts_as_divisions
+    from traingraph.runtime.specialize import for_cuda
 
     program, _, _ = _train_session([0.5])
     static = with_static_inputs(program.train_model, {"x0": SHAPE})
     rewritten, noise = dropout_from_noise(static)
-    rewritten = onnx.load_from_string(_shifts_as_divisions(rewritten.SerializeToString()))
+    rewritten = onnx.load_from_string(for_cuda(rewritten.SerializeToString()))
     ops = {n.op_type for n in rewritten.graph.node}
     assert not {"RandomUniform", "BitShift", "Dropout"} & ops
     (name, (shape, _)), = noise.items()

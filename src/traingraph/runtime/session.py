@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from traingraph.errors import ModelError
 from traingraph.runtime.device import Device
+from traingraph.runtime.specialize import for_cuda
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -145,42 +146,9 @@ def create_session(
     else:
         source = model
     if device.kind == "cuda":
-        source = _shifts_as_divisions(source)
+        source = for_cuda(source)
     providers = device.providers(config.cuda_options())
     return ort.InferenceSession(source, config.session_options(), providers=providers)
-
-
-def _shifts_as_divisions(source: str | bytes) -> str | bytes:
-    """``source`` with each right ``BitShift`` by a constant written as a ``Div`` by ``2^k``.
-
-    onnxruntime's CUDA provider has no BitShift kernel (the CPU one is several times faster
-    than an integer Div), so a model that shifts (e.g. the hash of a lowered training Dropout)
-    would otherwise run those nodes on the CPU, with copies around them, on every step.
-    """
-    head = onnx.load(source, load_external_data=False) if isinstance(source, str) else None
-    if head is not None and not any(n.op_type == "BitShift" for n in head.graph.node):
-        return source
-    proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
-    constants = {t.name: t for t in proto.graph.initializer}
-    constants.update(
-        (n.output[0], a.t) for n in proto.graph.node if n.op_type == "Constant"
-        for a in n.attribute if a.name == "value"
-    )  # fmt: skip
-    changed = False
-    for node in proto.graph.node:
-        direction = next((a.s for a in node.attribute if a.name == "direction"), b"")
-        shift = constants.get(node.input[1]) if node.op_type == "BitShift" else None
-        if shift is None or direction != b"RIGHT":
-            continue
-        amount = onnx.numpy_helper.to_array(shift)
-        divisor = onnx.numpy_helper.from_array(
-            (np.ones_like(amount) << amount).astype(amount.dtype), f"{node.output[0]}_divisor"
-        )
-        proto.graph.initializer.append(divisor)
-        node.op_type, node.input[1] = "Div", divisor.name
-        del node.attribute[:]
-        changed = True
-    return proto.SerializeToString() if changed else source
 
 
 class BoundRunner:

@@ -1,0 +1,166 @@
+"""Rewrites of a standard ONNX model for the execution provider that runs it.
+
+Training graphs and their artifacts are written once, for any runtime. A few forms that are
+right on the CPU are slow or missing in onnxruntime's CUDA provider; :func:`for_cuda` rewrites
+them, with the same results, when a CUDA session is created:
+
+- A right ``BitShift`` by a constant becomes a ``Div`` by ``2^k``: the CUDA provider has no
+  BitShift kernel (the CPU one is several times faster than an integer Div), so a model that
+  shifts (e.g. the hash of a lowered training Dropout) would otherwise run those nodes on the
+  CPU, with copies around them, on every step.
+- A ``ReduceSum`` or ``ReduceMean`` over axes that are not one run of neighbouring axes (the
+  per-channel statistics of BatchNormalization and their gradients reduce ``[0, 2, 3]`` of
+  ``NCHW``) becomes a chain of reductions over runs, the innermost first. The provider reduces
+  a run that starts or ends the tensor with its own row and column kernels, and hands other
+  axis sets to cuDNN's general reduction, which is several times slower on these shapes. Means
+  of equal-sized groups are the mean, so the chain computes the same value (summed in another
+  order).
+
+Example:
+    >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+Source = str | bytes
+
+
+def for_cuda(source: Source) -> Source:
+    """``source`` (a path or serialized model) rewritten for the CUDA provider; ``source``
+    itself where nothing applies."""
+    head = onnx.load(source, load_external_data=False) if isinstance(source, str) else None
+    if head is not None and not any(_applies(n) for n in head.graph.node):
+        return source
+    proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
+    constants = _constants(proto.graph)
+    changed = False
+    for rewrite in (_shifts_as_divisions, _reductions_over_runs):
+        changed = rewrite(proto.graph, constants) or changed
+    return proto.SerializeToString() if changed else source
+
+
+def _applies(node: onnx.NodeProto) -> bool:
+    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean")
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The graph's initializers and Constant node values, by name."""
+    constants = {t.name: t for t in graph.initializer}
+    constants.update(
+        (n.output[0], a.t) for n in graph.node if n.op_type == "Constant"
+        for a in n.attribute if a.name == "value"
+    )  # fmt: skip
+    return constants
+
+
+def _shifts_as_divisions(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]) -> bool:
+    """Write each right BitShift by a constant as a Div by ``2^k``; return whether any was."""
+    changed = False
+    for node in graph.node:
+        direction = next((a.s for a in node.attribute if a.name == "direction"), b"")
+        shift = constants.get(node.input[1]) if node.op_type == "BitShift" else None
+        if shift is None or direction != b"RIGHT":
+            continue
+        amount = numpy_helper.to_array(shift)
+        divisor = numpy_helper.from_array(
+            (np.ones_like(amount) << amount).astype(amount.dtype), f"{node.output[0]}_divisor"
+        )
+        graph.initializer.append(divisor)
+        node.op_type, node.input[1] = "Div", divisor.name
+        del node.attribute[:]
+        changed = True
+    return changed
+
+
+def _reductions_over_runs(
+    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
+) -> bool:
+    """Split each ReduceSum / ReduceMean over several runs of axes into one reduction per run
+    (innermost run first, dimensions kept, then one Squeeze where the node drops them);
+    return whether any was."""
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for node in graph.node:
+        runs = _axis_runs(node, constants)
+        if runs is None:
+            nodes.append(node)
+            continue
+        nodes.extend(_chain(node, runs, graph.initializer.append))
+        changed = True
+    if changed:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return changed
+
+
+def _axis_runs(
+    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
+) -> list[list[int]] | None:
+    """The node's reduced axes as runs of neighbouring axes, when it is a ReduceSum or
+    ReduceMean over constant, non-negative axes that form more than one run; else None."""
+    if node.op_type not in ("ReduceSum", "ReduceMean") or node.domain not in ("", "ai.onnx"):
+        return None
+    attrs = {a.name: a for a in node.attribute}
+    if "noop_with_empty_axes" in attrs and attrs["noop_with_empty_axes"].i:
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        tensor = constants.get(node.input[1])
+        if tensor is None:
+            return None
+        axes = [int(a) for a in numpy_helper.to_array(tensor).reshape(-1)]
+    elif "axes" in attrs:
+        axes = list(attrs["axes"].ints)
+    else:
+        return None
+    if not axes or min(axes) < 0 or len(set(axes)) != len(axes):
+        return None
+    runs: list[list[int]] = []
+    for axis in sorted(axes):
+        if runs and runs[-1][-1] == axis - 1:
+            runs[-1].append(axis)
+        else:
+            runs.append([axis])
+    return runs if len(runs) > 1 else None
+
+
+def _chain(
+    node: onnx.NodeProto,
+    runs: list[list[int]],
+    add_initializer: Callable[[onnx.TensorProto], None],
+) -> list[onnx.NodeProto]:
+    """The reductions of ``node`` over ``runs``, innermost first, that end in its output."""
+    axes_as_input = len(node.input) > 1
+    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+    base = node.output[0]
+    chain: list[onnx.NodeProto] = []
+    current = node.input[0]
+    for i, run in enumerate(reversed(runs)):
+        last = i == len(runs) - 1
+        out = base if last and keepdims else f"{base}_over{'_'.join(map(str, run))}"
+        name = f"{node.name or base}_run{i}"
+        if axes_as_input:
+            axes_name = f"{name}_axes"
+            add_initializer(numpy_helper.from_array(np.array(run, np.int64), axes_name))
+            chain.append(helper.make_node(node.op_type, [current, axes_name], [out], name=name,
+                                          keepdims=1))  # fmt: skip
+        else:
+            chain.append(helper.make_node(node.op_type, [current], [out], name=name,
+                                          axes=run, keepdims=1))  # fmt: skip
+        current = out
+    if not keepdims:
+        dropped = f"{base}_dropped_axes"
+        add_initializer(
+            numpy_helper.from_array(np.array(sorted(a for r in runs for a in r), np.int64), dropped)
+        )
+        chain.append(helper.make_node("Squeeze", [current, dropped], [base],
+                                      name=f"{node.name or base}_squeeze"))  # fmt: skip
+    return chain
+
+
+__all__ = ["for_cuda"]
