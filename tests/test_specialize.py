@@ -95,3 +95,64 @@ def test_batchnorm_training_step_gives_the_same_numbers() -> None:
         [o.name for o in train.graph.output], _run(train, feeds), _run(rewritten, feeds)
     ):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _grouped_conv(weight: np.ndarray, groups: int, **attrs: object) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], group=groups, **attrs)],
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", groups, 7, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight.astype(np.float32), "w")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    "attrs", [{"pads": [1, 1, 1, 1]}, {"strides": [2, 1], "dilations": [1, 2]}, {}]
+)
+def test_shared_filters_over_groups_become_one_conv_over_the_batch(attrs: dict) -> None:
+    rng = np.random.default_rng(0)
+    filters = rng.standard_normal((4, 1, 3, 2))
+    model = _grouped_conv(np.tile(filters, (5, 1, 1, 1)), 5, **attrs)
+    rewritten = onnx.load_from_string(for_cuda(model.SerializeToString()))
+    convs = [n for n in rewritten.graph.node if n.op_type == "Conv"]
+    assert len(convs) == 1 and all(a.name != "group" for a in convs[0].attribute)
+    x = rng.standard_normal((3, 5, 7, 6)).astype(np.float32)
+    (expected,), (got,) = _run(model, {"x": x}), _run(rewritten, {"x": x})
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_conv_with_filters_that_differ_per_group_stays() -> None:
+    weight = np.random.default_rng(0).standard_normal((10, 1, 3, 3))
+    source = _grouped_conv(weight, 5).SerializeToString()
+    assert for_cuda(source) is source
+
+
+def test_weight_gradient_unfold_is_rewritten_in_a_training_step() -> None:
+    # conv2 has 4 input channels, so its weight gradient unfolds its input with a grouped Conv.
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 3, 3),
+        torch.nn.Flatten(), torch.nn.Linear(3 * 6 * 6, 5),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    program = build_program(export(net, torch.zeros(2, 1, 8, 8)), loss=CrossEntropyLoss())
+    train = program.train_model
+    rewritten = onnx.load_from_string(for_cuda(train.SerializeToString()))
+
+    def grouped(model: onnx.ModelProto) -> int:
+        return sum(n.op_type == "Conv" and _groups(n) > 1 for n in model.graph.node)
+
+    assert grouped(train) >= 1 and grouped(rewritten) == 0
+    rng = np.random.default_rng(0)
+    feeds = dict(program.parameters)
+    x = rng.standard_normal((6, 1, 8, 8)).astype(np.float32)
+    feeds.update(zip(program.input_names, (x, rng.integers(0, 5, 6).astype(np.int64))))
+    for name, expected, got in zip(
+        [o.name for o in train.graph.output], _run(train, feeds), _run(rewritten, feeds)
+    ):
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def _groups(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "group"), 1)

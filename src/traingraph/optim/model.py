@@ -151,10 +151,11 @@ def build_flat_optimizer_model(
     """The model of :func:`build_optimizer_model`, with the same inputs and outputs, computed as
     one update of all parameters concatenated.
 
-    Parameters, gradients and each kind of state slot are flattened and concatenated, updated
-    once as a single vector, and split back. The update's elementwise ops run once instead of
-    once per parameter, which matters where each op costs a kernel launch (a GPU): for AdamW on
-    a model with 30 parameter tensors, about 20 kernels instead of 600. Elementwise optimizers
+    Parameters, gradients and each kind of state slot are flattened (1-D tensors as they are)
+    and concatenated, updated once as a single vector, and split back. The update's elementwise
+    ops run once instead of once per parameter, which matters where each op costs a kernel
+    launch (a GPU): for AdamW on a model with 30 parameter tensors, about 20 kernels instead of
+    600. Elementwise optimizers
     give the per-parameter model's numbers bit for bit; with ``clip_grad_norm`` the global
     norm is summed in another order.
 
@@ -200,14 +201,19 @@ def build_flat_optimizer_model(
     row = b.ints([-1])
 
     def join(values: Sequence[ir.Value], name: str) -> ir.Value:
-        joined = b.Concat(*(b.Reshape(v, row) for v in values), axis=0)
+        rows = [v if v.shape is not None and len(v.shape) == 1 else b.Reshape(v, row)
+                for v in values]  # fmt: skip
+        joined = b.Concat(*rows, axis=0)
         joined.name = name
         joined.type, joined.shape = values[0].type, ir.Shape(flat.shape)
         return joined
 
     def split(value: ir.Value) -> list[ir.Value]:
         parts = b.op("Split", value, b.ints(sizes), num_outputs=len(infos), axis=0)
-        return [b.Reshape(part, b.ints(list(p.shape))) for part, p in zip(parts, infos)]
+        return [
+            part if len(p.shape) == 1 else b.Reshape(part, b.ints(list(p.shape)))
+            for part, p in zip(parts, infos)
+        ]
 
     flat_param = join(param_in, flat_name)
     flat_state = {

@@ -15,6 +15,10 @@ them, with the same results, when a CUDA session is created:
   axis sets to cuDNN's general reduction, which is several times slower on these shapes. Means
   of equal-sized groups are the mean, so the chain computes the same value (summed in another
   order).
+- A grouped ``Conv`` with one input channel per group, no bias and the same constant filters
+  in every group (the one-hot unfold of a convolution's weight gradient) becomes one ungrouped
+  Conv over the channels folded into the batch, between two Reshapes. cuDNN runs the grouped
+  form with a slow direct kernel; the values and their layout are the same.
 
 Example:
     >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
@@ -40,13 +44,13 @@ def for_cuda(source: Source) -> Source:
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = _constants(proto.graph)
     changed = False
-    for rewrite in (_shifts_as_divisions, _reductions_over_runs):
+    for rewrite in (_shifts_as_divisions, _reductions_over_runs, _shared_filters_as_batch):
         changed = rewrite(proto.graph, constants) or changed
     return proto.SerializeToString() if changed else source
 
 
 def _applies(node: onnx.NodeProto) -> bool:
-    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean")
+    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean", "Conv")
 
 
 def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
@@ -161,6 +165,77 @@ def _chain(
         chain.append(helper.make_node("Squeeze", [current, dropped], [base],
                                       name=f"{node.name or base}_squeeze"))  # fmt: skip
     return chain
+
+
+def _shared_filters_as_batch(
+    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
+) -> bool:
+    """Rewrite each grouped Conv whose groups have one input channel each and share one
+    constant filter set as ``Reshape -> Conv -> Reshape`` (see the module docstring); return
+    whether any was."""
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for node in graph.node:
+        shared = _shared_filters(node, constants)
+        if shared is None:
+            nodes.append(node)
+            continue
+        filters, spatial = shared
+        base = node.output[0]
+        names = {k: f"{base}_{k}" for k in ("planes_shape", "filters", "out_shape", "planes",
+                                             "planes_out")}  # fmt: skip
+        graph.initializer.extend([
+            numpy_helper.from_array(np.array([-1, 1] + [0] * spatial, np.int64),
+                                    names["planes_shape"]),
+            numpy_helper.from_array(filters, names["filters"]),
+            numpy_helper.from_array(
+                np.array([-1, filters.shape[0] * _groups(node)] + [0] * spatial, np.int64),
+                names["out_shape"],
+            ),
+        ])  # fmt: skip
+        attrs = [a for a in node.attribute if a.name != "group"]
+        conv = helper.make_node("Conv", [names["planes"], names["filters"]],
+                                [names["planes_out"]], name=f"{node.name or base}_planes")
+        conv.attribute.extend(attrs)
+        nodes += [
+            helper.make_node("Reshape", [node.input[0], names["planes_shape"]],
+                             [names["planes"]], name=f"{node.name or base}_fold"),
+            conv,
+            helper.make_node("Reshape", [names["planes_out"], names["out_shape"]], [base],
+                             name=f"{node.name or base}_unfold"),
+        ]  # fmt: skip
+        changed = True
+    if changed:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return changed
+
+
+def _groups(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "group"), 1)
+
+
+def _shared_filters(
+    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
+) -> tuple[np.ndarray, int] | None:
+    """``(filters [K, 1, k...], spatial rank)`` when ``node`` is a Conv with ``group`` groups
+    of one input channel each, no bias, and a constant weight ``[group * K, 1, k...]`` whose
+    groups all hold ``filters``; else None."""
+    groups = _groups(node)
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or groups < 2:
+        return None
+    if len(node.input) > 2 and node.input[2]:
+        return None
+    if any(a.name == "auto_pad" and a.s not in (b"", b"NOTSET") for a in node.attribute):
+        return None
+    tensor = constants.get(node.input[1])
+    if tensor is None or len(tensor.dims) < 3 or tensor.dims[1] != 1 or tensor.dims[0] % groups:
+        return None
+    weight = numpy_helper.to_array(tensor)
+    per_group = weight.reshape(groups, -1, *weight.shape[1:])
+    if not (per_group == per_group[:1]).all():
+        return None
+    return np.ascontiguousarray(per_group[0]), len(tensor.dims) - 2
 
 
 __all__ = ["for_cuda"]
