@@ -151,7 +151,9 @@ def test_weight_gradient_unfold_is_rewritten_in_a_training_step() -> None:
     for name, expected, got in zip(
         [o.name for o in train.graph.output], _run(train, feeds), _run(rewritten, feeds)
     ):
-        np.testing.assert_array_equal(got, expected, err_msg=name)
+        # The values are the same; the two Conv forms may group the sums of the next
+        # products differently on CPUs with other vector widths.
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def _groups(node: onnx.NodeProto) -> int:
