@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -97,14 +98,47 @@ def build_optimizer_model(
             names that clash.
     """
     infos = param_infos(params)
+    b, inputs = _step_graph(optimizer, infos, opset, f"{optimizer.name}_step")
+    new_values: dict[str, ir.Value] = {}
+    if infos:
+        like = inputs.params[0]
+        ctx = UpdateContext(b, b.cast_like(inputs.lr, like), b.cast_like(inputs.step, like))
+        updates, new_state = optimizer.transform.update(
+            ctx, inputs.grads, dict(inputs.state), inputs.params
+        )
+        new_values = {p.name or "": b.Add(p, u) for p, u in zip(inputs.params, updates)}
+        new_values.update(new_state)
+    return _finish(b, inputs, new_values)
+
+
+class _Inputs(NamedTuple):
+    """The optimizer model's inputs (see the module docstring)."""
+
+    lr: ir.Value
+    step: ir.Value
+    params: list[ir.Value]
+    grads: list[ir.Value]
+    state: dict[str, ir.Value]
+
+
+def _step_graph(
+    optimizer: Optimizer, infos: list[ParamInfo], opset: int, name: str
+) -> tuple[OpBuilder, _Inputs]:
+    """A builder on an empty optimizer graph named ``name`` that has the model's inputs.
+
+    Raises:
+        ValueError: As :func:`build_optimizer_model`.
+    """
     _check(infos, opset)
     slots = state_slots(optimizer, infos)
-    lr_in = _tensor("learning_rate", np.dtype(np.float32), ())
-    step_in = _tensor("step", np.dtype(np.int64), ())
-    param_in = [_tensor(p.name, p.dtype, p.shape) for p in infos]
-    grad_in = [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos]
-    state_in = {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots}
-    names = [v.name or "" for v in (lr_in, step_in, *param_in, *grad_in)]
+    inputs = _Inputs(
+        _tensor("learning_rate", np.dtype(np.float32), ()),
+        _tensor("step", np.dtype(np.int64), ()),
+        [_tensor(p.name, p.dtype, p.shape) for p in infos],
+        [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos],
+        {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots},
+    )
+    names = [v.name or "" for v in (inputs.lr, inputs.step, *inputs.params, *inputs.grads)]
     names += [s.name for s in slots]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -114,25 +148,22 @@ def build_optimizer_model(
             " with gradient or state names). Rename the parameters."
         )
     graph = ir.Graph(
-        [lr_in, step_in, *param_in, *grad_in, *state_in.values()],
+        [inputs.lr, inputs.step, *inputs.params, *inputs.grads, *inputs.state.values()],
         [],
         nodes=[],
         opset_imports={"": opset},
-        name=f"{optimizer.name}_step",
+        name=name,
     )
-    b = OpBuilder(graph, opset, prefix="optim")
-    if infos:
-        like = param_in[0]
-        ctx = UpdateContext(b, b.cast_like(lr_in, like), b.cast_like(step_in, like))
-        updates, new_state = optimizer.transform.update(ctx, grad_in, dict(state_in), param_in)
-        new_params = [b.Add(p, u) for p, u in zip(param_in, updates)]
-    else:
-        new_params, new_state = [], {}
-    for p, value in zip(param_in, new_params):
-        graph.outputs.append(_output(b, value, f"{p.name}_out", p))
-    for name, value in state_in.items():
-        graph.outputs.append(_output(b, new_state.get(name, value), f"{name}_out", value))
-    return to_proto(ir.Model(graph, ir_version=max_ir_version()))
+    return OpBuilder(graph, opset, prefix="optim"), inputs
+
+
+def _finish(b: OpBuilder, inputs: _Inputs, new_values: Mapping[str, ir.Value]) -> onnx.ModelProto:
+    """The model with outputs ``f"{p}_out"`` then ``f"{slot}_out"``: each input's new value by
+    name in ``new_values``, the input itself where it has none."""
+    for value in [*inputs.params, *inputs.state.values()]:
+        name = value.name or ""
+        b.graph.outputs.append(_output(b, new_values.get(name, value), f"{name}_out", value))
+    return to_proto(ir.Model(b.graph, ir_version=max_ir_version()))
 
 
 FLAT = "parameters"
@@ -155,9 +186,8 @@ def build_flat_optimizer_model(
     and concatenated, updated once as a single vector, and split back. The update's elementwise
     ops run once instead of once per parameter, which matters where each op costs a kernel
     launch (a GPU): for AdamW on a model with 30 parameter tensors, about 20 kernels instead of
-    600. Elementwise optimizers
-    give the per-parameter model's numbers bit for bit; with ``clip_grad_norm`` the global
-    norm is summed in another order.
+    600. Elementwise optimizers give the per-parameter model's numbers bit for bit; with
+    ``clip_grad_norm`` the global norm is summed in another order.
 
     Args:
         optimizer: The optimizer; :func:`flattenable` must hold.
@@ -176,28 +206,14 @@ def build_flat_optimizer_model(
             f"{optimizer.name}: max_grad_norm_per_tensor clips each tensor by its own norm, so"
             " the update of the parameters concatenated differs; use build_optimizer_model"
         )
-    _check(infos, opset)
-    slots = state_slots(optimizer, infos)
-    lr_in = _tensor("learning_rate", np.dtype(np.float32), ())
-    step_in = _tensor("step", np.dtype(np.int64), ())
-    param_in = [_tensor(p.name, p.dtype, p.shape) for p in infos]
-    grad_in = [_tensor(f"{p.name}_grad", p.dtype, p.shape) for p in infos]
-    state_in = {s.name: _tensor(s.name, s.dtype, s.shape) for s in slots}
-    taken = {p.name for p in infos} | set(state_in)
+    b, inputs = _step_graph(optimizer, infos, opset, f"{optimizer.name}_flat_step")
+    taken = {p.name for p in infos} | set(inputs.state)
     flat_name = FLAT
     while flat_name in taken or any(n.startswith(f"{flat_name}.") for n in taken):
         flat_name = f"_{flat_name}"
     sizes = [int(np.prod(p.shape, dtype=np.int64)) for p in infos]
     flat = ParamInfo(flat_name, (sum(sizes),), infos[0].dtype)
     kinds = [slot.name[len(flat_name) + 1 :] for slot in state_slots(optimizer, [flat])]
-    graph = ir.Graph(
-        [lr_in, step_in, *param_in, *grad_in, *state_in.values()],
-        [],
-        nodes=[],
-        opset_imports={"": opset},
-        name=f"{optimizer.name}_flat_step",
-    )
-    b = OpBuilder(graph, opset, prefix="optim")
     row = b.ints([-1])
 
     def join(values: Sequence[ir.Value], name: str) -> ir.Value:
@@ -215,14 +231,16 @@ def build_flat_optimizer_model(
             for part, p in zip(parts, infos)
         ]
 
-    flat_param = join(param_in, flat_name)
+    flat_param = join(inputs.params, flat_name)
     flat_state = {
-        f"{flat_name}.{kind}": join([state_in[f"{p.name}.{kind}"] for p in infos], f"{kind}_flat")
+        f"{flat_name}.{kind}": join(
+            [inputs.state[f"{p.name}.{kind}"] for p in infos], f"{kind}_flat"
+        )
         for kind in kinds
     }
-    ctx = UpdateContext(b, b.cast_like(lr_in, flat_param), b.cast_like(step_in, flat_param))
+    ctx = UpdateContext(b, b.cast_like(inputs.lr, flat_param), b.cast_like(inputs.step, flat_param))
     updates, new_state = optimizer.transform.update(
-        ctx, [join(grad_in, "grads_flat")], flat_state, [flat_param]
+        ctx, [join(inputs.grads, "grads_flat")], flat_state, [flat_param]
     )
     new_values = dict(zip((p.name for p in infos), split(b.Add(flat_param, updates[0]))))
     for kind in kinds:
@@ -230,10 +248,7 @@ def build_flat_optimizer_model(
         if key in new_state:
             slot_names = [f"{p.name}.{kind}" for p in infos]
             new_values.update(zip(slot_names, split(new_state[key])))
-    for value in [*param_in, *state_in.values()]:
-        name = value.name or ""
-        graph.outputs.append(_output(b, new_values.get(name, value), f"{name}_out", value))
-    return to_proto(ir.Model(graph, ir_version=max_ir_version()))
+    return _finish(b, inputs, new_values)
 
 
 def _output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
