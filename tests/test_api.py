@@ -88,20 +88,25 @@ def test_mlp_matches_pytorch_for_50_steps(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_fused_flat_update_equals_the_optimizer_graph(tmp_path, kind):
     directory = _artifacts(tmp_path, seeded(MLP), kind)
-    x, y = classification_data(10 * BATCH, 20, 5)
-    results = []
-    for fused in (True, False):
-        state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        module = Module(directory / "training_model.onnx", state)
-        opt = Optimizer(directory / "optimizer_model.onnx", module, fused=fused)
-        assert (opt._blocks is not None) is fused
-        for step in range(10):
-            module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
-            opt.step()
-            module.lazy_reset_grad()
-        results.append({n: state.parameters[n].data for n in state.parameters})
-    for name, value in results[0].items():
-        np.testing.assert_array_equal(value, results[1][name], err_msg=name)
+    fused, graph = (_parameters_after(directory, 10, fused=f) for f in (True, False))
+    assert fused[0]._blocks is not None and graph[0]._blocks is None
+    for name, value in fused[1].items():
+        np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
+
+
+def _parameters_after(
+    directory, steps: int, *, fused: bool
+) -> tuple[Optimizer, dict[str, np.ndarray]]:
+    """The optimizer and the parameters after ``steps`` steps on fixed data."""
+    x, y = classification_data(steps * BATCH, 20, 5)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    opt = Optimizer(directory / "optimizer_model.onnx", module, fused=fused)
+    for step in range(steps):
+        module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
+        opt.step()
+        module.lazy_reset_grad()
+    return opt, {n: state.parameters[n].data for n in state.parameters}
 
 
 def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
@@ -112,20 +117,11 @@ def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
         optimizer=optim.RMSProp(lr=0.01, momentum=0.9, centered=True),
         artifact_directory=tmp_path,
     )
-    x, y = classification_data(5 * BATCH, 20, 5)
-    results = []
-    for fused in (True, False):
-        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-        module = Module(tmp_path / "training_model.onnx", state)
-        opt = Optimizer(tmp_path / "optimizer_model.onnx", module, fused=fused)
-        assert opt.graph_model.graph.name.endswith("_flat_step") is fused
-        for step in range(5):
-            module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
-            opt.step()
-            module.lazy_reset_grad()
-        results.append({n: state.parameters[n].data for n in state.parameters})
-    for name, value in results[0].items():
-        np.testing.assert_array_equal(value, results[1][name], err_msg=name)
+    flat, graph = (_parameters_after(tmp_path, 5, fused=f) for f in (True, False))
+    assert flat[0].graph_model.graph.name.endswith("_flat_step")
+    assert not graph[0].graph_model.graph.name.endswith("_flat_step")
+    for name, value in flat[1].items():
+        np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
 
 
 def test_returned_outputs_are_not_overwritten_by_the_next_step(tmp_path):

@@ -88,15 +88,25 @@ def _reductions_over_runs(
     """Split each ReduceSum / ReduceMean over several runs of axes into one reduction per run
     (innermost run first, dimensions kept, then one Squeeze where the node drops them);
     return whether any was."""
+
+    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        runs = _axis_runs(node, constants)
+        return None if runs is None else _chain(node, runs, graph.initializer.append)
+
+    return _expand_nodes(graph, expand)
+
+
+def _expand_nodes(
+    graph: onnx.GraphProto, expand: Callable[[onnx.NodeProto], list[onnx.NodeProto] | None]
+) -> bool:
+    """Replace each node for which ``expand`` returns nodes by those nodes, in place and in
+    order; return whether any was replaced."""
     nodes: list[onnx.NodeProto] = []
     changed = False
     for node in graph.node:
-        runs = _axis_runs(node, constants)
-        if runs is None:
-            nodes.append(node)
-            continue
-        nodes.extend(_chain(node, runs, graph.initializer.append))
-        changed = True
+        replacement = expand(node)
+        nodes.extend([node] if replacement is None else replacement)
+        changed = changed or replacement is not None
     if changed:
         del graph.node[:]
         graph.node.extend(nodes)
@@ -173,13 +183,11 @@ def _shared_filters_as_batch(
     """Rewrite each grouped Conv whose groups have one input channel each and share one
     constant filter set as ``Reshape -> Conv -> Reshape`` (see the module docstring); return
     whether any was."""
-    nodes: list[onnx.NodeProto] = []
-    changed = False
-    for node in graph.node:
+
+    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         shared = _shared_filters(node, constants)
         if shared is None:
-            nodes.append(node)
-            continue
+            return None
         filters, spatial = shared
         base = node.output[0]
         names = {k: f"{base}_{k}" for k in ("planes_shape", "filters", "out_shape", "planes",
@@ -193,22 +201,18 @@ def _shared_filters_as_batch(
                 names["out_shape"],
             ),
         ])  # fmt: skip
-        attrs = [a for a in node.attribute if a.name != "group"]
         conv = helper.make_node("Conv", [names["planes"], names["filters"]],
                                 [names["planes_out"]], name=f"{node.name or base}_planes")
-        conv.attribute.extend(attrs)
-        nodes += [
+        conv.attribute.extend(a for a in node.attribute if a.name != "group")
+        return [
             helper.make_node("Reshape", [node.input[0], names["planes_shape"]],
                              [names["planes"]], name=f"{node.name or base}_fold"),
             conv,
             helper.make_node("Reshape", [names["planes_out"], names["out_shape"]], [base],
                              name=f"{node.name or base}_unfold"),
         ]  # fmt: skip
-        changed = True
-    if changed:
-        del graph.node[:]
-        graph.node.extend(nodes)
-    return changed
+
+    return _expand_nodes(graph, expand)
 
 
 def _groups(node: onnx.NodeProto) -> int:
