@@ -120,6 +120,12 @@ def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
     flat, graph = (_parameters_after(tmp_path, 5, fused=f) for f in (True, False))
     assert flat[0].graph_model.graph.name.endswith("_flat_step")
     assert not graph[0].graph_model.graph.name.endswith("_flat_step")
+    # The update reads the parameters, gradients and the three RMSProp slots as five blocks.
+    flat_inputs = [i.name for i in flat[0].graph_model.graph.input]
+    assert flat_inputs == ["learning_rate", "step", "flat", "flat_grad"] + [
+        f"flat.{kind}" for kind in flat[0]._flat.kinds
+    ]
+    assert len(flat[0]._flat.kinds) == 3
     for name, value in flat[1].items():
         np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
 

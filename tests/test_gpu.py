@@ -145,6 +145,44 @@ def test_training_state_stays_on_the_gpu(tmp_path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_tensors_share_one_aligned_block() -> None:
+    from traingraph.runtime.tensors import TensorStore
+
+    values = {"w": np.arange(15, dtype=np.float32).reshape(3, 5), "b": np.ones(7, np.float32)}
+    store = TensorStore(parse_device("cuda"), {n: (v.shape, v.dtype) for n, v in values.items()},
+                        values)  # fmt: skip
+    # 256-byte boundaries: 64 float32 elements per tensor here, the padding left at zero.
+    assert store.offsets == {"w": 0, "b": 64} and store.flat_size == 128
+    assert store.ortvalue("b").data_ptr() - store.ortvalue("w").data_ptr() == 256
+    block = store.block(0, store.flat_size).numpy()
+    np.testing.assert_array_equal(block[:15], values["w"].reshape(-1))
+    np.testing.assert_array_equal(block[64:71], values["b"])
+    assert not block[15:64].any() and not block[71:].any()
+    for name, value in values.items():
+        np.testing.assert_array_equal(store.read(name), value)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_optimizer_updates_the_blocks_as_one_vector(tmp_path) -> None:
+    _artifacts(tmp_path, export(seeded(MLP), torch.zeros(2, 20), training=True))
+    batches = _batches((20,))[:5]
+    results = {}
+    for fused in (True, False):
+        state, module, _ = _open(tmp_path, "cuda")
+        opt = Optimizer(tmp_path / "optimizer_model.onnx", module, fused=fused)
+        assert (opt._flat is not None) == fused
+        for x, y in batches:
+            module(x, y)
+            opt.step()
+            module.lazy_reset_grad()
+        results[fused] = {n: state.parameters[n].data for n in state.parameters}
+    for name, value in results[False].items():
+        np.testing.assert_allclose(results[True][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
     from traingraph.runtime.cuda import CudaGraphStep
 

@@ -37,6 +37,7 @@ from traingraph.ir.model import save as save_model
 from traingraph.optim import (
     ParamInfo,
     build_flat_optimizer_model,
+    build_optimizer_model,
     flattenable,
     from_hyperparameters,
     state_slots,
@@ -53,7 +54,7 @@ from traingraph.program import BUFFER_UPDATE_SUFFIX
 from traingraph.runtime.amp import DynamicLossScaler
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.fused import fused_update
-from traingraph.runtime.optimizer import optimizer_step
+from traingraph.runtime.optimizer import FlatLayout, flat_layout, optimizer_step
 from traingraph.runtime.session import (
     BoundRunner,
     SessionConfig,
@@ -609,12 +610,23 @@ def _as_feed(value: Any) -> Any:
 
 
 def _flat_equivalent(
-    proto: onnx.ModelProto, name: str, hyperparameters: Mapping[str, Any]
-) -> onnx.ModelProto | None:
-    """:func:`~traingraph.optim.model.build_flat_optimizer_model` for the optimizer that the
-    optimizer model ``proto`` was generated for (named ``name`` with ``hyperparameters`` in its
-    metadata), with the same inputs and outputs; None where that optimizer is not a named,
-    elementwise one or the model's inputs are not the ones it would have."""
+    proto: onnx.ModelProto,
+    name: str,
+    hyperparameters: Mapping[str, Any],
+    layout: Mapping[str, tuple[int, int]] | None = None,
+    size: int = 0,
+) -> tuple[onnx.ModelProto, FlatLayout | None] | None:
+    """The optimizer model ``proto`` (generated for the optimizer named ``name`` with
+    ``hyperparameters`` in its metadata) computed as one update of all parameters at once; None
+    where that optimizer is not a named, elementwise one or the model's inputs are not the
+    ones it would have.
+
+    With a ``layout`` (:func:`~traingraph.runtime.optimizer.flat_layout`) of the state's blocks
+    (``size`` elements of parameters), the model updates the blocks themselves as one vector
+    and the :class:`~traingraph.runtime.optimizer.FlatLayout` says how to bind it; else
+    (:func:`~traingraph.optim.model.build_flat_optimizer_model`) it takes and returns the
+    tensors one by one, as ``proto`` does, and the layout is None.
+    """
     optimizer = from_hyperparameters(name, hyperparameters)
     if optimizer is None or not flattenable(optimizer):
         return None
@@ -635,7 +647,15 @@ def _flat_equivalent(
     if expected != list(inputs):
         return None
     opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    return build_flat_optimizer_model(optimizer, infos, opset)
+    if layout is None:
+        return build_flat_optimizer_model(optimizer, infos, opset), None
+    flat = ParamInfo("flat", (size,), infos[0].dtype)
+    kinds = {slot.name[len("flat.") :] for slot in state_slots(optimizer, [flat])}
+    if kinds != set(layout):
+        return None
+    model = build_optimizer_model(optimizer, [flat], opset)
+    model.graph.name = f"{optimizer.name}_flat_step"
+    return model, FlatLayout(flat.name, size, dict(layout))
 
 
 class Optimizer:
@@ -707,18 +727,26 @@ class Optimizer:
         name = meta.get("traingraph.optimizer", "")
         if fused and state.device.kind == "cpu" and hyperparameters is not None:
             self._fused = fused_update(name, hyperparameters)
-        self.graph_model: onnx.ModelProto = proto
-        """The optimizer model the session runs: the file's, or its flat equivalent."""
-        if fused and self._fused is None and hyperparameters is not None:
-            self.graph_model = _flat_equivalent(proto, name, hyperparameters) or proto
-        self._runner = BoundRunner(
-            create_session(self.graph_model, state.device, module._config), state.device
-        )
         self._slot_keys = {
             name: {key: s for s, (owner, key) in owners.items() if owner == name}
             for name in self._params
         }
-        self._blocks = self._flat_blocks(kinds) if self._fused is not None else None
+        layout = flat_layout(state, self._params, self._slot_keys)
+        self._blocks = layout if self._fused is not None else None
+        self._flat: FlatLayout | None = None
+        self.graph_model: onnx.ModelProto = proto
+        """The optimizer model the session runs: the file's, or its flat equivalent."""
+        if fused and self._fused is None and hyperparameters is not None:
+            size = state.trainable.cur.flat_size
+            flat = None
+            if layout is not None:
+                flat = _flat_equivalent(proto, name, hyperparameters, layout, size)
+            flat = flat or _flat_equivalent(proto, name, hyperparameters)
+            if flat is not None:
+                self.graph_model, self._flat = flat
+        self._runner = BoundRunner(
+            create_session(self.graph_model, state.device, module._config), state.device
+        )
 
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients.
@@ -731,7 +759,7 @@ class Optimizer:
         if scaler is not None and not scaler.update(self._module._grads_finite):
             return
         if self._fused is None:
-            optimizer_step(self._runner, self._state)
+            optimizer_step(self._runner, self._state, self._flat)
             return
         state = self._state
         assert state.optimizer_slots is not None and state.learning_rate is not None
@@ -752,22 +780,6 @@ class Optimizer:
                 step=state.step + 1,
             )
         state.step += 1
-
-    def _flat_blocks(self, kinds: list[str]) -> dict[str, tuple[int, int]] | None:
-        """Where each slot kind lies in the slots' flat block, as ``(start, stop)``, when every
-        kind holds one slot per trainable parameter in the parameters' order; else None."""
-        state = self._state
-        slots = state.optimizer_slots
-        if slots is None or slots.cur.flat is None or state.trainable.cur.flat is None:
-            return None
-        params = list(state.trainable.cur)
-        if sorted(params) != sorted(self._params):
-            return None
-        expected = [self._slot_keys[p].get(k) for k in kinds for p in params]
-        if list(slots.cur) != expected or slots.cur.flat.dtype != state.trainable.cur.flat.dtype:
-            return None
-        size = state.trainable.cur.size
-        return {kind: (i * size, (i + 1) * size) for i, kind in enumerate(kinds)}
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Set the learning rate used by the next :meth:`step`."""

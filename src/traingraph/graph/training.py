@@ -466,7 +466,7 @@ class TrainingGraph:
             return result
         if not state.grads_valid:
             raise ModelError("no gradients yet; run execute_gradient(...) before the update")
-        optimizer_step(runner, state)
+        optimizer_step(runner, state, None)
         self._timed("optimizer", result, start)
         return result
 

@@ -37,6 +37,7 @@ from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.runtime.device import Device
+from traingraph.runtime.optimizer import optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
 from traingraph.runtime.tensors import Spec, TensorStore
 
@@ -395,18 +396,13 @@ class CudaGraphStep:
         return binding
 
     def _bind_optimizer(self) -> Any:
-        state = self.module._runtime
-        slots = state.optimizer_slots
-        assert slots is not None and self._optim is not None
+        assert self._optim is not None
         binding = self._optim.io_binding()
         binding.bind_ortvalue_input("learning_rate", self._scalars.ortvalue("learning_rate"))
         binding.bind_ortvalue_input("step", self._scalars.ortvalue("step"))
-        for name in self.module._trainable:
-            binding.bind_ortvalue_input(name, state.trainable.cur.ortvalue(name))
-            binding.bind_ortvalue_input(f"{name}_grad", state.grads.ortvalue(name))
-            binding.bind_ortvalue_output(f"{name}_out", state.trainable.alt.ortvalue(name))
-        for name in slots.cur:
-            binding.bind_ortvalue_input(name, slots.cur.ortvalue(name))
-            binding.bind_ortvalue_output(f"{name}_out", slots.alt.ortvalue(name))
+        inputs, outputs = optimizer_io(self.module._runtime, self.optimizer._flat)
+        for name, value in inputs.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, value in outputs.items():
+            binding.bind_ortvalue_output(name, value)
         return binding
-

@@ -1,8 +1,8 @@
 """Named tensors that stay on a device between steps.
 
-On the CPU a :class:`TensorStore` is one contiguous numpy block with a view (and a zero-copy
-OrtValue) per tensor, so parameters can be read or written as one flat buffer and bound to
-onnxruntime without copies. On a GPU each tensor is an OrtValue in device memory.
+A :class:`TensorStore` keeps tensors of one dtype in one flat block with a view per tensor: a
+numpy array on the CPU, one device allocation on a GPU. Parameters bind to onnxruntime without
+copies, can be read or written as one flat buffer, and can be updated as one vector.
 """
 
 from __future__ import annotations
@@ -14,12 +14,19 @@ import onnxruntime as ort
 
 from traingraph.errors import ModelError
 from traingraph.runtime.device import Device
+from traingraph.runtime.views import view as device_view
 
 Spec = tuple[tuple[int, ...], np.dtype]
 
 
 class TensorStore:
     """Tensors by name on ``device``, allocated once.
+
+    Tensors of one dtype share one flat block: on the CPU a numpy array with a view (and a
+    zero-copy OrtValue) per tensor; on a CUDA device one allocation with an OrtValue view per
+    tensor (:func:`~traingraph.runtime.views.view`), each starting on a 256-byte boundary.
+    :meth:`block` views a range of the block as one vector, so an update of every tensor can
+    run as one kernel over it.
 
     Args:
         device: Where the tensors live.
@@ -37,18 +44,17 @@ class TensorStore:
         self.specs = {n: (tuple(s), np.dtype(d)) for n, (s, d) in specs.items()}
         self._ortvalues: dict[str, ort.OrtValue] = {}
         self._views: dict[str, np.ndarray] = {}
+        self._blocks: dict[tuple[int, int], ort.OrtValue] = {}
         self.flat: np.ndarray | None = None
+        """The CPU block (None on other devices or with mixed dtypes)."""
+        self.offsets: dict[str, int] | None = None
+        """Where each tensor starts in the block, in elements (None without a block)."""
+        self.flat_size = 0
+        """The block's length in elements, padding included."""
+        self._base: ort.OrtValue | None = None
         dtypes = {d for _, d in self.specs.values()}
-        if device.kind == "cpu" and len(dtypes) <= 1:
-            dtype = dtypes.pop() if dtypes else np.dtype(np.float32)
-            sizes = [int(np.prod(s)) for s, _ in self.specs.values()]
-            self.flat = np.zeros(sum(sizes), dtype=dtype)
-            offset = 0
-            for (name, (shape, _)), size in zip(self.specs.items(), sizes):
-                view = self.flat[offset : offset + size].reshape(shape)
-                self._views[name] = view
-                self._ortvalues[name] = ort.OrtValue.ortvalue_from_numpy(view)
-                offset += size
+        if len(dtypes) <= 1 and device.kind in ("cpu", "cuda"):
+            self._allocate_block(dtypes.pop() if dtypes else np.dtype(np.float32))
         else:
             for name, (shape, dtype) in self.specs.items():
                 if device.kind == "cpu":
@@ -62,6 +68,55 @@ class TensorStore:
         if values is not None:
             for name, array in values.items():
                 self.write(name, array)
+
+    def _allocate_block(self, dtype: np.dtype) -> None:
+        # CUDA kernels load vectors: start every tensor on a 256-byte boundary there.
+        align = 1 if self.device.kind == "cpu" else max(1, 256 // dtype.itemsize)
+        self.offsets = {}
+        for name, (shape, _) in self.specs.items():
+            self.offsets[name] = self.flat_size
+            size = int(np.prod(shape, dtype=np.int64))
+            self.flat_size += -(-size // align) * align
+        if self.device.kind == "cpu":
+            self.flat = np.zeros(self.flat_size, dtype=dtype)
+            for name, (shape, _) in self.specs.items():
+                start = self.offsets[name]
+                view = self.flat[start : start + int(np.prod(shape))].reshape(shape)
+                self._views[name] = view
+                self._ortvalues[name] = ort.OrtValue.ortvalue_from_numpy(view)
+            return
+        base = ort.OrtValue.ortvalue_from_shape_and_type(
+            [max(self.flat_size, 1)], dtype, self.device.ort_device_type, self.device.index
+        )
+        base.update_inplace(np.zeros(max(self.flat_size, 1), dtype))  # padding stays zero
+        self._base = base
+        for name, (shape, _) in self.specs.items():
+            self._ortvalues[name] = device_view(
+                base, self.offsets[name], shape, dtype, self.device.index
+            )
+
+    def block(self, start: int, stop: int) -> ort.OrtValue:
+        """Elements ``[start, stop)`` of the flat block as one 1-D OrtValue (no copy).
+
+        Raises:
+            ModelError: The store has no flat block (its tensors have several dtypes).
+        """
+        if self.offsets is None:
+            raise ModelError(
+                f"the tensors on {self.device} have dtypes"
+                f" {sorted({str(d) for _, d in self.specs.values()})}; a flat block needs one"
+            )
+        key = (start, stop)
+        if key not in self._blocks:
+            if self.flat is not None:
+                self._blocks[key] = ort.OrtValue.ortvalue_from_numpy(self.flat[start:stop])
+            else:
+                assert self._base is not None
+                dtype = next(iter(self.specs.values()))[1]
+                self._blocks[key] = device_view(
+                    self._base, start, (stop - start,), dtype, self.device.index
+                )
+        return self._blocks[key]
 
     def __contains__(self, name: object) -> bool:
         return name in self.specs
