@@ -398,3 +398,40 @@ def test_every_supported_opset(opset: int) -> None:
         return ((torch.relu(x @ w1 + b1) @ w2 - t) ** 2).mean(1).sum()
 
     assert_grads(got, torch_grads(fn, {**feeds, **params}, list(params)))
+
+
+def test_name_output_renames_a_computed_value_once() -> None:
+    import onnx_ir as ir
+
+    from traingraph.autodiff.engine import name_output
+    from traingraph.ir.builder import OpBuilder
+
+    x = ir.Value(name="x", shape=ir.Shape([3]), type=ir.TensorType(ir.DataType.FLOAT))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 17})
+    b = OpBuilder(graph, 17)
+    y = b.Neg(x)
+    first = name_output(b, y, "y_grad", x, rename=True)
+    assert first is y and y.name == "y_grad" and y.producer().op_type == "Neg"
+    # The same value exposed again, a graph input, or a call without rename: an Identity each.
+    second = name_output(b, y, "z_grad", x, rename=True)
+    from_input = name_output(b, x, "x_copy", x, rename=True)
+    plain = name_output(b, b.Neg(x), "w_grad", x)
+    for out, name in ((second, "z_grad"), (from_input, "x_copy"), (plain, "w_grad")):
+        assert out.name == name and out.producer().op_type == "Identity"
+    assert x.name == "x"
+
+
+def test_training_model_gradients_are_written_by_the_nodes_that_compute_them(tmp_path) -> None:
+    from torch_models import MLP, export, seeded
+    from traingraph import artifacts
+
+    artifacts.generate_artifacts(
+        export(seeded(MLP), torch.zeros(2, 20)),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        artifact_directory=tmp_path,
+    )
+    model = onnx.load(tmp_path / "training_model.onnx")
+    producers = {o: n.op_type for n in model.graph.node for o in n.output}
+    outputs = [o.name for o in model.graph.output]
+    assert outputs[0] == "loss" and any(o.endswith("_grad") for o in outputs)
+    assert not [o for o in outputs if producers.get(o) == "Identity"], producers

@@ -133,10 +133,13 @@ def build_program(
     finite = []
     if scale is not None:
         grads, all_finite = unscale_gradients(b, grads, scale)
-        finite.append(name_output(b, all_finite, GRADS_FINITE, all_finite))
-    grad_outputs = [name_output(b, g, f"{v.name}_grad", v) for g, v in zip(grads, wrt)]
+        finite.append(name_output(b, all_finite, GRADS_FINITE, all_finite, rename=True))
+    grad_outputs = [
+        name_output(b, g, f"{v.name}_grad", v, rename=True) for g, v in zip(grads, wrt)
+    ]
     update_outputs = [
-        name_output(b, value, out_name, value) for out_name, value in buffer_updates.items()
+        name_output(b, value, out_name, value, rename=True)
+        for out_name, value in buffer_updates.items()
     ]
     train.graph.outputs.clear()
     train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs, *finite])
@@ -356,7 +359,7 @@ def _attach_loss(
         graph.inputs.append(label)
         labels.append(label)
     value = loss.build(b, outputs, labels)
-    value = name_output(b, value, LOSS_OUTPUT, value)
+    value = name_output(b, value, LOSS_OUTPUT, value, rename=True)
     if value.type is None:
         value.type = outputs[0].type
     return value, [label.name or "" for label in labels]

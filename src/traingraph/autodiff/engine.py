@@ -348,8 +348,37 @@ def build_gradient_graph(
     return to_proto(m)
 
 
-def name_output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
-    """Expose ``value`` as a graph output called ``name`` typed like ``like``."""
+_NAMED = "traingraph.named_output"
+
+
+def name_output(
+    b: OpBuilder, value: ir.Value, name: str, like: ir.Value, *, rename: bool = False
+) -> ir.Value:
+    """Expose ``value`` as a graph output called ``name`` typed like ``like``, through an
+    Identity.
+
+    With ``rename``, a value computed by a node of this graph is renamed instead, so that
+    node writes the output itself (a runtime that binds the output to a buffer then copies
+    nothing); graph inputs, initializers, outputs and values already exposed under another
+    name still go through an Identity. Only for graphs that nothing refers to by the old
+    names.
+    """
+    renamable = (
+        rename
+        and value.producer() is not None
+        and value.graph is b.graph
+        and not value.is_graph_input()
+        and not value.is_graph_output()
+        and not value.is_initializer()
+        and not value.meta.get(_NAMED)
+        and value.dtype in (None, like.dtype)
+    )
+    if renamable:
+        value.name = name
+        value.meta[_NAMED] = True
+        value.shape = like.shape
+        value.type = like.type
+        return value
     out = b.Identity(value)
     out.name = name
     out.shape = like.shape

@@ -86,8 +86,7 @@ def _reductions_over_runs(
     graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
 ) -> bool:
     """Split each ReduceSum / ReduceMean over several runs of axes into one reduction per run
-    (innermost run first, dimensions kept, then one Squeeze where the node drops them);
-    return whether any was."""
+    (innermost run first); return whether any was."""
 
     def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         runs = _axis_runs(node, constants)
@@ -148,7 +147,11 @@ def _chain(
     runs: list[list[int]],
     add_initializer: Callable[[onnx.TensorProto], None],
 ) -> list[onnx.NodeProto]:
-    """The reductions of ``node`` over ``runs``, innermost first, that end in its output."""
+    """The reductions of ``node`` over ``runs``, innermost first, that end in its output.
+
+    Each keeps or drops its dimensions as ``node`` does: going from the innermost run out,
+    dropping a run leaves the axis numbers of the runs before it as they are.
+    """
     axes_as_input = len(node.input) > 1
     keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
     base = node.output[0]
@@ -156,24 +159,17 @@ def _chain(
     current = node.input[0]
     for i, run in enumerate(reversed(runs)):
         last = i == len(runs) - 1
-        out = base if last and keepdims else f"{base}_over{'_'.join(map(str, run))}"
+        out = base if last else f"{base}_over{'_'.join(map(str, run))}"
         name = f"{node.name or base}_run{i}"
         if axes_as_input:
             axes_name = f"{name}_axes"
             add_initializer(numpy_helper.from_array(np.array(run, np.int64), axes_name))
             chain.append(helper.make_node(node.op_type, [current, axes_name], [out], name=name,
-                                          keepdims=1))  # fmt: skip
+                                          keepdims=keepdims))  # fmt: skip
         else:
             chain.append(helper.make_node(node.op_type, [current], [out], name=name,
-                                          axes=run, keepdims=1))  # fmt: skip
+                                          axes=run, keepdims=keepdims))  # fmt: skip
         current = out
-    if not keepdims:
-        dropped = f"{base}_dropped_axes"
-        add_initializer(
-            numpy_helper.from_array(np.array(sorted(a for r in runs for a in r), np.int64), dropped)
-        )
-        chain.append(helper.make_node("Squeeze", [current, dropped], [base],
-                                      name=f"{node.name or base}_squeeze"))  # fmt: skip
     return chain
 
 

@@ -122,8 +122,8 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     ``S = sum(g)``, ``T = sum(g * xc)``:
 
         dL/dscale = rstd * T,   dL/dbias = S,
-        dL/dx = (scale * rstd / M) * (M g - S - xhat * rstd * T) = a g + k xc + c,
-        a = scale * rstd,   k = -a * rstd^2 * T / M,   c = -a * S / M,
+        dL/dx = (scale * rstd / M) * (M g - S - xhat * rstd * T) = a g - (k xc + c),
+        a = scale * rstd,   k = a * rstd^2 * T / M,   c = a * S / M,
 
     so the full-size tensors are read for the statistics, the two sums and one affine map.
     Inference mode uses ``input_mean`` and ``input_var`` as given: with ``s = scale * rstd``,
@@ -177,24 +177,35 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
 def _batch_norm_training_grads(
     ctx: GradContext, g: ir.Value, axes: list[int], eps: float
 ) -> list[ir.Value | None]:
-    """The training-mode gradients of x, scale and bias (see :func:`batch_normalization`)."""
+    """The training-mode gradients of x, scale and bias (see :func:`batch_normalization`).
+
+    The per-channel arithmetic runs on ``(C,)`` vectors, in as few ops as it takes (each is a
+    kernel launch on a GPU): with ``am = a / M``, ``dL/dx = a g - (k xc + c)`` where
+    ``k = am * rstd * dL/dscale`` and ``c = am * S``. The two sums drop the reduced axes, so
+    ``dL/dbias`` and ``dL/dscale`` come straight out of a reduction and a product.
+    """
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
     _, centered, var = batch_statistics(b, x, axes)
-    rstd = b.Reciprocal(b.Sqrt(b.Add(var, b.scalar(eps, x))))
-    sum_g = b.sum(g, axes) if ctx.need(0) or ctx.need(2) else None
-    sum_gc = b.sum(b.Mul(g, centered), axes) if ctx.need(0) or ctx.need(1) else None
+    sum_g = b.sum(g, axes, keepdims=False) if ctx.need(0) or ctx.need(2) else None
+    sum_gc = None
+    if ctx.need(0) or ctx.need(1):
+        sum_gc = b.sum(b.Mul(g, centered), axes, keepdims=False)
     out: list[ir.Value | None] = [None] * 5
+    out[2] = sum_g if ctx.need(2) else None
+    if sum_gc is None:
+        return out
+    rstd = b.Pow(b.Add(b.squeeze(var, axes), b.scalar(eps, x)), b.scalar(-0.5, x))
+    d_scale = b.Mul(rstd, sum_gc)
+    out[1] = d_scale if ctx.need(1) else None
     if ctx.need(0):
-        assert sum_g is not None and sum_gc is not None
-        inv_m = inverse_channel_count(b, x, scale)
-        a = b.Mul(_per_channel(b, scale, len(axes) + 1), rstd)
-        k = b.Neg(b.Mul(b.Mul(a, b.Mul(rstd, rstd)), b.Mul(sum_gc, inv_m)))
-        c = b.Neg(b.Mul(a, b.Mul(sum_g, inv_m)))
-        out[0] = b.Add(b.Add(b.Mul(a, g), b.Mul(k, centered)), c)
-    if sum_gc is not None and ctx.need(1):
-        out[1] = b.squeeze(b.Mul(rstd, sum_gc), axes)
-    if sum_g is not None and ctx.need(2):
-        out[2] = b.squeeze(sum_g, axes)
+        assert sum_g is not None
+        r = len(axes) + 1
+        a = b.Mul(scale, rstd)
+        am = b.Mul(a, inverse_channel_count(b, x, scale))
+        k = b.Mul(b.Mul(am, rstd), d_scale)
+        c = b.Mul(am, sum_g)
+        shifted = b.Add(b.Mul(_per_channel(b, k, r), centered), _per_channel(b, c, r))
+        out[0] = b.Sub(b.Mul(_per_channel(b, a, r), g), shifted)
     return out
 
 
