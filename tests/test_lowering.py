@@ -198,3 +198,49 @@ def test_train_graph_has_no_training_mode_batch_norm():
     np.testing.assert_allclose(
         outputs["bn.running_mean_updated"], net.bn.running_mean.numpy(), rtol=1e-5, atol=1e-6
     )
+
+
+def _batch_norm_stack(momenta: list[float], channels: list[int]) -> onnx.ModelProto:
+    """float32 BatchNorms in training mode, one after another (1x1 convs change the channels), with
+    every running statistic a graph output."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes, inits, outputs = [], [], []
+    current, c_in = "x", 2
+    for i, (momentum, c) in enumerate(zip(momenta, channels)):
+        w = rng.standard_normal((c, c_in, 1, 1)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("Conv", [current, f"w{i}"], [f"c{i}"]))
+        for name, value in (("s", rng.standard_normal(c)), ("b", rng.standard_normal(c)),
+                            ("m", rng.standard_normal(c)), ("v", rng.uniform(0.5, 2, c))):
+            inits.append(numpy_helper.from_array(np.float32(value), f"{name}{i}"))  # fmt: skip
+        nodes.append(helper.make_node(
+            "BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"],
+            [f"y{i}", f"rm{i}", f"rv{i}"], training_mode=1, momentum=momentum,
+        ))  # fmt: skip
+        outputs += [f"rm{i}", f"rv{i}"]
+        current, c_in = f"y{i}", c
+    graph = helper.make_graph(
+        nodes, "stack",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 2, 3, 3])],
+        [helper.make_tensor_value_info(current, TensorProto.FLOAT, None)]
+        + [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs],
+        inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_running_statistics_of_one_momentum_update_as_one_vector():
+    model = _batch_norm_stack([0.9, 0.9, 0.7, 0.9], [3, 5, 4, 2])
+    x = rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+    expected = session(model).run(None, {"x": x})
+    result = lowered(model, 17)
+    # Momentum 0.9: three layers' means and variances in one Split; momentum 0.7 on its own.
+    splits = sorted(len(n.output) for n in result.graph.node if n.op_type == "Split")
+    assert splits == [2, 6]
+    got = session(result).run(None, {"x": x})
+    assert [o.name for o in result.graph.output] == [o.name for o in model.graph.output]
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)

@@ -158,3 +158,35 @@ def test_weight_gradient_unfold_is_rewritten_in_a_training_step() -> None:
 
 def _groups(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "group"), 1)
+
+
+def _mask_model(extra_use: bool) -> onnx.ModelProto:
+    """``dx = g * Cast(y > 0)`` (the Relu gradient), and optionally the cast mask as an output."""
+    nodes = [
+        helper.make_node("Greater", ["y", "zero"], ["active"]),
+        helper.make_node("Cast", ["active"], ["mask"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["mask", "g"], ["dx"]),
+    ]
+    outputs = [helper.make_tensor_value_info("dx", TensorProto.FLOAT, SHAPE)]
+    if extra_use:
+        outputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, SHAPE))
+    graph = helper.make_graph(
+        nodes, "relu_grad",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, SHAPE) for n in ("y", "g")],
+        outputs, [numpy_helper.from_array(np.zeros((), np.float32), "zero")],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def test_product_with_a_cast_mask_becomes_a_where() -> None:
+    model = _mask_model(extra_use=False)
+    rewritten = onnx.load_from_string(for_cuda(model.SerializeToString()))
+    assert [n.op_type for n in rewritten.graph.node] == ["Greater", "Where"]
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal(SHAPE).astype(np.float32) for n in ("y", "g")}
+    np.testing.assert_array_equal(_run(rewritten, feeds)[0], _run(model, feeds)[0])
+
+
+def test_a_cast_mask_with_other_uses_stays() -> None:
+    model = _mask_model(extra_use=True)
+    assert for_cuda(model.SerializeToString()) == model.SerializeToString()

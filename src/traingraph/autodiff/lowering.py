@@ -10,6 +10,10 @@ exactly what the ONNX specification defines:
     running_mean = momentum * input_mean + (1 - momentum) * mean
     running_var = momentum * input_var + (1 - momentum) * var
 
+The running statistics of all the nodes with one momentum are updated together, as one vector
+(``Concat`` -> ``Mul``/``Mul``/``Add`` -> ``Split``), so a model with many BatchNorm layers
+runs six small ops for them instead of six per layer; each element is computed as above.
+
 The statistics come from the same helper as the BatchNormalization gradient rule, so in a
 training graph the forward and backward statistics are the same nodes to a runtime that merges
 common subexpressions.
@@ -20,11 +24,13 @@ Example:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import onnx_ir as ir
 
 from traingraph.autodiff.rules.normalization import batch_statistics
 from traingraph.errors import ModelError
-from traingraph.ir.builder import OpBuilder, rank
+from traingraph.ir.builder import OpBuilder, rank, static_shape
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -54,16 +60,20 @@ def lower_training_batch_norm(graph: ir.Graph, opset: int) -> bool:
     """
     b = OpBuilder(graph, opset, prefix="bn_lowered")
     nodes = [node for node in graph if is_training_batch_norm(node)]
+    updates: list[_RunningUpdate] = []
     for node in nodes:
-        _lower_one(b, node)
+        updates += _lower_one(b, node)
+    _update_running_statistics(b, updates)
+    for node in nodes:
         graph.remove(node, safe=True)
     if nodes:
         graph.sort()
     return bool(nodes)
 
 
-def _lower_one(b: OpBuilder, node: ir.Node) -> None:
-    """Append the standard-op form of one training-mode BatchNormalization ``node``."""
+def _lower_one(b: OpBuilder, node: ir.Node) -> list[_RunningUpdate]:
+    """Append the standard-op form of one training-mode BatchNormalization ``node`` but its
+    running-statistics updates, which it returns."""
     x, scale, bias, mean_in, var_in = (node.inputs[i] for i in range(5))
     assert x is not None and scale is not None and bias is not None
     assert mean_in is not None and var_in is not None
@@ -86,15 +96,62 @@ def _lower_one(b: OpBuilder, node: ir.Node) -> None:
         x, scale, bias, batch_mean, batch_var,
         epsilon=1e-5 if eps is None else float(eps.value),
     )
-    replacements = [y]
-    for running, batch in ((mean_in, batch_mean), (var_in, batch_var)):
-        kept = b.Mul(running, b.scalar(momentum, running))
-        replacements.append(b.Add(kept, b.Mul(batch, b.scalar(1.0 - momentum, running))))
-    for old, new in zip(node.outputs, replacements):
-        if not old.name or not (old.uses() or old.is_graph_output()):
+    _replace(node.outputs[0], y)
+    pairs = ((mean_in, batch_mean), (var_in, batch_var))
+    return [
+        _RunningUpdate(old, running, batch, momentum)
+        for old, (running, batch) in zip(node.outputs[1:], pairs)
+        if _used(old)
+    ]
+
+
+class _RunningUpdate(NamedTuple):
+    """``output = momentum * running + (1 - momentum) * batch`` replaces ``output``."""
+
+    output: ir.Value
+    running: ir.Value
+    batch: ir.Value
+    momentum: float
+
+
+def _update_running_statistics(b: OpBuilder, updates: list[_RunningUpdate]) -> None:
+    """Emit ``updates``: those of one momentum and dtype over 1-D statistics of known sizes as
+    one update of their concatenation, the others one by one."""
+    groups: dict[tuple[float, ir.DataType | None], list[_RunningUpdate]] = {}
+    for update in updates:
+        groups.setdefault((update.momentum, update.running.dtype), []).append(update)
+    for (momentum, _), group in groups.items():
+        sizes = [static_shape(u.running) for u in group]
+        if len(group) == 1 or any(s is None or len(s) != 1 for s in sizes):
+            for u in group:
+                _replace(u.output, _running_update(b, u.running, u.batch, momentum))
             continue
-        new.type, new.shape = old.type, old.shape
-        name = old.name
-        old.name = None
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-        new.name = name
+        running = b.Concat(*(u.running for u in group), axis=0)
+        batch = b.Concat(*(u.batch for u in group), axis=0)
+        parts = b.split(_running_update(b, running, batch, momentum, like=group[0].running),
+                        [s[0] for s in sizes if s is not None])  # fmt: skip
+        for u, part in zip(group, parts):
+            _replace(u.output, part)
+
+
+def _running_update(
+    b: OpBuilder, running: ir.Value, batch: ir.Value, momentum: float, like: ir.Value | None = None
+) -> ir.Value:
+    like = like if like is not None else running
+    kept = b.Mul(running, b.scalar(momentum, like))
+    return b.Add(kept, b.Mul(batch, b.scalar(1.0 - momentum, like)))
+
+
+def _used(value: ir.Value) -> bool:
+    return bool(value.name) and bool(value.uses() or value.is_graph_output())
+
+
+def _replace(old: ir.Value, new: ir.Value) -> None:
+    """Put ``new`` in ``old``'s place (uses, graph outputs, name, type) where ``old`` is used."""
+    if not _used(old):
+        return
+    new.type, new.shape = old.type, old.shape
+    name = old.name
+    old.name = None
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    new.name = name

@@ -19,6 +19,10 @@ them, with the same results, when a CUDA session is created:
   in every group (the one-hot unfold of a convolution's weight gradient) becomes one ungrouped
   Conv over the channels folded into the batch, between two Reshapes. cuDNN runs the grouped
   form with a slow direct kernel; the values and their layout are the same.
+- A product with a cast boolean mask, ``Mul(g, Cast(mask))`` (the gradient of Relu, a Dropout
+  mask), becomes ``Where(mask, g, 0)``: one kernel instead of two, where each launch counts.
+  The two differ only where the mask is off and ``g`` is not finite (0 instead of NaN) or
+  negative (0 instead of -0).
 
 Example:
     >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
@@ -44,13 +48,16 @@ def for_cuda(source: Source) -> Source:
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = _constants(proto.graph)
     changed = False
-    for rewrite in (_shifts_as_divisions, _reductions_over_runs, _shared_filters_as_batch):
+    rewrites = (
+        _shifts_as_divisions, _reductions_over_runs, _shared_filters_as_batch, _masks_as_where
+    )
+    for rewrite in rewrites:
         changed = rewrite(proto.graph, constants) or changed
     return proto.SerializeToString() if changed else source
 
 
 def _applies(node: onnx.NodeProto) -> bool:
-    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean", "Conv")
+    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean", "Conv", "Cast")
 
 
 def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
@@ -80,6 +87,63 @@ def _shifts_as_divisions(graph: onnx.GraphProto, constants: dict[str, onnx.Tenso
         del node.attribute[:]
         changed = True
     return changed
+
+
+_BOOLEAN_OPS = frozenset(
+    {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor"}
+)
+
+
+def _masks_as_where(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]) -> bool:
+    """Write each ``Mul`` by a cast comparison, where the cast has no other use, as a
+    ``Where`` of the comparison; return whether any was."""
+    del constants
+    producers = {o: n for n in graph.node for o in n.output}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    masks: dict[str, tuple[str, int]] = {}  # cast output -> (boolean input, float type)
+    for node in graph.node:
+        source = producers.get(node.input[0]) if node.op_type == "Cast" else None
+        to = next((a.i for a in node.attribute if a.name == "to"), 0)
+        if (
+            source is not None
+            and source.op_type in _BOOLEAN_OPS
+            and source.domain in ("", "ai.onnx")
+            and to in _FLOAT_TYPES
+            and uses.get(node.output[0]) == 1
+            and node.output[0] not in outputs
+        ):
+            masks[node.output[0]] = (node.input[0], to)
+    products = {
+        n.output[0]: n for n in graph.node
+        if n.op_type == "Mul" and n.domain in ("", "ai.onnx") and set(n.input) & set(masks)
+    }  # fmt: skip
+    used = {next(i for i in n.input if i in masks) for n in products.values()}
+
+    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        if node.op_type == "Cast" and node.output[0] in used:
+            return []
+        if node.op_type != "Mul" or products.get(node.output[0]) is not node:
+            return None
+        index = 0 if node.input[0] in masks else 1
+        mask, to = masks[node.input[index]]
+        zero = f"{node.output[0]}_zero"
+        graph.initializer.append(
+            numpy_helper.from_array(np.zeros((), helper.tensor_dtype_to_np_dtype(to)), zero)
+        )
+        return [helper.make_node("Where", [mask, node.input[1 - index], zero], [node.output[0]],
+                                 name=f"{node.name or node.output[0]}_where")]  # fmt: skip
+
+    return _expand_nodes(graph, expand)
+
+
+_FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+     onnx.TensorProto.DOUBLE}
+)  # fmt: skip
 
 
 def _reductions_over_runs(
