@@ -622,10 +622,10 @@ def _flat_equivalent(
     ones it would have.
 
     With a ``layout`` (:func:`~traingraph.runtime.optimizer.flat_layout`) of the state's blocks
-    (``size`` elements of parameters), the model updates the blocks themselves as one vector
-    and the :class:`~traingraph.runtime.optimizer.FlatLayout` says how to bind it; else
-    (:func:`~traingraph.optim.model.build_flat_optimizer_model`) it takes and returns the
-    tensors one by one, as ``proto`` does, and the layout is None.
+    (``size`` elements of parameters) that has the optimizer's slot kinds, the model updates the
+    blocks themselves as one vector and the :class:`~traingraph.runtime.optimizer.FlatLayout`
+    says how to bind it; else (:func:`~traingraph.optim.model.build_flat_optimizer_model`) it
+    takes and returns the tensors one by one, as ``proto`` does, and the layout is None.
     """
     optimizer = from_hyperparameters(name, hyperparameters)
     if optimizer is None or not flattenable(optimizer):
@@ -647,12 +647,10 @@ def _flat_equivalent(
     if expected != list(inputs):
         return None
     opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    if layout is None:
-        return build_flat_optimizer_model(optimizer, infos, opset), None
     flat = ParamInfo("flat", (size,), infos[0].dtype)
     kinds = {slot.name[len("flat.") :] for slot in state_slots(optimizer, [flat])}
-    if kinds != set(layout):
-        return None
+    if layout is None or kinds != set(layout):
+        return build_flat_optimizer_model(optimizer, infos, opset), None
     model = build_optimizer_model(optimizer, [flat], opset)
     model.graph.name = f"{optimizer.name}_flat_step"
     return model, FlatLayout(flat.name, size, dict(layout))
@@ -738,10 +736,7 @@ class Optimizer:
         """The optimizer model the session runs: the file's, or its flat equivalent."""
         if fused and self._fused is None and hyperparameters is not None:
             size = state.trainable.cur.flat_size
-            flat = None
-            if layout is not None:
-                flat = _flat_equivalent(proto, name, hyperparameters, layout, size)
-            flat = flat or _flat_equivalent(proto, name, hyperparameters)
+            flat = _flat_equivalent(proto, name, hyperparameters, layout, size)
             if flat is not None:
                 self.graph_model, self._flat = flat
         self._runner = BoundRunner(

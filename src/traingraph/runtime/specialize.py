@@ -89,6 +89,12 @@ def _shifts_as_divisions(graph: onnx.GraphProto, constants: dict[str, onnx.Tenso
     return changed
 
 
+_FLOAT_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+     onnx.TensorProto.DOUBLE}
+)  # fmt: skip
+
+
 _BOOLEAN_OPS = frozenset(
     {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor"}
 )
@@ -138,12 +144,6 @@ def _masks_as_where(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProt
                                  name=f"{node.name or node.output[0]}_where")]  # fmt: skip
 
     return _expand_nodes(graph, expand)
-
-
-_FLOAT_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-     onnx.TensorProto.DOUBLE}
-)  # fmt: skip
 
 
 def _reductions_over_runs(
