@@ -63,7 +63,7 @@ def test_peer_losses_match_torch_eager(cache, label, rtol):
 def test_report_table_lists_every_system(cache):
     args = argparse.Namespace(
         models=["mlp"], systems=["traingraph", "torch_eager"], steps=3, warmup=1, rounds=1,
-        sweep=False, dropout=None, cache=cache, bench_dir=BENCH_DIR, timeout=300.0,
+        sweep=False, dropout=None, cache=cache, bench_dir=BENCH_DIR, timeout=300.0, chunk=2,
     )  # fmt: skip
     report = bench.run(args)
     table = bench.format_table(report)

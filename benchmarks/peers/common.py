@@ -5,6 +5,11 @@ environment). It reads the cache entry written by :mod:`benchmarks.models`, take
 ``warmup + steps`` training steps over the cached batches, and prints one JSON object on its
 last stdout line: step times, losses, peak resident memory and setup time. This module only
 needs numpy and the standard library, so it runs in every environment.
+
+With ``--chunk K`` the runner takes its timed steps K at a time, each chunk when a line arrives
+on stdin, and acknowledges it on stdout. The orchestrator uses this to interleave the systems
+step chunk by step chunk, so that every system meets the same machine conditions (a shared
+machine's speed drifts by tens of percent over seconds).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any
 import numpy as np
 
 RESULT_PREFIX = "BENCH-RESULT "
+READY = "BENCH-READY"
+CHUNK_DONE = "BENCH-CHUNK"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="timed steps")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--config", default="{}", help="system options as a JSON object")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="take the timed steps this many at a time, each chunk on a line from stdin",
+    )
     return parser.parse_args(argv)
 
 
@@ -51,10 +64,12 @@ def peak_rss_mb() -> float:
 def timed_loop(
     step: Callable[[np.ndarray, np.ndarray], float],
     data: dict[str, np.ndarray],
-    steps: int,
-    warmup: int,
+    args: argparse.Namespace,
 ) -> tuple[list[float], list[float]]:
-    """Run ``warmup + steps`` steps over the cached batches in order.
+    """Run ``args.warmup + args.steps`` steps over the cached batches in order.
+
+    With ``args.chunk``, announce readiness after the warm-up, then run the timed steps
+    ``args.chunk`` at a time, each chunk when a line arrives on stdin (until end of input).
 
     Returns:
         The wall time of each timed step in seconds, and the loss of every step (warm-up
@@ -63,15 +78,34 @@ def timed_loop(
     x, y = data["x"], data["y"]
     times: list[float] = []
     losses: list[float] = []
-    for i in range(warmup + steps):
-        xb, yb = x[i % len(x)], y[i % len(y)]
-        start = time.perf_counter()
-        loss = step(xb, yb)
-        elapsed = time.perf_counter() - start
-        losses.append(float(loss))
-        if i >= warmup:
-            times.append(elapsed)
+
+    def run(first: int, stop: int) -> None:
+        for i in range(first, stop):
+            xb, yb = x[i % len(x)], y[i % len(y)]
+            start = time.perf_counter()
+            loss = step(xb, yb)
+            elapsed = time.perf_counter() - start
+            losses.append(float(loss))
+            if i >= args.warmup:
+                times.append(elapsed)
+
+    total = args.warmup + args.steps
+    if args.chunk <= 0:
+        run(0, total)
+        return times, losses
+    run(0, args.warmup)
+    _say(READY)
+    for first in range(args.warmup, total, args.chunk):
+        if not sys.stdin.readline():
+            break
+        run(first, min(first + args.chunk, total))
+        _say(CHUNK_DONE)
     return times, losses
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def report(

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         return float(loss.block_until_ready())
 
     setup = time.perf_counter() - start
-    times, losses = timed_loop(step, data, args.steps, args.warmup)
+    times, losses = timed_loop(step, data, args)
     report("jax_jit", meta, times, losses, setup, config=config)
 
 

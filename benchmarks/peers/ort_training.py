@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         return loss
 
     setup = time.perf_counter() - start
-    times, losses = timed_loop(step, data, args.steps, args.warmup)
+    times, losses = timed_loop(step, data, args)
     report(
         "ort_training",
         meta,

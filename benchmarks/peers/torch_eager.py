@@ -44,7 +44,7 @@ def run(system: str, argv: list[str] | None = None, compile_model: bool = False)
         return loss.item()
 
     setup = time.perf_counter() - start
-    times, losses = timed_loop(step, data, args.steps, args.warmup)
+    times, losses = timed_loop(step, data, args)
     report(system, meta, times, losses, setup, config=config, threads=torch.get_num_threads())
 
 

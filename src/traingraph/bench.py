@@ -3,11 +3,12 @@
 Each system runs in its own process (and, where its packages conflict, its own virtual
 environment) through a runner script in ``benchmarks/peers/``; the runners read the same
 cached ONNX export, weights and data (``benchmarks/models.py``) and print their step times,
-losses and peak memory as JSON. The orchestrator interleaves the systems (``--rounds``
-times, in a rotated order), pools the step times and prints, per model, the median step
-time, peak resident memory, achieved GFLOP/s, the ratio of each system's median to
-traingraph's, and the compute limit: the model's FLOPs divided by this machine's measured
-sgemm peak.
+losses and peak memory as JSON. The orchestrator starts every system on a model at once and,
+after their warm-up, lets them take turns (``--chunk`` timed steps each, in a rotated order), so
+that every system meets the same machine conditions; ``--rounds`` repeats this with fresh
+processes. It pools the step times and prints, per model, the median step time, peak resident
+memory, achieved GFLOP/s, the ratio of each system's median to traingraph's, and the compute
+limit: the model's FLOPs divided by this machine's measured sgemm peak.
 
 Example:
     $ traingraph bench --models mlp lenet --rounds 2 --json results.json
@@ -17,10 +18,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +35,9 @@ from typing import Any
 import numpy as np
 
 RESULT_PREFIX = "BENCH-RESULT "
+READY = "BENCH-READY"
+CHUNK_DONE = "BENCH-CHUNK"
+MISSING_ENV = "environment missing (run benchmarks/run.py --setup-envs)"
 DEFAULT_MODELS = ("mlp", "lenet", "resnet8", "transformer")
 ORT_PACKAGES = ("onnxruntime-training-cpu==1.19.2", "onnx", "torch==2.13.0", "numpy<2")
 JAX_PACKAGES = ("jax", "jaxlib")
@@ -147,14 +155,16 @@ def entry_name(model: str, dropout: float | None) -> str:
     return f"{model}-nodrop" if model == "transformer" and dropout == 0 else model
 
 
-def run_system(
-    system: System, entry: Path, bench_dir: Path, steps: int, warmup: int, timeout: float
-) -> dict[str, Any]:
-    """Run one runner subprocess; its JSON result, or ``{"error": ...}``."""
-    python = python_for(system, bench_dir)
-    if python is None:
-        return {"error": "environment missing (run benchmarks/run.py --setup-envs)"}
-    command = [
+def _command(
+    python: str,
+    system: System,
+    entry: Path,
+    bench_dir: Path,
+    steps: int,
+    warmup: int,
+    chunk: int = 0,
+) -> list[str]:
+    return [
         python,
         str(bench_dir / "peers" / system.script),
         "--entry",
@@ -165,19 +175,165 @@ def run_system(
         str(warmup),
         "--config",
         json.dumps(system.config),
+        "--chunk",
+        str(chunk),
     ]
-    env = dict(os.environ, PYTHONPATH=str(bench_dir.parent))
+
+
+def _runner_env(bench_dir: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(bench_dir.parent))
+
+
+def _parse_result(stdout_lines: list[str], stderr: str, returncode: int | None) -> dict[str, Any]:
+    """A runner's JSON result line, or ``{"error": <its last output line>}``."""
+    for line in reversed(stdout_lines):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    lines = [ln for ln in (stderr.splitlines() + stdout_lines) if ln.strip()]
+    return {"error": lines[-1][:200] if lines else f"exit status {returncode}"}
+
+
+def run_system(
+    system: System, entry: Path, bench_dir: Path, steps: int, warmup: int, timeout: float
+) -> dict[str, Any]:
+    """Run one runner subprocess to the end; its JSON result, or ``{"error": ...}``."""
+    python = python_for(system, bench_dir)
+    if python is None:
+        return {"error": MISSING_ENV}
+    command = _command(python, system, entry, bench_dir, steps, warmup)
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=env, check=False
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_runner_env(bench_dir),
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    lines = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
-    return {"error": lines[-1][:200] if lines else f"exit status {done.returncode}"}
+    return _parse_result(done.stdout.splitlines(), done.stderr, done.returncode)
+
+
+class _Runner:
+    """A runner subprocess driven chunk by chunk (its ``--chunk`` protocol)."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        # Closed in finish(); a file, not a pipe, so that a chatty runner never blocks.
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
+        self._process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.stdout: list[str] = []
+        self.error: str | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def expect(self, marker: str, timeout: float) -> bool:
+        """Wait for a ``marker`` line; False (and ``error`` set) if the runner ends or stalls."""
+        deadline = time.monotonic() + timeout
+        while self.error is None:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.error = f"timed out after {timeout:.0f} s"
+                self._process.kill()
+                break
+            if line is None:
+                self.error = "ended early"
+                break
+            self.stdout.append(line)
+            if line == marker:
+                return True
+        return False
+
+    def go(self, timeout: float) -> bool:
+        """Run one chunk of timed steps and wait until it is done."""
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write("go\n")
+            self._process.stdin.flush()
+        except OSError:
+            self.error = "ended early"
+            return False
+        return self.expect(CHUNK_DONE, timeout)
+
+    def finish(self, timeout: float) -> dict[str, Any]:
+        """Close the runner's input, wait for it to exit and return its result."""
+        assert self._process.stdin is not None
+        with contextlib.suppress(OSError):
+            self._process.stdin.close()
+        try:
+            self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+            return {"error": f"timed out after {timeout:.0f} s"}
+        while (line := self._lines.get()) is not None:
+            self.stdout.append(line)
+        self._stderr.seek(0)
+        result = _parse_result(self.stdout, self._stderr.read(), self._process.returncode)
+        self._stderr.close()
+        return result
+
+
+def run_interleaved(
+    systems: Sequence[System],
+    entry: Path,
+    bench_dir: Path,
+    steps: int,
+    warmup: int,
+    chunk: int,
+    timeout: float,
+    pause: float = 0.01,
+) -> dict[str, dict[str, Any]]:
+    """Run ``systems`` side by side on one model, ``chunk`` timed steps at a time in turn.
+
+    Every runner starts at once and takes its warm-up steps; the timed steps then go round
+    the systems chunk by chunk, in an order rotated each time, so that drift in the
+    machine's speed falls on all of them alike. Only one system computes at a time; each
+    chunk starts ``pause`` seconds after the last one ends, so that threads still spinning
+    in the previous system have gone idle.
+
+    Returns:
+        Each system's JSON result (or ``{"error": ...}``), by label.
+    """
+    results: dict[str, dict[str, Any]] = {}
+    runners: dict[str, _Runner] = {}
+    for system in systems:
+        python = python_for(system, bench_dir)
+        if python is None:
+            results[system.label] = {"error": MISSING_ENV}
+            continue
+        command = _command(python, system, entry, bench_dir, steps, warmup, chunk)
+        runners[system.label] = _Runner(command, _runner_env(bench_dir))
+    for runner in runners.values():
+        runner.expect(READY, timeout)
+    labels = list(runners)
+    for index in range(-(-steps // chunk)):
+        shift = index % max(1, len(labels))
+        for label in labels[shift:] + labels[:shift]:
+            if runners[label].error is None:
+                time.sleep(pause)
+                runners[label].go(timeout)
+    for label, runner in runners.items():
+        result = runner.finish(timeout)
+        if runner.error is not None and "error" not in result:
+            result = {"error": runner.error}
+        results[label] = result
+    return {s.label: results[s.label] for s in systems}
 
 
 def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,12 +368,19 @@ def loss_agreement(
     return out
 
 
+def _turns(chunk: int) -> str:
+    if chunk > 0:
+        return f"(systems taking turns, {chunk} steps at a time)"
+    return "(one system after another)"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The results as Markdown tables, one per model."""
     lines = [
         f"sgemm peak (numpy BLAS, 1024^3 float32): {report['sgemm_gflops']:.1f} GFLOP/s;"
-        f" {report['steps']} timed steps after {report['warmup']} warm-up steps,"
-        f" {report['rounds']} round(s), load average at start {report['load_average']}",
+        f" {report['steps']} timed steps after {report['warmup']} warm-up steps"
+        f" {_turns(report.get('chunk', 0))}, {report['rounds']} round(s),"
+        f" load average at start {report['load_average']}",
         "",
     ]
     for model, entry in report["models"].items():
@@ -265,7 +428,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=50, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
-    parser.add_argument("--rounds", type=int, default=1, help="interleaved repetitions")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=10,
+        help="run the systems side by side, taking turns this many timed steps at a time"
+        " (0: one system after another)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repetitions, each with fresh processes"
+    )
     parser.add_argument(
         "--sweep",
         action="store_true",
@@ -308,6 +480,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "chunk": args.chunk,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "models": {},
     }
@@ -316,12 +489,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for model in args.models:
             entry = cache / entry_name(model, args.dropout)
             shift = round_index % len(systems)
-            for system in systems[shift:] + systems[:shift]:
-                result = run_system(system, entry, bench_dir, args.steps, args.warmup, args.timeout)
-                raw.setdefault(model, {}).setdefault(system.label, []).append(result)
+            order = systems[shift:] + systems[:shift]
+            if args.chunk > 0:
+                results = run_interleaved(
+                    order, entry, bench_dir, args.steps, args.warmup, args.chunk, args.timeout
+                )
+            else:
+                results = {
+                    s.label: run_system(s, entry, bench_dir, args.steps, args.warmup, args.timeout)
+                    for s in order
+                }
+            for label, result in results.items():
+                raw.setdefault(model, {}).setdefault(label, []).append(result)
                 status = result.get("error") or f"{result['median_ms']:.3f} ms"
                 print(
-                    f"[round {round_index + 1}] {model:12s} {system.label:28s} {status}",
+                    f"[round {round_index + 1}] {model:12s} {label:28s} {status}",
                     file=sys.stderr,
                     flush=True,
                 )
