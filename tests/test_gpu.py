@@ -205,6 +205,54 @@ def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_graph_step_copies_batches_asynchronously(tmp_path) -> None:
+    # Steps that fetch nothing leave no host sync between a batch's copy and its kernels but
+    # the stream they share; the parameters must still follow the CPU curve.
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)))
+    batches = _batches((20,))
+    _, cpu_params = _curve(tmp_path, "cpu", batches)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
+    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    for x, y in batches:
+        step(x, y)
+    assert type(step._feeds).__name__ == "StagedInputs", "batches should be staged"
+    for name, value in cpu_params.items():
+        np.testing.assert_allclose(
+            state.parameters[name].data, value, rtol=1e-2, atol=PARAM_ATOL, err_msg=name
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_staged_inputs_land_on_the_device() -> None:
+    from traingraph.runtime.cudart import StagedInputs, shared_stream
+
+    device = parse_device("cuda")
+    stream = shared_stream(device.index)
+    assert stream is not None, "the CUDA runtime library should load where the provider runs"
+    specs = {"a": ((3, 5), np.dtype(np.float32)), "i": ((), np.dtype(np.int64))}
+    feeds = StagedInputs(device, specs, stream)
+    assert feeds.ortvalue("i").data_ptr() - feeds.ortvalue("a").data_ptr() == 256
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 5)).astype(np.float32)
+    for k in range(3):
+        if k < 2:
+            a = rng.standard_normal((3, 5)).astype(np.float32)
+            feeds.write_all({"a": a, "i": np.array(k, np.int64)})
+        else:
+            feeds.write_all({"i": np.array(k, np.int64)})  # "a" keeps its value
+        # A synchronous read on the legacy stream does not wait for a non-blocking stream.
+        feeds.wait()
+        np.testing.assert_array_equal(feeds.ortvalue("a").numpy(), a)
+        assert int(feeds.ortvalue("i").numpy()) == k
+
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("batch_norm", [False, True], ids=["plain", "batch_norm"])
 def test_training_graph_compiles_for_cuda(batch_norm: bool) -> None:
     # With BatchNorm the phase models hold its lowered form, which the CUDA provider runs.

@@ -36,6 +36,7 @@ from traingraph.errors import DeviceError, ModelError
 from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
+from traingraph.runtime.cudart import StagedInputs, shared_stream
 from traingraph.runtime.device import Device
 from traingraph.runtime.optimizer import optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
@@ -238,20 +239,22 @@ class CudaGraphStep:
         self.module = module
         self.optimizer: Optimizer = Optimizer(optimizer_uri, module)
         self.device = device
-        self._config = dataclasses.replace(module._config, cuda_graph=True)
+        config = module._config
+        # The step's sessions share one stream, on which the batch is copied asynchronously
+        # from page-locked memory (unless the caller chose a stream of their own).
+        self._stream = (
+            None if "user_compute_stream" in config.cuda_extra else shared_stream(device.index)
+        )
+        if self._stream is not None:
+            extra = {**config.cuda_extra, "user_compute_stream": str(self._stream.handle)}
+            config = dataclasses.replace(config, cuda_extra=extra)
+        self._config = dataclasses.replace(config, cuda_graph=True)
         self._train: ort.InferenceSession | None = None
         self._optim: ort.InferenceSession | None = None
-        self._inputs: TensorStore | None = None
+        # What the host writes before each step (the batch and the scalars), and outputs.
+        self._feeds: StagedInputs | TensorStore | None = None
         self._outputs: TensorStore | None = None
-        self._scalars = TensorStore(
-            device,
-            {
-                "learning_rate": ((), np.dtype(np.float32)),
-                "step": ((), np.dtype(np.int64)),
-                LOSS_SCALE: ((), np.dtype(np.float32)),
-                GRADS_FINITE: ((), np.dtype(np.bool_)),
-            },
-        )
+        self._finite = TensorStore(device, {GRADS_FINITE: ((), np.dtype(np.bool_))})
         self._graphs: dict[tuple[int, ...], tuple[int, Any, Any, tuple[object, ...]]] = {}
         self._noise: TensorStore | None = None
         self._noise_session: ort.InferenceSession | None = None
@@ -260,7 +263,17 @@ class CudaGraphStep:
     def _capture_sessions(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Create the sessions for batches shaped like ``arrays``, and the buffers they bind."""
         specs = {n: (tuple(a.shape), a.dtype) for n, a in arrays.items()}
-        self._inputs = TensorStore(self.device, specs)
+        feeds = {
+            **specs,
+            "learning_rate": ((), np.dtype(np.float32)),
+            "step": ((), np.dtype(np.int64)),
+            LOSS_SCALE: ((), np.dtype(np.float32)),
+        }
+        self._feeds = (
+            TensorStore(self.device, feeds)
+            if self._stream is None
+            else StagedInputs(self.device, feeds, self._stream)
+        )
         static = with_static_inputs(
             self.module._train_uri, {n: shape for n, (shape, _) in specs.items()}
         )
@@ -308,25 +321,28 @@ class CudaGraphStep:
         if len(batch) != len(names):
             raise ModelError(f"got {len(batch)} inputs, but the training model takes {names}")
         arrays = {n: np.ascontiguousarray(a) for n, a in zip(names, batch)}
-        if self._inputs is None:
+        if self._feeds is None:
             self._capture_sessions(arrays)
-        assert self._inputs is not None and self._outputs is not None
+        assert self._feeds is not None and self._outputs is not None
         assert self._train is not None and self._optim is not None
         for name, array in arrays.items():
-            shape, dtype = self._inputs.specs[name]
+            shape, dtype = self._feeds.specs[name]
             if array.shape != shape or array.dtype != dtype:
                 raise ModelError(
                     f"input {name!r} has shape {list(array.shape)} and dtype {array.dtype};"
                     f" this CUDA graph step was captured for {list(shape)} {dtype}: every batch"
                     " must match the first (drop the last partial batch)"
                 )
-            self._inputs.write(name, array)
         assert state.learning_rate is not None
-        self._scalars.write("learning_rate", np.array(state.learning_rate, np.float32))
-        self._scalars.write("step", np.array(state.step + 1, np.int64))
         scaler = module.loss_scaler
+        feeds = {
+            **arrays,
+            "learning_rate": np.array(state.learning_rate, np.float32),
+            "step": np.array(state.step + 1, np.int64),
+        }
         if scaler is not None:
-            self._scalars.write(LOSS_SCALE, np.array(scaler.scale, np.float32))
+            feeds[LOSS_SCALE] = np.array(scaler.scale, np.float32)
+        self._feeds.write_all(feeds)
         graph_id, train_binding, optim_binding, _ = self._graph_for_layout()
         options = ort.RunOptions()
         options.add_run_config_entry("gpu_graph_id", str(graph_id))
@@ -335,7 +351,7 @@ class CudaGraphStep:
         self._train.run_with_iobinding(train_binding, options)
         if module._buffer_outputs:
             state.buffers.swap()
-        finite = scaler is None or scaler.update(bool(self._scalars.read(GRADS_FINITE)))
+        finite = scaler is None or scaler.update(bool(self._finite.read(GRADS_FINITE)))
         if finite:
             self._optim.run_with_iobinding(optim_binding, options)
             state.trainable.swap()
@@ -375,10 +391,10 @@ class CudaGraphStep:
 
     def _bind_train(self) -> Any:
         module, state = self.module, self.module._runtime
-        assert self._inputs is not None and self._outputs is not None and self._train is not None
+        assert self._feeds is not None and self._outputs is not None and self._train is not None
         binding = self._train.io_binding()
         for name in module._train_inputs:
-            binding.bind_ortvalue_input(name, self._inputs.ortvalue(name))
+            binding.bind_ortvalue_input(name, self._feeds.ortvalue(name))
         for name in module._train_params:
             binding.bind_ortvalue_input(name, state.ortvalue(name))
         if self._noise is not None:
@@ -391,15 +407,16 @@ class CudaGraphStep:
         for name in module._train_outputs:
             binding.bind_ortvalue_output(name, self._outputs.ortvalue(name))
         if module.loss_scaler is not None:
-            binding.bind_ortvalue_input(LOSS_SCALE, self._scalars.ortvalue(LOSS_SCALE))
-            binding.bind_ortvalue_output(GRADS_FINITE, self._scalars.ortvalue(GRADS_FINITE))
+            binding.bind_ortvalue_input(LOSS_SCALE, self._feeds.ortvalue(LOSS_SCALE))
+            binding.bind_ortvalue_output(GRADS_FINITE, self._finite.ortvalue(GRADS_FINITE))
         return binding
 
     def _bind_optimizer(self) -> Any:
         assert self._optim is not None
         binding = self._optim.io_binding()
-        binding.bind_ortvalue_input("learning_rate", self._scalars.ortvalue("learning_rate"))
-        binding.bind_ortvalue_input("step", self._scalars.ortvalue("step"))
+        assert self._feeds is not None
+        binding.bind_ortvalue_input("learning_rate", self._feeds.ortvalue("learning_rate"))
+        binding.bind_ortvalue_input("step", self._feeds.ortvalue("step"))
         inputs, outputs = optimizer_io(self.module._runtime, self.optimizer._flat)
         for name, value in inputs.items():
             binding.bind_ortvalue_input(name, value)

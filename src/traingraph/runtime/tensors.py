@@ -174,6 +174,11 @@ class TensorStore:
         else:
             self._ortvalues[name].update_inplace(np.ascontiguousarray(array, dtype=dtype))
 
+    def write_all(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """:meth:`write` each of ``arrays`` (name -> array)."""
+        for name, array in arrays.items():
+            self.write(name, array)
+
     def read_flat(self) -> np.ndarray:
         """All tensors, flattened and concatenated in order (a copy)."""
         if self.flat is not None:
