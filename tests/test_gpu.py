@@ -327,6 +327,73 @@ def test_session_config_refuses_unknown_cuda_options(kwargs, match) -> None:
         SessionConfig(**kwargs).cuda_options()
 
 
+def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients() -> None:
+    # Gradients at offsets 0 and 8 of a 16-element block: the fused model pads between them
+    # with zeros, writes that vector out, and the optimizer part updates the whole block.
+    from onnx import TensorProto, helper
+
+    from traingraph.optim.model import ParamInfo, build_optimizer_model
+    from traingraph.runtime.cuda import FUSED_PREFIX, fuse_step_model
+    from traingraph.runtime.optimizer import FlatLayout
+
+    f32 = TensorProto.FLOAT
+    train = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("ReduceSum", ["a"], ["loss"], keepdims=0),
+                helper.make_node("Mul", ["a", "a"], ["a_grad"]),
+                helper.make_node("Neg", ["b"], ["b_grad"]),
+            ],
+            "train",
+            [
+                helper.make_tensor_value_info("a", f32, [3]),
+                helper.make_tensor_value_info("b", f32, [2, 2]),
+            ],
+            [
+                helper.make_tensor_value_info("loss", f32, []),
+                helper.make_tensor_value_info("a_grad", f32, [3]),
+                helper.make_tensor_value_info("b_grad", f32, [2, 2]),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=10,
+    )
+    sgd = optim.SGD(lr=0.1, momentum=0.9)
+    optimizer = build_optimizer_model(sgd, [ParamInfo("flat", (16,), np.dtype(np.float32))])
+    layout = FlatLayout("flat", 16, {"momentum": (0, 16)})
+    spec = np.dtype(np.float32)
+    fused = fuse_step_model(
+        train, optimizer, layout, {"a": (0, ((3,), spec)), "b": (8, ((2, 2), spec))}
+    )
+    assert fused is not None
+    onnx.checker.check_model(fused, full_check=True)
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(3).astype(np.float32), rng.standard_normal((2, 2)).astype(np.float32)
+    flat = rng.standard_normal(16).astype(np.float32)
+    slots = {
+        i.name: rng.standard_normal(16).astype(np.float32)
+        for i in optimizer.graph.input
+        if i.name.startswith("flat.")
+    }
+    scalars = {"learning_rate": np.array(0.1, np.float32), "step": np.array(3, np.int64)}
+    session = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"a": a, "b": b, f"{FUSED_PREFIX}flat": flat}
+    feeds |= {FUSED_PREFIX + n: v for n, v in {**scalars, **slots}.items()}
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    assert "a_grad" not in got and "b_grad" not in got
+
+    grad = np.zeros(16, np.float32)
+    grad[:3], grad[8:12] = a * a, -b.reshape(-1)
+    np.testing.assert_array_equal(got[f"{FUSED_PREFIX}flat_grad"], grad)
+    assert float(got["loss"]) == pytest.approx(float(a.sum()))
+    alone = ort.InferenceSession(optimizer.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in alone.get_outputs()]
+    want = dict(zip(names, alone.run(None, {"flat": flat, "flat_grad": grad, **scalars, **slots})))
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[FUSED_PREFIX + name], value, err_msg=name)
+
+
 def test_captured_dropout_reads_fresh_noise_each_step() -> None:
     """A CUDA graph replays the random seeds it captured, so the step's Dropouts are rewritten
     to read uniform noise that an uncaptured session draws before each replay."""

@@ -3,8 +3,10 @@
 onnxruntime's CUDA execution provider can capture a session's kernels into a CUDA graph
 (``enable_cuda_graph``) and replay it in one launch. A captured graph reads and writes fixed
 device addresses, so every input and output must be bound to a device buffer that stays put.
-:class:`CudaGraphStep` does that for a whole training step (train graph, then optimizer graph):
-each input batch is copied once into a fixed device buffer, and parameters, gradients, updated
+:class:`CudaGraphStep` does that for a whole training step (train graph, then optimizer graph,
+fused into one model where the optimizer runs over flat blocks: one launch and one wait per
+step): each input batch is copied once into a fixed device buffer (one asynchronous copy from
+page-locked memory, :mod:`~traingraph.runtime.cudart`), and parameters, gradients, updated
 buffers and optimizer slots stay in the :class:`~traingraph.runtime.state.TrainingState` that
 the :class:`~traingraph.api.Module` owns. That state double-buffers what a step rewrites (it reads
 one copy and writes the other, then swaps), so the step keeps one captured graph per buffer
@@ -28,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
+import onnx.compose
 import onnx_ir as ir
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from traingraph.errors import DeviceError, ModelError
 from traingraph.ir.builder import OpBuilder
@@ -38,7 +41,7 @@ from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.runtime.cudart import StagedInputs, shared_stream
 from traingraph.runtime.device import Device
-from traingraph.runtime.optimizer import optimizer_io
+from traingraph.runtime.optimizer import FlatLayout, optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
 from traingraph.runtime.tensors import Spec, TensorStore
 
@@ -208,6 +211,84 @@ def noise_model(noise: Mapping[str, Spec]) -> onnx.ModelProto:
     )
 
 
+FUSED_PREFIX = "optimizer/"
+
+
+def fuse_step_model(
+    train: onnx.ModelProto,
+    optimizer: onnx.ModelProto,
+    flat: FlatLayout,
+    grads: Mapping[str, tuple[int, Spec]],
+) -> onnx.ModelProto | None:
+    """One model for a whole step: the training graph ``train`` followed by the flat optimizer
+    graph ``optimizer``, so a step is one session run (one CUDA graph launch and one wait).
+
+    The gradients the training graph outputs one by one are flattened and concatenated, with
+    zeros where the state's block pads between tensors, into the optimizer's gradient vector,
+    which is also an output (to be bound to the gradients' block, so they stay inspectable).
+    The optimizer's names all get :data:`FUSED_PREFIX`.
+
+    Args:
+        train: The training model (static shapes).
+        optimizer: An optimizer model over one flat vector, as ``flat`` describes.
+        flat: How the optimizer model's inputs lie in the state's blocks.
+        grads: Parameter -> (offset in the gradients' block, spec), for every gradient output
+            ``<parameter>_grad`` of ``train``.
+
+    Returns:
+        The fused model, or None where the two models import different versions of the
+        default opset or their names collide.
+    """
+    versions: dict[str, int] = {}
+    for model in (train, optimizer):
+        for entry in model.opset_import:
+            if versions.setdefault(entry.domain, entry.version) != entry.version:
+                return None
+    ours = onnx.compose.add_prefix(optimizer, FUSED_PREFIX)
+    fused = copy.deepcopy(train)
+    graph = fused.graph
+    names = {v.name for v in (*graph.input, *graph.output, *graph.initializer)}
+    names |= {out for node in graph.node for out in node.output}
+    if any(name.startswith(FUSED_PREFIX) for name in names):
+        return None
+    grad_vector = f"{FUSED_PREFIX}{flat.name}_grad"
+    dtypes = {spec[1] for _, spec in grads.values()}
+    if len(dtypes) != 1:
+        return None
+    elem = helper.np_dtype_to_tensor_dtype(dtypes.pop())
+    flat_shape = f"{FUSED_PREFIX}flatten_shape"
+    graph.initializer.append(helper.make_tensor(flat_shape, TensorProto.INT64, [1], [-1]))
+    pieces, end = [], 0
+    for name, (offset, (shape, dtype)) in sorted(grads.items(), key=lambda item: item[1][0]):
+        if offset > end:
+            pad = f"{FUSED_PREFIX}pad_{end}"
+            graph.initializer.append(numpy_helper.from_array(np.zeros(offset - end, dtype), pad))
+            pieces.append(pad)
+        piece = f"{FUSED_PREFIX}{name}_grad_flat"
+        graph.node.append(helper.make_node("Reshape", [f"{name}_grad", flat_shape], [piece]))
+        pieces.append(piece)
+        end = offset + int(np.prod(shape, dtype=np.int64))
+    if flat.size > end:
+        pad = f"{FUSED_PREFIX}pad_{end}"
+        graph.initializer.append(numpy_helper.from_array(np.zeros(flat.size - end, dtype), pad))
+        pieces.append(pad)
+    graph.node.append(helper.make_node("Concat", pieces, [grad_vector], axis=0))
+    grad_outputs = {f"{name}_grad" for name in grads}
+    kept = [o for o in graph.output if o.name not in grad_outputs]
+    del graph.output[:]
+    graph.output.extend(kept)
+    graph.output.append(helper.make_tensor_value_info(grad_vector, elem, [flat.size]))
+    graph.input.extend(i for i in ours.graph.input if i.name != grad_vector)
+    graph.initializer.extend(ours.graph.initializer)
+    graph.node.extend(ours.graph.node)
+    graph.output.extend(ours.graph.output)
+    graph.value_info.extend(ours.graph.value_info)
+    del fused.opset_import[:]
+    fused.opset_import.extend(helper.make_opsetid(d, v) for d, v in versions.items())
+    fused.ir_version = max(train.ir_version, optimizer.ir_version)
+    return fused
+
+
 class CudaGraphStep:
     """One training step (forward, gradients, optimizer update) replayed as CUDA graphs.
 
@@ -219,7 +300,9 @@ class CudaGraphStep:
     CUDA options: TF32, cuDNN algorithm search, memory limits) plus ``cuda_graph=True``, from a
     copy of the training graph whose input shapes are fixed to the first batch's
     (:func:`with_static_inputs`) and whose Dropouts read fresh random numbers that a small
-    uncaptured session draws before each step (:func:`dropout_from_noise`).
+    uncaptured session draws before each step (:func:`dropout_from_noise`). Where the
+    optimizer updates the state's flat blocks and there is no loss scaler, the training and
+    optimizer graphs run as one (:func:`fuse_step_model`).
 
     Args:
         module: A :class:`~traingraph.api.Module` on a CUDA device, in training mode.
@@ -285,9 +368,25 @@ class CudaGraphStep:
             for name in noise:
                 self._noise_binding.bind_ortvalue_output(name, self._noise.ortvalue(name))
             self._noise_session = session
-        self._train = create_cuda_session(static, self.device, self._config)
-        self._optim = create_cuda_session(self.optimizer.graph_model, self.device, self._config)
+        fused = self._fused_model(static)
+        if fused is not None:
+            self._train = create_cuda_session(fused, self.device, self._config)
+        else:
+            self._train = create_cuda_session(static, self.device, self._config)
+            optimizer = self.optimizer.graph_model
+            self._optim = create_cuda_session(optimizer, self.device, self._config)
         self._outputs = TensorStore(self.device, self._static_outputs(self._train))
+
+    def _fused_model(self, static: onnx.ModelProto) -> onnx.ModelProto | None:
+        """The training and optimizer graphs as one model (:func:`fuse_step_model`), where the
+        optimizer runs over the state's flat blocks and no loss scaler decides between the
+        two whether the update happens; else None."""
+        flat, state = self.optimizer._flat, self.module._runtime
+        offsets = state.grads.offsets
+        if flat is None or self.module.loss_scaler is not None or offsets is None:
+            return None
+        grads = {n: (offsets[n], state.grads.specs[n]) for n in self.module._trainable}
+        return fuse_step_model(static, self.optimizer.graph_model, flat, grads)
 
     def _static_outputs(
         self, session: ort.InferenceSession
@@ -324,7 +423,7 @@ class CudaGraphStep:
         if self._feeds is None:
             self._capture_sessions(arrays)
         assert self._feeds is not None and self._outputs is not None
-        assert self._train is not None and self._optim is not None
+        assert self._train is not None
         for name, array in arrays.items():
             shape, dtype = self._feeds.specs[name]
             if array.shape != shape or array.dtype != dtype:
@@ -353,7 +452,8 @@ class CudaGraphStep:
             state.buffers.swap()
         finite = scaler is None or scaler.update(bool(self._finite.read(GRADS_FINITE)))
         if finite:
-            self._optim.run_with_iobinding(optim_binding, options)
+            if self._optim is not None:
+                self._optim.run_with_iobinding(optim_binding, options)
             state.trainable.swap()
             assert state.optimizer_slots is not None
             state.optimizer_slots.swap()
@@ -381,12 +481,14 @@ class CudaGraphStep:
         )
         key = tuple(id(s) for s in stores)
         if key not in self._graphs:
-            self._graphs[key] = (
-                len(self._graphs),
-                self._bind_train(),
-                self._bind_optimizer(),
-                stores,  # keeps the stores alive, so their ids stay unique
-            )
+            train = self._bind_train()
+            if self._optim is None:
+                self._bind_optimizer(train, FUSED_PREFIX)
+                optim = None
+            else:
+                optim = self._bind_optimizer(self._optim.io_binding())
+            # The stores stay referenced, so their ids stay unique.
+            self._graphs[key] = (len(self._graphs), train, optim, stores)
         return self._graphs[key]
 
     def _bind_train(self) -> Any:
@@ -400,8 +502,9 @@ class CudaGraphStep:
         if self._noise is not None:
             for name in self._noise:
                 binding.bind_ortvalue_input(name, self._noise.ortvalue(name))
-        for name in module._trainable:
-            binding.bind_ortvalue_output(f"{name}_grad", state.grads.ortvalue(name))
+        if self._optim is not None:
+            for name in module._trainable:
+                binding.bind_ortvalue_output(f"{name}_grad", state.grads.ortvalue(name))
         for out, buffer in module._buffer_outputs.items():
             binding.bind_ortvalue_output(out, state.buffers.alt.ortvalue(buffer))
         for name in module._train_outputs:
@@ -411,15 +514,19 @@ class CudaGraphStep:
             binding.bind_ortvalue_output(GRADS_FINITE, self._finite.ortvalue(GRADS_FINITE))
         return binding
 
-    def _bind_optimizer(self) -> Any:
-        assert self._optim is not None
-        binding = self._optim.io_binding()
+    def _bind_optimizer(self, binding: Any, prefix: str = "") -> Any:
+        """Bind the optimizer graph's inputs and outputs (their names after ``prefix``)."""
         assert self._feeds is not None
-        binding.bind_ortvalue_input("learning_rate", self._feeds.ortvalue("learning_rate"))
-        binding.bind_ortvalue_input("step", self._feeds.ortvalue("step"))
-        inputs, outputs = optimizer_io(self.module._runtime, self.optimizer._flat)
+        binding.bind_ortvalue_input(f"{prefix}learning_rate", self._feeds.ortvalue("learning_rate"))
+        binding.bind_ortvalue_input(f"{prefix}step", self._feeds.ortvalue("step"))
+        flat = self.optimizer._flat
+        inputs, outputs = optimizer_io(self.module._runtime, flat)
         for name, value in inputs.items():
-            binding.bind_ortvalue_input(name, value)
+            if prefix and flat is not None and name == f"{flat.name}_grad":
+                # The fused graph computes the gradient vector and writes it to the block.
+                binding.bind_ortvalue_output(f"{prefix}{name}", value)
+            else:
+                binding.bind_ortvalue_input(f"{prefix}{name}", value)
         for name, value in outputs.items():
-            binding.bind_ortvalue_output(name, value)
+            binding.bind_ortvalue_output(f"{prefix}{name}", value)
         return binding
