@@ -394,6 +394,42 @@ def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients() -> 
         np.testing.assert_array_equal(got[FUSED_PREFIX + name], value, err_msg=name)
 
 
+def test_fused_step_model_concatenates_many_gradients_in_groups() -> None:
+    # onnxruntime's CUDA Concat takes at most 32 inputs inside a CUDA graph capture.
+    from onnx import TensorProto, helper
+
+    from traingraph.optim.model import ParamInfo, build_optimizer_model
+    from traingraph.runtime.cuda import FUSED_PREFIX, fuse_step_model
+    from traingraph.runtime.optimizer import FlatLayout
+
+    n = 70
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Neg", [f"p{i}"], [f"p{i}_grad"]) for i in range(n)]
+    inputs = [helper.make_tensor_value_info(f"p{i}", f32, [2]) for i in range(n)]
+    outputs = [helper.make_tensor_value_info(f"p{i}_grad", f32, [2]) for i in range(n)]
+    train = helper.make_model(
+        helper.make_graph(nodes, "train", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=10,
+    )
+    sgd = optim.SGD(lr=0.1)
+    optimizer = build_optimizer_model(sgd, [ParamInfo("flat", (2 * n,), np.dtype(np.float32))])
+    grads = {f"p{i}": (2 * i, ((2,), np.dtype(np.float32))) for i in range(n)}
+    fused = fuse_step_model(train, optimizer, FlatLayout("flat", 2 * n, {}), grads)
+    assert fused is not None
+    assert max(len(node.input) for node in fused.graph.node if node.op_type == "Concat") <= 32
+    values = np.arange(2 * n, dtype=np.float32)
+    feeds = {f"p{i}": values[2 * i : 2 * i + 2] for i in range(n)}
+    feeds |= {
+        f"{FUSED_PREFIX}flat": values,
+        f"{FUSED_PREFIX}learning_rate": np.array(0.1, np.float32),
+        f"{FUSED_PREFIX}step": np.array(1, np.int64),
+    }
+    session = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
+    (grad,) = session.run([f"{FUSED_PREFIX}flat_grad"], feeds)
+    np.testing.assert_array_equal(grad, -values)
+
+
 def test_captured_dropout_reads_fresh_noise_each_step() -> None:
     """A CUDA graph replays the random seeds it captured, so the step's Dropouts are rewritten
     to read uniform noise that an uncaptured session draws before each replay."""

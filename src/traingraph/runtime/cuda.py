@@ -212,6 +212,7 @@ def noise_model(noise: Mapping[str, Spec]) -> onnx.ModelProto:
 
 
 FUSED_PREFIX = "optimizer/"
+_MAX_CONCAT = 32
 
 
 def fuse_step_model(
@@ -272,6 +273,14 @@ def fuse_step_model(
         pad = f"{FUSED_PREFIX}pad_{end}"
         graph.initializer.append(numpy_helper.from_array(np.zeros(flat.size - end, dtype), pad))
         pieces.append(pad)
+    # onnxruntime's CUDA Concat takes at most 32 inputs inside a graph capture.
+    while len(pieces) > _MAX_CONCAT:
+        groups = [pieces[i : i + _MAX_CONCAT] for i in range(0, len(pieces), _MAX_CONCAT)]
+        pieces = []
+        for group in groups:
+            part = f"{FUSED_PREFIX}grad_part_{len(graph.node)}"
+            graph.node.append(helper.make_node("Concat", group, [part], axis=0))
+            pieces.append(part)
     graph.node.append(helper.make_node("Concat", pieces, [grad_vector], axis=0))
     grad_outputs = {f"{name}_grad" for name in grads}
     kept = [o for o in graph.output if o.name not in grad_outputs]
