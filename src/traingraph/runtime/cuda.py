@@ -237,8 +237,8 @@ def fuse_step_model(
             ``<parameter>_grad`` of ``train``.
 
     Returns:
-        The fused model, or None where the two models import different versions of the
-        default opset or their names collide.
+        The fused model, or None where the two models import different versions of an
+        opset, their names collide or the gradients have several dtypes.
     """
     versions: dict[str, int] = {}
     for model in (train, optimizer):
@@ -256,23 +256,28 @@ def fuse_step_model(
     dtypes = {spec[1] for _, spec in grads.values()}
     if len(dtypes) != 1:
         return None
-    elem = helper.np_dtype_to_tensor_dtype(dtypes.pop())
+    dtype = dtypes.pop()
+    elem = helper.np_dtype_to_tensor_dtype(dtype)
     flat_shape = f"{FUSED_PREFIX}flatten_shape"
     graph.initializer.append(helper.make_tensor(flat_shape, TensorProto.INT64, [1], [-1]))
-    pieces, end = [], 0
-    for name, (offset, (shape, dtype)) in sorted(grads.items(), key=lambda item: item[1][0]):
-        if offset > end:
-            pad = f"{FUSED_PREFIX}pad_{end}"
-            graph.initializer.append(numpy_helper.from_array(np.zeros(offset - end, dtype), pad))
-            pieces.append(pad)
+    pieces: list[str] = []
+
+    def pad(start: int, stop: int) -> None:
+        if stop > start:
+            zeros = numpy_helper.from_array(
+                np.zeros(stop - start, dtype), f"{FUSED_PREFIX}pad_{start}"
+            )
+            graph.initializer.append(zeros)
+            pieces.append(zeros.name)
+
+    end = 0
+    for name, (offset, (shape, _)) in sorted(grads.items(), key=lambda item: item[1][0]):
+        pad(end, offset)
         piece = f"{FUSED_PREFIX}{name}_grad_flat"
         graph.node.append(helper.make_node("Reshape", [f"{name}_grad", flat_shape], [piece]))
         pieces.append(piece)
         end = offset + int(np.prod(shape, dtype=np.int64))
-    if flat.size > end:
-        pad = f"{FUSED_PREFIX}pad_{end}"
-        graph.initializer.append(numpy_helper.from_array(np.zeros(flat.size - end, dtype), pad))
-        pieces.append(pad)
+    pad(end, flat.size)
     # onnxruntime's CUDA Concat takes at most 32 inputs inside a graph capture.
     while len(pieces) > _MAX_CONCAT:
         groups = [pieces[i : i + _MAX_CONCAT] for i in range(0, len(pieces), _MAX_CONCAT)]
