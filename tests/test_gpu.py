@@ -181,9 +181,8 @@ def test_cuda_optimizer_updates_the_blocks_as_one_vector(tmp_path) -> None:
         np.testing.assert_allclose(results[True][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
+def _graph_step_and_cpu_curve(tmp_path):
+    """A CudaGraphStep on the static MLP, its state, the batches, and the CPU curve over them."""
     from traingraph.runtime.cuda import CudaGraphStep
 
     _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)))
@@ -192,13 +191,24 @@ def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
     module = Module(tmp_path / "training_model.onnx", state, device="cuda")
     step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
-    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
-    np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
-    assert step.optimizer.get_learning_rate() == pytest.approx(1e-2)
-    for name, value in cpu_params.items():
+    return step, state, batches, cpu_losses, cpu_params
+
+
+def _assert_parameters_follow(state: CheckpointState, expected: dict[str, np.ndarray]) -> None:
+    for name, value in expected.items():
         np.testing.assert_allclose(
             state.parameters[name].data, value, rtol=1e-2, atol=PARAM_ATOL, err_msg=name
         )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
+    step, state, batches, cpu_losses, cpu_params = _graph_step_and_cpu_curve(tmp_path)
+    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+    np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
+    assert step.optimizer.get_learning_rate() == pytest.approx(1e-2)
+    _assert_parameters_follow(state, cpu_params)
     with pytest.raises(tg.errors.ModelError, match="captured for"):
         step(batches[0][0][:8], batches[0][1][:8])
 
@@ -208,21 +218,11 @@ def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
 def test_cuda_graph_step_copies_batches_asynchronously(tmp_path) -> None:
     # Steps that fetch nothing leave no host sync between a batch's copy and its kernels but
     # the stream they share; the parameters must still follow the CPU curve.
-    from traingraph.runtime.cuda import CudaGraphStep
-
-    _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)))
-    batches = _batches((20,))
-    _, cpu_params = _curve(tmp_path, "cpu", batches)
-    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
-    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    step, state, batches, _, cpu_params = _graph_step_and_cpu_curve(tmp_path)
     for x, y in batches:
         step(x, y)
     assert type(step._feeds).__name__ == "StagedInputs", "batches should be staged"
-    for name, value in cpu_params.items():
-        np.testing.assert_allclose(
-            state.parameters[name].data, value, rtol=1e-2, atol=PARAM_ATOL, err_msg=name
-        )
+    _assert_parameters_follow(state, cpu_params)
 
 
 @pytest.mark.gpu

@@ -69,7 +69,6 @@ class Stream:
     ``user_compute_stream`` option takes it."""
 
     def __init__(self, lib: ctypes.CDLL, index: int) -> None:
-        self.index = index
         handle = ctypes.c_void_p()
         _check(lib.cudaSetDevice(index), "cudaSetDevice")
         _check(
