@@ -21,6 +21,7 @@ from traingraph.api import (
     StepLRScheduler,
 )
 from traingraph.errors import CheckpointError, ModelError
+from traingraph.runtime.session import SessionConfig
 
 STEPS = 50
 BATCH = 16
@@ -330,3 +331,17 @@ def test_contiguous_buffer_of_the_wrong_size_is_refused(tmp_path):
         module.copy_buffer_to_parameters(np.zeros(trainable + 1, np.float32), trainable_only=False)
     with pytest.raises(ModelError, match="elements"):
         module.copy_buffer_to_parameters(np.zeros(trainable - 1, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("config", "spin", "stop"),
+    [
+        ({}, "1", "1"),
+        ({"spin_between_runs": True}, "1", "0"),
+        ({"allow_spinning": False}, "0", "1"),
+    ],
+)
+def test_workers_spin_within_a_run_and_stop_when_it_returns(config, spin, stop):
+    options = SessionConfig(**config).session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == spin
+    assert options.get_session_config_entry("session.force_spinning_stop") == stop

@@ -1,8 +1,8 @@
 """traingraph: artifacts from the cached ONNX export, run by ``traingraph.api``.
 
 Config keys (``--config``): ``optimization`` ("disable", "basic", "extended", "all"),
-``intra_op_threads`` (0: one per core), ``allow_spinning`` (bool), fields of
-``traingraph.runtime.session.SessionConfig``; and ``graph_optimizer`` (bool): run the
+``intra_op_threads`` (0: one per core), ``allow_spinning`` and ``spin_between_runs`` (bool),
+fields of ``traingraph.runtime.session.SessionConfig``; and ``graph_optimizer`` (bool): run the
 standard-op optimizer graph at every step (``Optimizer(..., fused=False)``) instead of the
 fused in-place CPU update, to measure the portable path.
 """

@@ -71,11 +71,11 @@ REFERENCE = System("traingraph", "traingraph_runner.py")
 
 
 def traingraph_systems(sweep: bool) -> list[System]:
-    """traingraph's default session, spinning on, the optimizer graph instead of the fused
-    update, and with ``sweep`` every optimization level with 1 and 2 threads."""
+    """traingraph's default session, without spinning, the optimizer graph instead of the
+    fused update, and with ``sweep`` every optimization level with 1 and 2 threads."""
     systems = [
         REFERENCE,
-        System("traingraph spin", "traingraph_runner.py", {"allow_spinning": True}),
+        System("traingraph no-spin", "traingraph_runner.py", {"allow_spinning": False}),
         System("traingraph graph-opt", "traingraph_runner.py", {"graph_optimizer": True}),
     ]
     if sweep:
@@ -424,7 +424,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--systems",
         nargs="+",
         default=None,
-        help="labels to run (default: traingraph, traingraph spin and all peers)",
+        help="labels to run (default: traingraph, traingraph no-spin and all peers)",
     )
     parser.add_argument("--steps", type=int, default=50, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them")

@@ -32,8 +32,13 @@ class SessionConfig:
     Attributes:
         optimization: onnxruntime graph optimization level: "disable", "basic", "extended", "all".
         intra_op_threads: Threads per op (0: onnxruntime's default, one per core).
-        allow_spinning: Whether idle worker threads spin; off by default so that work that runs
-            between steps (data loading, other sessions) keeps its cores.
+        allow_spinning: Whether onnxruntime's worker threads spin while they wait for work
+            during a run, so that a graph's many small parallel kernels do not wait for
+            sleeping threads to wake.
+        spin_between_runs: Whether the workers go on spinning after a run returns. Off by
+            default (onnxruntime's ``session.force_spinning_stop``): spinning then stops with
+            the run, and the work between steps (the optimizer update, data loading, other
+            sessions) keeps its cores.
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
         extra: Further session config entries (``add_session_config_entry``).
@@ -61,7 +66,8 @@ class SessionConfig:
 
     optimization: str = "all"
     intra_op_threads: int = 0
-    allow_spinning: bool = False
+    allow_spinning: bool = True
+    spin_between_runs: bool = False
     profile: bool = False
     memory_arena: bool = True
     extra: dict[str, str] = field(default_factory=dict)
@@ -120,6 +126,9 @@ class SessionConfig:
         )
         options.add_session_config_entry(
             "session.inter_op.allow_spinning", "1" if self.allow_spinning else "0"
+        )
+        options.add_session_config_entry(
+            "session.force_spinning_stop", "0" if self.spin_between_runs else "1"
         )
         for key, value in self.extra.items():
             options.add_session_config_entry(key, value)
