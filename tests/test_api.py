@@ -339,6 +339,7 @@ def test_contiguous_buffer_of_the_wrong_size_is_refused(tmp_path):
         ({}, "1", "1"),
         ({"spin_between_runs": True}, "1", "0"),
         ({"allow_spinning": False}, "0", "1"),
+        ({"extra": {"session.force_spinning_stop": "0"}}, "1", "0"),
     ],
 )
 def test_workers_spin_within_a_run_and_stop_when_it_returns(config, spin, stop):

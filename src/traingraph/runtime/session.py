@@ -41,7 +41,8 @@ class SessionConfig:
             sessions) keeps its cores.
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
-        extra: Further session config entries (``add_session_config_entry``).
+        extra: Further session config entries (``add_session_config_entry``); an entry here
+            replaces the one the fields above would set.
         cuda_graph: Capture the session's kernels into a CUDA graph on the first run and replay
             it afterwards (onnxruntime's ``enable_cuda_graph``). Needs static shapes, every node
             on the GPU and inputs and outputs bound to device buffers that keep their
@@ -121,17 +122,15 @@ class SessionConfig:
         options.log_severity_level = 3
         if self.intra_op_threads:
             options.intra_op_num_threads = self.intra_op_threads
-        options.add_session_config_entry(
-            "session.intra_op.allow_spinning", "1" if self.allow_spinning else "0"
-        )
-        options.add_session_config_entry(
-            "session.inter_op.allow_spinning", "1" if self.allow_spinning else "0"
-        )
-        options.add_session_config_entry(
-            "session.force_spinning_stop", "0" if self.spin_between_runs else "1"
-        )
-        for key, value in self.extra.items():
-            options.add_session_config_entry(key, value)
+        spin = "1" if self.allow_spinning else "0"
+        entries = {
+            "session.intra_op.allow_spinning": spin,
+            "session.inter_op.allow_spinning": spin,
+            "session.force_spinning_stop": "0" if self.spin_between_runs else "1",
+        }
+        entries.update(self.extra)
+        for key, value in entries.items():
+            options.add_session_config_entry(key, str(value))
         options.enable_profiling = self.profile
         options.enable_cpu_mem_arena = self.memory_arena
         return options
