@@ -71,3 +71,15 @@ def test_report_table_lists_every_system(cache):
     assert report["sgemm_gflops"] > 0
     rows = report["models"]["mlp"]["systems"]
     assert bench.loss_agreement(rows)["traingraph"] < 1e-4
+
+
+def test_session_ab_reports_every_setting(cache, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import session_ab
+
+    configs = ['{"allow_spinning": false}', "{}"]
+    session_ab.main(["mlp", *configs, "--chunks", "2", "--steps", "3", "--cache", str(cache)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "mlp: 2 chunks of 3 steps, ms per step"
+    assert [line.split()[0] for line in lines[1:]] == ['{"allow_spinning":', "{}"]
+    assert lines[1].rstrip().endswith("vs first 1.000")
