@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 
 from common import load_entry  # noqa: E402
+from traingraph_runner import write_artifacts  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,9 +43,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    import onnx
-
-    from traingraph import artifacts, optim
     from traingraph.api import CheckpointState, Module, Optimizer
     from traingraph.bench import prepare_models
     from traingraph.runtime.session import SessionConfig
@@ -53,25 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     if not (cache / args.model / "meta.json").exists():
         prepare_models(HERE, cache, [args.model], None)
     meta, _, data = load_entry(cache / args.model)
-    model = onnx.load(cache / args.model / "model.onnx")
-    trainable = meta["trainable"]
-    frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
-    if meta["optimizer"] == "sgd":
-        optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
-    else:
-        optimizer = optim.AdamW(lr=meta["lr"], weight_decay=meta["weight_decay"])
     configs = [json.loads(text) for text in args.configs]
     steppers = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        artifacts.generate_artifacts(
-            model,
-            requires_grad=trainable,
-            frozen_params=frozen,
-            loss=artifacts.LossType.CrossEntropyLoss,
-            optimizer=optimizer,
-            artifact_directory=directory,
-        )
+        write_artifacts(cache / args.model, meta, directory)
         for config in configs:
             state = CheckpointState.load_checkpoint(directory / "checkpoint")
             module = Module(

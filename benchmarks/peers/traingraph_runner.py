@@ -20,12 +20,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_entry, parse_args, report, timed_loop
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    start = time.perf_counter()
+def write_artifacts(entry: Path, meta: dict, directory: Path) -> None:
+    """The training artifacts of the cached export ``entry`` (its optimizer from ``meta``)."""
     import onnx
 
     from traingraph import artifacts, optim
+
+    model = onnx.load(entry / "model.onnx")
+    trainable = meta["trainable"]
+    frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
+    if meta["optimizer"] == "sgd":
+        optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
+    else:
+        optimizer = optim.AdamW(lr=meta["lr"], weight_decay=meta["weight_decay"])
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=trainable,
+        frozen_params=frozen,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optimizer,
+        artifact_directory=directory,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
     from traingraph.api import CheckpointState, Module, Optimizer
     from traingraph.runtime.session import SessionConfig
 
@@ -33,23 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     options = json.loads(args.config)
     fused = not options.pop("graph_optimizer", False)
     config = SessionConfig(**options)
-    model = onnx.load(args.entry / "model.onnx")
-    trainable = meta["trainable"]
-    frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
-    if meta["optimizer"] == "sgd":
-        optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
-    else:
-        optimizer = optim.AdamW(lr=meta["lr"], weight_decay=meta["weight_decay"])
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        artifacts.generate_artifacts(
-            model,
-            requires_grad=trainable,
-            frozen_params=frozen,
-            loss=artifacts.LossType.CrossEntropyLoss,
-            optimizer=optimizer,
-            artifact_directory=directory,
-        )
+        write_artifacts(args.entry, meta, directory)
         state = CheckpointState.load_checkpoint(directory / "checkpoint")
         module = Module(directory / "training_model.onnx", state, session_config=config)
         opt = Optimizer(directory / "optimizer_model.onnx", module, fused=fused)
