@@ -71,8 +71,9 @@ REFERENCE = System("traingraph", "traingraph_runner.py")
 
 
 def traingraph_systems(sweep: bool) -> list[System]:
-    """traingraph's default session, without spinning, the optimizer graph instead of the
-    fused update, and with ``sweep`` every optimization level with 1 and 2 threads."""
+    """traingraph's default session, one whose worker threads never spin, one running the
+    optimizer graph instead of the fused update, and with ``sweep`` every optimization level
+    with 1 and 2 threads."""
     systems = [
         REFERENCE,
         System("traingraph no-spin", "traingraph_runner.py", {"allow_spinning": False}),
