@@ -1,9 +1,12 @@
-"""Build the optional native optimizer kernels; the metadata lives in pyproject.toml.
+"""Build the optional native kernels; the metadata lives in pyproject.toml.
 
-``traingraph.runtime._fusedc`` is optional: where no C compiler exists the build warns and
-the package installs without it, and :mod:`traingraph.runtime.fused` uses numpy instead.
-``-ffp-contract=off`` keeps every multiply and add a separate float operation, as in the
-optimizer graph, so both give the same numbers; ``-fno-math-errno`` (sqrt sets no errno, its
+Both extensions are optional: where no C compiler exists the build warns and the package
+installs without them. Without ``traingraph.runtime._fusedc`` :mod:`traingraph.runtime.fused`
+uses numpy; without ``traingraph.runtime._convc`` convolution weight gradients stay in the
+training graph (:mod:`traingraph.runtime.conv_grads`).
+
+For ``_fusedc``, ``-ffp-contract=off`` keeps every multiply and add a separate float
+operation, as in the optimizer graph, so both give the same numbers; ``-fno-math-errno`` (sqrt sets no errno, its
 results are unchanged) lets the loops with a square root vectorize.
 """
 
@@ -17,6 +20,13 @@ setup(
             depends=["src/traingraph/runtime/_fusedc_kernels.h"],
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
             optional=True,
-        )
+        ),
+        Extension(
+            "traingraph.runtime._convc",
+            sources=["src/traingraph/runtime/_convc.c"],
+            extra_compile_args=["-O3", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

@@ -51,6 +51,7 @@ from traingraph.optim.schedulers import (
 )
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.program import BUFFER_UPDATE_SUFFIX
+from traingraph.runtime import conv_grads
 from traingraph.runtime.amp import DynamicLossScaler
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.fused import fused_update
@@ -76,6 +77,10 @@ __all__ = [
     "Parameter",
     "StepLRScheduler",
 ]
+
+# Larger training models keep their Conv weight gradients in the graph: splitting them out
+# means holding the model, weights included, in memory once more.
+_NATIVE_SPLIT_MAX_BYTES = 1 << 30
 
 PropertyValue = int | float | str
 
@@ -316,9 +321,15 @@ class Module:
         self.loss_scaler = DynamicLossScaler() if LOSS_SCALE in inputs else None
         self._grads_finite = True
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
+        train_model, self._native_grads = self._split_conv_grads()
         self._train = BoundRunner(
-            create_session(self._train_uri, self._device, self._config), self._device
+            create_session(train_model, self._device, self._config), self._device
         )
+        self._native_params = {g.param for g in self._native_grads}
+        self._native_values = sorted(
+            {name for g in self._native_grads for name in (g.x, g.dy) if name not in inputs}
+        )
+        self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
         self._eval_inputs: list[str] = []
@@ -335,6 +346,21 @@ class Module:
         self._fixed_outputs = _preallocated_outputs(self._train, self._train_outputs)
         self._checked: set[tuple[object, ...]] = set()  # input signatures already validated
         self.training = True
+
+    def _split_conv_grads(self) -> tuple[Path | onnx.ModelProto, list[conv_grads.WeightGrad]]:
+        """The training model to run and the Conv weight gradients computed natively beside it
+        (:mod:`traingraph.runtime.conv_grads`; on the CPU, where enabled and built)."""
+        if not (
+            self._device.kind == "cpu" and self._config.native_conv_grads and conv_grads.AVAILABLE
+        ):
+            return self._train_uri, []
+        if self._train_uri.stat().st_size > _NATIVE_SPLIT_MAX_BYTES:
+            return self._train_uri, []  # with its weights inline the graph's copy grows large
+        proto = onnx.load(self._train_uri)
+        if proto.ByteSize() > _NATIVE_SPLIT_MAX_BYTES:
+            return self._train_uri, []
+        model, grads = conv_grads.split_weight_grads(proto)
+        return (model, grads) if grads else (self._train_uri, [])
 
     # ----------------------------------------------------------------- modes
     def train(self, mode: bool = True) -> Module:
@@ -432,8 +458,12 @@ class Module:
         target = state.grad_scratch if accumulate else state.grads
         assert target is not None
         outs: dict[str, ort.OrtValue | None] = {
-            f"{name}_grad": target.ortvalue(name) for name in self._trainable
+            f"{name}_grad": target.ortvalue(name)
+            for name in self._trainable
+            if name not in self._native_params
         }
+        for name in self._native_values:
+            outs[name] = None
         for out, buffer in self._buffer_outputs.items():
             outs[out] = state.buffers.alt.ortvalue(buffer)
         for name in self._train_outputs:
@@ -441,6 +471,8 @@ class Module:
         if self.loss_scaler is not None:
             outs[GRADS_FINITE] = None
         outputs = runner.run(outs)
+        if self._native_grads:
+            self._native_conv_grads(feeds, outputs, target)
         if self.loss_scaler is not None:
             finite = bool(outputs[GRADS_FINITE].numpy())
             self._grads_finite = finite and (self._grads_finite or not accumulate)
@@ -451,6 +483,16 @@ class Module:
         state.grads_valid = True
         state.reset_grads_pending = False
         return outputs
+
+    def _native_conv_grads(
+        self, feeds: dict[str, Any], outputs: dict[str, ort.OrtValue], target: TensorStore
+    ) -> None:
+        values = {
+            name: value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
+            for name, value in [*feeds.items(), *((n, outputs[n]) for n in self._native_values)]
+        }
+        targets = {g.output: target.host_view(g.param) for g in self._native_grads}
+        conv_grads.compute(self._native_grads, values, targets, self._native_threads)
 
     def _accumulate(self) -> None:
         state = self._runtime

@@ -1,0 +1,522 @@
+/* Native weight gradients of 2-D convolutions for traingraph.runtime.conv_grads.
+ *
+ * For Y = Conv(X, W) with strides s, dilations d, begin pads p and groups g:
+ *
+ *     dW[m, c, i, j] = sum_{n, u, v} dY[n, m, u, v] * X[n, c', u*s0 + i*d0 - p0, v*s1 + j*d1 - p1]
+ *
+ * Nothing is unfolded. The padded input of a chunk of samples is split into its stride phases
+ * (the rows and columns congruent to a mod s0 and b mod s1), each laid out with the output's
+ * row pitch, so that every kernel offset (i, j) reads one phase at a constant shift: the
+ * contraction over (n, u, v) becomes one dot product of two contiguous rows per (m, c, i, j),
+ * where dY is copied into the same pitch with zeros in the pitch's extra columns. The dot
+ * products run in 4 x 4 blocks of 16-float vectors, with the chunk sized to stay in the L2
+ * cache. Samples are split across a pool of persistent worker threads, each summing into its
+ * own buffer; the caller adds the buffers at the end.
+ *
+ * Plain CPython C API and the buffer protocol; the computation runs without the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define TARGETS __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef TARGETS
+#define TARGETS
+#endif
+
+#define MAX_THREADS 64
+#define CHUNK_BYTES (768 * 1024) /* the working set of one chunk: about an L2 cache */
+#define CHUNK_FLOATS 2048        /* enough positions per chunk to amortize each block's sums */
+
+typedef float v16 __attribute__((vector_size(64), aligned(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+struct conv {
+    const float *x, *dy;
+    float *dw;
+    Py_ssize_t n, c, h, w, m, kh, kw, oh, ow;
+    Py_ssize_t stride[2], pad[2], dilation[2], group;
+    float *partial; /* (threads - 1) buffers of dw's size, for workers 1.. */
+};
+
+/* ------------------------------------------------------------------ dot-product blocks */
+
+static inline float hsum(v16 a)
+{
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) {
+        s += a[i];
+    }
+    return s;
+}
+
+/* d[m * ldd + k] += sum_{l < len} a[m * lda + l] * b[boff[k] + l] for m < rows, k < cols.
+ * a is 64-byte aligned with lda and len multiples of 16; b's rows may start anywhere. */
+TARGETS static void dot_rows(const float *a, Py_ssize_t lda, const float *b, const Py_ssize_t *boff,
+                             float *d, Py_ssize_t ldd, Py_ssize_t rows, Py_ssize_t cols,
+                             Py_ssize_t len)
+{
+    Py_ssize_t m = 0;
+    for (; m + 4 <= rows; m += 4) {
+        const float *p0 = a + m * lda, *p1 = p0 + lda, *p2 = p1 + lda, *p3 = p2 + lda;
+        Py_ssize_t k = 0;
+        for (; k + 4 <= cols; k += 4) {
+            const float *q0 = b + boff[k], *q1 = b + boff[k + 1];
+            const float *q2 = b + boff[k + 2], *q3 = b + boff[k + 3];
+            v16 s00 = {0}, s01 = {0}, s02 = {0}, s03 = {0}, s10 = {0}, s11 = {0}, s12 = {0};
+            v16 s13 = {0}, s20 = {0}, s21 = {0}, s22 = {0}, s23 = {0}, s30 = {0}, s31 = {0};
+            v16 s32 = {0}, s33 = {0};
+            for (Py_ssize_t l = 0; l < len; l += 16) {
+                const v16 x0 = *(const v16 *)(p0 + l), x1 = *(const v16 *)(p1 + l);
+                const v16 x2 = *(const v16 *)(p2 + l), x3 = *(const v16 *)(p3 + l);
+                const v16 y0 = *(const v16u *)(q0 + l), y1 = *(const v16u *)(q1 + l);
+                const v16 y2 = *(const v16u *)(q2 + l), y3 = *(const v16u *)(q3 + l);
+                s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3;
+                s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3;
+                s20 += x2 * y0; s21 += x2 * y1; s22 += x2 * y2; s23 += x2 * y3;
+                s30 += x3 * y0; s31 += x3 * y1; s32 += x3 * y2; s33 += x3 * y3;
+            }
+            const v16 sums[16] = {s00, s01, s02, s03, s10, s11, s12, s13,
+                                  s20, s21, s22, s23, s30, s31, s32, s33};
+            for (int i = 0; i < 16; i++) {
+                d[(m + i / 4) * ldd + k + i % 4] += hsum(sums[i]);
+            }
+        }
+        for (; k < cols; k++) {
+            for (int i = 0; i < 4; i++) {
+                const float *p = a + (m + i) * lda, *q = b + boff[k];
+                v16 s = {0};
+                for (Py_ssize_t l = 0; l < len; l += 16) {
+                    s += *(const v16 *)(p + l) * *(const v16u *)(q + l);
+                }
+                d[(m + i) * ldd + k] += hsum(s);
+            }
+        }
+    }
+    for (; m < rows; m++) {
+        for (Py_ssize_t k = 0; k < cols; k++) {
+            const float *p = a + m * lda, *q = b + boff[k];
+            v16 s = {0};
+            for (Py_ssize_t l = 0; l < len; l += 16) {
+                s += *(const v16 *)(p + l) * *(const v16u *)(q + l);
+            }
+            d[m * ldd + k] += hsum(s);
+        }
+    }
+}
+
+/* ------------------------------------------------------------ one conv, some samples */
+
+struct scratch {
+    float *data;
+    size_t capacity; /* floats */
+    Py_ssize_t *offsets;
+    size_t offsets_capacity;
+};
+
+static int reserve(struct scratch *s, size_t floats, size_t offsets)
+{
+    if (floats > s->capacity) {
+        free(s->data);
+        s->data = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        s->capacity = s->data ? floats : 0;
+        if (s->data == NULL) {
+            return -1;
+        }
+    }
+    if (offsets > s->offsets_capacity) {
+        free(s->offsets);
+        s->offsets = malloc(offsets * sizeof(Py_ssize_t));
+        s->offsets_capacity = s->offsets ? offsets : 0;
+        if (s->offsets == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static inline Py_ssize_t round16(Py_ssize_t v) { return (v + 15) & ~(Py_ssize_t)15; }
+
+/* dw (zeroed here) = the weight gradient of samples [n0, n1) of `cv`. */
+static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize_t n1,
+                        struct scratch *scratch)
+{
+    const Py_ssize_t g_count = cv->group, cg = cv->c / g_count, mg = cv->m / g_count;
+    const Py_ssize_t s0 = cv->stride[0], s1 = cv->stride[1];
+    const Py_ssize_t kk = cv->kh * cv->kw, k_count = cg * kk;
+    memset(dw, 0, sizeof(float) * (size_t)(cv->m * k_count));
+    if (n1 <= n0 || cv->oh <= 0 || cv->ow <= 0) {
+        return 0;
+    }
+    /* The phases the kernel reads, their slot numbers, and the furthest shift in each. */
+    int slot[64], used = 0;
+    for (int i = 0; i < s0 * s1 && i < 64; i++) {
+        slot[i] = -1;
+    }
+    Py_ssize_t reach0 = 0, reach1 = 0;
+    for (Py_ssize_t i = 0; i < cv->kh; i++) {
+        for (Py_ssize_t j = 0; j < cv->kw; j++) {
+            const Py_ssize_t r = i * cv->dilation[0], q = j * cv->dilation[1];
+            const int phase = (int)((r % s0) * s1 + q % s1);
+            if (slot[phase] < 0) {
+                slot[phase] = used++;
+            }
+            reach0 = r / s0 > reach0 ? r / s0 : reach0;
+            reach1 = q / s1 > reach1 ? q / s1 : reach1;
+        }
+    }
+    const Py_ssize_t rows = cv->oh + reach0, pitch = cv->ow + reach1, area = rows * pitch;
+    const Py_ssize_t slack = reach0 * pitch + reach1 + 16;
+    Py_ssize_t per_chunk = CHUNK_FLOATS / area > 1 ? CHUNK_FLOATS / area : 1;
+    while (per_chunk > 1 && (size_t)(per_chunk * area + slack) * (size_t)(used * cg + mg) *
+                                    sizeof(float) > CHUNK_BYTES) {
+        per_chunk--;
+    }
+    const Py_ssize_t plane = round16(round16(per_chunk * area) + slack);
+    const Py_ssize_t max_len = round16(per_chunk * area);
+    if (reserve(scratch, (size_t)(plane * used * cg + max_len * mg), (size_t)k_count) < 0) {
+        return -1;
+    }
+    float *planes = scratch->data, *grads = planes + plane * used * cg;
+    Py_ssize_t *offsets = scratch->offsets;
+    const Py_ssize_t hw = cv->h * cv->w, ohw = cv->oh * cv->ow;
+    for (Py_ssize_t g = 0; g < g_count; g++) {
+        for (Py_ssize_t n = n0; n < n1; n += per_chunk) {
+            const Py_ssize_t count = n1 - n < per_chunk ? n1 - n : per_chunk;
+            const Py_ssize_t len = round16(count * area);
+            for (Py_ssize_t c = 0; c < cg; c++) {
+                for (Py_ssize_t a = 0; a < s0; a++) {
+                    for (Py_ssize_t b = 0; b < s1; b++) {
+                        const int k = slot[a * s1 + b];
+                        if (k < 0) {
+                            continue;
+                        }
+                        float *out = planes + (c * used + k) * plane;
+                        for (Py_ssize_t t = 0; t < count; t++) {
+                            const float *src = cv->x + ((n + t) * cv->c + g * cg + c) * hw;
+                            for (Py_ssize_t u = 0; u < rows; u++) {
+                                float *row = out + t * area + u * pitch;
+                                const Py_ssize_t ih = u * s0 + a - cv->pad[0];
+                                if (ih < 0 || ih >= cv->h) {
+                                    memset(row, 0, sizeof(float) * (size_t)pitch);
+                                    continue;
+                                }
+                                const float *line = src + ih * cv->w;
+                                if (s1 == 1) { /* one copy between zeros */
+                                    const Py_ssize_t p1 = cv->pad[1];
+                                    const Py_ssize_t lo = p1 < pitch ? p1 : pitch;
+                                    Py_ssize_t hi = cv->w + p1 < pitch ? cv->w + p1 : pitch;
+                                    hi = hi > lo ? hi : lo;
+                                    memset(row, 0, sizeof(float) * (size_t)lo);
+                                    memcpy(row + lo, line + lo - p1, sizeof(float) * (size_t)(hi - lo));
+                                    memset(row + hi, 0, sizeof(float) * (size_t)(pitch - hi));
+                                    continue;
+                                }
+                                for (Py_ssize_t v = 0; v < pitch; v++) {
+                                    const Py_ssize_t iw = v * s1 + b - cv->pad[1];
+                                    row[v] = iw >= 0 && iw < cv->w ? line[iw] : 0.0f;
+                                }
+                            }
+                        }
+                        memset(out + count * area, 0, sizeof(float) * (size_t)(plane - count * area));
+                    }
+                }
+            }
+            for (Py_ssize_t m = 0; m < mg; m++) {
+                float *out = grads + m * len;
+                for (Py_ssize_t t = 0; t < count; t++) {
+                    const float *src = cv->dy + ((n + t) * cv->m + g * mg + m) * ohw;
+                    float *dst = out + t * area;
+                    for (Py_ssize_t u = 0; u < cv->oh; u++) {
+                        memcpy(dst + u * pitch, src + u * cv->ow, sizeof(float) * (size_t)cv->ow);
+                        memset(dst + u * pitch + cv->ow, 0, sizeof(float) * (size_t)(pitch - cv->ow));
+                    }
+                    memset(dst + cv->oh * pitch, 0, sizeof(float) * (size_t)(area - cv->oh * pitch));
+                }
+                memset(out + count * area, 0, sizeof(float) * (size_t)(len - count * area));
+            }
+            for (Py_ssize_t c = 0; c < cg; c++) {
+                for (Py_ssize_t i = 0; i < cv->kh; i++) {
+                    for (Py_ssize_t j = 0; j < cv->kw; j++) {
+                        const Py_ssize_t r = i * cv->dilation[0], q = j * cv->dilation[1];
+                        const int k = slot[(r % s0) * s1 + q % s1];
+                        offsets[(c * cv->kh + i) * cv->kw + j] =
+                            (c * used + k) * plane + (r / s0) * pitch + q / s1;
+                    }
+                }
+            }
+            dot_rows(grads, len, planes, offsets, dw + g * mg * k_count, k_count, mg, k_count,
+                     len);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------- thread pool */
+
+struct task {
+    const struct conv *convs;
+    Py_ssize_t count;
+    int threads;
+};
+
+static struct {
+    pthread_mutex_t busy;        /* one task at a time */
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int started;                 /* workers running (they never exit) */
+    atomic_uint_fast64_t generation;
+    atomic_int done;
+    atomic_int failed;
+    struct task task;
+    struct scratch scratch[MAX_THREADS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void run_share(int t)
+{
+    const struct task *task = &pool.task;
+    for (Py_ssize_t i = 0; i < task->count; i++) {
+        const struct conv *cv = &task->convs[i];
+        const Py_ssize_t size = cv->m * (cv->c / cv->group) * cv->kh * cv->kw;
+        float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * size;
+        if (conv_samples(cv, out, cv->n * t / task->threads, cv->n * (t + 1) / task->threads,
+                         &pool.scratch[t]) < 0) {
+            atomic_store(&pool.failed, 1);
+        }
+    }
+}
+
+static inline void pause_cpu(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *worker(void *arg)
+{
+    const int t = (int)(intptr_t)arg;
+    uint_fast64_t seen = 0;
+    for (;;) {
+        /* Tasks come one per training step, far apart: sleep until the next one. */
+        uint_fast64_t now;
+        pthread_mutex_lock(&pool.lock);
+        while ((now = atomic_load(&pool.generation)) == seen) {
+            pthread_cond_wait(&pool.wake, &pool.lock);
+        }
+        pthread_mutex_unlock(&pool.lock);
+        seen = now;
+        if (t < pool.task.threads) {
+            run_share(t);
+        }
+        atomic_fetch_add(&pool.done, 1);
+    }
+    return NULL;
+}
+
+/* Run `task` on `threads` threads, the caller being thread 0. Returns -1 when a worker
+ * could not start or a scratch buffer could not be allocated. */
+static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
+{
+    while (pool.started < threads - 1) {
+        pthread_t id;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&id, &attr, worker, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) {
+            threads = pool.started + 1;
+            break;
+        }
+        pool.started++;
+    }
+    pool.task = (struct task){convs, count, threads};
+    atomic_store(&pool.failed, 0);
+    atomic_store(&pool.done, 0);
+    const int waiting = pool.started;
+    if (waiting) {
+        pthread_mutex_lock(&pool.lock);
+        atomic_fetch_add(&pool.generation, 1);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    run_share(0);
+    while (atomic_load(&pool.done) < waiting) {
+        pause_cpu();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const struct conv *cv = &convs[i];
+        const Py_ssize_t size = cv->m * (cv->c / cv->group) * cv->kh * cv->kw;
+        for (int t = 1; t < threads; t++) {
+            const float *part = cv->partial + (t - 1) * size;
+            for (Py_ssize_t k = 0; k < size; k++) {
+                cv->dw[k] += part[k];
+            }
+        }
+    }
+    return atomic_load(&pool.failed) ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------------- Python */
+
+static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable, Py_ssize_t index,
+                         const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "weight_grads: conv %zd: %s must be a numpy array; got %.200s", index, name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const char *format = view->format ? view->format : "B";
+    if (*format == '=' || *format == '<' || *format == '@') {
+        format++;
+    }
+    const char *problem = NULL;
+    if (strcmp(format, "f") != 0 || view->itemsize != 4) {
+        problem = "is not float32";
+    }
+    else if (view->ndim != ndim) {
+        problem = "has the wrong rank (x, dy and dw are 4-D)";
+    }
+    else if (!PyBuffer_IsContiguous(view, 'C')) {
+        problem = "is not C-contiguous";
+    }
+    else if (writable && view->readonly) {
+        problem = "is read-only";
+    }
+    if (problem != NULL) {
+        PyErr_Format(PyExc_ValueError, "weight_grads: conv %zd: %s %s", index, name, problem);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(weight_grads_doc,
+"weight_grads(convs, threads)\n--\n\n"
+"Write the weight gradient of each 2-D convolution in ``convs`` into its ``dw``.\n\n"
+"Each entry is ``(x, dy, dw, strides, pads, dilations, group)``: the float32 C-contiguous\n"
+"input ``x [N, C, H, W]``, output gradient ``dy [N, M, OH, OW]`` and gradient\n"
+"``dw [M, C / group, KH, KW]``, with ``strides``, begin ``pads`` and ``dilations`` as pairs.\n"
+"``threads`` threads share the samples.");
+
+static PyObject *weight_grads(PyObject *self, PyObject *args)
+{
+    PyObject *sequence;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi:weight_grads", &sequence, &threads)) {
+        return NULL;
+    }
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    PyObject *items = PySequence_Fast(sequence, "weight_grads: convs must be a sequence");
+    if (items == NULL) {
+        return NULL;
+    }
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
+    struct conv *convs = calloc((size_t)(count ? count : 1), sizeof(struct conv));
+    Py_buffer *views = calloc((size_t)(3 * count + 1), sizeof(Py_buffer));
+    float *partials = NULL;
+    Py_ssize_t held = 0, partial_size = 0;
+    PyObject *result = NULL;
+    if (convs == NULL || views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *arrays[3];
+        Py_ssize_t st[2], pd[2], dl[2], group;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(items, i), "OOO(nn)(nn)(nn)n", &arrays[0],
+                              &arrays[1], &arrays[2], &st[0], &st[1], &pd[0], &pd[1], &dl[0],
+                              &dl[1], &group)) {
+            goto done;
+        }
+        static const char *names[3] = {"x", "dy", "dw"};
+        for (int k = 0; k < 3; k++) {
+            if (float32_array(arrays[k], &views[held], 4, k == 2, i, names[k]) < 0) {
+                goto done;
+            }
+            held++;
+        }
+        const Py_ssize_t *xs = views[held - 3].shape, *ys = views[held - 2].shape;
+        const Py_ssize_t *ws = views[held - 1].shape;
+        struct conv *cv = &convs[i];
+        *cv = (struct conv){
+            .x = views[held - 3].buf, .dy = views[held - 2].buf, .dw = views[held - 1].buf,
+            .n = xs[0], .c = xs[1], .h = xs[2], .w = xs[3], .m = ys[1], .kh = ws[2],
+            .kw = ws[3], .oh = ys[2], .ow = ys[3], .stride = {st[0], st[1]},
+            .pad = {pd[0], pd[1]}, .dilation = {dl[0], dl[1]}, .group = group,
+        };
+        const int bad_geometry = st[0] < 1 || st[1] < 1 || st[0] * st[1] > 64 || dl[0] < 1 ||
+                                 dl[1] < 1 || pd[0] < 0 || pd[1] < 0 || group < 1 ||
+                                 cv->c % group || cv->m % group;
+        if (bad_geometry || ys[0] != cv->n || ws[0] != cv->m || ws[1] * group != cv->c) {
+            PyErr_Format(PyExc_ValueError,
+                         "weight_grads: conv %zd: x [%zd, %zd, %zd, %zd], dy [%zd, %zd, %zd, %zd],"
+                         " dw [%zd, %zd, %zd, %zd], strides (%zd, %zd), pads (%zd, %zd),"
+                         " dilations (%zd, %zd) and group %zd do not form a convolution",
+                         i, xs[0], xs[1], xs[2], xs[3], ys[0], ys[1], ys[2], ys[3], ws[0], ws[1],
+                         ws[2], ws[3], st[0], st[1], pd[0], pd[1], dl[0], dl[1], group);
+            goto done;
+        }
+        partial_size += cv->m * ws[1] * cv->kh * cv->kw;
+    }
+    if (threads > 1 && partial_size) {
+        partials = malloc(sizeof(float) * (size_t)(partial_size * (threads - 1)));
+        if (partials == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        float *next = partials;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            convs[i].partial = next;
+            next += convs[i].m * (convs[i].c / convs[i].group) * convs[i].kh * convs[i].kw *
+                    (threads - 1);
+        }
+    }
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&pool.busy);
+    failed = run_task(convs, count, threads);
+    pthread_mutex_unlock(&pool.busy);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    free(partials);
+    free(views);
+    free(convs);
+    Py_DECREF(items);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "traingraph.runtime._convc",
+    .m_doc = "Native weight gradients of 2-D convolutions over float32 arrays.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__convc(void) { return PyModule_Create(&module_def); }
