@@ -1,0 +1,253 @@
+"""Conv weight gradients from the native kernel: the kernel against PyTorch, the split of a
+training model, and Module's train steps with and without it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from torch_models import export, seeded
+from traingraph import artifacts, optim
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.runtime import conv_grads
+from traingraph.runtime.session import SessionConfig
+
+pytestmark = pytest.mark.skipif(
+    not conv_grads.AVAILABLE,
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+# (batch, channels, height, width, filters, kernel, strides, pads, dilations, group)
+GEOMETRIES = [
+    pytest.param((4, 3, 9, 9, 5, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="3x3"),
+    pytest.param((3, 4, 11, 7, 6, (3, 2), (2, 1), (2, 0), (1, 1), 1), id="non-square-stride"),
+    pytest.param((2, 5, 13, 12, 4, (3, 3), (3, 2), (1, 2), (1, 1), 1), id="stride-3x2"),
+    pytest.param((3, 2, 12, 12, 3, (3, 3), (1, 1), (2, 2), (2, 2), 1), id="dilated"),
+    pytest.param((2, 4, 10, 10, 6, (3, 3), (2, 2), (1, 1), (2, 1), 2), id="groups-dilated"),
+    pytest.param((3, 6, 8, 8, 6, (3, 3), (1, 1), (1, 1), (1, 1), 6), id="depthwise"),
+    pytest.param((5, 8, 16, 16, 4, (1, 1), (2, 2), (0, 0), (1, 1), 1), id="1x1-stride-2"),
+    pytest.param((2, 1, 28, 28, 6, (5, 5), (1, 1), (0, 0), (1, 1), 1), id="5x5"),
+    pytest.param((1, 3, 7, 7, 17, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="batch-1"),
+    pytest.param((6, 2, 5, 5, 3, (5, 5), (1, 1), (4, 4), (1, 1), 1), id="pads-beyond-kernel"),
+    pytest.param((2, 3, 40, 40, 9, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="chunk-of-one"),
+]
+
+
+def _torch_weight_grad(x, dy, shape, strides, pads, dilations, group):
+    return torch.nn.grad.conv2d_weight(
+        torch.from_numpy(x.astype(np.float64)),
+        shape,
+        torch.from_numpy(dy.astype(np.float64)),
+        stride=strides,
+        padding=pads,
+        dilation=dilations,
+        groups=group,
+    ).numpy()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_kernel_matches_torch(geometry, threads):
+    n, c, h, w, m, kernel, strides, pads, dilations, group = geometry
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    y = nn.functional.conv2d(
+        torch.from_numpy(x),
+        torch.zeros(m, c // group, *kernel),
+        stride=strides,
+        padding=pads,
+        dilation=dilations,
+        groups=group,
+    )
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    shape = (m, c // group, *kernel)
+    dw = np.full(shape, np.nan, np.float32)  # every element is written
+    grad = conv_grads.WeightGrad("w_grad", "w", "x", "dy", strides, pads, pads, dilations, group)
+    conv_grads.compute([grad], {"x": x, "dy": dy}, {"w_grad": dw}, threads)
+    expected = _torch_weight_grad(x, dy, shape, strides, pads, dilations, group)
+    np.testing.assert_allclose(dw, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def test_kernel_computes_several_convolutions_in_one_call():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, 10, 10)).astype(np.float32)
+    dy1 = rng.standard_normal((4, 5, 10, 10)).astype(np.float32)
+    dy2 = rng.standard_normal((4, 2, 5, 5)).astype(np.float32)
+    grads = [
+        conv_grads.WeightGrad("a", "wa", "x", "dy1", (1, 1), (1, 1), (1, 1), (1, 1), 1),
+        conv_grads.WeightGrad("b", "wb", "x", "dy2", (2, 2), (0, 0), (0, 0), (1, 1), 1),
+    ]
+    targets = {"a": np.empty((5, 3, 3, 3), np.float32), "b": np.empty((2, 3, 1, 1), np.float32)}
+    conv_grads.compute(grads, {"x": x, "dy1": dy1, "dy2": dy2}, targets, 2)
+    np.testing.assert_allclose(
+        targets["a"],
+        _torch_weight_grad(x, dy1, (5, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    np.testing.assert_allclose(
+        targets["b"], _torch_weight_grad(x, dy2, (2, 3, 1, 1), (2, 2), (0, 0), (1, 1), 1), rtol=1e-4
+    )
+
+
+def test_kernel_refuses_arrays_it_cannot_take():
+    x = np.zeros((2, 3, 6, 6), np.float32)
+    dy = np.zeros((2, 4, 6, 6), np.float32)
+    grad = conv_grads.WeightGrad("g", "w", "x", "dy", (1, 1), (1, 1), (1, 1), (1, 1), 1)
+
+    def run(x=x, dy=dy, dw=None):
+        dw = np.zeros((4, 3, 3, 3), np.float32) if dw is None else dw
+        conv_grads.compute([grad], {"x": x, "dy": dy}, {"g": dw}, 2)
+
+    with pytest.raises(ValueError, match="dw is not float32"):
+        run(dw=np.zeros((4, 3, 3, 3)))
+    with pytest.raises(ValueError, match="x is not C-contiguous"):
+        run(x=np.zeros((2, 3, 6, 12), np.float32)[..., ::2])
+    read_only = np.zeros((4, 3, 3, 3), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="dw is read-only"):
+        run(dw=read_only)
+    with pytest.raises(ValueError, match="do not form a convolution"):
+        run(dw=np.zeros((5, 3, 3, 3), np.float32))
+    with pytest.raises(ValueError, match="not the input and output of its Conv"):
+        run(dy=np.zeros((2, 4, 9, 6), np.float32))
+    with pytest.raises(ValueError, match="not the input and output of its Conv"):
+        run(dy=np.zeros((3, 4, 6, 6), np.float32))
+
+
+class ConvNet(nn.Module):
+    """Convolutions of several geometries: on the data input, strided, dilated, grouped, 1x1,
+    with and without bias, and one weight used twice (its gradient is a sum of two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+        self.dilated = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)
+        self.point = nn.Conv2d(8, 6, 1)
+        self.shared = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.stem(x)))
+        h = torch.relu(self.down(h))
+        h = torch.relu(self.dilated(h))
+        h = self.point(h)
+        h = self.shared(torch.relu(self.shared(h)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def _artifacts(tmp_path, dtype=torch.float32):
+    model = seeded(ConvNet).to(dtype)
+    onnx_model = export(model, torch.zeros(2, 3, 12, 12, dtype=dtype), training=True)
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.AdamW(lr=1e-2),
+        artifact_directory=tmp_path,
+    )
+    return tmp_path
+
+
+def _module(directory, native: bool):
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    config = SessionConfig(native_conv_grads=native)
+    module = Module(
+        directory / "training_model.onnx",
+        state,
+        directory / "eval_model.onnx",
+        session_config=config,
+    )
+    return state, module, Optimizer(directory / "optimizer_model.onnx", module)
+
+
+def test_split_takes_each_single_conv_weight_gradient(tmp_path):
+    directory = _artifacts(tmp_path)
+    model = onnx.load(directory / "training_model.onnx")
+    split, grads = conv_grads.split_weight_grads(model)
+    assert sorted(g.param for g in grads) == [
+        "dilated.weight",
+        "down.weight",
+        "point.weight",
+        "stem.weight",
+    ]  # not shared.weight: two Convs read it
+    by_param = {g.param: g for g in grads}
+    assert by_param["stem.weight"].x == "x"  # the model's input
+    assert by_param["down.weight"].strides == (2, 2)
+    assert by_param["dilated.weight"].dilations == (2, 2)
+    assert by_param["dilated.weight"].group == 2
+    onnx.checker.check_model(split, full_check=True)
+    outputs = {o.name for o in split.graph.output}
+    assert not outputs & {g.output for g in grads}
+    assert {g.dy for g in grads} <= outputs
+    assert len(split.graph.node) < len(model.graph.node)
+
+
+def test_split_leaves_models_without_a_float32_conv_alone(tmp_path):
+    directory = _artifacts(tmp_path, torch.float64)
+    model = onnx.load(directory / "training_model.onnx")
+    split, grads = conv_grads.split_weight_grads(model)
+    assert grads == [] and split is model
+
+
+def test_module_with_native_gradients_trains_as_the_graph_does(tmp_path):
+    directory = _artifacts(tmp_path)
+    runs = {}
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 3, 12, 12)).astype(np.float32), rng.integers(0, 5, n))
+        for n in (8, 8, 3, 8)  # a smaller batch, as the last of an epoch
+    ]
+    for native in (True, False):
+        state, module, opt = _module(directory, native)
+        assert bool(module._native_grads) == native
+        losses, grads = [], []
+        for step, (x, y) in enumerate(batches):
+            losses.append(float(module(x, y)))
+            if step == 1:  # two steps without a reset: the gradients add up
+                losses.append(float(module(x, y)))
+            grads.append(
+                {n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None}
+            )
+            opt.step()
+            module.lazy_reset_grad()
+        module.eval()
+        losses.append(float(module(*batches[0])))
+        runs[native] = losses, grads, {n: p.data.copy() for n, p in state.parameters.items()}
+    (losses, grads, params), (ref_losses, ref_grads, ref_params) = runs[True], runs[False]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, expected in zip(grads, ref_grads):
+        assert got.keys() == expected.keys()
+        # on one scale: the smallest gradients carry the rounding differences of the largest
+        scale = max(np.abs(g).max() for g in expected.values())
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-6 * scale)
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-4, atol=1e-6)
+
+
+def test_module_gradients_match_torch(tmp_path):
+    directory = _artifacts(tmp_path)
+    state, module, _ = _module(directory, True)
+    assert len(module._native_grads) == 4
+    model = seeded(ConvNet)
+    model.train()
+    with torch.no_grad():  # the export's tracing pass moved the running statistics
+        model.bn.running_mean.copy_(torch.from_numpy(state.parameters["bn.running_mean"].data))
+        model.bn.running_var.copy_(torch.from_numpy(state.parameters["bn.running_var"].data))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 3, 12, 12)).astype(np.float32)
+    y = rng.integers(0, 5, 6)
+    loss = module(x, y)
+    expected = nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+    expected.backward()
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    scale = max(p.grad.abs().max().item() for p in model.parameters())
+    for name, param in model.named_parameters():
+        got = state.parameters[name].grad
+        want = param.grad.numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6 * scale)
