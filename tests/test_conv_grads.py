@@ -3,6 +3,8 @@ training model, and Module's train steps with and without it."""
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 import onnx
 import pytest
@@ -251,3 +253,32 @@ def test_module_gradients_match_torch(tmp_path):
         got = state.parameters[name].grad
         want = param.grad.numpy()
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6 * scale)
+
+
+def _sum_of_weight_grad(threads: int) -> np.ndarray:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 3, 8, 8)).astype(np.float32)
+    dy = rng.standard_normal((6, 5, 8, 8)).astype(np.float32)
+    grad = conv_grads.WeightGrad("o", "w", "x", "dy", (1, 1), (1, 1), (1, 1), (1, 1), 1)
+    dw = np.zeros((5, 3, 3, 3), np.float32)
+    conv_grads.compute([grad], {"x": x, "dy": dy}, {"o": dw}, threads)
+    return dw
+
+
+def _in_forked_child(queue) -> None:
+    queue.put([_sum_of_weight_grad(t) for t in (2, 3)])
+
+
+def test_kernel_threads_grow_and_survive_fork():
+    one = _sum_of_weight_grad(1)
+    for threads in (2, 4, 2):  # more workers than before, then fewer
+        np.testing.assert_allclose(_sum_of_weight_grad(threads), one, rtol=1e-5, atol=1e-5)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_in_forked_child, args=(queue,))
+    child.start()
+    results = queue.get(timeout=60)  # the child starts its own workers
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    for result in results:
+        np.testing.assert_allclose(result, one, rtol=1e-5, atol=1e-5)

@@ -277,6 +277,7 @@ static struct {
     atomic_int done;
     atomic_int failed;
     struct task task;
+    uint_fast64_t created_at[MAX_THREADS]; /* the generation when each worker was created */
     struct scratch scratch[MAX_THREADS];
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
@@ -304,7 +305,8 @@ static inline void pause_cpu(void)
 static void *worker(void *arg)
 {
     const int t = (int)(intptr_t)arg;
-    uint_fast64_t seen = 0;
+    /* Created between tasks: the next one posted is the first it runs. */
+    uint_fast64_t seen = pool.created_at[t];
     for (;;) {
         /* Tasks come one per training step, far apart: sleep until the next one. */
         uint_fast64_t now;
@@ -331,6 +333,7 @@ static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.created_at[pool.started + 1] = atomic_load(&pool.generation);
         const int failed = pthread_create(&id, &attr, worker, (void *)(intptr_t)(pool.started + 1));
         pthread_attr_destroy(&attr);
         if (failed) {
@@ -519,4 +522,20 @@ static struct PyModuleDef module_def = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__convc(void) { return PyModule_Create(&module_def); }
+/* A child of fork() has none of the parent's workers: it starts its own. */
+static void forget_workers(void)
+{
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.started = 0;
+}
+
+PyMODINIT_FUNC PyInit__convc(void)
+{
+    static int registered = 0;
+    if (!registered && pthread_atfork(NULL, NULL, forget_workers) == 0) {
+        registered = 1;
+    }
+    return PyModule_Create(&module_def);
+}
