@@ -6,8 +6,8 @@ uses numpy; without ``traingraph.runtime._convc`` convolution weight gradients s
 training graph (:mod:`traingraph.runtime.conv_grads`).
 
 For ``_fusedc``, ``-ffp-contract=off`` keeps every multiply and add a separate float
-operation, as in the optimizer graph, so both give the same numbers; ``-fno-math-errno`` (sqrt sets no errno, its
-results are unchanged) lets the loops with a square root vectorize.
+operation, as in the optimizer graph, so both give the same numbers; ``-fno-math-errno``
+(sqrt sets no errno, its results are unchanged) lets the loops with a square root vectorize.
 """
 
 from setuptools import Extension, setup
