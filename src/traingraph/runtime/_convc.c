@@ -220,10 +220,19 @@ static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssiz
                                     memset(row + hi, 0, sizeof(float) * (size_t)(pitch - hi));
                                     continue;
                                 }
-                                for (Py_ssize_t v = 0; v < pitch; v++) {
-                                    const Py_ssize_t iw = v * s1 + b - cv->pad[1];
-                                    row[v] = iw >= 0 && iw < cv->w ? line[iw] : 0.0f;
+                                /* columns v with 0 <= v * s1 + b - pad < w: [lo, hi) */
+                                const Py_ssize_t shift = b - cv->pad[1];
+                                Py_ssize_t lo = shift >= 0 ? 0 : (-shift + s1 - 1) / s1;
+                                Py_ssize_t hi = cv->w - 1 - shift < 0 ? 0 : (cv->w - 1 - shift) / s1 + 1;
+                                lo = lo < pitch ? lo : pitch;
+                                hi = hi < pitch ? hi : pitch;
+                                hi = hi > lo ? hi : lo;
+                                memset(row, 0, sizeof(float) * (size_t)lo);
+                                const float *first = line + shift;
+                                for (Py_ssize_t v = lo; v < hi; v++) {
+                                    row[v] = first[v * s1];
                                 }
+                                memset(row + hi, 0, sizeof(float) * (size_t)(pitch - hi));
                             }
                         }
                         memset(out + count * area, 0, sizeof(float) * (size_t)(plane - count * area));
