@@ -329,6 +329,7 @@ class Module:
         self._native_values = sorted(
             {name for g in self._native_grads for name in (g.x, g.dy) if name not in inputs}
         )
+        self._native_sources = {name for g in self._native_grads for name in (g.x, g.dy)}
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
@@ -487,10 +488,8 @@ class Module:
     def _native_conv_grads(
         self, feeds: dict[str, Any], outputs: dict[str, ort.OrtValue], target: TensorStore
     ) -> None:
-        values = {
-            name: value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
-            for name, value in [*feeds.items(), *((n, outputs[n]) for n in self._native_values)]
-        }
+        sources = {**feeds, **{name: outputs[name] for name in self._native_values}}
+        values = {name: _host_array(sources[name]) for name in self._native_sources}
         targets = {g.output: target.host_view(g.param) for g in self._native_grads}
         conv_grads.compute(self._native_grads, values, targets, self._native_threads)
 
@@ -637,6 +636,11 @@ def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version()
     )
+
+
+def _host_array(value: Any) -> np.ndarray:
+    """A CPU OrtValue or array-like as a numpy array, without a copy where it is one already."""
+    return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
 
 def _as_feed(value: Any) -> Any:

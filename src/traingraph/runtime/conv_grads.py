@@ -34,6 +34,7 @@ from onnx import helper
 
 # Relative tolerance of the numeric check, against the largest magnitude of the result.
 _CHECK_RTOL = 1e-4
+FLOAT = onnx.TensorProto.FLOAT
 
 
 def _load_native() -> ModuleType | None:
@@ -107,7 +108,7 @@ def compute(
 def _check_geometry(grad: WeightGrad, x: tuple[int, ...], dy: tuple[int, ...]) -> None:
     if len(x) == 4 and len(dy) == 4:
         w = (x[2], x[3])
-        # the output size the Conv's geometry gives, from the kernel size implied by dy
+        # every output position's window starts inside the padded input
         fits = all(
             dy[2 + a] >= 1
             and (dy[2 + a] - 1) * grad.strides[a] <= w[a] + grad.pads[a] + grad.end_pads[a] - 1
@@ -156,10 +157,7 @@ def split_weight_grads(
         for name in (grad.x, grad.dy):
             if name not in names:
                 names.add(name)
-                kept.append(
-                    types.get(name)
-                    or helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
-                )
+                kept.append(types.get(name) or helper.make_tensor_value_info(name, FLOAT, None))
     del g.output[:]
     g.output.extend(kept)
     used = {name for n in g.node for name in n.input}
@@ -257,9 +255,6 @@ def _candidates(model: onnx.ModelProto) -> list[_Match]:
                 found.append(_Match(grad, below, [2, *x_shape[1:]], [2, *out_shape]))  # type: ignore[list-item]
                 break
     return found
-
-
-FLOAT = onnx.TensorProto.FLOAT
 
 
 def _elem_type(value: onnx.ValueInfoProto) -> int:
