@@ -85,29 +85,11 @@ def traingraph_step(
 ) -> Step:
     """A traingraph training step on ``device`` (through :class:`CudaGraphStep` if asked), in
     float32 or the mixed ``precision``."""
-    import onnx
-
-    from traingraph import artifacts, optim
+    from benchmarks.peers.traingraph_runner import write_artifacts
     from traingraph.api import CheckpointState, Module, Optimizer
 
-    meta = entry.meta
-    model = onnx.load(entry.onnx_path)
-    trainable = meta["trainable"]
-    frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
-    if meta["optimizer"] == "sgd":
-        optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
-    else:
-        optimizer = optim.AdamW(lr=meta["lr"], weight_decay=meta["weight_decay"])
     directory = Path(tempfile.mkdtemp(prefix="tg-gpu-"))
-    artifacts.generate_artifacts(
-        model,
-        requires_grad=trainable,
-        frozen_params=frozen,
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optimizer,
-        artifact_directory=directory,
-        mixed_precision=precision,
-    )
+    write_artifacts(entry.directory, entry.meta, directory, mixed_precision=precision)
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.onnx", state, device=device)
     module.train()

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_entry, parse_args, report, timed_loop
 
 
-def write_artifacts(entry: Path, meta: dict, directory: Path) -> None:
-    """The training artifacts of the cached export ``entry`` (its optimizer from ``meta``)."""
+def write_artifacts(entry: Path, meta: dict, directory: Path, **options: object) -> None:
+    """The training artifacts of the cached export ``entry`` (its optimizer from ``meta``);
+    ``options`` go to ``generate_artifacts`` (e.g. ``mixed_precision``)."""
     import onnx
 
     from traingraph import artifacts, optim
@@ -40,6 +41,7 @@ def write_artifacts(entry: Path, meta: dict, directory: Path) -> None:
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=optimizer,
         artifact_directory=directory,
+        **options,
     )
 
 

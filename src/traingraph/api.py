@@ -326,10 +326,9 @@ class Module:
             create_session(train_model, self._device, self._config), self._device
         )
         self._native_params = {g.param for g in self._native_grads}
-        self._native_values = sorted(
-            {name for g in self._native_grads for name in (g.x, g.dy) if name not in inputs}
-        )
+        # what the kernel reads: model inputs, or outputs the split model adds
         self._native_sources = {name for g in self._native_grads for name in (g.x, g.dy)}
+        self._native_values = sorted(self._native_sources - set(inputs))
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
@@ -488,8 +487,10 @@ class Module:
     def _native_conv_grads(
         self, feeds: dict[str, Any], outputs: dict[str, ort.OrtValue], target: TensorStore
     ) -> None:
-        sources = {**feeds, **{name: outputs[name] for name in self._native_values}}
-        values = {name: _host_array(sources[name]) for name in self._native_sources}
+        values = {
+            name: _host_array(outputs[name] if name in outputs else feeds[name])
+            for name in self._native_sources
+        }
         targets = {g.output: target.host_view(g.param) for g in self._native_grads}
         conv_grads.compute(self._native_grads, values, targets, self._native_threads)
 

@@ -44,6 +44,7 @@ struct conv {
     float *dw;
     Py_ssize_t n, c, h, w, m, kh, kw, oh, ow;
     Py_ssize_t stride[2], pad[2], dilation[2], group;
+    Py_ssize_t size;  /* elements of dw */
     float *partial; /* (threads - 1) buffers of dw's size, for workers 1.. */
 };
 
@@ -295,8 +296,7 @@ static void run_share(int t)
     const struct task *task = &pool.task;
     for (Py_ssize_t i = 0; i < task->count; i++) {
         const struct conv *cv = &task->convs[i];
-        const Py_ssize_t size = cv->m * (cv->c / cv->group) * cv->kh * cv->kw;
-        float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * size;
+        float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * cv->size;
         if (conv_samples(cv, out, cv->n * t / task->threads, cv->n * (t + 1) / task->threads,
                          &pool.scratch[t]) < 0) {
             atomic_store(&pool.failed, 1);
@@ -367,10 +367,9 @@ static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
     }
     for (Py_ssize_t i = 0; i < count; i++) {
         const struct conv *cv = &convs[i];
-        const Py_ssize_t size = cv->m * (cv->c / cv->group) * cv->kh * cv->kw;
         for (int t = 1; t < threads; t++) {
-            const float *part = cv->partial + (t - 1) * size;
-            for (Py_ssize_t k = 0; k < size; k++) {
+            const float *part = cv->partial + (t - 1) * cv->size;
+            for (Py_ssize_t k = 0; k < cv->size; k++) {
                 cv->dw[k] += part[k];
             }
         }
@@ -481,7 +480,8 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
                          ws[2], ws[3], st[0], st[1], pd[0], pd[1], dl[0], dl[1], group);
             goto done;
         }
-        partial_size += cv->m * ws[1] * cv->kh * cv->kw;
+        cv->size = cv->m * ws[1] * cv->kh * cv->kw;
+        partial_size += cv->size;
     }
     if (threads > 1 && partial_size) {
         partials = malloc(sizeof(float) * (size_t)(partial_size * (threads - 1)));
@@ -492,8 +492,7 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
         float *next = partials;
         for (Py_ssize_t i = 0; i < count; i++) {
             convs[i].partial = next;
-            next += convs[i].m * (convs[i].c / convs[i].group) * convs[i].kh * convs[i].kw *
-                    (threads - 1);
+            next += convs[i].size * (threads - 1);
         }
     }
     int failed;

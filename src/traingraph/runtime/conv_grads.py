@@ -40,7 +40,7 @@ FLOAT = onnx.TensorProto.FLOAT
 def _load_native() -> ModuleType | None:
     try:
         return importlib.import_module("traingraph.runtime._convc")
-    except ImportError:
+    except ImportError:  # built at install time only where a C compiler exists
         return None
 
 
@@ -177,6 +177,7 @@ class _Match:
     cone: set[int]  # indices of the nodes that compute it
     x_shape: list[int]  # with a batch of 2, for the numeric check
     dy_shape: list[int]
+    w_shape: list[int]
 
 
 def _candidates(model: onnx.ModelProto) -> list[_Match]:
@@ -252,7 +253,14 @@ def _candidates(model: onnx.ModelProto) -> list[_Match]:
                     dilations=dilations,
                     group=int(attrs.get("group", 1)),
                 )
-                found.append(_Match(grad, below, [2, *x_shape[1:]], [2, *out_shape]))  # type: ignore[list-item]
+                match = _Match(
+                    grad,
+                    below,
+                    x_shape=[2, *x_shape[1:]],  # type: ignore[list-item]  # static, checked
+                    dy_shape=[2, *out_shape],  # type: ignore[list-item]
+                    w_shape=w_shape,  # type: ignore[arg-type]
+                )
+                found.append(match)
                 break
     return found
 
@@ -338,7 +346,6 @@ def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightG
     batch 2 (all in one onnxruntime session)."""
     graph = model.graph
     nodes = list(graph.node)
-    params = {i.name: i for i in graph.input}
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
     checks: list[tuple[WeightGrad, set[int], np.ndarray]] = []
@@ -350,7 +357,7 @@ def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightG
         dy = feeds.setdefault(grad.dy, rng.standard_normal(match.dy_shape).astype(np.float32))
         if list(x.shape) != match.x_shape or list(dy.shape) != match.dy_shape:
             continue
-        expected = np.zeros([d or 0 for d in _dims(params[grad.param])], np.float32)
+        expected = np.zeros(match.w_shape, np.float32)
         try:
             compute([grad], feeds, {grad.output: expected}, 1)
         except ValueError:
