@@ -17,6 +17,8 @@ own backward (``torch.nn.grad.conv2d_weight`` / ``conv2d_input``) on the same nu
 ``dL/dX``:
 
 - ``conv_transpose``: :func:`~traingraph.autodiff.rules.conv.transposed_conv_to`;
+- ``col2im`` (CPU): the same model as the session runs it on the CPU, rewritten by
+  :func:`traingraph.runtime.specialize.for_cpu` into a batched MatMul and Col2Im;
 - ``flipped_conv``: a Conv of the output gradient with the flipped, transposed weight
   (:func:`~traingraph.autodiff.rules.conv.conv_input_grad`), timed where
   :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits` lets the rule use it.
@@ -60,6 +62,7 @@ from traingraph.autodiff.rules.conv import (
 )
 from traingraph.ir.builder import OpBuilder
 from traingraph.runtime.session import SessionConfig
+from traingraph.runtime.specialize import for_cpu
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,11 @@ CASES = (
 Build = Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
 
-def _session(case: Case, build: Build, threads: int, device: str) -> ort.InferenceSession:
-    """A session with inputs ``x``, ``dy`` and ``w`` and the one output ``build`` returns."""
+def _session(
+    case: Case, build: Build, threads: int, device: str, rewrite: bool = False
+) -> ort.InferenceSession:
+    """A session with inputs ``x``, ``dy`` and ``w`` and the one output ``build`` returns;
+    with ``rewrite``, of the model as :func:`~traingraph.runtime.specialize.for_cpu` writes it."""
     inputs = [
         ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
         for name, shape in case.shapes.items()
@@ -126,8 +132,9 @@ def _session(case: Case, build: Build, threads: int, device: str) -> ort.Inferen
     providers: list[Any] = ["CPUExecutionProvider"]
     if device == "cuda":
         providers = [("CUDAExecutionProvider", config.cuda_options()), *providers]
+    source = ir.to_proto(model).SerializeToString()
     return ort.InferenceSession(
-        ir.to_proto(model).SerializeToString(), config.session_options(), providers=providers
+        for_cpu(source) if rewrite else source, config.session_options(), providers=providers
     )
 
 
@@ -170,10 +177,12 @@ def _input_forms(case: Case) -> dict[str, Build]:
     return forms
 
 
-def _rule_picks(case: Case) -> tuple[str, str]:
-    """The weight and input gradient forms that the Conv rule emits for ``case``."""
+def _rule_picks(case: Case, device: str) -> tuple[str, str]:
+    """The weight and input gradient forms that the Conv rule emits for ``case`` and the
+    session runs on ``device``."""
     weight = "gemm" if case.out_size**2 <= case.filters // case.group else "per_sample"
-    return weight, "flipped_conv" if _flips(case) else "conv_transpose"
+    transposed = "col2im" if device == "cpu" else "conv_transpose"
+    return weight, "flipped_conv" if _flips(case) else transposed
 
 
 def _flips(case: Case) -> bool:
@@ -243,6 +252,9 @@ def run(
     for kind, forms in (("weight", _weight_forms(case)), ("input", _input_forms(case))):
         for name, build in forms.items():
             fns[f"{kind} {name}"] = _runner(_session(case, build, threads, device), feeds, device)
+    if device == "cpu":
+        build = _input_forms(case)["conv_transpose"]
+        fns["input col2im"] = _runner(_session(case, build, threads, device, True), feeds, device)
     errors = {}
     for name, fn in fns.items():
         ref = refs[name.split()[0]]
@@ -274,8 +286,8 @@ def main() -> None:
         if args.batch:
             case = dataclasses.replace(case, batch=args.batch)
         print(case.name, flush=True)
-        picks = {f"weight {pick}" for pick in _rule_picks(case)[:1]}
-        picks.add(f"input {_rule_picks(case)[1]}")
+        picks = {f"weight {pick}" for pick in _rule_picks(case, args.device)[:1]}
+        picks.add(f"input {_rule_picks(case, args.device)[1]}")
         results = run(case, args.repeats, args.threads, args.device)
         for name, (median, best, err) in results.items():
             mark = "*" if name in picks else " "

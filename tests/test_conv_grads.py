@@ -14,7 +14,7 @@ from torch import nn
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, session, specialize
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -155,9 +155,9 @@ def _artifacts(tmp_path, dtype=torch.float32):
     return tmp_path
 
 
-def _module(directory, native: bool):
+def _module(directory, native: bool, specialize: bool = True):
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    config = SessionConfig(native_conv_grads=native)
+    config = SessionConfig(native_conv_grads=native, specialize=specialize)
     module = Module(
         directory / "training_model.onnx",
         state,
@@ -196,8 +196,17 @@ def test_split_leaves_models_without_a_float32_conv_alone(tmp_path):
     assert grads == [] and split is model
 
 
-def test_module_with_native_gradients_trains_as_the_graph_does(tmp_path):
+def test_module_with_native_gradients_trains_as_the_graph_does(tmp_path, monkeypatch):
+    # The reference runs the training model as written; the other computes the weight
+    # gradients natively and runs the CPU rewrite (the strided Conv's input gradient as Col2Im).
     directory = _artifacts(tmp_path)
+    rewritten = []
+
+    def for_cpu(source):
+        rewritten.append(new := specialize.for_cpu(source))
+        return new
+
+    monkeypatch.setattr(session, "for_cpu", for_cpu)
     runs = {}
     rng = np.random.default_rng(0)
     batches = [
@@ -205,8 +214,10 @@ def test_module_with_native_gradients_trains_as_the_graph_does(tmp_path):
         for n in (8, 8, 3, 8)  # a smaller batch, as the last of an epoch
     ]
     for native in (True, False):
-        state, module, opt = _module(directory, native)
+        rewritten.clear()
+        state, module, opt = _module(directory, native, specialize=native)
         assert bool(module._native_grads) == native
+        assert any(b"Col2Im" in m for m in rewritten if isinstance(m, bytes)) == native
         losses, grads = [], []
         for step, (x, y) in enumerate(batches):
             losses.append(float(module(x, y)))

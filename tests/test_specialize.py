@@ -1,6 +1,8 @@
-"""The CUDA rewrites of a standard model compute what the model computes (run here on the CPU)."""
+"""The provider rewrites of a standard model compute what the model computes (run on the CPU)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch_models import SmallCNN, export, seeded
 from traingraph.losses import CrossEntropyLoss
 from traingraph.program import build_program
-from traingraph.runtime.specialize import for_cuda
+from traingraph.runtime.specialize import for_cpu, for_cuda
 
 SHAPE = [3, 4, 5, 6]
 
@@ -190,3 +192,115 @@ def test_product_with_a_cast_mask_becomes_a_where() -> None:
 def test_a_cast_mask_with_other_uses_stays() -> None:
     model = _mask_model(extra_use=True)
     assert for_cuda(model.SerializeToString()) == model.SerializeToString()
+
+
+def _conv_transpose(
+    x_shape: list, w_shape: list, opset: int, bias: bool = False, **attrs: object
+) -> onnx.ModelProto:
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+        helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape),
+    ]
+    if bias:
+        channels = w_shape[1] * int(attrs.get("group", 1))
+        inputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [channels]))
+    graph = helper.make_graph(
+        [helper.make_node("ConvTranspose", [i.name for i in inputs], ["y"], **attrs)],
+        "conv_transpose",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def _random_feeds(model: onnx.ModelProto, batch: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        v.name: rng.standard_normal(
+            [d.dim_value or batch for d in v.type.tensor_type.shape.dim]
+        ).astype(np.float32)
+        for v in model.graph.input
+    }
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "attrs"),
+    [
+        # the input gradient of a stride-2 3x3 Conv with pads 1 (ResNet's downsampling)
+        (["n", 4, 5, 5], [4, 3, 3, 3], {"strides": [2, 2], "pads": [1, 1, 1, 1],
+                                        "output_padding": [1, 1]}),
+        # of an unpadded 5x5 Conv (LeNet's second convolution)
+        (["n", 4, 6, 6], [4, 3, 5, 5], {}),
+        # a 1x1 strided projection, uneven pads and strides, dilations, 1-D and 3-D
+        (["n", 6, 4, 4], [6, 2, 1, 1], {"strides": [2, 2]}),
+        (["n", 2, 4, 5], [2, 3, 3, 2], {"strides": [3, 2], "pads": [0, 1, 2, 0],
+                                        "output_padding": [2, 1]}),
+        (["n", 2, 6, 5], [2, 2, 3, 3], {"dilations": [2, 1], "pads": [2, 1, 1, 0]}),
+        (["n", 3, 7], [3, 2, 4], {"strides": [2], "pads": [1, 2]}),
+        (["n", 2, 3, 4, 3], [2, 2, 2, 3, 2], {"strides": [2, 1, 2], "pads": [1, 0, 0, 0, 1, 1]}),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_transpose_becomes_matmul_and_col2im(
+    x_shape: list, w_shape: list, attrs: dict, opset: int, bias: bool
+) -> None:
+    model = _conv_transpose(x_shape, w_shape, opset, bias=bias, **attrs)
+    rewritten = onnx.load_from_string(for_cpu(model.SerializeToString()))
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "ConvTranspose" not in ops and "Col2Im" in ops
+    assert max(o.version for o in rewritten.opset_import if o.domain == "") == max(opset, 18)
+    feeds = _random_feeds(model)
+    (expected,), (got,) = _run(model, feeds), _run(rewritten, feeds)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "attrs"),
+    [
+        (["n", 4, 5, 5], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+        (["n", 4, 5, 5], {"output_shape": [10, 10], "strides": [2, 2]}),
+        (["n", 4, "h", 5], {"strides": [2, 2]}),  # a spatial size only known at run time
+        (["n", 4, 5, 5], {"strides": [2, 2], "dilations": [3, 3], "output_padding": [2, 0]}),
+        (["n", 4, 5, 5], {"strides": [2, 2], "group": 2}),
+    ],
+)
+def test_conv_transposes_col2im_cannot_take_stay(x_shape: list, attrs: dict) -> None:
+    weight = [4, 3 // int(attrs.get("group", 1)) or 1, 3, 3]
+    source = _conv_transpose(x_shape, weight, 17, **attrs).SerializeToString()
+    assert for_cpu(source) is source
+
+
+def test_models_without_conv_transpose_are_not_converted(tmp_path: Path) -> None:
+    source = _reduce_model("ReduceMean", [0, 2, 3], 1, 17).SerializeToString()
+    assert for_cpu(source) is source
+    path = tmp_path / "model.onnx"
+    path.write_bytes(source)
+    assert for_cpu(str(path)) == str(path)
+
+
+def test_strided_training_step_gives_the_same_numbers_at_opset_18() -> None:
+    # An opset-17 training step with BatchNorm statistics (ReduceMean's axes become an input
+    # at 18) and a strided Conv whose input gradient is a ConvTranspose.
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 6, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(6 * 4 * 4, 5),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    program = build_program(export(net, torch.zeros(2, 2, 8, 8), training=True),
+                            loss=CrossEntropyLoss())  # fmt: skip
+    train = program.train_model
+    assert "ConvTranspose" in [n.op_type for n in train.graph.node]
+    rewritten = onnx.load_from_string(for_cpu(train.SerializeToString()))
+    assert "ConvTranspose" not in [n.op_type for n in rewritten.graph.node]
+    rng = np.random.default_rng(0)
+    feeds = dict(program.parameters)
+    x = rng.standard_normal((6, 2, 8, 8)).astype(np.float32)
+    feeds.update(zip(program.input_names, (x, rng.integers(0, 5, 6).astype(np.int64))))
+    feeds = {i.name: feeds[i.name] for i in train.graph.input}
+    for name, expected, got in zip(
+        [o.name for o in train.graph.output], _run(train, feeds), _run(rewritten, feeds)
+    ):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from traingraph.errors import ModelError
 from traingraph.runtime.device import Device
-from traingraph.runtime.specialize import for_cuda
+from traingraph.runtime.specialize import for_cpu, for_cuda
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -43,6 +43,9 @@ class SessionConfig:
             the native kernel instead of the training graph's nodes (see
             :mod:`traingraph.runtime.conv_grads`): the same sums, 2-4x faster. Needs the
             extension built at install time; without it, or with False, the graph computes them.
+        specialize: Rewrite the model for the provider that runs it, with the same results
+            (:mod:`traingraph.runtime.specialize`: on the CPU, ConvTranspose as MatMul and
+            Col2Im; on CUDA, forms its kernels lack or run slowly). False runs it as written.
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
         extra: Further session config entries (``add_session_config_entry``); an entry here
@@ -74,6 +77,7 @@ class SessionConfig:
     allow_spinning: bool = True
     spin_between_runs: bool = False
     native_conv_grads: bool = True
+    specialize: bool = True
     profile: bool = False
     memory_arena: bool = True
     extra: dict[str, str] = field(default_factory=dict)
@@ -158,8 +162,8 @@ def create_session(
         source = path
     else:
         source = model
-    if device.kind == "cuda":
-        source = for_cuda(source)
+    if config.specialize:
+        source = for_cuda(source) if device.kind == "cuda" else for_cpu(source)
     providers = device.providers(config.cuda_options())
     return ort.InferenceSession(source, config.session_options(), providers=providers)
 
