@@ -133,10 +133,9 @@ def _conv_transposes_as_col2im(
         geometry = _transposed_geometry(node, shapes)
         if geometry is None:
             return None
-        image, filters = geometry
+        image, kernel, filters = geometry
         attrs = {a.name: list(a.ints) for a in node.attribute if a.type == onnx.AttributeProto.INTS}
         n = len(image)
-        kernel = attrs.get("kernel_shape") or shapes[node.input[1]][2:]
         base, name = node.name or node.output[0], f"{node.output[0]}_col2im"
         constants = {
             "positions_shape": [0, filters, -1],
@@ -183,9 +182,9 @@ _NOTSET = helper.make_attribute("auto_pad", "NOTSET")
 
 def _transposed_geometry(
     node: onnx.NodeProto, shapes: dict[str, list[int | None]]
-) -> tuple[list[int], int] | None:
-    """``(image size, M)`` of a ConvTranspose that :func:`_conv_transposes_as_col2im` rewrites,
-    else None: default domain, one group, explicit pads (no ``auto_pad``, no
+) -> tuple[list[int], list[int], int] | None:
+    """``(image size, kernel, M)`` of a ConvTranspose that :func:`_conv_transposes_as_col2im`
+    rewrites, else None: default domain, one group, explicit pads (no ``auto_pad``, no
     ``output_shape``), static spatial input and weight shapes, and every ``output_padding``
     below its stride."""
     if not _is_conv_transpose(node):
@@ -199,10 +198,11 @@ def _transposed_geometry(
     if grad is None or weight is None or len(grad) < 3 or len(weight) != len(grad):
         return None
     n = len(grad) - 2
-    spatial = grad[2:]
-    kernel = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else weight[2:]
+    given = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else weight[2:]
+    spatial = [d for d in grad[2:] if d is not None]
+    kernel = [k for k in given if k is not None]
     filters = weight[0]
-    if None in spatial or None in kernel or filters is None or grad[1] not in (None, filters):
+    if len(spatial) < n or len(kernel) < n or filters is None or grad[1] not in (None, filters):
         return None
 
     def ints(key: str, default: int, count: int) -> list[int]:
@@ -217,7 +217,7 @@ def _transposed_geometry(
         if out_pad[i] >= strides[i] or size < 1:
             return None
         image.append(size)
-    return image, filters
+    return image, kernel, filters
 
 
 def _applies(node: onnx.NodeProto) -> bool:
