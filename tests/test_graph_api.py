@@ -382,3 +382,46 @@ def test_digits_cnn_reaches_95_percent() -> None:
     logits = infer.execute({"x": x_test}).outputs["logits"]
     accuracy = float((logits.argmax(1) == y_test).mean())
     assert accuracy > 0.95, accuracy
+
+
+def _strided_cnn_trainer(options: CompileOptions) -> tg.TrainingGraph:
+    init.manual_seed(0)
+    g = tg.Graph("strided")
+    x = g.input("x", shape=[None, 2, 12, 12])
+    h = L.ReLU()(L.Conv2d(2, 8, kernel_size=3, padding=1)(x))
+    h = L.ReLU()(L.Conv2d(8, 8, kernel_size=3, stride=2, padding=1)(h))
+    h = L.ReLU()(L.Conv2d(8, 6, kernel_size=1)(h))
+    g.output("logits", L.Linear(6 * 6 * 6, 5)(L.Flatten()(h)))
+    train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.SGD(lr=0.1))
+    train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")})
+    train.track_gradient([h])
+    return train.compile("cpu", options)
+
+
+def test_conv_weight_gradients_from_the_native_kernel_match_the_graph() -> None:
+    # By default the CPU gradient phase computes the Conv weight gradients natively (their
+    # inputs are saved values of the forward phase); disable_fusion runs the graph as written.
+    fast = _strided_cnn_trainer(CompileOptions())
+    plain = _strided_cnn_trainer(CompileOptions(disable_fusion=True))
+    assert len(fast._native_grads) == 3 and plain._native_grads == []
+    rng = np.random.default_rng(0)
+    for n in (8, 8, 3):
+        x = rng.standard_normal((n, 2, 12, 12)).astype(np.float32)
+        y = rng.integers(0, 5, n)
+        losses = []
+        for train in (fast, plain):
+            losses.append(float(train.execute_forward({"x": x}, loss_labels={"y": y}).loss))
+            train.execute_gradient()
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+        for name in plain.get_parameters():
+            np.testing.assert_allclose(
+                fast.gradient_data(name), plain.gradient_data(name), rtol=1e-4, atol=1e-6,
+                err_msg=name,
+            )  # fmt: skip
+        h = fast.tracked[0]
+        np.testing.assert_allclose(fast.gradient_tensor(h), plain.gradient_tensor(h), rtol=1e-4,
+                                   atol=1e-6)  # fmt: skip
+        for train in (fast, plain):
+            train.execute_optimizer_update()
+    for name, value in plain.get_parameters().items():
+        np.testing.assert_allclose(fast.get_parameters()[name], value, rtol=1e-4, atol=1e-6)

@@ -26,7 +26,10 @@ class CompileOptions:
     Attributes:
         debug: No fusion, and after every phase the parameters and gradients are synchronised
             to the host (``ExecutionResult.parameters`` / ``.gradients``).
-        disable_fusion: Run the graphs without onnxruntime's graph optimizations (no fusion).
+        disable_fusion: Run the graphs as written: without onnxruntime's graph optimizations
+            (no fusion), the runtime's rewrites for the device
+            (:mod:`traingraph.runtime.specialize`) or the native Conv weight gradients
+            (:mod:`traingraph.runtime.conv_grads`).
         compute_all_gradients: Also compute the gradients of every data input.
         profile: Report each phase's execution time in ``ExecutionResult.times``.
         intra_op_threads: onnxruntime threads per op (0: its default).
@@ -41,11 +44,13 @@ class CompileOptions:
     memory_arena: bool = True
 
     def session_config(self) -> SessionConfig:
-        level = "disable" if self.debug or self.disable_fusion else "all"
+        as_written = self.debug or self.disable_fusion
         return SessionConfig(
-            optimization=level,
+            optimization="disable" if as_written else "all",
             intra_op_threads=self.intra_op_threads,
             memory_arena=self.memory_arena,
+            native_conv_grads=not as_written,
+            specialize=not as_written,
         )
 
 

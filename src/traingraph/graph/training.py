@@ -63,6 +63,7 @@ from traingraph.program import (
     to_inference_mode,
     to_training_mode,
 )
+from traingraph.runtime import conv_grads
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.optimizer import optimizer_step
 from traingraph.runtime.session import BoundRunner, check_feeds, create_session
@@ -144,6 +145,8 @@ class TrainingGraph:
         self._tensor_grads: dict[str, ort.OrtValue] = {}
         self._last_shapes: dict[str, tuple[int, ...]] = {}
         self._host_parameters: dict[str, np.ndarray] = {}
+        self._native_grads: list[conv_grads.WeightGrad] = []
+        self._native_threads = 1
 
     # ---------------------------------------------------------------- definition
     def add_inputs(
@@ -271,10 +274,21 @@ class TrainingGraph:
         self._owners = owners
         self._program = _TrainProgram.build(self, model)
         config = self.options.session_config()
+        gradient, self._native_grads = self._program.phases.gradient, []
+        if (
+            gradient is not None
+            and self.device.kind == "cpu"
+            and config.native_conv_grads
+            and conv_grads.AVAILABLE
+        ):
+            gradient, self._native_grads = conv_grads.split_weight_grads(
+                gradient, self._program.phases.forward
+            )
+        self._native_threads = conv_grads.default_threads(config.intra_op_threads)
         runners = {}
         for phase, proto in (
             ("forward", self._program.phases.forward),
-            ("gradient", self._program.phases.gradient),
+            ("gradient", gradient),
             ("optimizer", self._program.optimizer_model),
         ):
             if proto is not None:
@@ -435,6 +449,7 @@ class TrainingGraph:
                 " before compile"
             )
         runner = self._runners["gradient"]
+        fed: dict[str, ort.OrtValue] = {}
         for name in runner.inputs:
             if name.endswith("_user_grad") and name[: -len("_user_grad")] in given:
                 value = as_device_feed(
@@ -445,11 +460,19 @@ class TrainingGraph:
             else:
                 value = state.ortvalue(name)
             runner.bind_input(name, value)
+            fed[name] = value
+        native = {g.param for g in self._native_grads}
         bound: dict[str, ort.OrtValue | None] = {
-            f"{n}_grad": state.grads.ortvalue(n) for n in state.grads
+            f"{n}_grad": state.grads.ortvalue(n) for n in state.grads if n not in native
         }
         bound.update({f"{n}_grad": None for n in program.tensor_grads})
+        sources = {name for g in self._native_grads for name in (g.x, g.dy)}
+        bound.update({name: None for name in sources if name not in fed})
         outputs = runner.run(bound)
+        if self._native_grads:
+            values = {n: (outputs[n] if n in outputs else fed[n]).numpy() for n in sources}
+            targets = {g.output: state.grads.host_view(g.param) for g in self._native_grads}
+            conv_grads.compute(self._native_grads, values, targets, self._native_threads)
         self._tensor_grads = {n: outputs[f"{n}_grad"] for n in program.tensor_grads}
         state.grads_valid = True
         self._pending = None

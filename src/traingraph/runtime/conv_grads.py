@@ -131,14 +131,18 @@ def default_threads(intra_op_threads: int) -> int:
 
 
 def split_weight_grads(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto, forward: onnx.ModelProto | None = None
 ) -> tuple[onnx.ModelProto, list[WeightGrad]]:
     """``model`` without the nodes of each Conv weight gradient the native kernel can compute,
-    and those gradients; ``model`` itself and ``[]`` where there are none (or no kernel)."""
+    and those gradients; ``model`` itself and ``[]`` where there are none (or no kernel).
+
+    ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
+    phase: its Convs count too where ``model`` reads their input (as a saved value or a feed).
+    """
     if _native is None:
         return model, []
     graph = model.graph
-    found = _verified(model, _candidates(model))
+    found = _verified(model, _candidates(model, forward))
     if not found:
         return model, []
     removed: set[int] = set()
@@ -180,14 +184,20 @@ class _Match:
     w_shape: list[int]
 
 
-def _candidates(model: onnx.ModelProto) -> list[_Match]:
+def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) -> list[_Match]:
     """The gradient outputs that look like one Conv's weight gradient (see the module
-    docstring), with the nodes that compute them."""
+    docstring), with the nodes that compute them; the Convs of ``forward`` count where
+    ``model`` reads their input."""
     graph = model.graph
     nodes = list(graph.node)
     outputs = {o.name for o in graph.output}
     inputs = {i.name: i for i in graph.input}
     producer = {name: i for i, n in enumerate(nodes) for name in n.output if name}
+    convs = list(nodes)
+    if forward is not None:
+        # a weight the gradient phase does not read (no input gradient) is typed in forward
+        inputs = {i.name: i for i in forward.graph.input} | inputs
+        convs += [n for n in forward.graph.node if n.input and n.input[0] in _graph_reads(graph)]
     consumers: dict[str, set[int]] = {}
     for i, n in enumerate(nodes):
         for name in n.input:
@@ -200,7 +210,7 @@ def _candidates(model: onnx.ModelProto) -> list[_Match]:
     }
     shapes: dict[str, list[int | None]] | None = None
     found: list[_Match] = []
-    for node in nodes:
+    for node in convs:
         if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
         param, x = node.input[1], node.input[0]
@@ -263,6 +273,11 @@ def _candidates(model: onnx.ModelProto) -> list[_Match]:
                 found.append(match)
                 break
     return found
+
+
+def _graph_reads(graph: onnx.GraphProto) -> set[str]:
+    """The names a graph reads from outside its nodes: its inputs and initializers."""
+    return {i.name for i in graph.input} | {t.name for t in graph.initializer}
 
 
 def _elem_type(value: onnx.ValueInfoProto) -> int:
