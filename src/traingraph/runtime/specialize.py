@@ -45,6 +45,8 @@ Example:
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -74,20 +76,30 @@ def for_cuda(source: Source) -> Source:
 def for_cpu(source: Source) -> Source:
     """``source`` (a path or serialized model) rewritten for the CPU provider; ``source``
     itself where nothing applies."""
-    head = onnx.load(source, load_external_data=False) if isinstance(source, str) else None
-    if head is not None and not any(_is_conv_transpose(n) for n in head.graph.node):
-        return source
+    if not _mentions(source, b"ConvTranspose"):
+        return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     if not any(_is_conv_transpose(n) for n in proto.graph.node):
         return source
-    opset = _default_opset(proto)
     try:
-        if opset < _COL2IM_OPSET:
+        if _default_opset(proto) < _COL2IM_OPSET:
             proto = version_converter.convert_version(proto, _COL2IM_OPSET)
         shapes = _static_shapes(shape_inference.infer_shapes(proto).graph)
-    except Exception:
+        changed = _conv_transposes_as_col2im(proto.graph, shapes)
+        return proto.SerializeToString() if changed else source
+    except Exception:  # a model the converter or shape inference cannot take runs as it is
         return source
-    return proto.SerializeToString() if _conv_transposes_as_col2im(proto.graph, shapes) else source
+
+
+def _mentions(source: Source, text: bytes) -> bool:
+    """Whether the serialized model (a path or bytes) holds ``text`` anywhere."""
+    if not isinstance(source, str):
+        return text in source
+    with open(source, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return False
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return view.find(text) >= 0
 
 
 _COL2IM_OPSET = 18
