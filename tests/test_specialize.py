@@ -195,11 +195,16 @@ def test_a_cast_mask_with_other_uses_stays() -> None:
 
 
 def _conv_transpose(
-    x_shape: list, w_shape: list, opset: int, bias: bool = False, **attrs: object
+    x_shape: list,
+    w_shape: list,
+    opset: int,
+    bias: bool = False,
+    dtype: int = TensorProto.FLOAT,
+    **attrs: object,
 ) -> onnx.ModelProto:
     inputs = [
-        helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
-        helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape),
+        helper.make_tensor_value_info("x", dtype, x_shape),
+        helper.make_tensor_value_info("w", dtype, w_shape),
     ]
     if bias:
         channels = w_shape[1] * int(attrs.get("group", 1))
@@ -269,6 +274,14 @@ def test_conv_transpose_becomes_matmul_and_col2im(
 def test_conv_transposes_col2im_cannot_take_stay(x_shape: list, attrs: dict) -> None:
     weight = [4, 3 // int(attrs.get("group", 1)) or 1, 3, 3]
     source = _conv_transpose(x_shape, weight, 17, **attrs).SerializeToString()
+    assert for_cpu(source) is source
+
+
+def test_float64_conv_transpose_stays() -> None:
+    # onnxruntime's CPU Col2Im has no float64 kernel
+    model = _conv_transpose(["n", 4, 5, 5], [4, 3, 3, 3], 17, dtype=TensorProto.DOUBLE,
+                            strides=[2, 2])  # fmt: skip
+    source = model.SerializeToString()
     assert for_cpu(source) is source
 
 

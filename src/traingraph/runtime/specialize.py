@@ -9,7 +9,7 @@ On the CPU (:func:`for_cpu`):
 - A ``ConvTranspose`` (the input gradient of a strided Conv, or of a Conv whose input has more
   positions than its output) becomes ``Col2Im(MatMul(W^T, G))``: the products of every sample
   in one batched MatMul, then the columns added into the image. onnxruntime's ConvTranspose
-  kernel takes about twice as long for the same sums (0.36 against 0.64 ms for LeNet's second
+  kernel takes about twice as long for the same sums (0.35 against 0.62 ms for LeNet's second
   convolution, 0.37 against 0.73 ms for ResNet-8's last strided one; see
   ``benchmarks/conv_grad_micro.py``). Col2Im exists from opset 18 on, so a model of an older
   opset is first converted with ``onnx.version_converter``; where that fails, or a shape the
@@ -84,8 +84,8 @@ def for_cpu(source: Source) -> Source:
     try:
         if _default_opset(proto) < _COL2IM_OPSET:
             proto = version_converter.convert_version(proto, _COL2IM_OPSET)
-        shapes = _static_shapes(shape_inference.infer_shapes(proto).graph)
-        changed = _conv_transposes_as_col2im(proto.graph, shapes)
+        shapes, types = _static_shapes(shape_inference.infer_shapes(proto).graph)
+        changed = _conv_transposes_as_col2im(proto.graph, shapes, types)
         return proto.SerializeToString() if changed else source
     except Exception:  # a model the converter or shape inference cannot take runs as it is
         return source
@@ -113,24 +113,33 @@ def _default_opset(proto: onnx.ModelProto) -> int:
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _static_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
-    """The shape of every value shape inference found, None for a dimension it left open."""
+def _static_shapes(
+    graph: onnx.GraphProto,
+) -> tuple[dict[str, list[int | None]], dict[str, int]]:
+    """The shape of every value shape inference found (None for a dimension it left open), and
+    the element type of every tensor value."""
     shapes: dict[str, list[int | None]] = {}
+    types: dict[str, int] = {}
     for info in [*graph.input, *graph.value_info, *graph.output]:
-        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+        if not info.type.HasField("tensor_type"):
+            continue
+        types[info.name] = info.type.tensor_type.elem_type
+        if info.type.tensor_type.HasField("shape"):
             shapes[info.name] = [
                 d.dim_value if d.HasField("dim_value") else None
                 for d in info.type.tensor_type.shape.dim
             ]
     shapes.update((t.name, list(t.dims)) for t in graph.initializer)
-    return shapes
+    types.update((t.name, t.data_type) for t in graph.initializer)
+    return shapes, types
 
 
 def _conv_transposes_as_col2im(
-    graph: onnx.GraphProto, shapes: dict[str, list[int | None]]
+    graph: onnx.GraphProto, shapes: dict[str, list[int | None]], types: dict[str, int]
 ) -> bool:
-    """Write each ungrouped ConvTranspose whose geometry is static as
-    ``Col2Im(MatMul(W^T, G)) [+ B]``; return whether any was.
+    """Write each ungrouped float32 ConvTranspose whose geometry is static as
+    ``Col2Im(MatMul(W^T, G)) [+ B]`` (onnxruntime's CPU Col2Im is float32 only); return whether
+    any was.
 
     For ``Y = ConvTranspose(G [N, M, O...], W [M, C, k...])`` the columns are
     ``cols[n, c * K + k, o] = sum_m W[m, c, k] * G[n, m, o]`` (``K = prod(k)``), and Col2Im adds
@@ -143,24 +152,24 @@ def _conv_transposes_as_col2im(
 
     def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         geometry = _transposed_geometry(node, shapes)
-        if geometry is None:
+        if geometry is None or types.get(node.input[0]) != onnx.TensorProto.FLOAT:
             return None
         image, kernel, filters = geometry
         attrs = {a.name: list(a.ints) for a in node.attribute if a.type == onnx.AttributeProto.INTS}
         n = len(image)
         base, name = node.name or node.output[0], f"{node.output[0]}_col2im"
+        bias = len(node.input) > 2 and node.input[2]
         constants = {
             "positions_shape": [0, filters, -1],
             "weight_shape": [filters, -1],
             "image": image,
             "block": kernel,
-            "bias_shape": [-1] + [1] * n,
+            **({"bias_shape": [-1] + [1] * n} if bias else {}),
         }
         graph.initializer.extend(
             numpy_helper.from_array(np.array(v, np.int64), f"{name}_{k}")
-            for k, v in constants.items() if k != "bias_shape" or len(node.input) > 2
-        )  # fmt: skip
-        bias = len(node.input) > 2 and node.input[2]
+            for k, v in constants.items()
+        )
         image_out = f"{name}_image_out" if bias else node.output[0]
         nodes = [
             helper.make_node("Reshape", [node.input[0], f"{name}_positions_shape"],
