@@ -326,9 +326,7 @@ class Module:
             create_session(train_model, self._device, self._config), self._device
         )
         self._native_params = {g.param for g in self._native_grads}
-        # what the kernel reads: model inputs, or outputs the split model adds
-        self._native_sources = {name for g in self._native_grads for name in (g.x, g.dy)}
-        self._native_values = sorted(self._native_sources - set(inputs))
+        self._native_values = conv_grads.run_outputs(self._native_grads, inputs)
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
@@ -472,7 +470,9 @@ class Module:
             outs[GRADS_FINITE] = None
         outputs = runner.run(outs)
         if self._native_grads:
-            self._native_conv_grads(feeds, outputs, target)
+            conv_grads.compute_after_run(
+                self._native_grads, outputs, feeds, target, self._native_threads
+            )
         if self.loss_scaler is not None:
             finite = bool(outputs[GRADS_FINITE].numpy())
             self._grads_finite = finite and (self._grads_finite or not accumulate)
@@ -483,16 +483,6 @@ class Module:
         state.grads_valid = True
         state.reset_grads_pending = False
         return outputs
-
-    def _native_conv_grads(
-        self, feeds: dict[str, Any], outputs: dict[str, ort.OrtValue], target: TensorStore
-    ) -> None:
-        values = {
-            name: _host_array(outputs[name] if name in outputs else feeds[name])
-            for name in self._native_sources
-        }
-        targets = {g.output: target.host_view(g.param) for g in self._native_grads}
-        conv_grads.compute(self._native_grads, values, targets, self._native_threads)
 
     def _accumulate(self) -> None:
         state = self._runtime
@@ -637,11 +627,6 @@ def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version()
     )
-
-
-def _host_array(value: Any) -> np.ndarray:
-    """A CPU OrtValue or array-like as a numpy array, without a copy where it is one already."""
-    return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
 
 
 def _as_feed(value: Any) -> Any:

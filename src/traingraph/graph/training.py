@@ -147,6 +147,8 @@ class TrainingGraph:
         self._host_parameters: dict[str, np.ndarray] = {}
         self._native_grads: list[conv_grads.WeightGrad] = []
         self._native_threads = 1
+        self._native_params: set[str] = set()
+        self._native_values: list[str] = []
 
     # ---------------------------------------------------------------- definition
     def add_inputs(
@@ -285,6 +287,10 @@ class TrainingGraph:
                 gradient, self._program.phases.forward
             )
         self._native_threads = conv_grads.default_threads(config.intra_op_threads)
+        self._native_params = {g.param for g in self._native_grads}
+        self._native_values = conv_grads.run_outputs(
+            self._native_grads, [i.name for i in gradient.graph.input] if gradient else []
+        )
         runners = {}
         for phase, proto in (
             ("forward", self._program.phases.forward),
@@ -461,18 +467,17 @@ class TrainingGraph:
                 value = state.ortvalue(name)
             runner.bind_input(name, value)
             fed[name] = value
-        native = {g.param for g in self._native_grads}
         bound: dict[str, ort.OrtValue | None] = {
-            f"{n}_grad": state.grads.ortvalue(n) for n in state.grads if n not in native
-        }
+            f"{n}_grad": state.grads.ortvalue(n) for n in state.grads
+            if n not in self._native_params
+        }  # fmt: skip
         bound.update({f"{n}_grad": None for n in program.tensor_grads})
-        sources = {name for g in self._native_grads for name in (g.x, g.dy)}
-        bound.update({name: None for name in sources if name not in fed})
+        bound.update({name: None for name in self._native_values})
         outputs = runner.run(bound)
         if self._native_grads:
-            values = {n: (outputs[n] if n in outputs else fed[n]).numpy() for n in sources}
-            targets = {g.output: state.grads.host_view(g.param) for g in self._native_grads}
-            conv_grads.compute(self._native_grads, values, targets, self._native_threads)
+            conv_grads.compute_after_run(
+                self._native_grads, outputs, fed, state.grads, self._native_threads
+            )
         self._tensor_grads = {n: outputs[f"{n}_grad"] for n in program.tensor_grads}
         state.grads_valid = True
         self._pending = None

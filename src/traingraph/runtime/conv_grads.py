@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+
+if TYPE_CHECKING:
+    from traingraph.runtime.tensors import TensorStore
 
 # Relative tolerance of the numeric check, against the largest magnitude of the result.
 _CHECK_RTOL = 1e-4
@@ -103,6 +107,34 @@ def compute(
         ],
         threads,
     )
+
+
+def run_outputs(grads: Sequence[WeightGrad], inputs: Collection[str]) -> list[str]:
+    """The values the split model must return for ``grads``: each ``x`` and ``dy`` that is
+    not one of the model's ``inputs``."""
+    return sorted({name for g in grads for name in (g.x, g.dy)} - set(inputs))
+
+
+def compute_after_run(
+    grads: Sequence[WeightGrad],
+    outputs: Mapping[str, Any],
+    feeds: Mapping[str, Any],
+    store: TensorStore,
+    threads: int,
+) -> None:
+    """Write each gradient of ``grads`` into ``store``'s host view of its parameter, reading
+    ``x`` and ``dy`` from a run's ``outputs``, else from the ``feeds`` it was given (CPU
+    OrtValues or arrays)."""
+
+    def host(value: Any) -> np.ndarray:
+        return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
+
+    values = {
+        name: host(outputs[name] if name in outputs else feeds[name])
+        for g in grads
+        for name in (g.x, g.dy)
+    }
+    compute(grads, values, {g.output: store.host_view(g.param) for g in grads}, threads)
 
 
 def _check_geometry(grad: WeightGrad, x: tuple[int, ...], dy: tuple[int, ...]) -> None:
@@ -197,7 +229,8 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
     if forward is not None:
         # a weight the gradient phase does not read (no input gradient) is typed in forward
         inputs = {i.name: i for i in forward.graph.input} | inputs
-        convs += [n for n in forward.graph.node if n.input and n.input[0] in _graph_reads(graph)]
+        reads = _graph_reads(graph)
+        convs += [n for n in forward.graph.node if n.input and n.input[0] in reads]
     consumers: dict[str, set[int]] = {}
     for i, n in enumerate(nodes):
         for name in n.input:
