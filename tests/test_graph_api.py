@@ -384,26 +384,32 @@ def test_digits_cnn_reaches_95_percent() -> None:
     assert accuracy > 0.95, accuracy
 
 
-def _strided_cnn_trainer(options: CompileOptions) -> tg.TrainingGraph:
+def _strided_cnn_trainer(options: CompileOptions, pool: bool = False) -> tg.TrainingGraph:
     init.manual_seed(0)
     g = tg.Graph("strided")
     x = g.input("x", shape=[None, 2, 12, 12])
     h = L.ReLU()(L.Conv2d(2, 8, kernel_size=3, padding=1)(x))
+    if pool:  # the first Conv's output gradient is then routed natively through the MaxPool
+        h = L.MaxPool2d(2)(h)
     h = L.ReLU()(L.Conv2d(8, 8, kernel_size=3, stride=2, padding=1)(h))
     h = L.ReLU()(L.Conv2d(8, 6, kernel_size=1)(h))
-    g.output("logits", L.Linear(6 * 6 * 6, 5)(L.Flatten()(h)))
+    side = 3 if pool else 6
+    g.output("logits", L.Linear(6 * side * side, 5)(L.Flatten()(h)))
     train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.SGD(lr=0.1))
     train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")})
     train.track_gradient([h])
     return train.compile("cpu", options)
 
 
-def test_conv_weight_gradients_from_the_native_kernel_match_the_graph() -> None:
+@pytest.mark.parametrize("pool", [False, True], ids=["strided", "maxpool"])
+def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(pool: bool) -> None:
     # By default the CPU gradient phase computes the Conv weight gradients natively (their
     # inputs are saved values of the forward phase); disable_fusion runs the graph as written.
-    fast = _strided_cnn_trainer(CompileOptions())
-    plain = _strided_cnn_trainer(CompileOptions(disable_fusion=True))
+    fast = _strided_cnn_trainer(CompileOptions(), pool)
+    plain = _strided_cnn_trainer(CompileOptions(disable_fusion=True), pool)
     assert len(fast._native_grads) == 3 and plain._native_grads == []
+    routes = [g.route for g in fast._native_grads if g.route is not None]
+    assert len(routes) == int(pool) and all(r.relu and r.bias for r in routes)
     rng = np.random.default_rng(0)
     for n in (8, 8, 3):
         x = rng.standard_normal((n, 2, 12, 12)).astype(np.float32)

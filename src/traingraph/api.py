@@ -325,7 +325,7 @@ class Module:
         self._train = BoundRunner(
             create_session(train_model, self._device, self._config), self._device
         )
-        self._native_params = {g.param for g in self._native_grads}
+        self._native_params = conv_grads.native_params(self._native_grads)
         self._native_values = conv_grads.run_outputs(self._native_grads, inputs)
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
         self._train_params = [n for n in inputs if n in params]

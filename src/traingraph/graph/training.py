@@ -287,7 +287,7 @@ class TrainingGraph:
                 gradient, self._program.phases.forward
             )
         self._native_threads = conv_grads.default_threads(config.intra_op_threads)
-        self._native_params = {g.param for g in self._native_grads}
+        self._native_params = conv_grads.native_params(self._native_grads)
         self._native_values = conv_grads.run_outputs(
             self._native_grads, [i.name for i in gradient.graph.input] if gradient else []
         )

@@ -379,14 +379,15 @@ static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
 
 /* ------------------------------------------------------------------------- Python */
 
-static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable, Py_ssize_t index,
-                         const char *name)
+/* A float32 C-contiguous buffer of rank ndim; errors name the call (what), the entry (index)
+ * and the argument (name). */
+static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable, const char *what,
+                         Py_ssize_t index, const char *name)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_RECORDS_RO) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError,
-                     "weight_grads: conv %zd: %s must be a numpy array; got %.200s", index, name,
-                     Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s %zd: %s must be a numpy array; got %.200s", what,
+                     index, name, Py_TYPE(obj)->tp_name);
         return -1;
     }
     const char *format = view->format ? view->format : "B";
@@ -398,7 +399,7 @@ static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable,
         problem = "is not float32";
     }
     else if (view->ndim != ndim) {
-        problem = "has the wrong rank (x, dy and dw are 4-D)";
+        problem = ndim == 4 ? "is not 4-D" : "is not 1-D";
     }
     else if (!PyBuffer_IsContiguous(view, 'C')) {
         problem = "is not C-contiguous";
@@ -407,7 +408,7 @@ static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable,
         problem = "is read-only";
     }
     if (problem != NULL) {
-        PyErr_Format(PyExc_ValueError, "weight_grads: conv %zd: %s %s", index, name, problem);
+        PyErr_Format(PyExc_ValueError, "%s %zd: %s %s", what, index, name, problem);
         PyBuffer_Release(view);
         return -1;
     }
@@ -454,7 +455,8 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
         }
         static const char *names[3] = {"x", "dy", "dw"};
         for (int k = 0; k < 3; k++) {
-            if (float32_array(arrays[k], &views[held], 4, k == 2, i, names[k]) < 0) {
+            if (float32_array(arrays[k], &views[held], 4, k == 2, "weight_grads: conv", i,
+                              names[k]) < 0) {
                 goto done;
             }
             held++;
@@ -517,15 +519,118 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------- max-pool routing */
+
+/* dy = 0, then the gradient dp[n, c, i, j] of window (i, j) added at the window's first maximum
+ * of y (row-major, as ArgMax and MaxPool pick it), where that maximum is above 0 or relu is 0;
+ * bias[c] (when given) = the sum of what was added for channel c. */
+static void route_planes(const float *y, const float *dp, float *dy, float *bias, Py_ssize_t planes,
+                         Py_ssize_t c, Py_ssize_t h, Py_ssize_t w, Py_ssize_t oh, Py_ssize_t ow,
+                         Py_ssize_t kh, Py_ssize_t kw, int relu)
+{
+    if (bias != NULL) {
+        memset(bias, 0, sizeof(float) * (size_t)c);
+    }
+    for (Py_ssize_t p = 0; p < planes; p++) {
+        const float *yp = y + p * h * w, *g = dp + p * oh * ow;
+        float *d = dy + p * h * w;
+        double sum = 0.0;
+        memset(d, 0, sizeof(float) * (size_t)(h * w));
+        for (Py_ssize_t i = 0; i < oh; i++) {
+            for (Py_ssize_t j = 0; j < ow; j++) {
+                Py_ssize_t at = i * kh * w + j * kw;
+                float best = yp[at];
+                for (Py_ssize_t a = 0; a < kh; a++) {
+                    const Py_ssize_t row = (i * kh + a) * w + j * kw;
+                    for (Py_ssize_t b = 0; b < kw; b++) {
+                        if (yp[row + b] > best) {
+                            best = yp[row + b];
+                            at = row + b;
+                        }
+                    }
+                }
+                if (!relu || best > 0.0f) {
+                    d[at] = g[i * ow + j];
+                    sum += g[i * ow + j];
+                }
+            }
+        }
+        if (bias != NULL) {
+            bias[p % c] += (float)sum;
+        }
+    }
+}
+
+PyDoc_STRVAR(route_max_pool_doc,
+"route_max_pool(y, dp, dy, bias, kernel, relu)\n--\n\n"
+"Write the gradient of ``MaxPool(y)`` into ``dy`` given that of its output, ``dp``.\n\n"
+"``y`` and ``dy`` are float32 C-contiguous ``[N, C, H, W]``, ``dp`` is ``[N, C, OH, OW]``: the\n"
+"windows are ``kernel`` (a pair, also the strides), unpadded, and tile the first ``OH * KH``\n"
+"rows and ``OW * KW`` columns. Each window's ``dp`` goes to its first maximum (row-major);\n"
+"with ``relu`` true, only where that maximum is above 0 (the gradient through a Relu whose\n"
+"output ``y`` is). ``bias``, a float32 ``[C]`` array or None, receives the sum of ``dy`` per\n"
+"channel.");
+
+static PyObject *route_max_pool(PyObject *self, PyObject *args)
+{
+    PyObject *objects[4];
+    Py_ssize_t kh, kw;
+    int relu;
+    if (!PyArg_ParseTuple(args, "OOOO(nn)p:route_max_pool", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &kh, &kw, &relu)) {
+        return NULL;
+    }
+    static const char *names[4] = {"y", "dp", "dy", "bias"};
+    const int count = objects[3] == Py_None ? 3 : 4;
+    Py_buffer views[4];
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < count; held++) {
+        if (float32_array(objects[held], &views[held], held == 3 ? 1 : 4, held >= 2,
+                          "route_max_pool: argument", held, names[held]) < 0) {
+            goto done;
+        }
+    }
+    const Py_ssize_t *ys = views[0].shape, *ps = views[1].shape, *ds = views[2].shape;
+    int fits = kh >= 1 && kw >= 1 && ps[0] == ys[0] && ps[1] == ys[1] && ps[2] * kh <= ys[2] &&
+               ps[3] * kw <= ys[3];
+    for (int k = 0; k < 4; k++) {
+        fits = fits && ds[k] == ys[k];
+    }
+    if (count == 4) {
+        fits = fits && views[3].shape[0] == ys[1];
+    }
+    if (!fits) {
+        PyErr_Format(PyExc_ValueError,
+                     "route_max_pool: y [%zd, %zd, %zd, %zd], dp [%zd, %zd, %zd, %zd] and dy"
+                     " [%zd, %zd, %zd, %zd] do not fit windows of (%zd, %zd)%s",
+                     ys[0], ys[1], ys[2], ys[3], ps[0], ps[1], ps[2], ps[3], ds[0], ds[1], ds[2],
+                     ds[3], kh, kw, count == 4 ? " with a bias of the channels" : "");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    route_planes(views[0].buf, views[1].buf, views[2].buf, count == 4 ? views[3].buf : NULL,
+                 ys[0] * ys[1], ys[1], ys[2], ys[3], ps[2], ps[3], kh, kw, relu);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
+    {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "traingraph.runtime._convc",
-    .m_doc = "Native weight gradients of 2-D convolutions over float32 arrays.",
+    .m_doc = "Native weight gradients of 2-D convolutions, and max-pool gradient routing, over"
+             " float32 arrays.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -15,12 +15,21 @@ and ``G`` as outputs instead of the gradient, and a :class:`WeightGrad` for each
 stays standard ONNX; where the extension is missing or nothing matches, the model is used
 as it is.
 
+Where the graph computes ``G`` only for that weight gradient (and the Conv's bias gradient),
+as for the first Conv of a network, whose input gradient nobody asks for, and the Conv feeds
+(through a Relu) a MaxPool whose windows tile its input, ``G`` itself is computed natively
+too (:class:`MaxPoolRoute`): the MaxPool's output gradient goes to each window's first
+maximum, behind a Relu only where it is above 0, in one pass that also sums the bias
+gradient. The graph's routing (an ArgMax over the windows, two upsamplings, a comparison and
+the masks) is then left out; the same numeric check guards it, on inputs with many ties.
+
 Example:
     >>> model, grads = split_weight_grads(onnx.load("training_model.onnx"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Collection, Mapping, Sequence
@@ -55,6 +64,29 @@ AVAILABLE: bool = _native is not None
 
 
 @dataclass(frozen=True)
+class MaxPoolRoute:
+    """A Conv's output gradient ``dy`` computed natively from the MaxPool that reads the Conv's
+    output, or the Relu of it: the gradient ``dp`` of the MaxPool's output goes to each window's
+    first maximum of ``y``, the MaxPool's input, and behind a Relu only where that maximum is
+    above 0. Used where the graph needs ``dy`` for nothing but the weight (and bias) gradient:
+    the first convolution of a network, whose input gradient nobody asks for.
+
+    Attributes:
+        y: The MaxPool's input.
+        dp: The gradient of the MaxPool's output.
+        kernel: The window, which is also the stride (the windows tile ``y``).
+        relu: Whether ``y`` is the output of a Relu of the Conv's output.
+        bias: The Conv's bias, whose gradient (the sum of ``dy``) comes with it, or None.
+    """
+
+    y: str
+    dp: str
+    kernel: tuple[int, int]
+    relu: bool
+    bias: str | None = None
+
+
+@dataclass(frozen=True)
 class WeightGrad:
     """One Conv weight gradient that the native kernel computes.
 
@@ -68,6 +100,7 @@ class WeightGrad:
         end_pads: End pads (2).
         dilations: Dilations (2).
         group: Groups.
+        route: Where ``dy`` is not computed by the graph but from a MaxPool's gradient.
     """
 
     output: str
@@ -79,6 +112,7 @@ class WeightGrad:
     end_pads: tuple[int, int]
     dilations: tuple[int, int]
     group: int
+    route: MaxPoolRoute | None = None
 
 
 def compute(
@@ -88,8 +122,18 @@ def compute(
     threads: int,
 ) -> None:
     """Write each gradient of ``grads`` into ``targets[grad.output]``, from ``values`` (the
-    arrays of each ``x`` and ``dy`` by name), on ``threads`` threads."""
+    arrays of each name :func:`reads` gives, by name), on ``threads`` threads. A routed
+    gradient also writes its bias gradient into ``targets["<bias>_grad"]``."""
     assert _native is not None
+    values = dict(values)
+    for g in grads:
+        if g.route is not None:
+            r = g.route
+            y = values[r.y]
+            dy = np.empty(y.shape, np.float32)
+            bias = targets[f"{r.bias}_grad"] if r.bias is not None else None
+            _native.route_max_pool(y, values[r.dp], dy, bias, r.kernel, r.relu)
+            values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
     _native.weight_grads(
@@ -109,10 +153,26 @@ def compute(
     )
 
 
+def reads(grad: WeightGrad) -> tuple[str, ...]:
+    """The values :func:`compute` reads for ``grad``: ``x`` and ``dy``, or ``x`` and the
+    route's ``y`` and ``dp``."""
+    if grad.route is None:
+        return grad.x, grad.dy
+    return grad.x, grad.route.y, grad.route.dp
+
+
+def native_params(grads: Sequence[WeightGrad]) -> set[str]:
+    """The parameters whose gradients :func:`compute` writes: the weights, and the biases of
+    routed gradients."""
+    return {g.param for g in grads} | {
+        g.route.bias for g in grads if g.route is not None and g.route.bias is not None
+    }
+
+
 def run_outputs(grads: Sequence[WeightGrad], inputs: Collection[str]) -> list[str]:
-    """The values the split model must return for ``grads``: each ``x`` and ``dy`` that is
-    not one of the model's ``inputs``."""
-    return sorted({name for g in grads for name in (g.x, g.dy)} - set(inputs))
+    """The values the split model must return for ``grads``: each that :func:`reads` names
+    and that is not one of the model's ``inputs``."""
+    return sorted({name for g in grads for name in reads(g)} - set(inputs))
 
 
 def compute_after_run(
@@ -132,9 +192,10 @@ def compute_after_run(
     values = {
         name: host(outputs[name] if name in outputs else feeds[name])
         for g in grads
-        for name in (g.x, g.dy)
+        for name in reads(g)
     }
-    compute(grads, values, {g.output: store.host_view(g.param) for g in grads}, threads)
+    targets = {f"{name}_grad": store.host_view(name) for name in native_params(grads)}
+    compute(grads, values, targets, threads)
 
 
 def _check_geometry(grad: WeightGrad, x: tuple[int, ...], dy: tuple[int, ...]) -> None:
@@ -177,6 +238,7 @@ def split_weight_grads(
     found = _verified(model, _candidates(model, forward))
     if not found:
         return model, []
+    found = _routed(model, forward, found)
     removed: set[int] = set()
     for _, cone in found:
         removed |= cone
@@ -185,12 +247,12 @@ def split_weight_grads(
     g = rewritten.graph
     del g.node[:]
     g.node.extend(n for i, n in enumerate(graph.node) if i not in removed)
-    replaced = {grad.output for grad, _ in found}
+    replaced = {f"{name}_grad" for name in native_params([grad for grad, _ in found])}
     kept = [o for o in graph.output if o.name not in replaced]
     names = {o.name for o in kept} | {i.name for i in graph.input}
     types = _value_types(graph)
     for grad, _ in found:
-        for name in (grad.x, grad.dy):
+        for name in reads(grad):
             if name not in names:
                 names.add(name)
                 kept.append(types.get(name) or helper.make_tensor_value_info(name, FLOAT, None))
@@ -284,7 +346,9 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
             if dy == x or shape is None or len(shape) != 4 or shape[1:] != out_shape:
                 continue
             below = _below(nodes, cone, {x, dy}, constants, consumers)
-            if producer[output] in below:
+            # (a gradient of the weight reads x: not the weight gradient itself, of the same
+            # shape where filters = batch and kernel = output size)
+            if producer[output] in below and any(x in nodes[i].input for i in below):
                 grad = WeightGrad(
                     output=output,
                     param=param,
@@ -389,6 +453,233 @@ def _cone(
     return cone
 
 
+@dataclass(frozen=True)
+class _Graph:
+    """The training model's nodes and the indexes over them that the matching uses."""
+
+    nodes: list[onnx.NodeProto]
+    producer: dict[str, int]
+    consumers: dict[str, set[int]]
+    outputs: set[str]
+    constants: set[str]
+
+    @staticmethod
+    def of(graph: onnx.GraphProto) -> _Graph:
+        nodes = list(graph.node)
+        consumers: dict[str, set[int]] = {}
+        for i, n in enumerate(nodes):
+            for name in n.input:
+                consumers.setdefault(name, set()).add(i)
+        constants = {t.name for t in graph.initializer} | {
+            name
+            for n in nodes
+            if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
+            for name in n.output
+        }
+        return _Graph(
+            nodes,
+            {name: i for i, n in enumerate(nodes) for name in n.output if name},
+            consumers,
+            {o.name for o in graph.output},
+            constants,
+        )
+
+    def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
+        """The nodes of ``cone`` computed from ``sources`` and constants alone."""
+        known = set(sources) | self.constants
+        found: set[int] = set()
+        for i in sorted(cone):
+            if all(name in known for name in self.nodes[i].input if name):
+                found.add(i)
+                known.update(name for name in self.nodes[i].output if name)
+        return found
+
+
+def _routed(
+    model: onnx.ModelProto,
+    forward: onnx.ModelProto | None,
+    found: list[tuple[WeightGrad, set[int]]],
+) -> list[tuple[WeightGrad, set[int]]]:
+    """``found`` with a :class:`MaxPoolRoute` on each gradient whose ``dy`` the graph computes
+    from a MaxPool's gradient for nothing else (see :func:`_route`), checked numerically, and
+    the nodes of ``dy`` (and of the bias gradient) added to its cone."""
+    g = _Graph.of(model.graph)
+    forward_nodes = list(model.graph.node) + (list(forward.graph.node) if forward else [])
+    shapes: dict[str, list[int | None]] | None = None
+    routed: list[tuple[WeightGrad, set[int]]] = []
+    for grad, cone in found:
+        pool = _pooling(forward_nodes, grad)
+        if pool is not None and shapes is None:
+            shapes = _inferred_shapes(model)
+        match = _route(g, grad, cone, pool, shapes or {}) if pool is not None else None
+        if match is not None and _route_checks(model, g, grad, *match, shapes or {}):
+            route, nodes = match
+            routed.append((dataclasses.replace(grad, route=route), cone | nodes))
+        else:
+            routed.append((grad, cone))
+    return routed
+
+
+def _pooling(
+    nodes: list[onnx.NodeProto], grad: WeightGrad
+) -> tuple[onnx.NodeProto, onnx.NodeProto | None, onnx.NodeProto] | None:
+    """``(Conv, Relu or None, MaxPool)`` when the Conv of ``grad`` feeds (through a Relu) one
+    MaxPool whose 2-D windows tile its input: kernel equal to the strides, no padding or
+    dilation, ``ceil_mode`` 0; else None."""
+    conv = next(
+        (n for n in nodes if n.op_type == "Conv" and n.input[:2] == [grad.x, grad.param]), None
+    )
+    if conv is None:
+        return None
+
+    def readers(name: str, op_type: str) -> list[onnx.NodeProto]:
+        return [
+            n for n in nodes
+            if n.op_type == op_type and n.domain in ("", "ai.onnx") and n.input[0] == name
+        ]  # fmt: skip
+
+    relus = readers(conv.output[0], "Relu")
+    relu = relus[0] if len(relus) == 1 else None
+    pools = readers(relu.output[0] if relu else conv.output[0], "MaxPool")
+    if len(pools) != 1:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in pools[0].attribute}
+    kernel = [int(k) for k in attrs.get("kernel_shape", [])]
+    tiles = (
+        len(kernel) == 2
+        and [int(s) for s in attrs.get("strides", [1, 1])] == kernel
+        and not any(attrs.get("pads", []))
+        and all(d == 1 for d in attrs.get("dilations", [1, 1]))
+        and attrs.get("auto_pad", b"NOTSET") in (b"NOTSET", b"VALID")
+        and not attrs.get("ceil_mode", 0)
+    )
+    return (conv, relu, pools[0]) if tiles else None
+
+
+def _route(
+    g: _Graph,
+    grad: WeightGrad,
+    cone: set[int],
+    pool: tuple[onnx.NodeProto, onnx.NodeProto | None, onnx.NodeProto],
+    shapes: dict[str, list[int | None]],
+) -> tuple[MaxPoolRoute, set[int]] | None:
+    """The route of ``grad`` and the nodes it replaces, when the training graph computes
+    ``dy`` from the MaxPool's input ``y`` and one value ``dp`` of its output's shape alone,
+    and reads ``dy`` only for the weight gradient (``cone``) and the bias gradient; else None."""
+    conv, relu, max_pool = pool
+    y = max_pool.input[0]
+    if grad.dy not in g.producer:
+        return None
+    kernel = tuple(int(k) for a in max_pool.attribute if a.name == "kernel_shape" for k in a.ints)
+    y_shape = shapes.get(y)
+    if y_shape is None or len(y_shape) != 4 or None in y_shape[1:] or len(kernel) != 2:
+        return None
+    channels, height, width = (int(d or 0) for d in y_shape[1:])
+    pooled: list[int | None] = [channels, height // kernel[0], width // kernel[1]]
+    if min(channels, height // kernel[0], width // kernel[1]) < 1:
+        return None
+    bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else None
+    bias_nodes: set[int] = set()
+    if bias is not None and f"{bias}_grad" in g.outputs:
+        root = g.producer.get(f"{bias}_grad")
+        if root is None:
+            return None
+        bias_cone = _cone(g.nodes, root, g.outputs, g.consumers)
+        bias_nodes = g.computed_from(bias_cone, {grad.dy})
+        if root not in bias_nodes:
+            return None
+    elif bias is not None:
+        bias = None  # frozen: no gradient asked for
+    if not g.consumers.get(grad.dy, set()) <= cone | bias_nodes:
+        return None  # dy is read elsewhere (the Conv's input gradient)
+    dy_cone = _cone(g.nodes, g.producer[grad.dy], g.outputs, g.consumers)
+    for dp in sorted(
+        {name for i in dy_cone for name in g.nodes[i].input if name},
+        key=lambda name: g.producer.get(name, -1),
+        reverse=True,
+    ):
+        shape = shapes.get(dp)
+        if dp == y or shape is None or len(shape) != 4 or shape[1:] != pooled:
+            continue
+        nodes = g.computed_from(dy_cone, {y, dp})
+        if g.producer[grad.dy] not in nodes:
+            continue
+        # every node computed from y and dp alone feeds only dy and each other
+        allowed = nodes | cone | bias_nodes
+        if all(g.consumers.get(o, set()) <= allowed for i in nodes for o in g.nodes[i].output):
+            route = MaxPoolRoute(y, dp, kernel, relu is not None, bias)  # type: ignore[arg-type]
+            return route, nodes | bias_nodes
+    return None
+
+
+def _route_checks(
+    model: onnx.ModelProto,
+    g: _Graph,
+    grad: WeightGrad,
+    route: MaxPoolRoute,
+    nodes: set[int],
+    shapes: dict[str, list[int | None]],
+) -> bool:
+    """Whether the training graph's ``nodes`` compute what the native route computes, on
+    random inputs of batch 2 with many ties (and, behind a Relu, zeros)."""
+    y_shape = [2, *(int(d or 0) for d in shapes[route.y][1:])]
+    dp_shape = [2, *(int(d or 0) for d in shapes[route.dp][1:])]
+    rng = np.random.default_rng(0)
+    y = (np.round(rng.standard_normal(y_shape) * 2) / 2).astype(np.float32)  # ties
+    if route.relu:
+        y = np.maximum(y, np.float32(0))
+    feeds = {route.y: y, route.dp: rng.standard_normal(dp_shape).astype(np.float32)}
+    outputs = [grad.dy] + ([f"{route.bias}_grad"] if route.bias is not None else [])
+    try:
+        got = _run_subgraph(model, [g.nodes[i] for i in sorted(nodes)], feeds, outputs)
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return False
+    expected_dy = np.empty(y.shape, np.float32)
+    expected_bias = np.empty(y.shape[1], np.float32) if route.bias is not None else None
+    assert _native is not None
+    _native.route_max_pool(y, feeds[route.dp], expected_dy, expected_bias, route.kernel, route.relu)
+    if got[0].shape != y.shape or not np.array_equal(got[0], expected_dy):
+        return False
+    if expected_bias is None:
+        return True
+    scale = float(np.abs(expected_bias).max()) or 1.0
+    return got[1].shape == expected_bias.shape and bool(
+        np.abs(got[1] - expected_bias).max() <= _CHECK_RTOL * scale
+    )
+
+
+def _run_subgraph(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    feeds: dict[str, np.ndarray],
+    outputs: list[str],
+) -> list[np.ndarray]:
+    """Run ``nodes`` of ``model`` (with the constants they read) on ``feeds``, in one
+    single-threaded onnxruntime CPU session, and return ``outputs``."""
+    graph = model.graph
+    needed = {name for n in nodes for name in n.input}
+    constant_nodes = [
+        n for n in graph.node
+        if n.op_type == "Constant" and any(o in needed for o in n.output) and n not in nodes
+    ]  # fmt: skip
+    sub = helper.make_graph(
+        constant_nodes + nodes,
+        "native_check",
+        [helper.make_tensor_value_info(name, FLOAT, list(v.shape)) for name, v in feeds.items()],
+        [helper.make_tensor_value_info(name, FLOAT, None) for name in outputs],
+        [t for t in graph.initializer if t.name in needed],
+    )
+    check = helper.make_model(sub, opset_imports=list(model.opset_import))
+    check.ir_version = model.ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(
+        check.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return list(session.run(outputs, feeds))
+
+
 def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightGrad, set[int]]]:
     """The candidates whose subgraph computes what the kernel computes, on random inputs of
     batch 2 (all in one onnxruntime session)."""
@@ -414,27 +705,10 @@ def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightG
     if not checks:
         return []
     keep = sorted(set().union(*(cone for _, cone, _ in checks)))
-    needed = {name for i in keep for name in nodes[i].input}
-    constant_nodes = [
-        n for n in nodes if n.op_type == "Constant" and any(o in needed for o in n.output)
-    ]
-    sub = helper.make_graph(
-        constant_nodes + [nodes[i] for i in keep],
-        "weight_grad_check",
-        [helper.make_tensor_value_info(name, FLOAT, list(v.shape)) for name, v in feeds.items()],
-        [helper.make_tensor_value_info(g.output, FLOAT, None) for g, _, _ in checks],
-        [t for t in graph.initializer if t.name in needed],
-    )
-    check = helper.make_model(sub, opset_imports=list(model.opset_import))
-    check.ir_version = model.ir_version
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 1
     try:
-        session = ort.InferenceSession(
-            check.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        results = _run_subgraph(
+            model, [nodes[i] for i in keep], feeds, [g.output for g, _, _ in checks]
         )
-        results = session.run([g.output for g, _, _ in checks], feeds)
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
     verified = []

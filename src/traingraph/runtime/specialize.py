@@ -15,6 +15,11 @@ On the CPU (:func:`for_cpu`):
   opset is first converted with ``onnx.version_converter``; where that fails, or a shape the
   rewrite needs is not static, the node stays as it is. Col2Im has no kernel in onnxruntime's
   CUDA provider and in several other runtimes, which is why artifacts keep ConvTranspose.
+- A float32 mask ``Cast(Greater(v, 0))`` (the gradient of Relu multiplies by one) becomes
+  ``Ceil(Clip(v, 0, 1))``: 1 where ``v > 0``, 0 where ``v <= 0``. onnxruntime casts booleans
+  to floats one element at a time; Clip and Ceil run vectorized, and the mask costs less than
+  half as much (0.08 against 0.18 ms on a 32x16x32x32 tensor, ``Mul`` included). The two
+  differ only where ``v`` is NaN (NaN instead of 0) or -0.0 (-0.0 instead of 0.0).
 
 On CUDA (:func:`for_cuda`):
 
@@ -76,33 +81,38 @@ def for_cuda(source: Source) -> Source:
 def for_cpu(source: Source) -> Source:
     """``source`` (a path or serialized model) rewritten for the CPU provider; ``source``
     itself where nothing applies."""
-    if not _mentions(source, b"ConvTranspose"):
+    if not _mentions(source, (b"ConvTranspose", b"Greater")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
-    if not any(_is_conv_transpose(n) for n in proto.graph.node):
-        return source
-    try:
-        if _default_opset(proto) < _COL2IM_OPSET:
-            proto = version_converter.convert_version(proto, _COL2IM_OPSET)
-        shapes, types = _static_shapes(shape_inference.infer_shapes(proto).graph)
-        changed = _conv_transposes_as_col2im(proto.graph, shapes, types)
-        return proto.SerializeToString() if changed else source
-    except Exception:  # a model the converter or shape inference cannot take runs as it is
-        return source
+    changed = _default_opset(proto) >= _CLIP_INPUTS_OPSET and _positive_masks_as_ceil(
+        proto.graph, _constants(proto.graph)
+    )
+    if any(_is_conv_transpose(n) for n in proto.graph.node):
+        try:
+            converted = proto
+            if _default_opset(proto) < _COL2IM_OPSET:
+                converted = version_converter.convert_version(proto, _COL2IM_OPSET)
+            shapes, types = _static_shapes(shape_inference.infer_shapes(converted).graph)
+            if _conv_transposes_as_col2im(converted.graph, shapes, types):
+                proto, changed = converted, True
+        except Exception:  # a model the converter or shape inference cannot take stays
+            pass
+    return proto.SerializeToString() if changed else source
 
 
-def _mentions(source: Source, text: bytes) -> bool:
-    """Whether the serialized model (a path or bytes) holds ``text`` anywhere."""
+def _mentions(source: Source, texts: tuple[bytes, ...]) -> bool:
+    """Whether the serialized model (a path or bytes) holds any of ``texts`` anywhere."""
     if not isinstance(source, str):
-        return text in source
+        return any(text in source for text in texts)
     with open(source, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return False
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            return view.find(text) >= 0
+            return any(view.find(text) >= 0 for text in texts)
 
 
 _COL2IM_OPSET = 18
+_CLIP_INPUTS_OPSET = 11  # Clip's bounds are inputs from opset 11 on
 
 
 def _is_conv_transpose(node: onnx.NodeProto) -> bool:
@@ -196,6 +206,79 @@ def _conv_transposes_as_col2im(
         return nodes
 
     return _expand_nodes(graph, expand)
+
+
+def _positive_masks_as_ceil(
+    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
+) -> bool:
+    """Write each float32 ``Cast(Greater(v, 0))`` as ``Ceil(Clip(v, 0, 1))`` (see the module
+    docstring); return whether any was. The Greater goes where the Cast was its only use."""
+    producers = {o: n for n in graph.node for o in n.output}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    one = None
+
+    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        nonlocal one
+        if node.op_type == "Greater" and node.output[0] in dropped:
+            return []
+        source = _positive_test(node, producers, constants)
+        if source is None:
+            return None
+        value, zero = source.input
+        if one is None:
+            one = _unused_name(graph, "positive_mask_one")
+            graph.initializer.append(numpy_helper.from_array(np.ones((), np.float32), one))
+        clipped = f"{node.output[0]}_clipped"
+        base = node.name or node.output[0]
+        return [
+            helper.make_node("Clip", [value, zero, one], [clipped], name=f"{base}_clip"),
+            helper.make_node("Ceil", [clipped], [node.output[0]], name=f"{base}_ceil"),
+        ]
+
+    dropped = {
+        source.output[0]
+        for node in graph.node
+        if (source := _positive_test(node, producers, constants)) is not None
+        and uses.get(source.output[0]) == 1
+        and source.output[0] not in outputs
+    }
+    return _expand_nodes(graph, expand)
+
+
+def _unused_name(graph: onnx.GraphProto, name: str) -> str:
+    """``name``, or ``name`` with a number appended, that no value of ``graph`` has."""
+    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    taken.update(o for n in graph.node for o in n.output)
+    candidate, i = name, 0
+    while candidate in taken:
+        i += 1
+        candidate = f"{name}_{i}"
+    return candidate
+
+
+def _positive_test(
+    node: onnx.NodeProto,
+    producers: dict[str, onnx.NodeProto],
+    constants: dict[str, onnx.TensorProto],
+) -> onnx.NodeProto | None:
+    """The ``Greater(v, 0)`` that ``node`` casts to float32, when ``node`` is such a Cast and
+    the 0 is a float32 constant of one element; else None."""
+    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+        return None
+    if next((a.i for a in node.attribute if a.name == "to"), 0) != onnx.TensorProto.FLOAT:
+        return None
+    source = producers.get(node.input[0])
+    if source is None or source.op_type != "Greater" or source.domain not in ("", "ai.onnx"):
+        return None
+    zero = constants.get(source.input[1])
+    if zero is None or zero.data_type != onnx.TensorProto.FLOAT:
+        return None
+    value = numpy_helper.to_array(zero)
+    return source if value.size == 1 and not value.any() and value.ndim == 0 else None
 
 
 _NOTSET = helper.make_attribute("auto_pad", "NOTSET")
