@@ -26,6 +26,7 @@ setup(
             sources=["src/traingraph/runtime/_convc.c"],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
+            libraries=["m"],
             optional=True,
         ),
     ]

@@ -51,7 +51,7 @@ from traingraph.optim.schedulers import (
 )
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.program import BUFFER_UPDATE_SUFFIX
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, segments
 from traingraph.runtime.amp import DynamicLossScaler
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.fused import fused_update
@@ -321,13 +321,23 @@ class Module:
         self.loss_scaler = DynamicLossScaler() if LOSS_SCALE in inputs else None
         self._grads_finite = True
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
-        train_model, self._native_grads = self._split_conv_grads()
-        self._train = BoundRunner(
-            create_session(train_model, self._device, self._config), self._device
-        )
+        train_model, self._native_grads, norm_grads = self._split_native()
         self._native_params = conv_grads.native_params(self._native_grads)
         self._native_values = conv_grads.run_outputs(self._native_grads, inputs)
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
+        self._train: BoundRunner | segments.SegmentedRunner
+        if norm_grads:
+            assert isinstance(train_model, onnx.ModelProto)
+            self._train = segments.SegmentedRunner(
+                segments.plan_segments(train_model, norm_grads),
+                lambda model: create_session(model, self._device, self._config),
+                self._device,
+                self._native_threads,
+            )
+        else:
+            self._train = BoundRunner(
+                create_session(train_model, self._device, self._config), self._device
+            )
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
         self._eval_inputs: list[str] = []
@@ -345,20 +355,33 @@ class Module:
         self._checked: set[tuple[object, ...]] = set()  # input signatures already validated
         self.training = True
 
-    def _split_conv_grads(self) -> tuple[Path | onnx.ModelProto, list[conv_grads.WeightGrad]]:
-        """The training model to run and the Conv weight gradients computed natively beside it
-        (:mod:`traingraph.runtime.conv_grads`; on the CPU, where enabled and built)."""
-        if not (
-            self._device.kind == "cpu" and self._config.native_conv_grads and conv_grads.AVAILABLE
-        ):
-            return self._train_uri, []
+    def _split_native(
+        self,
+    ) -> tuple[
+        Path | onnx.ModelProto,
+        list[conv_grads.WeightGrad],
+        list[tuple[segments.BatchNormGrad, set[int]]],
+    ]:
+        """The training model to run, the Conv weight gradients computed natively beside it
+        (:mod:`traingraph.runtime.conv_grads`) and the BatchNormalization gradients computed
+        natively between its segments (:mod:`traingraph.runtime.segments`); on the CPU, where
+        enabled and built."""
+        config = self._config
+        native = config.native_conv_grads or config.native_batch_norm
+        if not (self._device.kind == "cpu" and native and conv_grads.AVAILABLE):
+            return self._train_uri, [], []
         if self._train_uri.stat().st_size > _NATIVE_SPLIT_MAX_BYTES:
-            return self._train_uri, []  # with its weights inline the graph's copy grows large
+            return self._train_uri, [], []  # with its weights inline the copy grows large
         proto = onnx.load(self._train_uri)
         if proto.ByteSize() > _NATIVE_SPLIT_MAX_BYTES:
-            return self._train_uri, []
-        model, grads = conv_grads.split_weight_grads(proto)
-        return (model, grads) if grads else (self._train_uri, [])
+            return self._train_uri, [], []
+        model, grads = proto, list[conv_grads.WeightGrad]()
+        if config.native_conv_grads:
+            model, grads = conv_grads.split_weight_grads(proto)
+        norm_grads = segments.split_batch_norm_grads(model) if config.native_batch_norm else []
+        if not grads and not norm_grads:
+            return self._train_uri, [], []
+        return model, grads, norm_grads
 
     # ----------------------------------------------------------------- modes
     def train(self, mode: bool = True) -> Module:
@@ -427,7 +450,12 @@ class Module:
         ]
         return values[0] if len(values) == 1 else values
 
-    def _check_feeds(self, runner: BoundRunner, names: list[str], feeds: dict[str, Any]) -> None:
+    def _check_feeds(
+        self,
+        runner: BoundRunner | segments.SegmentedRunner,
+        names: list[str],
+        feeds: dict[str, Any],
+    ) -> None:
         """Validate ``feeds`` against the model once per distinct names / shapes / dtypes."""
         signature = tuple(
             (k, tuple(v.shape()), v.data_type())
@@ -601,10 +629,12 @@ def export_inference_model(
     save_model(to_proto(m), path)
 
 
-def _preallocated_outputs(runner: BoundRunner, names: Sequence[str]) -> dict[str, ort.OrtValue]:
+def _preallocated_outputs(
+    runner: BoundRunner | segments.SegmentedRunner, names: Sequence[str]
+) -> dict[str, ort.OrtValue]:
     """Buffers on the runner's device for the outputs among ``names`` whose shape is static."""
     device, buffers = runner.device, {}
-    for info in runner.session.get_outputs():
+    for info in runner.output_infos:
         dtype = ort_type_to_numpy(info.type)
         static = info.shape is not None and all(isinstance(d, int) for d in info.shape)
         if info.name in names and static and dtype is not None:

@@ -17,6 +17,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -272,9 +273,10 @@ static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssiz
 
 /* ------------------------------------------------------------------- thread pool */
 
+/* One call's work: share(arg, t, threads) does thread t's part of it. */
 struct task {
-    const struct conv *convs;
-    Py_ssize_t count;
+    int (*share)(const void *arg, int t, int threads);
+    const void *arg;
     int threads;
 };
 
@@ -294,14 +296,30 @@ static struct {
 static void run_share(int t)
 {
     const struct task *task = &pool.task;
-    for (Py_ssize_t i = 0; i < task->count; i++) {
-        const struct conv *cv = &task->convs[i];
+    if (task->share(task->arg, t, task->threads) < 0) {
+        atomic_store(&pool.failed, 1);
+    }
+}
+
+struct conv_batch {
+    const struct conv *convs;
+    Py_ssize_t count;
+};
+
+/* Thread t sums its share of the samples of every conv into dw (t = 0) or its partial. */
+static int conv_share(const void *arg, int t, int threads)
+{
+    const struct conv_batch *batch = arg;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < batch->count; i++) {
+        const struct conv *cv = &batch->convs[i];
         float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * cv->size;
-        if (conv_samples(cv, out, cv->n * t / task->threads, cv->n * (t + 1) / task->threads,
+        if (conv_samples(cv, out, cv->n * t / threads, cv->n * (t + 1) / threads,
                          &pool.scratch[t]) < 0) {
-            atomic_store(&pool.failed, 1);
+            failed = 1;
         }
     }
+    return failed ? -1 : 0;
 }
 
 static inline void pause_cpu(void)
@@ -333,9 +351,10 @@ static void *worker(void *arg)
     return NULL;
 }
 
-/* Run `task` on `threads` threads, the caller being thread 0. Returns -1 when a worker
- * could not start or a scratch buffer could not be allocated. */
-static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
+/* Run share(arg, t, threads) for t < threads, the caller being thread 0. Returns the thread
+ * count used (fewer where a worker could not start), or -1 when a share failed (a scratch
+ * buffer could not be allocated). The caller holds pool.busy. */
+static int run_task(int (*share)(const void *, int, int), const void *arg, int threads)
 {
     while (pool.started < threads - 1) {
         pthread_t id;
@@ -351,7 +370,7 @@ static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
         }
         pool.started++;
     }
-    pool.task = (struct task){convs, count, threads};
+    pool.task = (struct task){share, arg, threads};
     atomic_store(&pool.failed, 0);
     atomic_store(&pool.done, 0);
     const int waiting = pool.started;
@@ -365,16 +384,7 @@ static int run_task(const struct conv *convs, Py_ssize_t count, int threads)
     while (atomic_load(&pool.done) < waiting) {
         pause_cpu();
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const struct conv *cv = &convs[i];
-        for (int t = 1; t < threads; t++) {
-            const float *part = cv->partial + (t - 1) * cv->size;
-            for (Py_ssize_t k = 0; k < cv->size; k++) {
-                cv->dw[k] += part[k];
-            }
-        }
-    }
-    return atomic_load(&pool.failed) ? -1 : 0;
+    return atomic_load(&pool.failed) ? -1 : threads;
 }
 
 /* ------------------------------------------------------------------------- Python */
@@ -398,7 +408,7 @@ static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable,
     if (strcmp(format, "f") != 0 || view->itemsize != 4) {
         problem = "is not float32";
     }
-    else if (view->ndim != ndim) {
+    else if (ndim >= 0 && view->ndim != ndim) {
         problem = ndim == 4 ? "is not 4-D" : "is not 1-D";
     }
     else if (!PyBuffer_IsContiguous(view, 'C')) {
@@ -497,13 +507,23 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
             next += convs[i].size * (threads - 1);
         }
     }
-    int failed;
+    int used;
+    const struct conv_batch batch = {convs, count};
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&pool.busy);
-    failed = run_task(convs, count, threads);
+    used = run_task(conv_share, &batch, threads);
     pthread_mutex_unlock(&pool.busy);
+    for (Py_ssize_t i = 0; i < count && used > 1; i++) {
+        const struct conv *cv = &convs[i];
+        for (int t = 1; t < used; t++) {
+            const float *part = cv->partial + (t - 1) * cv->size;
+            for (Py_ssize_t k = 0; k < cv->size; k++) {
+                cv->dw[k] += part[k];
+            }
+        }
+    }
     Py_END_ALLOW_THREADS
-    if (failed) {
+    if (used < 0) {
         PyErr_NoMemory();
         goto done;
     }
@@ -620,9 +640,190 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------- batch-norm gradient */
+
+/* The training-mode BatchNormalization gradient over x [n, c, s], optionally behind a Relu
+ * whose output is y: with g = dy where y > 0 (dy itself without a Relu), per channel
+ *     dscale = rstd * sum(g * (x - mean)),   dbias = sum(g),
+ *     dx = a g - (k (x - mean) + cc),   a = scale rstd,   k = a rstd dscale / M,   cc = a dbias / M
+ * with the batch statistics recomputed (sums shifted by the channel's first element). */
+struct bn {
+    const float *x, *dy, *y, *scale;
+    float *dx, *dscale, *dbias;
+    Py_ssize_t n, c, s;
+    double eps;
+};
+
+typedef int v16i __attribute__((vector_size(64)));
+
+static inline v16 relu_gate(v16 dy, v16 y)
+{
+    const v16 zero = {0};
+    return (v16)((v16i)dy & (y > zero));
+}
+
+TARGETS static void bn_sums(const struct bn *b, Py_ssize_t c, float x0, double sums[4])
+{
+    const v16 shift = x0 - (v16){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const Py_ssize_t off = (n * b->c + c) * b->s;
+        const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
+        v16 sd = {0}, sdd = {0}, sg = {0}, sgd = {0};
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            const v16 d = *(const v16u *)(x + i) - shift;
+            v16 g = *(const v16u *)(dy + i);
+            if (y != NULL) {
+                g = relu_gate(g, *(const v16u *)(y + i));
+            }
+            sd += d;
+            sdd += d * d;
+            sg += g;
+            sgd += g * d;
+        }
+        float tail[4] = {0};
+        for (; i < b->s; i++) {
+            const float d = x[i] - x0, g = y != NULL && !(y[i] > 0.0f) ? 0.0f : dy[i];
+            tail[0] += d;
+            tail[1] += d * d;
+            tail[2] += g;
+            tail[3] += g * d;
+        }
+        sums[0] += (double)hsum(sd) + tail[0];
+        sums[1] += (double)hsum(sdd) + tail[1];
+        sums[2] += (double)hsum(sg) + tail[2];
+        sums[3] += (double)hsum(sgd) + tail[3];
+    }
+}
+
+TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k, float bias)
+{
+    /* dx = a g - k x + bias */
+    const v16 av = a - (v16){0}, kv = k - (v16){0}, bv = bias - (v16){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const Py_ssize_t off = (n * b->c + c) * b->s;
+        const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
+        float *dx = b->dx + off;
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            v16 g = *(const v16u *)(dy + i);
+            if (y != NULL) {
+                g = relu_gate(g, *(const v16u *)(y + i));
+            }
+            *(v16u *)(dx + i) = av * g - kv * *(const v16u *)(x + i) + bv;
+        }
+        for (; i < b->s; i++) {
+            const float g = y != NULL && !(y[i] > 0.0f) ? 0.0f : dy[i];
+            dx[i] = a * g - k * x[i] + bias;
+        }
+    }
+}
+
+static int bn_share(const void *arg, int t, int threads)
+{
+    const struct bn *b = arg;
+    const double count = (double)b->n * (double)b->s;
+    for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
+        const float x0 = b->x[c * b->s];
+        double sums[4] = {0, 0, 0, 0};
+        bn_sums(b, c, x0, sums);
+        const double shifted_mean = sums[0] / count;
+        double var = sums[1] / count - shifted_mean * shifted_mean;
+        var = var > 0.0 ? var : 0.0;
+        const double mean = x0 + shifted_mean, rstd = 1.0 / sqrt(var + b->eps);
+        const double sum_g = sums[2], sum_gc = sums[3] - shifted_mean * sums[2];
+        const double dscale = rstd * sum_gc, a = b->scale[c] * rstd;
+        const double k = a * rstd * dscale / count, cc = a * sum_g / count;
+        b->dscale[c] = (float)dscale;
+        b->dbias[c] = (float)sum_g;
+        bn_apply(b, c, (float)a, (float)k, (float)(k * mean - cc));
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(batch_norm_grad_doc,
+"batch_norm_grad(x, dy, y, scale, dx, dscale, dbias, epsilon, threads)\n--\n\n"
+"The gradient of a training-mode BatchNormalization of ``x`` (float32, C-contiguous,\n"
+"``[N, C, ...]``) with ``scale`` ``[C]``, given ``dy``, the gradient of its output, or with\n"
+"``y`` (not None) the gradient of ``y = Relu(output)``. Writes ``dx`` (``x``'s shape) and\n"
+"``dscale``, ``dbias`` (``[C]``); ``threads`` threads share the channels.");
+
+static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
+{
+    PyObject *objects[7];
+    double eps;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOdi:batch_norm_grad", &objects[0], &objects[1],
+                          &objects[2], &objects[3], &objects[4], &objects[5], &objects[6], &eps,
+                          &threads)) {
+        return NULL;
+    }
+    static const char *names[7] = {"x", "dy", "y", "scale", "dx", "dscale", "dbias"};
+    Py_buffer views[7];
+    int held[7] = {0};
+    PyObject *result = NULL;
+    for (int k = 0; k < 7; k++) {
+        if (k == 2 && objects[k] == Py_None) {
+            continue;
+        }
+        if (float32_array(objects[k], &views[k], k == 3 || k >= 5 ? 1 : -1, k >= 4,
+                          "batch_norm_grad: argument", k, names[k]) < 0) {
+            goto done;
+        }
+        held[k] = 1;
+    }
+    const Py_buffer *x = &views[0];
+    int fits = x->ndim >= 2;
+    for (int k = 1; k < 5 && fits; k++) {
+        if (!held[k] || k == 3) {
+            continue;
+        }
+        fits = views[k].ndim == x->ndim;
+        for (int d = 0; d < x->ndim && fits; d++) {
+            fits = views[k].shape[d] == x->shape[d];
+        }
+    }
+    for (int k = 3; k < 7 && fits; k++) {
+        fits = k == 4 || views[k].shape[0] == x->shape[1];
+    }
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError,
+                        "batch_norm_grad: x, dy, y and dx must have one shape [N, C, ...] (rank"
+                        " 2 or more) and scale, dscale and dbias the shape [C]");
+        goto done;
+    }
+    struct bn b = {
+        .x = x->buf, .dy = views[1].buf, .y = held[2] ? views[2].buf : NULL,
+        .scale = views[3].buf, .dx = views[4].buf, .dscale = views[5].buf,
+        .dbias = views[6].buf, .n = x->shape[0], .c = x->shape[1], .s = 1, .eps = eps,
+    };
+    for (int d = 2; d < x->ndim; d++) {
+        b.s *= x->shape[d];
+    }
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (b.n * b.s == 0) {
+        PyErr_SetString(PyExc_ValueError, "batch_norm_grad: x has no elements per channel");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&pool.busy);
+    run_task(bn_share, &b, threads);
+    pthread_mutex_unlock(&pool.busy);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int k = 0; k < 7; k++) {
+        if (held[k]) {
+            PyBuffer_Release(&views[k]);
+        }
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
+    {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},
     {NULL, NULL, 0, NULL},
 };
 

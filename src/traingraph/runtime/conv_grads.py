@@ -454,17 +454,18 @@ def _cone(
 
 
 @dataclass(frozen=True)
-class _Graph:
-    """The training model's nodes and the indexes over them that the matching uses."""
+class GraphIndex:
+    """A training model's nodes and the indexes over them that matching a subgraph uses."""
 
     nodes: list[onnx.NodeProto]
     producer: dict[str, int]
     consumers: dict[str, set[int]]
     outputs: set[str]
     constants: set[str]
+    param_grads: set[str]  # the outputs "<input>_grad"
 
     @staticmethod
-    def of(graph: onnx.GraphProto) -> _Graph:
+    def of(graph: onnx.GraphProto) -> GraphIndex:
         nodes = list(graph.node)
         consumers: dict[str, set[int]] = {}
         for i, n in enumerate(nodes):
@@ -476,12 +477,15 @@ class _Graph:
             if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
             for name in n.output
         }
-        return _Graph(
+        outputs = {o.name for o in graph.output}
+        reads = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+        return GraphIndex(
             nodes,
             {name: i for i, n in enumerate(nodes) for name in n.output if name},
             consumers,
-            {o.name for o in graph.output},
+            outputs,
             constants,
+            {f"{name}_grad" for name in reads} & outputs,
         )
 
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
@@ -503,7 +507,7 @@ def _routed(
     """``found`` with a :class:`MaxPoolRoute` on each gradient whose ``dy`` the graph computes
     from a MaxPool's gradient for nothing else (see :func:`_route`), checked numerically, and
     the nodes of ``dy`` (and of the bias gradient) added to its cone."""
-    g = _Graph.of(model.graph)
+    g = GraphIndex.of(model.graph)
     forward_nodes = list(model.graph.node) + (list(forward.graph.node) if forward else [])
     shapes: dict[str, list[int | None]] | None = None
     routed: list[tuple[WeightGrad, set[int]]] = []
@@ -557,7 +561,7 @@ def _pooling(
 
 
 def _route(
-    g: _Graph,
+    g: GraphIndex,
     grad: WeightGrad,
     cone: set[int],
     pool: tuple[onnx.NodeProto, onnx.NodeProto | None, onnx.NodeProto],
@@ -614,7 +618,7 @@ def _route(
 
 def _route_checks(
     model: onnx.ModelProto,
-    g: _Graph,
+    g: GraphIndex,
     grad: WeightGrad,
     route: MaxPoolRoute,
     nodes: set[int],

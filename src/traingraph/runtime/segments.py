@@ -1,0 +1,530 @@
+"""Training graphs cut around native kernels on the CPU: onnxruntime sessions in turn.
+
+onnxruntime's CPU provider runs a graph one op at a time, each a pass over memory. The gradient
+of a training-mode BatchNormalization, with the Relu gradient in front of it, is about ten such
+passes over tensors of the activations' size (the statistics, two sums, the affine map, the
+mask), where a fused loop needs two. It sits in the middle of the backward pass, so the
+training graph is cut around it: :func:`split_batch_norm_grads` finds each such subgraph (and
+checks numerically that the native kernel computes what it computes), and
+:func:`plan_segments` orders what is left into onnxruntime segments with the native kernels
+between them. :class:`SegmentedRunner` runs the segments with the interface of
+:class:`~traingraph.runtime.session.BoundRunner`: values that cross a cut stay where they were
+written (onnxruntime's outputs are read in place, the kernels' outputs are bound as inputs).
+
+The artifacts on disk stay standard ONNX; this is how the CPU runs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from traingraph.runtime import conv_grads
+from traingraph.runtime.device import Device
+from traingraph.runtime.session import BoundRunner
+
+FLOAT = onnx.TensorProto.FLOAT
+_CHECK_RTOL = 1e-4
+_SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
+
+
+@dataclass(frozen=True)
+class BatchNormGrad:
+    """One training-mode BatchNormalization gradient that the native kernel computes.
+
+    Attributes:
+        x: The BatchNormalization's input.
+        scale: Its scale.
+        dy: The gradient of its output, or of the Relu's output when ``y`` is set.
+        y: The output of the Relu that reads the BatchNormalization's output, or None.
+        epsilon: Its epsilon.
+        dx: The gradient of ``x`` the graph computed (None where nothing reads it).
+        dscale: The model output of the scale's gradient, or None.
+        dbias: The model output of the bias's gradient.
+    """
+
+    x: str
+    scale: str
+    dy: str
+    y: str | None
+    epsilon: float
+    dx: str | None
+    dscale: str | None
+    dbias: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.dy, self.scale] + ([self.y] if self.y else [])
+
+    @property
+    def outputs(self) -> list[str]:
+        return [n for n in (self.dx, self.dscale, self.dbias) if n]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
+        place; missing ones are allocated) from ``values``."""
+        x = values[self.x]
+        channels = x.shape[1]
+        for name, shape in ((self.dx, x.shape), (self.dscale, (channels,)), (self.dbias,
+                                                                             (channels,))):
+            if name and (name not in out or out[name].shape != shape):
+                out[name] = np.empty(shape, np.float32)
+        scratch = np.empty(0 if self.dx else x.shape, np.float32)
+        assert conv_grads._native is not None
+        conv_grads._native.batch_norm_grad(
+            x,
+            values[self.dy],
+            values[self.y] if self.y else None,
+            values[self.scale],
+            out[self.dx] if self.dx else scratch,
+            out[self.dscale] if self.dscale else np.empty(channels, np.float32),
+            out[self.dbias],
+            self.epsilon,
+            threads,
+        )
+
+
+def split_batch_norm_grads(
+    model: onnx.ModelProto, shapes: Mapping[str, Sequence[int | None]] | None = None
+) -> list[tuple[BatchNormGrad, set[int]]]:
+    """Each BatchNormalization gradient of ``model`` the native kernel computes, with the
+    indices of the nodes it replaces; checked numerically, all in one onnxruntime session.
+    ``[]`` where the extension is missing or nothing matches."""
+    if conv_grads._native is None:
+        return []
+    g = conv_grads.GraphIndex.of(model.graph)
+    if shapes is None:
+        shapes = conv_grads._inferred_shapes(model)
+    found = []
+    for node in g.nodes:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            match = _match(g, node, shapes)
+            if match is not None:
+                found.append(match)
+    return _verified(model, g, found, shapes)
+
+
+def _match(
+    g: conv_grads.GraphIndex, bn: onnx.NodeProto, shapes: Mapping[str, Sequence[int | None]]
+) -> tuple[BatchNormGrad, set[int]] | None:
+    """The gradient of the inference-form BatchNormalization ``bn`` (the lowering of a training
+    one: its statistics come from its input), when the graph computes it from the input, the
+    scale and the output gradient (through a Relu) alone."""
+    if len(bn.output) != 1 or len(bn.input) < 5:
+        return None
+    x, scale, bias = bn.input[:3]
+    x_shape = shapes.get(x)
+    if x_shape is None or len(x_shape) < 2 or x_shape[1] is None:
+        return None
+    dbias = f"{bias}_grad"
+    if dbias not in g.outputs or dbias not in g.producer:
+        return None
+    # dbias = ReduceSum(G) through shape ops; G = dy (behind a Relu: dy * mask(y))
+    i = g.producer[dbias]
+    while g.nodes[i].op_type in _SHAPE_OPS and g.nodes[i].input[0] in g.producer:
+        i = g.producer[g.nodes[i].input[0]]
+    if g.nodes[i].op_type != "ReduceSum":
+        return None
+    gated = g.nodes[i].input[0]
+    relus = [g.nodes[j] for j in g.consumers.get(bn.output[0], ()) if g.nodes[j].op_type == "Relu"]
+    y = relus[0].output[0] if len(relus) == 1 and len(g.consumers[bn.output[0]]) == 1 else None
+    dy = gated
+    if y is not None:
+        product = g.nodes[g.producer[gated]] if gated in g.producer else None
+        if product is None or product.op_type != "Mul":
+            y, dy = None, gated
+        else:
+            mask_side = [v for v in product.input if _computed_from(g, v, {y})]
+            others = [v for v in product.input if v not in mask_side]
+            if len(mask_side) != 1 or len(others) != 1:
+                y, dy = None, gated
+            else:
+                dy = others[0]
+    sources = {x, scale, dy} | ({y} if y else set())
+    channels = int(x_shape[1])
+
+    def normalization_value(name: str) -> bool:
+        """Of x's shape or per channel: what a normalization's gradient computes (not the
+        reshaped copies that the next gradient, a Conv's weight gradient, makes of dx)."""
+        shape = shapes.get(name)
+        if shape is None or None in shape[1:]:
+            return False
+        if _like(shape, x_shape, unknown=False):
+            return True
+        dims = [d for d in shape if d is not None]
+        return len(dims) == len(shape) and math.prod(dims) in (1, channels)
+
+    nodes = _descendants_computed_from(g, dy, sources, normalization_value)
+    # only what leads to this gradient's results: the bias gradient of a BatchNormalization
+    # on a parallel branch (the sum of the same dy) stays with that one
+    ours = {dbias, f"{scale}_grad"} | {
+        o
+        for o in _external(g, nodes)
+        if o not in g.param_grads and _like(shapes.get(o), x_shape, unknown=False)
+    }
+    nodes = _leading_to(g, nodes, ours)
+    nodes |= _helpers(g, nodes, sources)
+    external = _external(g, nodes)
+    dscale = f"{scale}_grad" if f"{scale}_grad" in external else None
+    rest = external - {dbias, dscale}
+    if dbias not in external or len(rest) > 1:
+        return None
+    dx = next(iter(rest), None)
+    if dx is not None and not _like(shapes.get(dx), x_shape):
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
+    grad = BatchNormGrad(x, scale, dy, y, float(attrs.get("epsilon", 1e-5)), dx, dscale, dbias)
+    return grad, nodes
+
+
+def _like(
+    shape: Sequence[int | None] | None, x_shape: Sequence[int | None], unknown: bool = True
+) -> bool:
+    """Whether ``shape`` may be ``x_shape``: equal but perhaps for the batch (inference may
+    know it for one value and not for another), or ``unknown`` where it is None."""
+    if shape is None:
+        return unknown
+    return len(shape) == len(x_shape) and list(shape[1:]) == list(x_shape[1:])
+
+
+def _computed_from(g: conv_grads.GraphIndex, value: str, sources: set[str]) -> bool:
+    """Whether ``value`` is computed from ``sources`` and constants alone."""
+    memo: dict[str, bool] = {}
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if v in memo:
+            stack.pop()
+            continue
+        if v in sources or v in g.constants:
+            memo[v] = True
+        elif v not in g.producer:
+            memo[v] = False
+        else:
+            reads = [r for r in g.nodes[g.producer[v]].input if r]
+            pending = [r for r in reads if r not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[v] = all(memo[r] for r in reads)
+        stack.pop()
+    return memo[value]
+
+
+def _descendants_computed_from(
+    g: conv_grads.GraphIndex, start: str, sources: set[str], allowed: Callable[[str], bool]
+) -> set[int]:
+    """The nodes that read ``start`` (transitively), are computed from ``sources`` and
+    constants alone, and write only ``allowed`` values."""
+    known = set(sources) | g.constants
+    reached = {start}
+    found: set[int] = set()
+    for i, node in enumerate(g.nodes):
+        reads = [v for v in node.input if v]
+        if not all(v in known for v in reads):
+            continue
+        outputs = [o for o in node.output if o]
+        known.update(outputs)
+        if any(v in reached for v in reads) and all(allowed(o) for o in outputs):
+            found.add(i)
+            reached.update(outputs)
+    return found
+
+
+def _leading_to(g: conv_grads.GraphIndex, nodes: set[int], targets: set[str]) -> set[int]:
+    """The nodes of ``nodes`` from which one of ``targets`` is reached within ``nodes``."""
+    keep: set[int] = set()
+    wanted = set(targets)
+    for i in sorted(nodes, reverse=True):
+        if any(o in wanted for o in g.nodes[i].output):
+            keep.add(i)
+            wanted.update(v for v in g.nodes[i].input if v)
+    return keep
+
+
+def _external(g: conv_grads.GraphIndex, nodes: set[int]) -> set[str]:
+    """The values ``nodes`` write that a model output is or another node reads."""
+    return {
+        o
+        for j in nodes
+        for o in g.nodes[j].output
+        if o and (o in g.outputs or not g.consumers.get(o, set()) <= nodes)
+    }
+
+
+def _helpers(g: conv_grads.GraphIndex, nodes: set[int], sources: set[str]) -> set[int]:
+    """Nodes computed from ``sources`` and constants (the recomputed statistics) that feed
+    only ``nodes`` and each other."""
+    helpers: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for i in sorted(set().union(*(_producers(g, j) for j in nodes | helpers)), reverse=True):
+            if i in nodes or i in helpers:
+                continue
+            node = g.nodes[i]
+            if any(o in g.outputs for o in node.output):
+                continue
+            if not all(_computed_from(g, v, sources) for v in node.input if v):
+                continue
+            if all(g.consumers.get(o, set()) <= nodes | helpers for o in node.output if o):
+                helpers.add(i)
+                changed = True
+    return helpers
+
+
+def _producers(g: conv_grads.GraphIndex, i: int) -> set[int]:
+    return {g.producer[v] for v in g.nodes[i].input if v in g.producer}
+
+
+def _verified(
+    model: onnx.ModelProto,
+    g: conv_grads.GraphIndex,
+    found: list[tuple[BatchNormGrad, set[int]]],
+    shapes: Mapping[str, Sequence[int | None]],
+) -> list[tuple[BatchNormGrad, set[int]]]:
+    """The matches whose nodes compute what the kernel computes, on random inputs (a Relu
+    output with zeros) of the model's batch, or 2 where it is not static, all in one
+    single-threaded session."""
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    checks = []
+    for grad, nodes in found:
+        # the model's batch where it is static (the graph may hold 1 / M as a constant)
+        batch = shapes[grad.x][0] or 2
+        x_shape = [int(batch), *(int(d or 0) for d in shapes[grad.x][1:])]
+        if min(x_shape) < 1 or any(d is None for d in shapes[grad.x][1:]):
+            continue
+        # a value two matches read (one gradient into two branches) gets one array
+        values = {
+            grad.x: feeds.setdefault(
+                grad.x, rng.standard_normal(x_shape).astype(np.float32) * 2 + 1
+            ),
+            grad.dy: feeds.setdefault(grad.dy, rng.standard_normal(x_shape).astype(np.float32)),
+            grad.scale: feeds.setdefault(
+                grad.scale, rng.standard_normal(x_shape[1]).astype(np.float32)
+            ),
+        }
+        if grad.y:
+            values[grad.y] = feeds.setdefault(
+                grad.y, np.maximum(rng.standard_normal(x_shape), 0).astype(np.float32)
+            )
+        if any(list(v.shape) != list(want) for v, want in (
+            (values[grad.x], x_shape), (values[grad.dy], x_shape)
+        )):
+            continue
+        expected: dict[str, np.ndarray] = {}
+        grad.compute(values, expected, 1)
+        checks.append((grad, nodes, expected))
+    if not checks:
+        return []
+    keep = sorted(set().union(*(nodes for _, nodes, _ in checks)))
+    names = [name for grad, _, _ in checks for name in grad.outputs]
+    try:
+        results = dict(
+            zip(names, conv_grads._run_subgraph(model, [g.nodes[i] for i in keep], feeds, names))
+        )
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return []
+    verified = []
+    for grad, nodes, expected in checks:
+        ok = True
+        for name in grad.outputs:
+            want, got = expected[name], results[name]
+            if name != grad.dx:  # the parameters' gradients may keep dims of one
+                got = got.reshape(-1)
+            scale = float(np.abs(want).max()) or 1.0
+            ok = ok and got.shape == want.shape
+            ok = ok and bool(np.abs(got - want).max() <= _CHECK_RTOL * scale)
+        if ok:
+            verified.append((grad, nodes))
+    return verified
+
+
+@dataclass
+class Segment:
+    """One onnxruntime segment: its model, the values it reads from earlier segments or
+    kernels, and the values it writes."""
+
+    model: onnx.ModelProto
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclass
+class Plan:
+    """Segments and, after each, the kernels that run before the next."""
+
+    segments: list[Segment]
+    kernels: list[list[BatchNormGrad]] = field(default_factory=list)
+
+
+def plan_segments(
+    model: onnx.ModelProto, grads: Sequence[tuple[BatchNormGrad, set[int]]]
+) -> Plan:
+    """``model`` without the nodes of ``grads``, cut into segments: a node goes into the
+    segment after the last kernel whose output it reads (transitively)."""
+    graph = model.graph
+    removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
+    by_output = {o: grad for grad, _ in grads for o in grad.outputs}
+    stage: dict[str, int] = {}
+    kernel_stage: dict[int, int] = {}
+    nodes_at: dict[int, list[onnx.NodeProto]] = {}
+    kernels: dict[int, list[BatchNormGrad]] = {}
+
+    def value_stage(name: str) -> int:
+        grad = by_output.get(name)
+        if grad is not None:
+            return place(grad) + 1
+        return stage.get(name, 0)
+
+    def place(grad: BatchNormGrad) -> int:
+        key = id(grad)
+        if key not in kernel_stage:
+            kernel_stage[key] = max((value_stage(v) for v in grad.inputs), default=0)
+            kernels.setdefault(kernel_stage[key], []).append(grad)
+        return kernel_stage[key]
+
+    for i, node in enumerate(graph.node):
+        if i in removed:
+            continue
+        s = max((value_stage(v) for v in node.input if v), default=0)
+        nodes_at.setdefault(s, []).append(node)
+        for o in node.output:
+            stage[o] = s
+    for grad, _ in grads:
+        place(grad)
+    last = max([*nodes_at, *(s + 1 for s in kernels)], default=0)
+    readers: dict[str, set[int]] = {}  # value -> the stages that read it
+    for s, members in nodes_at.items():
+        for node in members:
+            for v in node.input:
+                readers.setdefault(v, set()).add(s)
+    kept_outside = {o.name for o in graph.output} | {v for g, _ in grads for v in g.inputs}
+    initializers = {t.name: t for t in graph.initializer}
+    graph_inputs = {i.name: i for i in graph.input}
+    types = _types(model)
+    segments: list[Segment] = []
+    plan_kernels: list[list[BatchNormGrad]] = []
+    for s in range(last + 1):
+        members = nodes_at.get(s, [])
+        produced = {o for n in members for o in n.output if o}
+        read = [v for n in members for v in n.input if v]
+        inputs = sorted({v for v in read if v not in produced and v not in initializers})
+        outputs = sorted(
+            o for o in produced if o in kept_outside or readers.get(o, set()) - {s}
+        )
+        sub = helper.make_graph(
+            members,
+            f"{graph.name or 'training'}_segment{s}",
+            [graph_inputs.get(v) or types.get(v) or _float(v) for v in inputs],
+            [types.get(o) or _float(o) for o in outputs],
+            [initializers[v] for v in sorted({v for v in read if v in initializers})],
+        )
+        segment = helper.make_model(sub, opset_imports=list(model.opset_import))
+        segment.ir_version = model.ir_version
+        segments.append(Segment(segment, inputs, outputs))
+        plan_kernels.append(kernels.get(s, []))
+    return Plan(segments, plan_kernels)
+
+
+def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:
+        inferred = model.graph
+    return {
+        v.name: v for v in [*inferred.value_info, *inferred.input, *inferred.output]
+    }
+
+
+def _float(name: str) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, FLOAT, None)
+
+
+class SegmentedRunner:
+    """Runs a :class:`Plan` as one step, with :class:`BoundRunner`'s interface.
+
+    Args:
+        plan: The segments and kernels.
+        make_session: Creates the onnxruntime session of a segment's model.
+        device: The CPU device.
+        threads: The kernels' thread count.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        make_session: Callable[[onnx.ModelProto], ort.InferenceSession],
+        device: Device,
+        threads: int,
+    ) -> None:
+        self.device = device
+        self._plan = plan
+        self._threads = threads
+        self._runners = [
+            BoundRunner(make_session(s.model), device) if s.model.graph.node else None
+            for s in plan.segments
+        ]
+        produced = {o for s in plan.segments for o in s.outputs}
+        produced |= {o for ks in plan.kernels for k in ks for o in k.outputs}
+        self.inputs: dict[str, Any] = {}
+        for runner, segment in zip(self._runners, plan.segments):
+            for name in segment.inputs:
+                if runner is not None and name not in produced:
+                    self.inputs.setdefault(name, runner.inputs[name])
+        self.output_infos = [
+            info
+            for runner in self._runners
+            if runner is not None
+            for info in runner.session.get_outputs()
+        ]
+        self.outputs = [info.name for info in self.output_infos] + [
+            o for ks in plan.kernels for k in ks for o in k.outputs
+        ]
+        self._fed: dict[str, Any] = {}
+        self._scratch: dict[str, np.ndarray] = {}
+
+    def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
+        """Bind the model input ``name`` for the next runs."""
+        self._fed[name] = value
+
+    def run(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, Any]:
+        """Run every segment and kernel in turn. ``outputs``: the model outputs wanted, each
+        a buffer to write or None. Returns them and every value that crossed a cut."""
+        values: dict[str, Any] = dict(self._fed)
+        for runner, segment, kernels in zip(
+            self._runners, self._plan.segments, self._plan.kernels
+        ):
+            if runner is not None:
+                for name in segment.inputs:
+                    runner.bind_input(name, values[name])
+                values.update(runner.run({o: outputs.get(o) for o in segment.outputs}))
+            for kernel in kernels:
+                arrays = {name: _host(values[name]) for name in kernel.inputs}
+                out: dict[str, np.ndarray] = {}
+                for o in kernel.outputs:
+                    buffer = outputs.get(o)
+                    if buffer is not None:
+                        out[o] = buffer.numpy()  # written in place
+                    elif o in self._scratch:
+                        out[o] = self._scratch[o]
+                kernel.compute(arrays, out, self._threads)
+                for o in kernel.outputs:
+                    if outputs.get(o) is None:
+                        self._scratch[o] = out[o]
+                    values[o] = out[o]
+        return {name: values[name] for name in values if name not in self._fed}
+
+
+def _host(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, ort.OrtValue) else value

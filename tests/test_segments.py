@@ -1,0 +1,174 @@
+"""BatchNormalization gradients computed natively between onnxruntime segments: the kernel
+against PyTorch, the match and the plan on a residual network, and Module's train steps
+against the graph as written and against ``torch.autograd``."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from torch_models import export, seeded
+from traingraph import artifacts, optim
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.runtime import conv_grads, segments
+from traingraph.runtime.session import SessionConfig
+
+pytestmark = pytest.mark.skipif(
+    not conv_grads.AVAILABLE,
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "plain"])
+@pytest.mark.parametrize(
+    "shape", [(4, 3, 5, 7), (8, 16, 12, 12), (3, 5, 17), (2, 3, 4, 5, 6)],
+    ids=["tails", "vector-rows", "1d", "3d"],
+)  # fmt: skip
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_matches_torch(shape, relu, threads):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(shape) * 2 + 3).astype(np.float32)  # a mean far from 0
+    scale = rng.standard_normal(shape[1]).astype(np.float32)
+    bias = rng.standard_normal(shape[1]).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    leaves = [torch.from_numpy(v.astype(np.float64)).requires_grad_() for v in (x, scale, bias)]
+    out = nn.functional.batch_norm(leaves[0], None, None, leaves[1], leaves[2], training=True)
+    out = torch.relu(out) if relu else out
+    out.backward(torch.from_numpy(dy.astype(np.float64)))
+    y = out.detach().numpy().astype(np.float32) if relu else None
+    dx, dscale, dbias = np.empty_like(x), np.empty_like(scale), np.empty_like(bias)
+    conv_grads._native.batch_norm_grad(x, dy, y, scale, dx, dscale, dbias, 1e-5, threads)
+    for got, leaf in zip((dx, dscale, dbias), leaves):
+        want = leaf.grad.numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_kernel_refuses_arrays_it_cannot_take():
+    x = np.zeros((2, 3, 4, 4), np.float32)
+    c = np.zeros(3, np.float32)
+    kernel = conv_grads._native.batch_norm_grad
+    with pytest.raises(ValueError, match="one shape"):
+        kernel(x, np.zeros((2, 3, 4, 5), np.float32), None, c, np.empty_like(x), c, c, 1e-5, 1)
+    with pytest.raises(ValueError, match="one shape"):
+        kernel(x, x, None, np.zeros(4, np.float32), np.empty_like(x), c, c, 1e-5, 1)
+    with pytest.raises(ValueError, match="dx is not float32"):
+        kernel(x, x, None, c, np.empty(x.shape), c, c, 1e-5, 1)
+
+
+class ResidualNet(nn.Module):
+    """A stem Conv-BN-Relu on the input and a downsampling residual block: two BatchNorms read
+    the same output gradient (the block's and its shortcut's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv1 = nn.Conv2d(8, 12, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(12)
+        self.conv2 = nn.Conv2d(12, 12, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(12)
+        self.down = nn.Sequential(nn.Conv2d(8, 12, 1, stride=2, bias=False), nn.BatchNorm2d(12))
+        self.fc = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.stem(x)))
+        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(h)))))
+        return self.fc(torch.relu(out + self.down(h)).mean(dim=(2, 3)))
+
+
+def _directory(tmp_path):
+    model = seeded(ResidualNet)
+    onnx_model = export(model, torch.zeros(4, 3, 10, 10), training=True)
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    return model, tmp_path
+
+
+def test_every_batch_norm_gradient_is_matched_and_planned(tmp_path):
+    _, directory = _directory(tmp_path)
+    model = onnx.load(directory / "training_model.onnx")
+    found = segments.split_batch_norm_grads(model)
+    by_scale = {grad.scale: grad for grad, _ in found}
+    assert sorted(by_scale) == ["bn.weight", "bn1.weight", "bn2.weight", "down.1.weight"]
+    assert by_scale["bn.weight"].y is not None and by_scale["bn1.weight"].y is not None
+    assert by_scale["bn2.weight"].y is None and by_scale["down.1.weight"].y is None
+    assert by_scale["bn2.weight"].dy == by_scale["down.1.weight"].dy  # one gradient, two BNs
+    assert all(grad.dscale == f"{grad.scale}_grad" for grad in by_scale.values())
+    plan = segments.plan_segments(model, found)
+    kernels = [[k.scale for k in ks] for ks in plan.kernels]
+    # the block's BNs first (its two branches together), then bn1, then the stem's
+    assert [sorted(ks) for ks in kernels if ks] == [
+        ["bn2.weight", "down.1.weight"], ["bn1.weight"], ["bn.weight"],
+    ]  # fmt: skip
+    for segment in plan.segments:
+        if segment.model.graph.node:
+            onnx.checker.check_model(segment.model)
+
+
+def test_models_without_a_training_batch_norm_have_nothing_to_split(tmp_path):
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    torch.manual_seed(0)
+    artifacts.generate_artifacts(
+        export(net, torch.zeros(2, 2, 6, 6), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )
+    assert segments.split_batch_norm_grads(onnx.load(tmp_path / "training_model.onnx")) == []
+
+
+def _run(directory, native: bool, batches):
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    config = SessionConfig(native_batch_norm=native, native_conv_grads=native)
+    module = Module(directory / "training_model.onnx", state, session_config=config)
+    opt = Optimizer(directory / "optimizer_model.onnx", module)
+    assert isinstance(module._train, segments.SegmentedRunner) == native
+    losses, grads = [], []
+    for step, (x, y) in enumerate(batches):
+        losses.append(float(module(x, y)))
+        if step == 1:  # no reset in between: the gradients add up
+            losses.append(float(module(x, y)))
+        grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None})
+        opt.step()
+        module.lazy_reset_grad()
+    params = {n: p.data.copy() for n, p in state.parameters.items()}
+    return losses, grads, params
+
+
+def test_segmented_steps_match_the_graph_and_torch(tmp_path):
+    torch_model, directory = _directory(tmp_path)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4))
+        for _ in range(3)
+    ]
+    losses, grads, params = _run(directory, True, batches)
+    ref_losses, ref_grads, ref_params = _run(directory, False, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, expected in zip(grads, ref_grads):
+        assert got.keys() == expected.keys()
+        scale = max(np.abs(g).max() for g in expected.values())
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-6 * scale)
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-4, atol=1e-6)
+
+    # the first step against torch.autograd (the export's tracing pass moved the running
+    # statistics, which the gradients do not read)
+    x, y = batches[0]
+    torch_model.train()
+    loss = nn.functional.cross_entropy(torch_model(torch.from_numpy(x)), torch.from_numpy(y))
+    loss.backward()
+    np.testing.assert_allclose(losses[0], loss.item(), rtol=1e-5)
+    scale = max(p.grad.abs().max().item() for p in torch_model.parameters())
+    for name, param in torch_model.named_parameters():
+        np.testing.assert_allclose(
+            grads[0][name], param.grad.numpy(), rtol=1e-3, atol=1e-5 * scale, err_msg=name
+        )
