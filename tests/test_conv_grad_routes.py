@@ -16,7 +16,7 @@ from torch import nn
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, segments
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -129,7 +129,7 @@ def _module(directory, native: bool):
     module = Module(
         directory / "training_model.onnx",
         state,
-        session_config=SessionConfig(native_conv_grads=native),
+        session_config=SessionConfig(native_conv_grads=native, native_segments=native),
     )
     return state, module, Optimizer(directory / "optimizer_model.onnx", module)
 
@@ -174,6 +174,11 @@ def test_routed_steps_match_the_graph_and_torch(tmp_path, dynamo):
         state, module, opt = _module(directory, native)
         routes = [g.route for g in module._native_grads if g.route is not None]
         assert len(routes) == int(native)
+        # the second Conv's output gradient also feeds its input gradient: it is routed
+        # between two onnxruntime segments
+        kernels = getattr(module._train, "_plan", segments.Plan([])).kernels
+        routed = [k for ks in kernels for k in ks if isinstance(k, segments.MaxPoolGrad)]
+        assert [(k.route.relu, k.route.bias) for k in routed] == [(True, "conv2.bias")] * native
         losses, grads = [], []
         for x, y in batches:
             losses.append(float(module(x, y)))

@@ -126,7 +126,7 @@ def test_models_without_a_training_batch_norm_have_nothing_to_split(tmp_path):
 
 def _run(directory, native: bool, batches):
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    config = SessionConfig(native_batch_norm=native, native_conv_grads=native)
+    config = SessionConfig(native_segments=native, native_conv_grads=native)
     module = Module(directory / "training_model.onnx", state, session_config=config)
     opt = Optimizer(directory / "optimizer_model.onnx", module)
     assert isinstance(module._train, segments.SegmentedRunner) == native

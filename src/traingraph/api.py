@@ -321,15 +321,15 @@ class Module:
         self.loss_scaler = DynamicLossScaler() if LOSS_SCALE in inputs else None
         self._grads_finite = True
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
-        train_model, self._native_grads, norm_grads = self._split_native()
+        train_model, self._native_grads, kernels = self._split_native()
         self._native_params = conv_grads.native_params(self._native_grads)
         self._native_values = conv_grads.run_outputs(self._native_grads, inputs)
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
         self._train: BoundRunner | segments.SegmentedRunner
-        if norm_grads:
+        if kernels:
             assert isinstance(train_model, onnx.ModelProto)
             self._train = segments.SegmentedRunner(
-                segments.plan_segments(train_model, norm_grads),
+                segments.plan_segments(train_model, kernels),
                 lambda model: create_session(model, self._device, self._config),
                 self._device,
                 self._native_threads,
@@ -360,14 +360,14 @@ class Module:
     ) -> tuple[
         Path | onnx.ModelProto,
         list[conv_grads.WeightGrad],
-        list[tuple[segments.BatchNormGrad, set[int]]],
+        list[tuple[segments.Kernel, set[int]]],
     ]:
         """The training model to run, the Conv weight gradients computed natively beside it
         (:mod:`traingraph.runtime.conv_grads`) and the BatchNormalization gradients computed
         natively between its segments (:mod:`traingraph.runtime.segments`); on the CPU, where
         enabled and built."""
         config = self._config
-        native = config.native_conv_grads or config.native_batch_norm
+        native = config.native_conv_grads or config.native_segments
         if not (self._device.kind == "cpu" and native and conv_grads.AVAILABLE):
             return self._train_uri, [], []
         if self._train_uri.stat().st_size > _NATIVE_SPLIT_MAX_BYTES:
@@ -378,10 +378,13 @@ class Module:
         model, grads = proto, list[conv_grads.WeightGrad]()
         if config.native_conv_grads:
             model, grads = conv_grads.split_weight_grads(proto)
-        norm_grads = segments.split_batch_norm_grads(model) if config.native_batch_norm else []
-        if not grads and not norm_grads:
+        kernels: list[tuple[segments.Kernel, set[int]]] = []
+        if config.native_segments:
+            kernels += segments.split_batch_norm_grads(model)
+            kernels += segments.split_max_pool_grads(model, grads)
+        if not grads and not kernels:
             return self._train_uri, [], []
-        return model, grads, norm_grads
+        return model, grads, kernels
 
     # ----------------------------------------------------------------- modes
     def train(self, mode: bool = True) -> Module:

@@ -566,10 +566,13 @@ def _route(
     cone: set[int],
     pool: tuple[onnx.NodeProto, onnx.NodeProto | None, onnx.NodeProto],
     shapes: dict[str, list[int | None]],
+    exclusive: bool = True,
 ) -> tuple[MaxPoolRoute, set[int]] | None:
     """The route of ``grad`` and the nodes it replaces, when the training graph computes
     ``dy`` from the MaxPool's input ``y`` and one value ``dp`` of its output's shape alone,
-    and reads ``dy`` only for the weight gradient (``cone``) and the bias gradient; else None."""
+    and (where ``exclusive``) reads ``dy`` only for the weight gradient (``cone``) and the
+    bias gradient; else None. Not ``exclusive``, ``dy`` may have other readers (the Conv's
+    input gradient): :mod:`traingraph.runtime.segments` computes it between segments."""
     conv, relu, max_pool = pool
     y = max_pool.input[0]
     if grad.dy not in g.producer:
@@ -594,7 +597,7 @@ def _route(
             return None
     elif bias is not None:
         bias = None  # frozen: no gradient asked for
-    if not g.consumers.get(grad.dy, set()) <= cone | bias_nodes:
+    if exclusive and not g.consumers.get(grad.dy, set()) <= cone | bias_nodes:
         return None  # dy is read elsewhere (the Conv's input gradient)
     dy_cone = _cone(g.nodes, g.producer[grad.dy], g.outputs, g.consumers)
     for dp in sorted(
@@ -608,9 +611,20 @@ def _route(
         nodes = g.computed_from(dy_cone, {y, dp})
         if g.producer[grad.dy] not in nodes:
             continue
+        # a constant that other nodes read too stays in the graph
+        nodes = {
+            i for i in nodes
+            if g.nodes[i].input
+            or all(g.consumers.get(o, set()) <= nodes for o in g.nodes[i].output)
+        }  # fmt: skip
         # every node computed from y and dp alone feeds only dy and each other
         allowed = nodes | cone | bias_nodes
-        if all(g.consumers.get(o, set()) <= allowed for i in nodes for o in g.nodes[i].output):
+        if all(
+            g.consumers.get(o, set()) <= allowed
+            for i in nodes
+            for o in g.nodes[i].output
+            if exclusive or o != grad.dy
+        ):
             route = MaxPoolRoute(y, dp, kernel, relu is not None, bias)  # type: ignore[arg-type]
             return route, nodes | bias_nodes
     return None

@@ -1,15 +1,23 @@
 """Training graphs cut around native kernels on the CPU: onnxruntime sessions in turn.
 
-onnxruntime's CPU provider runs a graph one op at a time, each a pass over memory. The gradient
-of a training-mode BatchNormalization, with the Relu gradient in front of it, is about ten such
-passes over tensors of the activations' size (the statistics, two sums, the affine map, the
-mask), where a fused loop needs two. It sits in the middle of the backward pass, so the
-training graph is cut around it: :func:`split_batch_norm_grads` finds each such subgraph (and
-checks numerically that the native kernel computes what it computes), and
-:func:`plan_segments` orders what is left into onnxruntime segments with the native kernels
-between them. :class:`SegmentedRunner` runs the segments with the interface of
-:class:`~traingraph.runtime.session.BoundRunner`: values that cross a cut stay where they were
-written (onnxruntime's outputs are read in place, the kernels' outputs are bound as inputs).
+onnxruntime's CPU provider runs a graph one op at a time, each a pass over memory. Two
+subgraphs of a CNN's backward pass are chains of such passes that a fused loop does in one or
+two, and both sit in the middle of the pass:
+
+- the gradient of a training-mode BatchNormalization, with the Relu gradient in front of it
+  (the statistics, two sums, the affine map, the mask: about ten passes);
+  :func:`split_batch_norm_grads` finds them;
+- a Conv's output gradient routed through the MaxPool (and Relu) after the Conv, where the
+  Conv's input gradient reads it too (an ArgMax over the windows, two upsamplings, a
+  comparison, the masks); :func:`split_max_pool_grads` finds them. The first Conv of a network,
+  whose output gradient only its own weight gradient reads, is routed after the run instead
+  (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`).
+
+Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
+left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
+runs them with the interface of :class:`~traingraph.runtime.session.BoundRunner`: values that
+cross a cut stay where they were written (onnxruntime's outputs are read in place, the
+kernels' outputs are bound as inputs).
 
 The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 """
@@ -19,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import onnx
@@ -33,6 +41,68 @@ from traingraph.runtime.session import BoundRunner
 FLOAT = onnx.TensorProto.FLOAT
 _CHECK_RTOL = 1e-4
 _SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
+
+
+@dataclass(frozen=True)
+class MaxPoolGrad:
+    """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
+    the Conv (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`), where other nodes read
+    ``dy`` too (the Conv's input gradient), with the Conv's bias gradient where the graph
+    computes it from ``dy`` alone."""
+
+    dy: str
+    route: conv_grads.MaxPoolRoute
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.route.y, self.route.dp]
+
+    @property
+    def outputs(self) -> list[str]:
+        bias = self.route.bias
+        return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``dy`` (and the bias gradient) into ``out``, as :meth:`BatchNormGrad.compute`."""
+        del threads  # one pass, memory-bound
+        y, route = values[self.route.y], self.route
+        shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
+        for name, shape in shapes.items():
+            if name not in out or out[name].shape != shape:
+                out[name] = np.empty(shape, np.float32)
+        bias = out[f"{route.bias}_grad"] if route.bias is not None else None
+        assert conv_grads._native is not None
+        conv_grads._native.route_max_pool(
+            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu
+        )
+
+
+def split_max_pool_grads(
+    model: onnx.ModelProto, weight_grads: Sequence[conv_grads.WeightGrad]
+) -> list[tuple[MaxPoolGrad, set[int]]]:
+    """For each Conv whose weight gradient the native kernel computes (``weight_grads``) and
+    whose output feeds (through a Relu) a MaxPool of tiling windows, the routing of the
+    MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
+    MaxPool's input and output gradient alone; checked numerically on inputs with many ties."""
+    g = conv_grads.GraphIndex.of(model.graph)
+    shapes: dict[str, list[int | None]] | None = None
+    found = []
+    for grad in weight_grads:
+        pool = conv_grads._pooling(g.nodes, grad) if grad.route is None else None
+        if pool is None:
+            continue
+        if shapes is None:
+            shapes = conv_grads._inferred_shapes(model)
+        match = conv_grads._route(g, grad, set(), pool, shapes, exclusive=False)
+        if match is not None and conv_grads._route_checks(model, g, grad, *match, shapes):
+            route, nodes = match
+            found.append((MaxPoolGrad(grad.dy, route), nodes))
+    return found
+
+
+Kernel = Union["BatchNormGrad", MaxPoolGrad]
 
 
 @dataclass(frozen=True)
@@ -365,12 +435,10 @@ class Plan:
     """Segments and, after each, the kernels that run before the next."""
 
     segments: list[Segment]
-    kernels: list[list[BatchNormGrad]] = field(default_factory=list)
+    kernels: list[list[Kernel]] = field(default_factory=list)
 
 
-def plan_segments(
-    model: onnx.ModelProto, grads: Sequence[tuple[BatchNormGrad, set[int]]]
-) -> Plan:
+def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]]) -> Plan:
     """``model`` without the nodes of ``grads``, cut into segments: a node goes into the
     segment after the last kernel whose output it reads (transitively)."""
     graph = model.graph
@@ -379,7 +447,7 @@ def plan_segments(
     stage: dict[str, int] = {}
     kernel_stage: dict[int, int] = {}
     nodes_at: dict[int, list[onnx.NodeProto]] = {}
-    kernels: dict[int, list[BatchNormGrad]] = {}
+    kernels: dict[int, list[Kernel]] = {}
 
     def value_stage(name: str) -> int:
         grad = by_output.get(name)
@@ -387,7 +455,7 @@ def plan_segments(
             return place(grad) + 1
         return stage.get(name, 0)
 
-    def place(grad: BatchNormGrad) -> int:
+    def place(grad: Kernel) -> int:
         key = id(grad)
         if key not in kernel_stage:
             kernel_stage[key] = max((value_stage(v) for v in grad.inputs), default=0)
@@ -414,7 +482,7 @@ def plan_segments(
     graph_inputs = {i.name: i for i in graph.input}
     types = _types(model)
     segments: list[Segment] = []
-    plan_kernels: list[list[BatchNormGrad]] = []
+    plan_kernels: list[list[Kernel]] = []
     for s in range(last + 1):
         members = nodes_at.get(s, [])
         produced = {o for n in members for o in n.output if o}

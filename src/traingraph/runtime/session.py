@@ -43,11 +43,12 @@ class SessionConfig:
             the native kernel instead of the training graph's nodes (see
             :mod:`traingraph.runtime.conv_grads`): the same sums, 2-4x faster. Needs the
             extension built at install time; without it, or with False, the graph computes them.
-        native_batch_norm: On the CPU, compute the gradient of each training-mode
-            BatchNormalization (with the Relu gradient in front of it) with the native kernel,
-            the training graph running as onnxruntime segments around it (see
-            :mod:`traingraph.runtime.segments`): two passes over the activations instead of
-            about ten. Needs the extension; False runs the graph's nodes.
+        native_segments: On the CPU, run the training graph as onnxruntime segments with
+            native kernels between them (see :mod:`traingraph.runtime.segments`): the gradient
+            of each training-mode BatchNormalization, with the Relu gradient in front of it
+            (two passes over the activations instead of about ten), and a Conv's output
+            gradient routed through the MaxPool after it. Needs the extension; False runs the
+            graph's nodes.
         specialize: Rewrite the model for the provider that runs it, with the same results
             (:mod:`traingraph.runtime.specialize`: on the CPU, ConvTranspose as MatMul and
             Col2Im; on CUDA, forms its kernels lack or run slowly). False runs it as written.
@@ -82,7 +83,7 @@ class SessionConfig:
     allow_spinning: bool = True
     spin_between_runs: bool = False
     native_conv_grads: bool = True
-    native_batch_norm: bool = True
+    native_segments: bool = True
     specialize: bool = True
     profile: bool = False
     memory_arena: bool = True
