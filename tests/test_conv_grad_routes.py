@@ -40,14 +40,15 @@ def _tied(rng: np.random.Generator, shape: tuple[int, ...], relu: bool) -> np.nd
     ids=["even", "rows-past-the-windows", "3x2"],
 )
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_route_kernel_matches_torch(shape, kernel, relu, with_bias):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_route_kernel_matches_torch(shape, kernel, relu, with_bias, threads):
     rng = np.random.default_rng(0)
     y = _tied(rng, shape, relu)
     pooled = (shape[0], shape[1], shape[2] // kernel[0], shape[3] // kernel[1])
     dp = rng.standard_normal(pooled).astype(np.float32)
     dy = np.full(shape, 7.0, np.float32)  # every element is written
     bias = np.full(shape[1], 9.0, np.float32) if with_bias else None
-    _native.route_max_pool(y, dp, dy, bias, kernel, relu)
+    _native.route_max_pool(y, dp, dy, bias, kernel, relu, threads)
 
     yt = torch.from_numpy(y).requires_grad_()
     out = nn.functional.max_pool2d(yt, kernel)
@@ -65,14 +66,14 @@ def test_route_kernel_refuses_shapes_that_do_not_fit():
     y = np.zeros((2, 3, 8, 8), np.float32)
     dy = np.zeros_like(y)
     with pytest.raises(ValueError, match=r"do not fit windows of \(3, 3\)"):
-        _native.route_max_pool(y, np.zeros((2, 3, 4, 4), np.float32), dy, None, (3, 3), True)
+        _native.route_max_pool(y, np.zeros((2, 3, 4, 4), np.float32), dy, None, (3, 3), True, 1)
     with pytest.raises(ValueError, match="with a bias of the channels"):
         _native.route_max_pool(
-            y, np.zeros((2, 3, 4, 4), np.float32), dy, np.zeros(4, np.float32), (2, 2), True
+            y, np.zeros((2, 3, 4, 4), np.float32), dy, np.zeros(4, np.float32), (2, 2), True, 1
         )
     with pytest.raises(ValueError, match="dy is read-only"):
         dy.flags.writeable = False
-        _native.route_max_pool(y, np.zeros((2, 3, 4, 4), np.float32), dy, None, (2, 2), True)
+        _native.route_max_pool(y, np.zeros((2, 3, 4, 4), np.float32), dy, None, (2, 2), True, 1)
 
 
 class PoolNet(nn.Module):

@@ -132,7 +132,7 @@ def compute(
             y = values[r.y]
             dy = np.empty(y.shape, np.float32)
             bias = targets[f"{r.bias}_grad"] if r.bias is not None else None
-            _native.route_max_pool(y, values[r.dp], dy, bias, r.kernel, r.relu)
+            _native.route_max_pool(y, values[r.dp], dy, bias, r.kernel, r.relu, threads)
             values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
@@ -655,7 +655,9 @@ def _route_checks(
     expected_dy = np.empty(y.shape, np.float32)
     expected_bias = np.empty(y.shape[1], np.float32) if route.bias is not None else None
     assert _native is not None
-    _native.route_max_pool(y, feeds[route.dp], expected_dy, expected_bias, route.kernel, route.relu)
+    _native.route_max_pool(
+        y, feeds[route.dp], expected_dy, expected_bias, route.kernel, route.relu, 1
+    )
     if got[0].shape != y.shape or not np.array_equal(got[0], expected_dy):
         return False
     if expected_bias is None:

@@ -66,7 +66,6 @@ class MaxPoolGrad:
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
     ) -> None:
         """Write ``dy`` (and the bias gradient) into ``out``, as :meth:`BatchNormGrad.compute`."""
-        del threads  # one pass, memory-bound
         y, route = values[self.route.y], self.route
         shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
         for name, shape in shapes.items():
@@ -75,7 +74,7 @@ class MaxPoolGrad:
         bias = out[f"{route.bias}_grad"] if route.bias is not None else None
         assert conv_grads._native is not None
         conv_grads._native.route_max_pool(
-            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu
+            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
         )
 
 
