@@ -18,6 +18,8 @@ from traingraph import layers as L
 from traingraph.datasets import load_digits
 from traingraph.errors import ModelError
 from traingraph.graph import CompileOptions, InferenceGraph, init
+from traingraph.runtime.segments import Plan
+from traingraph.runtime.session import BoundRunner
 
 
 def _cnn(name: str = "cnn", seed: int = 0) -> tuple[tg.Graph, tg.graph.Tensor]:
@@ -384,16 +386,25 @@ def test_digits_cnn_reaches_95_percent() -> None:
     assert accuracy > 0.95, accuracy
 
 
-def _strided_cnn_trainer(options: CompileOptions, pool: bool = False) -> tg.TrainingGraph:
+def _strided_cnn_trainer(options: CompileOptions, variant: str = "strided") -> tg.TrainingGraph:
     init.manual_seed(0)
     g = tg.Graph("strided")
     x = g.input("x", shape=[None, 2, 12, 12])
-    h = L.ReLU()(L.Conv2d(2, 8, kernel_size=3, padding=1)(x))
-    if pool:  # the first Conv's output gradient is then routed natively through the MaxPool
-        h = L.MaxPool2d(2)(h)
-    h = L.ReLU()(L.Conv2d(8, 8, kernel_size=3, stride=2, padding=1)(h))
+    if variant == "maxpool":
+        # the first Conv's output gradient is routed through its MaxPool after the run, the
+        # second's (which its input gradient reads too) between two onnxruntime segments
+        h = L.MaxPool2d(2)(L.ReLU()(L.Conv2d(2, 8, kernel_size=3, padding=1)(x)))
+        h = L.MaxPool2d(2)(L.ReLU()(L.Conv2d(8, 8, kernel_size=3, padding=1)(h)))
+    else:
+        h = x
+        for conv in (L.Conv2d(2, 8, kernel_size=3, padding=1),
+                     L.Conv2d(8, 8, kernel_size=3, stride=2, padding=1)):  # fmt: skip
+            h = conv(h)
+            if variant == "batchnorm":  # their gradients are computed between segments
+                h = L.BatchNorm2d(8)(h)
+            h = L.ReLU()(h)
     h = L.ReLU()(L.Conv2d(8, 6, kernel_size=1)(h))
-    side = 3 if pool else 6
+    side = 3 if variant == "maxpool" else 6
     g.output("logits", L.Linear(6 * side * side, 5)(L.Flatten()(h)))
     train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.SGD(lr=0.1))
     train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")})
@@ -401,15 +412,21 @@ def _strided_cnn_trainer(options: CompileOptions, pool: bool = False) -> tg.Trai
     return train.compile("cpu", options)
 
 
-@pytest.mark.parametrize("pool", [False, True], ids=["strided", "maxpool"])
-def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(pool: bool) -> None:
+@pytest.mark.parametrize("variant", ["strided", "maxpool", "batchnorm"])
+def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: str) -> None:
     # By default the CPU gradient phase computes the Conv weight gradients natively (their
     # inputs are saved values of the forward phase); disable_fusion runs the graph as written.
-    fast = _strided_cnn_trainer(CompileOptions(), pool)
-    plain = _strided_cnn_trainer(CompileOptions(disable_fusion=True), pool)
+    fast = _strided_cnn_trainer(CompileOptions(), variant)
+    plain = _strided_cnn_trainer(CompileOptions(disable_fusion=True), variant)
     assert len(fast._native_grads) == 3 and plain._native_grads == []
     routes = [g.route for g in fast._native_grads if g.route is not None]
-    assert len(routes) == int(pool) and all(r.relu and r.bias for r in routes)
+    assert len(routes) == (variant == "maxpool") and all(r.relu and r.bias for r in routes)
+    runner = fast._runners["gradient"]
+    kernels = [type(k).__name__ for ks in getattr(runner, "_plan", Plan([])).kernels for k in ks]
+    assert kernels == {
+        "strided": [], "maxpool": ["MaxPoolGrad"], "batchnorm": ["BatchNormGrad"] * 2
+    }[variant]  # fmt: skip
+    assert isinstance(plain._runners["gradient"], BoundRunner)
     rng = np.random.default_rng(0)
     for n in (8, 8, 3):
         x = rng.standard_normal((n, 2, 12, 12)).astype(np.float32)
@@ -419,7 +436,7 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(pool: bool
             losses.append(float(train.execute_forward({"x": x}, loss_labels={"y": y}).loss))
             train.execute_gradient()
         np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-        for name in plain.get_parameters():
+        for name in (n for n in plain.get_parameters() if "running_" not in n):
             np.testing.assert_allclose(
                 fast.gradient_data(name), plain.gradient_data(name), rtol=1e-4, atol=1e-6,
                 err_msg=name,

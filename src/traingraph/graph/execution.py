@@ -50,6 +50,7 @@ class CompileOptions:
             intra_op_threads=self.intra_op_threads,
             memory_arena=self.memory_arena,
             native_conv_grads=not as_written,
+            native_segments=not as_written,
             specialize=not as_written,
         )
 

@@ -63,7 +63,7 @@ from traingraph.program import (
     to_inference_mode,
     to_training_mode,
 )
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, segments
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.optimizer import optimizer_step
 from traingraph.runtime.session import BoundRunner, check_feeds, create_session
@@ -291,13 +291,26 @@ class TrainingGraph:
         self._native_values = conv_grads.run_outputs(
             self._native_grads, [i.name for i in gradient.graph.input] if gradient else []
         )
-        runners = {}
+        kernels: list[tuple[segments.Kernel, set[int]]] = []
+        if gradient is not None and self.device.kind == "cpu" and config.native_segments:
+            forward = self._program.phases.forward
+            kernels += segments.split_batch_norm_grads(gradient, forward)
+            kernels += segments.split_max_pool_grads(gradient, self._native_grads, forward)
+        runners: dict[str, BoundRunner | segments.SegmentedRunner] = {}
+        target = self.device
         for phase, proto in (
             ("forward", self._program.phases.forward),
             ("gradient", gradient),
             ("optimizer", self._program.optimizer_model),
         ):
-            if proto is not None:
+            if proto is not None and phase == "gradient" and kernels:
+                runners[phase] = segments.SegmentedRunner(
+                    segments.plan_segments(proto, kernels),
+                    lambda model: create_session(model, target, config),
+                    target,
+                    self._native_threads,
+                )
+            elif proto is not None:
                 runners[phase] = BoundRunner(
                     create_session(proto, self.device, config), self.device
                 )
@@ -492,6 +505,7 @@ class TrainingGraph:
         runner = self._runners.get("optimizer")
         if runner is None or not state.grads:
             return result
+        assert isinstance(runner, BoundRunner)
         if not state.grads_valid:
             raise ModelError("no gradients yet; run execute_gradient(...) before the update")
         optimizer_step(runner, state, None)

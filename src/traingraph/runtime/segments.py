@@ -79,17 +79,21 @@ class MaxPoolGrad:
 
 
 def split_max_pool_grads(
-    model: onnx.ModelProto, weight_grads: Sequence[conv_grads.WeightGrad]
+    model: onnx.ModelProto,
+    weight_grads: Sequence[conv_grads.WeightGrad],
+    forward: onnx.ModelProto | None = None,
 ) -> list[tuple[MaxPoolGrad, set[int]]]:
     """For each Conv whose weight gradient the native kernel computes (``weight_grads``) and
     whose output feeds (through a Relu) a MaxPool of tiling windows, the routing of the
     MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
-    MaxPool's input and output gradient alone; checked numerically on inputs with many ties."""
+    MaxPool's input and output gradient alone; checked numerically on inputs with many ties.
+    ``forward``: as for :func:`split_batch_norm_grads`."""
     g = conv_grads.GraphIndex.of(model.graph)
+    forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
     shapes: dict[str, list[int | None]] | None = None
     found = []
     for grad in weight_grads:
-        pool = conv_grads._pooling(g.nodes, grad) if grad.route is None else None
+        pool = conv_grads._pooling(forward_nodes, grad) if grad.route is None else None
         if pool is None:
             continue
         if shapes is None:
@@ -163,27 +167,33 @@ class BatchNormGrad:
 
 
 def split_batch_norm_grads(
-    model: onnx.ModelProto, shapes: Mapping[str, Sequence[int | None]] | None = None
+    model: onnx.ModelProto, forward: onnx.ModelProto | None = None
 ) -> list[tuple[BatchNormGrad, set[int]]]:
     """Each BatchNormalization gradient of ``model`` the native kernel computes, with the
     indices of the nodes it replaces; checked numerically, all in one onnxruntime session.
-    ``[]`` where the extension is missing or nothing matches."""
+    ``[]`` where the extension is missing or nothing matches.
+
+    ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
+    phase: its BatchNormalizations (and the Relus after them) count too."""
     if conv_grads._native is None:
         return []
     g = conv_grads.GraphIndex.of(model.graph)
-    if shapes is None:
-        shapes = conv_grads._inferred_shapes(model)
+    f = conv_grads.GraphIndex.of(forward.graph) if forward is not None else g
+    shapes = conv_grads._inferred_shapes(model)
     found = []
-    for node in g.nodes:
+    for node in g.nodes + (f.nodes if f is not g else []):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
-            match = _match(g, node, shapes)
+            match = _match(g, f, node, shapes)
             if match is not None:
                 found.append(match)
     return _verified(model, g, found, shapes)
 
 
 def _match(
-    g: conv_grads.GraphIndex, bn: onnx.NodeProto, shapes: Mapping[str, Sequence[int | None]]
+    g: conv_grads.GraphIndex,
+    f: conv_grads.GraphIndex,
+    bn: onnx.NodeProto,
+    shapes: Mapping[str, Sequence[int | None]],
 ) -> tuple[BatchNormGrad, set[int]] | None:
     """The gradient of the inference-form BatchNormalization ``bn`` (the lowering of a training
     one: its statistics come from its input), when the graph computes it from the input, the
@@ -204,8 +214,11 @@ def _match(
     if g.nodes[i].op_type != "ReduceSum":
         return None
     gated = g.nodes[i].input[0]
-    relus = [g.nodes[j] for j in g.consumers.get(bn.output[0], ()) if g.nodes[j].op_type == "Relu"]
-    y = relus[0].output[0] if len(relus) == 1 and len(g.consumers[bn.output[0]]) == 1 else None
+    # the forward graph (g itself, or the forward phase f) holds the Relu that reads bn
+    home = g if bn.output[0] in g.producer else f
+    readers = [home.nodes[j] for j in home.consumers.get(bn.output[0], ())]
+    relus = [n for n in readers if n.op_type == "Relu"]
+    y = relus[0].output[0] if len(relus) == 1 and len(readers) == 1 else None
     dy = gated
     if y is not None:
         product = g.nodes[g.producer[gated]] if gated in g.producer else None
@@ -435,6 +448,8 @@ class Plan:
 
     segments: list[Segment]
     kernels: list[list[Kernel]] = field(default_factory=list)
+    other_inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
+    """The model inputs no segment reads (a kernel's, or the native weight gradients')."""
 
 
 def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]]) -> Plan:
@@ -501,7 +516,9 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         segment.ir_version = model.ir_version
         segments.append(Segment(segment, inputs, outputs))
         plan_kernels.append(kernels.get(s, []))
-    return Plan(segments, plan_kernels)
+    segment_reads = {v for segment in segments for v in segment.inputs}
+    others = [info for name, info in graph_inputs.items() if name not in segment_reads]
+    return Plan(segments, plan_kernels, others)
 
 
 def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -549,6 +566,8 @@ class SegmentedRunner:
             for name in segment.inputs:
                 if runner is not None and name not in produced:
                     self.inputs.setdefault(name, runner.inputs[name])
+        for info in plan.other_inputs:
+            self.inputs[info.name] = _Input.of(info)
         self.output_infos = [
             info
             for runner in self._runners
@@ -591,6 +610,26 @@ class SegmentedRunner:
                         self._scratch[o] = out[o]
                     values[o] = out[o]
         return {name: values[name] for name in values if name not in self._fed}
+
+
+@dataclass(frozen=True)
+class _Input:
+    """A model input as onnxruntime describes one (``NodeArg``): name, shape, type."""
+
+    name: str
+    shape: list[int | str | None]
+    type: str
+
+    @staticmethod
+    def of(info: onnx.ValueInfoProto) -> _Input:
+        tensor = info.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                for d in tensor.shape.dim]  # fmt: skip
+        name = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.elem_type)).name
+        return _Input(info.name, dims, f"tensor({_ORT_TYPE_NAMES.get(name, name)})")
+
+
+_ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}
 
 
 def _host(value: Any) -> np.ndarray:
