@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -21,6 +23,8 @@ from traingraph.api import (
     StepLRScheduler,
 )
 from traingraph.errors import CheckpointError, ModelError
+from traingraph.runtime import conv_grads
+from traingraph.runtime.device import physical_cores
 from traingraph.runtime.session import SessionConfig
 
 STEPS = 50
@@ -346,3 +350,14 @@ def test_workers_spin_within_a_run_and_stop_when_it_returns(config, spin, stop):
     options = SessionConfig(**config).session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == spin
     assert options.get_session_config_entry("session.force_spinning_stop") == stop
+
+
+def test_default_thread_count_is_given_explicitly():
+    # One per physical core, as onnxruntime would choose, but given: left at 0, onnxruntime
+    # pins its threads to cores.
+    cores = physical_cores()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert 1 <= cores <= usable
+    assert SessionConfig().session_options().intra_op_num_threads == cores
+    assert SessionConfig(intra_op_threads=3).session_options().intra_op_num_threads == 3
+    assert conv_grads.default_threads(0) == cores and conv_grads.default_threads(3) == 3

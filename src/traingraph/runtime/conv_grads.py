@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -41,6 +40,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+
+from traingraph.runtime.device import physical_cores
 
 if TYPE_CHECKING:
     from traingraph.runtime.tensors import TensorStore
@@ -217,10 +218,8 @@ def _check_geometry(grad: WeightGrad, x: tuple[int, ...], dy: tuple[int, ...]) -
 
 
 def default_threads(intra_op_threads: int) -> int:
-    """The kernel's thread count: onnxruntime's intra-op count, or the usable cores when 0."""
-    if intra_op_threads > 0:
-        return intra_op_threads
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The kernels' thread count: onnxruntime's intra-op count, one per physical core when 0."""
+    return intra_op_threads if intra_op_threads > 0 else physical_cores()
 
 
 def split_weight_grads(

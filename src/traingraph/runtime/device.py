@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,3 +106,22 @@ def _check_cuda(index: int) -> None:
             + CUDA_INSTALL_HINT
         )
     _preload_cuda()
+
+@functools.cache
+def physical_cores() -> int:
+    """The physical cores among the CPUs this process may run on: onnxruntime's default
+    intra-op thread count. The usable CPUs where the topology cannot be read."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if cpus is None:
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as package, open(
+                f"{topology}/core_id"
+            ) as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
