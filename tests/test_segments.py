@@ -172,3 +172,44 @@ def test_segmented_steps_match_the_graph_and_torch(tmp_path):
         np.testing.assert_allclose(
             grads[0][name], param.grad.numpy(), rtol=1e-3, atol=1e-5 * scale, err_msg=name
         )
+
+
+class NormMLP(nn.Module):
+    """BatchNorm1d over features ([N, C]), a Relu after one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(6, 16), nn.BatchNorm1d(16)
+        self.fc2, self.bn2 = nn.Linear(16, 8), nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn2(self.fc2(torch.relu(self.bn1(self.fc1(x))))))
+
+
+def test_batch_norm_over_features_trains_as_the_graph_does(tmp_path):
+    torch.manual_seed(0)
+    artifacts.generate_artifacts(
+        export(seeded(NormMLP), torch.zeros(4, 6), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        # not Adam: the Linear biases before the BatchNorms have a gradient of 0 up to
+        # rounding, which Adam's normalization turns into steps of either sign
+        optimizer=optim.SGD(lr=0.1, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    found = segments.split_batch_norm_grads(onnx.load(tmp_path / "training_model.onnx"))
+    assert sorted((g.scale, g.y is not None) for g, _ in found) == [
+        ("bn1.weight", True), ("bn2.weight", False),
+    ]  # fmt: skip
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 3, n)) for n in (8, 8, 5)
+    ]
+    losses, grads, params = _run(tmp_path, True, batches)
+    ref_losses, ref_grads, ref_params = _run(tmp_path, False, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, expected in zip(grads, ref_grads):
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-6)
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-4, atol=1e-6)
