@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import onnx
@@ -38,74 +38,7 @@ from traingraph.runtime import conv_grads
 from traingraph.runtime.device import Device
 from traingraph.runtime.session import BoundRunner
 
-FLOAT = onnx.TensorProto.FLOAT
-_CHECK_RTOL = 1e-4
 _SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
-
-
-@dataclass(frozen=True)
-class MaxPoolGrad:
-    """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
-    the Conv (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`), where other nodes read
-    ``dy`` too (the Conv's input gradient), with the Conv's bias gradient where the graph
-    computes it from ``dy`` alone."""
-
-    dy: str
-    route: conv_grads.MaxPoolRoute
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.route.y, self.route.dp]
-
-    @property
-    def outputs(self) -> list[str]:
-        bias = self.route.bias
-        return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
-
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
-        """Write ``dy`` (and the bias gradient) into ``out``, as :meth:`BatchNormGrad.compute`."""
-        y, route = values[self.route.y], self.route
-        shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
-        for name, shape in shapes.items():
-            if name not in out or out[name].shape != shape:
-                out[name] = np.empty(shape, np.float32)
-        bias = out[f"{route.bias}_grad"] if route.bias is not None else None
-        assert conv_grads._native is not None
-        conv_grads._native.route_max_pool(
-            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
-        )
-
-
-def split_max_pool_grads(
-    model: onnx.ModelProto,
-    weight_grads: Sequence[conv_grads.WeightGrad],
-    forward: onnx.ModelProto | None = None,
-) -> list[tuple[MaxPoolGrad, set[int]]]:
-    """For each Conv whose weight gradient the native kernel computes (``weight_grads``) and
-    whose output feeds (through a Relu) a MaxPool of tiling windows, the routing of the
-    MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
-    MaxPool's input and output gradient alone; checked numerically on inputs with many ties.
-    ``forward``: as for :func:`split_batch_norm_grads`."""
-    g = conv_grads.GraphIndex.of(model.graph)
-    forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
-    shapes: dict[str, list[int | None]] | None = None
-    found = []
-    for grad in weight_grads:
-        pool = conv_grads._pooling(forward_nodes, grad) if grad.route is None else None
-        if pool is None:
-            continue
-        if shapes is None:
-            shapes = conv_grads._inferred_shapes(model)
-        match = conv_grads._route(g, grad, set(), pool, shapes, exclusive=False)
-        if match is not None and conv_grads._route_checks(model, g, grad, *match, shapes):
-            route, nodes = match
-            found.append((MaxPoolGrad(grad.dy, route), nodes))
-    return found
-
-
-Kernel = Union["BatchNormGrad", MaxPoolGrad]
 
 
 @dataclass(frozen=True)
@@ -427,10 +360,76 @@ def _verified(
                 got = got.reshape(-1)
             scale = float(np.abs(want).max()) or 1.0
             ok = ok and got.shape == want.shape
-            ok = ok and bool(np.abs(got - want).max() <= _CHECK_RTOL * scale)
+            ok = ok and bool(np.abs(got - want).max() <= conv_grads._CHECK_RTOL * scale)
         if ok:
             verified.append((grad, nodes))
     return verified
+
+
+@dataclass(frozen=True)
+class MaxPoolGrad:
+    """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
+    the Conv (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`), where other nodes read
+    ``dy`` too (the Conv's input gradient), with the Conv's bias gradient where the graph
+    computes it from ``dy`` alone."""
+
+    dy: str
+    route: conv_grads.MaxPoolRoute
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.route.y, self.route.dp]
+
+    @property
+    def outputs(self) -> list[str]:
+        bias = self.route.bias
+        return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``dy`` (and the bias gradient) into ``out``, as :meth:`BatchNormGrad.compute`."""
+        y, route = values[self.route.y], self.route
+        shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
+        for name, shape in shapes.items():
+            if name not in out or out[name].shape != shape:
+                out[name] = np.empty(shape, np.float32)
+        bias = out[f"{route.bias}_grad"] if route.bias is not None else None
+        assert conv_grads._native is not None
+        conv_grads._native.route_max_pool(
+            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
+        )
+
+
+def split_max_pool_grads(
+    model: onnx.ModelProto,
+    weight_grads: Sequence[conv_grads.WeightGrad],
+    forward: onnx.ModelProto | None = None,
+) -> list[tuple[MaxPoolGrad, set[int]]]:
+    """For each Conv whose weight gradient the native kernel computes (``weight_grads``) and
+    whose output feeds (through a Relu) a MaxPool of tiling windows, the routing of the
+    MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
+    MaxPool's input and output gradient alone; checked numerically on inputs with many ties.
+    ``forward``: as for :func:`split_batch_norm_grads`."""
+    g = conv_grads.GraphIndex.of(model.graph)
+    forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
+    shapes: dict[str, list[int | None]] | None = None
+    found = []
+    for grad in weight_grads:
+        pool = conv_grads._pooling(forward_nodes, grad) if grad.route is None else None
+        if pool is None:
+            continue
+        if shapes is None:
+            shapes = conv_grads._inferred_shapes(model)
+        match = conv_grads._route(g, grad, set(), pool, shapes, exclusive=False)
+        if match is not None and conv_grads._route_checks(model, g, grad, *match, shapes):
+            route, nodes = match
+            found.append((MaxPoolGrad(grad.dy, route), nodes))
+    return found
+
+
+Kernel = BatchNormGrad | MaxPoolGrad
+"""A native kernel between two segments."""
 
 
 @dataclass
@@ -533,7 +532,7 @@ def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 
 
 def _float(name: str) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, FLOAT, None)
+    return helper.make_tensor_value_info(name, conv_grads.FLOAT, None)
 
 
 class SegmentedRunner:
