@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper
 from torch import nn
 
 from torch_models import export, seeded
@@ -213,3 +214,37 @@ def test_batch_norm_over_features_trains_as_the_graph_does(tmp_path):
             np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-6)
     for name in ref_params:
         np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_segment_onnxruntime_rejects_leaves_the_graph_whole(tmp_path, monkeypatch):
+    # Where a segment fails to load, Module runs the training graph as it is, and says so.
+    _, directory = _directory(tmp_path)
+
+    def broken(self, *args):
+        raise RuntimeError("rejected")
+
+    monkeypatch.setattr(segments.SegmentedRunner, "__init__", broken)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    with pytest.warns(RuntimeWarning, match="segment failed to load.*rejected"):
+        module = Module(directory / "training_model.onnx", state)
+    assert not isinstance(module._train, segments.SegmentedRunner)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4)
+    assert np.isfinite(float(module(x, y)))
+    assert all(np.isfinite(p.grad).all() for p in state.parameters.values() if p.grad is not None)
+
+
+def test_models_with_subgraphs_are_not_cut():
+    then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    orelse = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=orelse)], "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert segments.split_batch_norm_grads(model) == []
+    assert segments.split_max_pool_grads(model, []) == []

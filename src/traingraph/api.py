@@ -328,8 +328,9 @@ class Module:
         self._train: BoundRunner | segments.SegmentedRunner
         if kernels:
             assert isinstance(train_model, onnx.ModelProto)
-            self._train = segments.SegmentedRunner(
-                segments.plan_segments(train_model, kernels),
+            self._train = segments.runner(
+                train_model,
+                kernels,
                 lambda model: create_session(model, self._device, self._config),
                 self._device,
                 self._native_threads,

@@ -304,8 +304,9 @@ class TrainingGraph:
             ("optimizer", self._program.optimizer_model),
         ):
             if proto is not None and phase == "gradient" and kernels:
-                runners[phase] = segments.SegmentedRunner(
-                    segments.plan_segments(proto, kernels),
+                runners[phase] = segments.runner(
+                    proto,
+                    kernels,
                     lambda model: create_session(model, target, config),
                     target,
                     self._native_threads,

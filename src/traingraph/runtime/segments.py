@@ -25,6 +25,7 @@ The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,7 +109,7 @@ def split_batch_norm_grads(
 
     ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
     phase: its BatchNormalizations (and the Relus after them) count too."""
-    if conv_grads._native is None:
+    if conv_grads._native is None or _has_subgraphs(model):
         return []
     g = conv_grads.GraphIndex.of(model.graph)
     f = conv_grads.GraphIndex.of(forward.graph) if forward is not None else g
@@ -411,6 +412,8 @@ def split_max_pool_grads(
     MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
     MaxPool's input and output gradient alone; checked numerically on inputs with many ties.
     ``forward``: as for :func:`split_batch_norm_grads`."""
+    if conv_grads._native is None or _has_subgraphs(model):
+        return []
     g = conv_grads.GraphIndex.of(model.graph)
     forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
     shapes: dict[str, list[int | None]] | None = None
@@ -612,6 +615,29 @@ class SegmentedRunner:
         return {name: values[name] for name in values if name not in self._fed}
 
 
+def runner(
+    model: onnx.ModelProto,
+    kernels: Sequence[tuple[Kernel, set[int]]],
+    make_session: Callable[[onnx.ModelProto], ort.InferenceSession],
+    device: Device,
+    threads: int,
+) -> BoundRunner | SegmentedRunner:
+    """A :class:`SegmentedRunner` of ``model`` cut around ``kernels``, or, where there are none
+    or onnxruntime rejects a segment, a :class:`BoundRunner` of ``model`` whole (with a
+    warning in the second case: the step is then slower, not wrong)."""
+    if kernels:
+        try:
+            return SegmentedRunner(plan_segments(model, kernels), make_session, device, threads)
+        except Exception as error:  # the whole graph still runs
+            warnings.warn(
+                f"running the training graph whole, without its native kernels: a segment"
+                f" failed to load ({type(error).__name__}: {str(error)[:200]})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return BoundRunner(make_session(model), device)
+
+
 @dataclass(frozen=True)
 class _Input:
     """A model input as onnxruntime describes one (``NodeArg``): name, shape, type."""
@@ -630,6 +656,12 @@ class _Input:
 
 
 _ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}
+
+
+def _has_subgraphs(model: onnx.ModelProto) -> bool:
+    """Whether a node of ``model`` holds a graph (If, Loop, Scan), whose reads of outer values
+    a segment's inputs would not list: such models are not cut."""
+    return any(conv_grads._has_subgraph(n) for n in model.graph.node)
 
 
 def _host(value: Any) -> np.ndarray:
