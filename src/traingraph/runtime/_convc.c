@@ -21,7 +21,11 @@
  * Plain CPython C API and the buffer protocol; the computation runs without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
+#endif
 #include <Python.h>
+#include <sched.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -40,7 +44,7 @@
 
 #define MAX_THREADS 64
 #define CHUNK_BYTES (768 * 1024) /* the working set of one chunk: about an L2 cache */
-#define ROUTE_PER_THREAD (1 << 20) /* elements of y below which one thread routes them all */
+#define ROUTE_PER_THREAD (1 << 16) /* elements of y below which one thread routes them all */
 #define CHUNK_FLOATS 2048        /* enough positions per chunk to amortize each block's sums */
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
@@ -307,8 +311,34 @@ static struct {
     atomic_int failed;
     struct task task;
     uint_fast64_t created_at[MAX_THREADS]; /* the generation when each worker was created */
+    pthread_t ids[MAX_THREADS];
+    int away_from;                         /* the caller's CPU the workers were kept off, or -1 */
     struct scratch scratch[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          .away_from = -1};
+
+/* Keep the sleeping workers off the caller's CPU before waking them. Woken, a worker is often
+ * placed on its waker's CPU, where it waits for the caller to finish its own share: the task
+ * then runs one share after the other. */
+static void keep_workers_away(void)
+{
+#if defined(__linux__) && defined(CPU_SET)
+    const int cpu = sched_getcpu();
+    if (cpu < 0 || cpu == pool.away_from) {
+        return;
+    }
+    cpu_set_t allowed;
+    if (pthread_getaffinity_np(pthread_self(), sizeof allowed, &allowed) != 0 ||
+        !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
+        return;
+    }
+    CPU_CLR(cpu, &allowed);
+    for (int t = 1; t <= pool.started; t++) {
+        pthread_setaffinity_np(pool.ids[t], sizeof allowed, &allowed);
+    }
+    pool.away_from = cpu;
+#endif
+}
 
 static void run_share(int t)
 {
@@ -385,13 +415,15 @@ static int run_task(int (*share)(const void *, int, int), const void *arg, int t
             threads = pool.started + 1;
             break;
         }
-        pool.started++;
+        pool.ids[++pool.started] = id;
+        pool.away_from = -1;
     }
     pool.task = (struct task){share, arg, threads};
     atomic_store(&pool.failed, 0);
     atomic_store(&pool.done, 0);
     const int waiting = pool.started;
     if (waiting) {
+        keep_workers_away();
         pthread_mutex_lock(&pool.lock);
         atomic_fetch_add(&pool.generation, 1);
         pthread_cond_broadcast(&pool.wake);
@@ -925,6 +957,7 @@ static struct PyModuleDef module_def = {
 /* A child of fork() has none of the parent's workers: it starts its own. */
 static void forget_workers(void)
 {
+    pool.away_from = -1;
     pthread_mutex_init(&pool.busy, NULL);
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
