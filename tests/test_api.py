@@ -352,12 +352,12 @@ def test_workers_spin_within_a_run_and_stop_when_it_returns(config, spin, stop):
     assert options.get_session_config_entry("session.force_spinning_stop") == stop
 
 
-def test_default_thread_count_is_given_explicitly():
-    # One per physical core, as onnxruntime would choose, but given: left at 0, onnxruntime
-    # pins its threads to cores.
+def test_thread_counts():
+    # onnxruntime's default (one per physical core) unless given; the native kernels use as
+    # many (the physical cores, not the hardware threads)
     cores = physical_cores()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert 1 <= cores <= usable
-    assert SessionConfig().session_options().intra_op_num_threads == cores
+    assert SessionConfig().session_options().intra_op_num_threads == 0
     assert SessionConfig(intra_op_threads=3).session_options().intra_op_num_threads == 3
     assert conv_grads.default_threads(0) == cores and conv_grads.default_threads(3) == 3

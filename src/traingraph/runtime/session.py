@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 
 from traingraph.errors import ModelError
-from traingraph.runtime.device import Device, physical_cores
+from traingraph.runtime.device import Device
 from traingraph.runtime.specialize import for_cpu, for_cuda
 
 _LEVELS = {
@@ -31,8 +31,8 @@ class SessionConfig:
 
     Attributes:
         optimization: onnxruntime graph optimization level: "disable", "basic", "extended", "all".
-        intra_op_threads: Threads per op (0: one per physical core, onnxruntime's default
-            count, given to it explicitly so that it does not pin them to cores).
+        intra_op_threads: Threads per op (0: onnxruntime's default, one per physical core,
+            each pinned to its core).
         allow_spinning: Whether onnxruntime's worker threads spin while they wait for work
             during a run, so that a graph's many small parallel kernels do not wait for
             sleeping threads to wake.
@@ -137,10 +137,8 @@ class SessionConfig:
         options = ort.SessionOptions()
         options.graph_optimization_level = _LEVELS[self.optimization]
         options.log_severity_level = 3
-        # An explicit count even for the default: left at 0, onnxruntime pins its threads to
-        # cores, and the native kernels' threads and the caller's then land on a pinned core
-        # in some processes (LeNet's step measured 10-20% slower in those).
-        options.intra_op_num_threads = self.intra_op_threads or physical_cores()
+        if self.intra_op_threads:
+            options.intra_op_num_threads = self.intra_op_threads
         spin = "1" if self.allow_spinning else "0"
         entries = {
             "session.intra_op.allow_spinning": spin,
