@@ -17,13 +17,15 @@ setup(
         Extension(
             "traingraph.runtime._fusedc",
             sources=["src/traingraph/runtime/_fusedc.c"],
-            depends=["src/traingraph/runtime/_fusedc_kernels.h"],
-            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
+            depends=["src/traingraph/runtime/_fusedc_kernels.h", "src/traingraph/runtime/_pool.h"],
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread"],
+            extra_link_args=["-pthread"],
             optional=True,
         ),
         Extension(
             "traingraph.runtime._convc",
             sources=["src/traingraph/runtime/_convc.c"],
+            depends=["src/traingraph/runtime/_pool.h"],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
             libraries=["m"],

@@ -61,8 +61,10 @@ def _graph_steps(optimizer, params, grads, lr):
     return params, state
 
 
-def _fused_steps(optimizer, params, grads, lr, backend):
-    update = fused_update(optimizer.name, optimizer.hyperparameters, backend=backend)
+def _fused_steps(optimizer, params, grads, lr, backend, threads=None):
+    update = fused_update(
+        optimizer.name, optimizer.hyperparameters, backend=backend, threads=threads
+    )
     assert update is not None
     state = init_state(optimizer, params)
     params = {n: p.copy() for n, p in params.items()}
@@ -102,14 +104,16 @@ def test_fused_matches_optimizer_graph(optimizer, backend, dtype):
 
 
 @NATIVE
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_native_equals_numpy_on_a_flat_block(optimizer):
-    """One native call over 203,531 elements (odd) equals the numpy update, step by step."""
+def test_native_equals_numpy_on_a_flat_block(optimizer, threads):
+    """One native call over 203,531 elements (odd; shared by 3 threads in aligned ranges)
+    equals the numpy update, step by step."""
     params, grads = _problem(2, shapes={"flat": (203_531,)})
     params["flat"][::7] = 0.0
     grads[1]["flat"][::5] = 0.0
     lr = float(np.float32(optimizer.lr))
-    native, state_n = _fused_steps(optimizer, params, grads, lr, "native")
+    native, state_n = _fused_steps(optimizer, params, grads, lr, "native", threads)
     numpy, state_p = _fused_steps(optimizer, params, grads, lr, "numpy")
     _assert_same(native, numpy)
     _assert_same(state_n, state_p)

@@ -790,7 +790,7 @@ class Optimizer:
         hyperparameters = json.loads(meta.get("traingraph.hyperparameters", "null"))
         name = meta.get("traingraph.optimizer", "")
         if fused and state.device.kind == "cpu" and hyperparameters is not None:
-            self._fused = fused_update(name, hyperparameters)
+            self._fused = fused_update(name, hyperparameters, threads=module._native_threads)
         self._slot_keys = {
             name: {key: s for s, (owner, key) in owners.items() if owner == name}
             for name in self._params

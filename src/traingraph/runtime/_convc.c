@@ -25,10 +25,7 @@
 #define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
 #endif
 #include <Python.h>
-#include <sched.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +43,8 @@
 #define CHUNK_BYTES (768 * 1024) /* the working set of one chunk: about an L2 cache */
 #define ROUTE_PER_THREAD (1 << 16) /* elements of y below which one thread routes them all */
 #define CHUNK_FLOATS 2048        /* enough positions per chunk to amortize each block's sums */
+
+#include "_pool.h"
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
@@ -292,61 +291,8 @@ static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssiz
     return 0;
 }
 
-/* ------------------------------------------------------------------- thread pool */
-
-/* One call's work: share(arg, t, threads) does thread t's part of it. */
-struct task {
-    int (*share)(const void *arg, int t, int threads);
-    const void *arg;
-    int threads;
-};
-
-static struct {
-    pthread_mutex_t busy;        /* one task at a time */
-    pthread_mutex_t lock;
-    pthread_cond_t wake;
-    int started;                 /* workers running (they never exit) */
-    atomic_uint_fast64_t generation;
-    atomic_int done;
-    atomic_int failed;
-    struct task task;
-    uint_fast64_t created_at[MAX_THREADS]; /* the generation when each worker was created */
-    pthread_t ids[MAX_THREADS];
-    int away_from;                         /* the caller's CPU the workers were kept off, or -1 */
-    struct scratch scratch[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          .away_from = -1};
-
-/* Keep the sleeping workers off the caller's CPU before waking them. Woken, a worker is often
- * placed on its waker's CPU, where it waits for the caller to finish its own share: the task
- * then runs one share after the other. */
-static void keep_workers_away(void)
-{
-#if defined(__linux__) && defined(CPU_SET)
-    const int cpu = sched_getcpu();
-    if (cpu < 0 || cpu == pool.away_from) {
-        return;
-    }
-    cpu_set_t allowed;
-    if (pthread_getaffinity_np(pthread_self(), sizeof allowed, &allowed) != 0 ||
-        !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) {
-        return;
-    }
-    CPU_CLR(cpu, &allowed);
-    for (int t = 1; t <= pool.started; t++) {
-        pthread_setaffinity_np(pool.ids[t], sizeof allowed, &allowed);
-    }
-    pool.away_from = cpu;
-#endif
-}
-
-static void run_share(int t)
-{
-    const struct task *task = &pool.task;
-    if (task->share(task->arg, t, task->threads) < 0) {
-        atomic_store(&pool.failed, 1);
-    }
-}
+/* Each thread's buffers for the weight gradients. */
+static struct scratch conv_scratch[MAX_THREADS];
 
 struct conv_batch {
     const struct conv *convs;
@@ -362,78 +308,11 @@ static int conv_share(const void *arg, int t, int threads)
         const struct conv *cv = &batch->convs[i];
         float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * cv->size;
         if (conv_samples(cv, out, cv->n * t / threads, cv->n * (t + 1) / threads,
-                         &pool.scratch[t]) < 0) {
+                         &conv_scratch[t]) < 0) {
             failed = 1;
         }
     }
     return failed ? -1 : 0;
-}
-
-static inline void pause_cpu(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-static void *worker(void *arg)
-{
-    const int t = (int)(intptr_t)arg;
-    /* Created between tasks: the next one posted is the first it runs. */
-    uint_fast64_t seen = pool.created_at[t];
-    for (;;) {
-        /* Tasks come a few per training step, apart: sleep until the next one. */
-        uint_fast64_t now;
-        pthread_mutex_lock(&pool.lock);
-        while ((now = atomic_load(&pool.generation)) == seen) {
-            pthread_cond_wait(&pool.wake, &pool.lock);
-        }
-        pthread_mutex_unlock(&pool.lock);
-        seen = now;
-        if (t < pool.task.threads) {
-            run_share(t);
-        }
-        atomic_fetch_add(&pool.done, 1);
-    }
-    return NULL;
-}
-
-/* Run share(arg, t, threads) for t < threads, the caller being thread 0. Returns the thread
- * count used (fewer where a worker could not start), or -1 when a share failed (a scratch
- * buffer could not be allocated). The caller holds pool.busy. */
-static int run_task(int (*share)(const void *, int, int), const void *arg, int threads)
-{
-    while (pool.started < threads - 1) {
-        pthread_t id;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pool.created_at[pool.started + 1] = atomic_load(&pool.generation);
-        const int failed = pthread_create(&id, &attr, worker, (void *)(intptr_t)(pool.started + 1));
-        pthread_attr_destroy(&attr);
-        if (failed) {
-            threads = pool.started + 1;
-            break;
-        }
-        pool.ids[++pool.started] = id;
-        pool.away_from = -1;
-    }
-    pool.task = (struct task){share, arg, threads};
-    atomic_store(&pool.failed, 0);
-    atomic_store(&pool.done, 0);
-    const int waiting = pool.started;
-    if (waiting) {
-        keep_workers_away();
-        pthread_mutex_lock(&pool.lock);
-        atomic_fetch_add(&pool.generation, 1);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.lock);
-    }
-    run_share(0);
-    while (atomic_load(&pool.done) < waiting) {
-        pause_cpu();
-    }
-    return atomic_load(&pool.failed) ? -1 : threads;
 }
 
 /* ------------------------------------------------------------------------- Python */
@@ -954,21 +833,8 @@ static struct PyModuleDef module_def = {
     .m_methods = methods,
 };
 
-/* A child of fork() has none of the parent's workers: it starts its own. */
-static void forget_workers(void)
-{
-    pool.away_from = -1;
-    pthread_mutex_init(&pool.busy, NULL);
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.wake, NULL);
-    pool.started = 0;
-}
-
 PyMODINIT_FUNC PyInit__convc(void)
 {
-    static int registered = 0;
-    if (!registered && pthread_atfork(NULL, NULL, forget_workers) == 0) {
-        registered = 1;
-    }
+    register_pool_fork_handler();
     return PyModule_Create(&module_def);
 }

@@ -5,9 +5,14 @@
  * optimizer graph's operations in the graph's order (see _fusedc_kernels.h).
  */
 #define PY_SSIZE_T_CLEAN
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np (_pool.h) */
+#endif
 #include <Python.h>
 #include <math.h>
 #include <string.h>
+
+#include "_pool.h"
 
 enum sgd_mode { SGD_PLAIN, SGD_MOMENTUM, SGD_NESTEROV, SGD_DAMPENED, SGD_FIRST_DAMPENED };
 
@@ -55,8 +60,68 @@ struct sgd_args {
 #undef SQRT
 #undef SUFFIX
 
+/* The kernels with an untyped argument, as run_update takes them. */
+static void adamw_f32_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
+{
+    adamw_f32(a, begin, end);
+}
+static void adamw_f64_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
+{
+    adamw_f64(a, begin, end);
+}
+static void sgd_f32_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
+{
+    sgd_f32(a, begin, end);
+}
+static void sgd_f64_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
+{
+    sgd_f64(a, begin, end);
+}
+
 /* Below this many elements the GIL is kept: releasing it costs more than the loop. */
 #define RELEASE_GIL_MIN 4096
+/* Below this many elements one thread updates them all: waking a worker costs more. */
+#define PER_THREAD_MIN (1 << 16)
+
+/* One update over [0, n), shared by the pool's threads in 16-element-aligned ranges. */
+struct split {
+    void (*kernel)(const void *args, Py_ssize_t begin, Py_ssize_t end);
+    const void *args;
+    Py_ssize_t n;
+};
+
+static int split_share(const void *arg, int t, int threads)
+{
+    const struct split *s = arg;
+    const Py_ssize_t begin = s->n * t / threads & ~(Py_ssize_t)15;
+    const Py_ssize_t end = t == threads - 1 ? s->n : s->n * (t + 1) / threads & ~(Py_ssize_t)15;
+    if (end > begin) {
+        s->kernel(s->args, begin, end);
+    }
+    return 0;
+}
+
+/* Run kernel over n elements, without the GIL where n is large, on up to threads threads. */
+static void run_update(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t), const void *args,
+                       Py_ssize_t n, int threads)
+{
+    if (n < RELEASE_GIL_MIN) {
+        kernel(args, 0, n);
+        return;
+    }
+    threads = n < PER_THREAD_MIN || threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    const struct split s = {kernel, args, n};
+    Py_BEGIN_ALLOW_THREADS
+    if (threads == 1) {
+        kernel(args, 0, n);
+    }
+    else {
+        pthread_mutex_lock(&pool.busy);
+        run_task(split_share, &s, threads);
+        pthread_mutex_unlock(&pool.busy);
+    }
+    Py_END_ALLOW_THREADS
+}
 
 static PyObject *UnsupportedArray;
 
@@ -161,17 +226,20 @@ static int check_step(const char *function, long long step)
 }
 
 PyDoc_STRVAR(adamw_doc,
-"adamw(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay)\n--\n\n"
+"adamw(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay,\n"
+"      threads=1)\n--\n\n"
 "One AdamW step in place over C-contiguous float32 or float64 arrays of one shape, in one\n"
-"pass, as traingraph.runtime.fused.adamw_step computes it.");
+"pass, as traingraph.runtime.fused.adamw_step computes it; up to ``threads`` threads share\n"
+"the elements.");
 
 static PyObject *fused_adamw(PyObject *self, PyObject *args)
 {
     PyObject *objects[4];
     double lr, b1, b2, eps, weight_decay;
     long long step;
-    if (!PyArg_ParseTuple(args, "OOOOdLdddd:adamw", &objects[0], &objects[1], &objects[2],
-                          &objects[3], &lr, &step, &b1, &b2, &eps, &weight_decay) ||
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOdLdddd|i:adamw", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &lr, &step, &b1, &b2, &eps, &weight_decay, &threads) ||
         check_step("adamw", step) < 0) {
         return NULL;
     }
@@ -190,34 +258,26 @@ static PyObject *fused_adamw(PyObject *self, PyObject *args)
                          sqrt(1.0 - pow(b2, (double)step)), eps, weight_decay, -lr},
     };
     const Py_ssize_t n = views[0].len / views[0].itemsize;
-    void (*kernel)(const struct adamw_args *, Py_ssize_t, Py_ssize_t) =
-        element_type(&views[0]) == 'f' ? adamw_f32 : adamw_f64;
-    if (n >= RELEASE_GIL_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        kernel(&a, 0, n);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        kernel(&a, 0, n);
-    }
+    run_update(element_type(&views[0]) == 'f' ? adamw_f32_any : adamw_f64_any, &a, n, threads);
     release_all(views, 4);
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(sgd_doc,
-"sgd(param, grad, momentum_buffer, lr, step, momentum, dampening, nesterov, weight_decay)\n--\n\n"
+"sgd(param, grad, momentum_buffer, lr, step, momentum, dampening, nesterov, weight_decay,\n"
+"    threads=1)\n--\n\n"
 "One SGD step in place over C-contiguous float32 or float64 arrays of one shape, in one\n"
-"pass, as traingraph.runtime.fused.sgd_step computes it. momentum_buffer may be None when\n"
-"momentum is 0; grad is not modified.");
+"pass, as traingraph.runtime.fused.sgd_step computes it; up to ``threads`` threads share the\n"
+"elements. momentum_buffer may be None when momentum is 0; grad is not modified.");
 
 static PyObject *fused_sgd(PyObject *self, PyObject *args)
 {
     PyObject *objects[3];
     double lr, momentum, dampening, weight_decay;
     long long step;
-    int nesterov;
-    if (!PyArg_ParseTuple(args, "OOOdLddpd:sgd", &objects[0], &objects[1], &objects[2], &lr,
-                          &step, &momentum, &dampening, &nesterov, &weight_decay) ||
+    int nesterov, threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOdLddpd|i:sgd", &objects[0], &objects[1], &objects[2], &lr,
+                          &step, &momentum, &dampening, &nesterov, &weight_decay, &threads) ||
         check_step("sgd", step) < 0) {
         return NULL;
     }
@@ -246,16 +306,7 @@ static PyObject *fused_sgd(PyObject *self, PyObject *args)
         .coefficients = {weight_decay, momentum, 1.0 - dampening, -lr},
     };
     const Py_ssize_t n = views[0].len / views[0].itemsize;
-    void (*kernel)(const struct sgd_args *, Py_ssize_t, Py_ssize_t) =
-        element_type(&views[0]) == 'f' ? sgd_f32 : sgd_f64;
-    if (n >= RELEASE_GIL_MIN) {
-        Py_BEGIN_ALLOW_THREADS
-        kernel(&a, 0, n);
-        Py_END_ALLOW_THREADS
-    }
-    else {
-        kernel(&a, 0, n);
-    }
+    run_update(element_type(&views[0]) == 'f' ? sgd_f32_any : sgd_f64_any, &a, n, threads);
     release_all(views, count);
     Py_RETURN_NONE;
 }
@@ -276,6 +327,7 @@ static struct PyModuleDef module_def = {
 
 PyMODINIT_FUNC PyInit__fusedc(void)
 {
+    register_pool_fork_handler();
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL) {
         return NULL;

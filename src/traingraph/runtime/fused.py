@@ -32,6 +32,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from traingraph.runtime.device import physical_cores
+
 
 def _load_native() -> ModuleType | None:
     try:
@@ -203,7 +205,11 @@ class FusedUpdate(Protocol):
 
 
 def fused_update(
-    name: str, hyperparameters: Mapping[str, Any], *, backend: str | None = None
+    name: str,
+    hyperparameters: Mapping[str, Any],
+    *,
+    backend: str | None = None,
+    threads: int | None = None,
 ) -> FusedUpdate | None:
     """The fused update of optimizer ``name`` with ``hyperparameters``, or None.
 
@@ -217,6 +223,8 @@ def fused_update(
         backend: ``"native"`` or ``"numpy"``; None picks :data:`BACKEND`. The native update
             hands arrays it does not take (not C-contiguous, or neither float32 nor float64)
             to the numpy code.
+        threads: Threads of the native update over large arrays (the elements split between
+            them; the numbers do not change); None: one per physical core.
 
     Raises:
         ValueError: ``backend`` is unknown, or ``"native"`` where the extension was not built.
@@ -234,6 +242,7 @@ def fused_update(
     if extras & set(hyperparameters):
         return None
     native = _native if backend == "native" else None
+    threads = physical_cores() if threads is None else max(1, int(threads))
     scratch = Scratch()
     h = dict(hyperparameters)
     if name == "adamw" and not h.get("amsgrad", False):
@@ -253,7 +262,7 @@ def fused_update(
             try:
                 native.adamw(
                     params, grads, slots["exp_avg"], slots["exp_avg_sq"], lr, step, b1, b2, eps,
-                    weight_decay,
+                    weight_decay, threads,
                 )  # fmt: skip
             except native.UnsupportedArray:
                 adamw(params, grads, slots, lr=lr, step=step)
@@ -277,7 +286,7 @@ def fused_update(
             try:
                 native.sgd(
                     params, grads, slots.get("momentum_buffer"), lr, step, momentum, dampening,
-                    nesterov, weight_decay,
+                    nesterov, weight_decay, threads,
                 )  # fmt: skip
             except native.UnsupportedArray:
                 sgd(params, grads, slots, lr=lr, step=step)
