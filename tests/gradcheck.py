@@ -266,3 +266,28 @@ def compare_with_torch(
             analytic[x], expected, rtol=rtol, atol=atol,
             err_msg=f"gradient of {x} differs from torch.autograd",
         )
+
+
+def assert_same_training(
+    got: tuple[Sequence[float], Sequence[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]],
+    expected: tuple[
+        Sequence[float], Sequence[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]
+    ],
+    *,
+    one_scale: bool = False,
+) -> None:
+    """Two runs of the same training steps, each ``(losses, the gradients of each step, the
+    parameters after)``, agree: losses to 1e-5, gradients and parameters to 1e-4 relative and
+    1e-6 absolute. With ``one_scale`` a step's gradients share the absolute tolerance 1e-6 of
+    its largest one (the smallest carry the rounding differences of the largest)."""
+    (losses, grads, params), (ref_losses, ref_grads, ref_params) = got, expected
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for step, reference in zip(grads, ref_grads):
+        assert step.keys() == reference.keys()
+        atol = 1e-6 * max(np.abs(g).max() for g in reference.values()) if one_scale else 1e-6
+        for name in reference:
+            np.testing.assert_allclose(
+                step[name], reference[name], rtol=1e-4, atol=atol, err_msg=name
+            )
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-4, atol=1e-6)

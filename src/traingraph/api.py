@@ -379,10 +379,7 @@ class Module:
         model, grads = proto, list[conv_grads.WeightGrad]()
         if config.native_conv_grads:
             model, grads = conv_grads.split_weight_grads(proto)
-        kernels: list[tuple[segments.Kernel, set[int]]] = []
-        if config.native_segments:
-            kernels += segments.split_batch_norm_grads(model)
-            kernels += segments.split_max_pool_grads(model, grads)
+        kernels = segments.find_kernels(model, grads) if config.native_segments else []
         if not grads and not kernels:
             return self._train_uri, [], []
         return model, grads, kernels

@@ -368,7 +368,7 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "Oi:weight_grads", &sequence, &threads)) {
         return NULL;
     }
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    threads = pool_threads(threads);
     PyObject *items = PySequence_Fast(sequence, "weight_grads: convs must be a sequence");
     if (items == NULL) {
         return NULL;
@@ -438,9 +438,7 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
     int used;
     const struct conv_batch batch = {convs, count};
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&pool.busy);
-    used = run_task(conv_share, &batch, threads);
-    pthread_mutex_unlock(&pool.busy);
+    used = pool_run(conv_share, &batch, threads);
     for (Py_ssize_t i = 0; i < count && used > 1; i++) {
         const struct conv *cv = &convs[i];
         for (int t = 1; t < used; t++) {
@@ -620,14 +618,11 @@ static PyObject *route_max_pool(PyObject *self, PyObject *args)
         .bias = count == 4 ? views[3].buf : NULL, .n = ys[0], .c = ys[1], .h = ys[2],
         .w = ys[3], .oh = ps[2], .ow = ps[3], .kh = kh, .kw = kw, .relu = relu,
     };
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (r.n * r.c * r.h * r.w < ROUTE_PER_THREAD) {
         threads = 1; /* waking a worker costs more than it saves */
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&pool.busy);
-    run_task(route_share, &r, threads);
-    pthread_mutex_unlock(&pool.busy);
+    pool_run(route_share, &r, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -731,9 +726,13 @@ static int bn_share(const void *arg, int t, int threads)
         const double sum_g = sums[2], sum_gc = sums[3] - shifted_mean * sums[2];
         const double dscale = rstd * sum_gc, a = b->scale[c] * rstd;
         const double k = a * rstd * dscale / count, cc = a * sum_g / count;
-        b->dscale[c] = (float)dscale;
+        if (b->dscale != NULL) {
+            b->dscale[c] = (float)dscale;
+        }
         b->dbias[c] = (float)sum_g;
-        bn_apply(b, c, (float)a, (float)k, (float)(k * mean - cc));
+        if (b->dx != NULL) {
+            bn_apply(b, c, (float)a, (float)k, (float)(k * mean - cc));
+        }
     }
     return 0;
 }
@@ -743,7 +742,8 @@ PyDoc_STRVAR(batch_norm_grad_doc,
 "The gradient of a training-mode BatchNormalization of ``x`` (float32, C-contiguous,\n"
 "``[N, C, ...]``) with ``scale`` ``[C]``, given ``dy``, the gradient of its output, or with\n"
 "``y`` (not None) the gradient of ``y = Relu(output)``. Writes ``dx`` (``x``'s shape) and\n"
-"``dscale``, ``dbias`` (``[C]``); ``threads`` threads share the channels.");
+"``dscale``, ``dbias`` (``[C]``), each of ``dx`` and ``dscale`` unless it is None;\n"
+"``threads`` threads share the channels.");
 
 static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
 {
@@ -760,8 +760,8 @@ static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
     int held[7] = {0};
     PyObject *result = NULL;
     for (int k = 0; k < 7; k++) {
-        if (k == 2 && objects[k] == Py_None) {
-            continue;
+        if ((k == 2 || k == 4 || k == 5) && objects[k] == Py_None) {
+            continue; /* no Relu; dx or dscale not wanted */
         }
         if (float32_array(objects[k], &views[k], k == 3 || k >= 5 ? 1 : -1, k >= 4,
                           "batch_norm_grad: argument", k, names[k]) < 0) {
@@ -781,7 +781,7 @@ static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
         }
     }
     for (int k = 3; k < 7 && fits; k++) {
-        fits = k == 4 || views[k].shape[0] == x->shape[1];
+        fits = k == 4 || !held[k] || views[k].shape[0] == x->shape[1];
     }
     if (!fits) {
         PyErr_SetString(PyExc_ValueError,
@@ -791,21 +791,19 @@ static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
     }
     struct bn b = {
         .x = x->buf, .dy = views[1].buf, .y = held[2] ? views[2].buf : NULL,
-        .scale = views[3].buf, .dx = views[4].buf, .dscale = views[5].buf,
+        .scale = views[3].buf, .dx = held[4] ? views[4].buf : NULL,
+        .dscale = held[5] ? views[5].buf : NULL,
         .dbias = views[6].buf, .n = x->shape[0], .c = x->shape[1], .s = 1, .eps = eps,
     };
     for (int d = 2; d < x->ndim; d++) {
         b.s *= x->shape[d];
     }
-    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (b.n * b.s == 0) {
         PyErr_SetString(PyExc_ValueError, "batch_norm_grad: x has no elements per channel");
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&pool.busy);
-    run_task(bn_share, &b, threads);
-    pthread_mutex_unlock(&pool.busy);
+    pool_run(bn_share, &b, threads);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:

@@ -109,16 +109,13 @@ static void run_update(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t), con
         kernel(args, 0, n);
         return;
     }
-    threads = n < PER_THREAD_MIN || threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     const struct split s = {kernel, args, n};
     Py_BEGIN_ALLOW_THREADS
-    if (threads == 1) {
+    if (n < PER_THREAD_MIN || threads <= 1) {
         kernel(args, 0, n);
     }
     else {
-        pthread_mutex_lock(&pool.busy);
-        run_task(split_share, &s, threads);
-        pthread_mutex_unlock(&pool.busy);
+        pool_run(split_share, &s, threads);
     }
     Py_END_ALLOW_THREADS
 }

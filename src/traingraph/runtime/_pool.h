@@ -1,7 +1,7 @@
 /* A pool of persistent worker threads for traingraph's native kernels (_convc.c, _fusedc.c).
  *
- * run_task(share, arg, threads) runs share(arg, t, threads) for t < threads, the caller being
- * thread 0 and the workers the others; one task at a time (the caller holds pool.busy). The
+ * pool_run(share, arg, threads) runs share(arg, t, threads) for t < threads, the caller being
+ * thread 0 and the workers the others; one task at a time. The
  * workers sleep between tasks, and are kept off the caller's CPU before they are woken. Each
  * extension that includes this file has its own pool; call register_pool_fork_handler() from
  * its module init so that a fork()ed child starts its own workers.
@@ -136,6 +136,21 @@ static int run_task(int (*share)(const void *, int, int), const void *arg, int t
         pause_cpu();
     }
     return atomic_load(&pool.failed) ? -1 : threads;
+}
+
+/* A requested thread count within [1, MAX_THREADS]. */
+static inline int pool_threads(int threads)
+{
+    return threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+}
+
+/* run_task while holding the pool (one task at a time); call it without the GIL. */
+static int pool_run(int (*share)(const void *, int, int), const void *arg, int threads)
+{
+    pthread_mutex_lock(&pool.busy);
+    const int used = run_task(share, arg, pool_threads(threads));
+    pthread_mutex_unlock(&pool.busy);
+    return used;
 }
 
 /* A child of fork() has none of the parent's workers: it starts its own. */

@@ -282,26 +282,15 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
     docstring), with the nodes that compute them; the Convs of ``forward`` count where
     ``model`` reads their input."""
     graph = model.graph
-    nodes = list(graph.node)
-    outputs = {o.name for o in graph.output}
+    g = GraphIndex.of(graph)
+    nodes, producer, outputs = g.nodes, g.producer, g.outputs
     inputs = {i.name: i for i in graph.input}
-    producer = {name: i for i, n in enumerate(nodes) for name in n.output if name}
     convs = list(nodes)
     if forward is not None:
         # a weight the gradient phase does not read (no input gradient) is typed in forward
         inputs = {i.name: i for i in forward.graph.input} | inputs
         reads = _graph_reads(graph)
         convs += [n for n in forward.graph.node if n.input and n.input[0] in reads]
-    consumers: dict[str, set[int]] = {}
-    for i, n in enumerate(nodes):
-        for name in n.input:
-            consumers.setdefault(name, set()).add(i)
-    constants = {t.name for t in graph.initializer} | {
-        name
-        for n in nodes
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
-        for name in n.output
-    }
     shapes: dict[str, list[int | None]] | None = None
     found: list[_Match] = []
     for node in convs:
@@ -329,9 +318,9 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
             extent = (w_shape[2 + axis] - 1) * dilations[axis] + 1  # type: ignore[operator]
             padded = x_shape[2 + axis] + pads[axis] + pads[2 + axis]  # type: ignore[operator]
             out_shape.append((padded - extent) // strides[axis] + 1)
-        if consumers.get(output):
+        if g.consumers.get(output):
             continue  # read inside the graph as well (a finiteness check, a sum)
-        cone = _cone(nodes, producer[output], outputs, consumers)
+        cone = _cone(nodes, producer[output], outputs, g.consumers)
         if any(_has_subgraph(nodes[i]) for i in cone):
             continue
         # The gradient of the Conv's output: a value the cone reads, of the output's shape,
@@ -344,7 +333,7 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
             shape = shapes.get(dy)
             if dy == x or shape is None or len(shape) != 4 or shape[1:] != out_shape:
                 continue
-            below = _below(nodes, cone, {x, dy}, constants, consumers)
+            below = _below(g, cone, {x, dy})
             # (a gradient of the weight reads x: not the weight gradient itself, of the same
             # shape where filters = batch and kernel = output size)
             if producer[output] in below and any(x in nodes[i].input for i in below):
@@ -407,26 +396,13 @@ def _has_subgraph(node: onnx.NodeProto) -> bool:
     )
 
 
-def _below(
-    nodes: list[onnx.NodeProto],
-    cone: set[int],
-    sources: set[str],
-    constants: set[str],
-    consumers: dict[str, set[int]],
-) -> set[int]:
+def _below(g: GraphIndex, cone: set[int], sources: set[str]) -> set[int]:
     """The nodes of ``cone`` computed from ``sources`` and constants alone, and read only by
     each other."""
-    known = set(sources) | constants
-    below: set[int] = set()
-    for i in sorted(cone):
-        node = nodes[i]
-        reads = [name for name in node.input if name]
-        if all(name in known for name in reads):
-            below.add(i)
-            known.update(name for name in node.output if name)
+    below = g.computed_from(cone, sources)
     # A node below that also feeds the rest of the cone (a shared Constant) stays.
     for i in sorted(below, reverse=True):
-        if any(consumers.get(name, set()) - below for name in nodes[i].output):
+        if any(g.consumers.get(name, set()) - below for name in g.nodes[i].output):
             below.discard(i)
     return below
 
@@ -477,14 +453,13 @@ class GraphIndex:
             for name in n.output
         }
         outputs = {o.name for o in graph.output}
-        reads = {i.name for i in graph.input} | {t.name for t in graph.initializer}
         return GraphIndex(
             nodes,
             {name: i for i, n in enumerate(nodes) for name in n.output if name},
             consumers,
             outputs,
             constants,
-            {f"{name}_grad" for name in reads} & outputs,
+            {f"{name}_grad" for name in _graph_reads(graph)} & outputs,
         )
 
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
@@ -506,21 +481,42 @@ def _routed(
     """``found`` with a :class:`MaxPoolRoute` on each gradient whose ``dy`` the graph computes
     from a MaxPool's gradient for nothing else (see :func:`_route`), checked numerically, and
     the nodes of ``dy`` (and of the bias gradient) added to its cone."""
+    routes = find_routes(model, found, forward, exclusive=True)
+    return [
+        (dataclasses.replace(grad, route=routes[i][0]), cone | routes[i][1])
+        if i in routes
+        else (grad, cone)
+        for i, (grad, cone) in enumerate(found)
+    ]
+
+
+def find_routes(
+    model: onnx.ModelProto,
+    grads: Sequence[tuple[WeightGrad, set[int]]],
+    forward: onnx.ModelProto | None = None,
+    *,
+    exclusive: bool,
+) -> dict[int, tuple[MaxPoolRoute, set[int]]]:
+    """For each unrouted gradient of ``grads`` (with the nodes of its weight gradient) whose
+    Conv feeds (through a Relu) a MaxPool of tiling windows, and whose ``dy`` the graph
+    computes from the MaxPool's input and output gradient alone (see :func:`_route`), its
+    route and the nodes the route replaces, by index into ``grads``; each checked numerically
+    on inputs with many ties. ``forward`` holds the forward nodes where ``model`` is a
+    separate gradient phase."""
     g = GraphIndex.of(model.graph)
-    forward_nodes = list(model.graph.node) + (list(forward.graph.node) if forward else [])
+    forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
     shapes: dict[str, list[int | None]] | None = None
-    routed: list[tuple[WeightGrad, set[int]]] = []
-    for grad, cone in found:
-        pool = _pooling(forward_nodes, grad)
-        if pool is not None and shapes is None:
+    routes: dict[int, tuple[MaxPoolRoute, set[int]]] = {}
+    for i, (grad, cone) in enumerate(grads):
+        pool = _pooling(forward_nodes, grad) if grad.route is None else None
+        if pool is None:
+            continue
+        if shapes is None:
             shapes = _inferred_shapes(model)
-        match = _route(g, grad, cone, pool, shapes or {}) if pool is not None else None
-        if match is not None and _route_checks(model, g, grad, *match, shapes or {}):
-            route, nodes = match
-            routed.append((dataclasses.replace(grad, route=route), cone | nodes))
-        else:
-            routed.append((grad, cone))
-    return routed
+        match = _route(g, grad, cone, pool, shapes, exclusive)
+        if match is not None and _route_checks(model, g, grad, *match, shapes):
+            routes[i] = match
+    return routes
 
 
 def _pooling(

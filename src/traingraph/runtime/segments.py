@@ -81,19 +81,18 @@ class BatchNormGrad:
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
         channels = x.shape[1]
-        for name, shape in ((self.dx, x.shape), (self.dscale, (channels,)), (self.dbias,
-                                                                             (channels,))):
+        shapes = {self.dx: x.shape, self.dscale: (channels,), self.dbias: (channels,)}
+        for name, shape in shapes.items():
             if name and (name not in out or out[name].shape != shape):
                 out[name] = np.empty(shape, np.float32)
-        scratch = np.empty(0 if self.dx else x.shape, np.float32)
         assert conv_grads._native is not None
         conv_grads._native.batch_norm_grad(
             x,
             values[self.dy],
             values[self.y] if self.y else None,
             values[self.scale],
-            out[self.dx] if self.dx else scratch,
-            out[self.dscale] if self.dscale else np.empty(channels, np.float32),
+            out[self.dx] if self.dx else None,
+            out[self.dscale] if self.dscale else None,
             out[self.dbias],
             self.epsilon,
             threads,
@@ -414,25 +413,26 @@ def split_max_pool_grads(
     ``forward``: as for :func:`split_batch_norm_grads`."""
     if conv_grads._native is None or _has_subgraphs(model):
         return []
-    g = conv_grads.GraphIndex.of(model.graph)
-    forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
-    shapes: dict[str, list[int | None]] | None = None
-    found = []
-    for grad in weight_grads:
-        pool = conv_grads._pooling(forward_nodes, grad) if grad.route is None else None
-        if pool is None:
-            continue
-        if shapes is None:
-            shapes = conv_grads._inferred_shapes(model)
-        match = conv_grads._route(g, grad, set(), pool, shapes, exclusive=False)
-        if match is not None and conv_grads._route_checks(model, g, grad, *match, shapes):
-            route, nodes = match
-            found.append((MaxPoolGrad(grad.dy, route), nodes))
-    return found
+    unrouted = [(grad, set[int]()) for grad in weight_grads]
+    routes = conv_grads.find_routes(model, unrouted, forward, exclusive=False)
+    return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
 
 
 Kernel = BatchNormGrad | MaxPoolGrad
 """A native kernel between two segments."""
+
+
+def find_kernels(
+    model: onnx.ModelProto,
+    weight_grads: Sequence[conv_grads.WeightGrad],
+    forward: onnx.ModelProto | None = None,
+) -> list[tuple[Kernel, set[int]]]:
+    """Every kernel :func:`split_batch_norm_grads` and :func:`split_max_pool_grads` find in
+    ``model``, with the nodes each replaces."""
+    kernels: list[tuple[Kernel, set[int]]] = []
+    kernels += split_batch_norm_grads(model, forward)
+    kernels += split_max_pool_grads(model, weight_grads, forward)
+    return kernels
 
 
 @dataclass

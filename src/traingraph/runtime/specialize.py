@@ -208,17 +208,25 @@ def _conv_transposes_as_col2im(
     return _expand_nodes(graph, expand)
 
 
-def _positive_masks_as_ceil(
-    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
-) -> bool:
-    """Write each float32 ``Cast(Greater(v, 0))`` as ``Ceil(Clip(v, 0, 1))`` (see the module
-    docstring); return whether any was. The Greater goes where the Cast was its only use."""
+def _dataflow(
+    graph: onnx.GraphProto,
+) -> tuple[dict[str, onnx.NodeProto], dict[str, int], set[str]]:
+    """The node that writes each value, how many node inputs read each value, and the
+    graph's outputs."""
     producers = {o: n for n in graph.node for o in n.output}
     uses: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             uses[name] = uses.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
+    return producers, uses, {o.name for o in graph.output}
+
+
+def _positive_masks_as_ceil(
+    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
+) -> bool:
+    """Write each float32 ``Cast(Greater(v, 0))`` as ``Ceil(Clip(v, 0, 1))`` (see the module
+    docstring); return whether any was. The Greater goes where the Cast was its only use."""
+    producers, uses, outputs = _dataflow(graph)
     one = None
 
     def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
@@ -372,12 +380,7 @@ def _masks_as_where(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProt
     """Write each ``Mul`` by a cast comparison, where the cast has no other use, as a
     ``Where`` of the comparison; return whether any was."""
     del constants
-    producers = {o: n for n in graph.node for o in n.output}
-    uses: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            uses[name] = uses.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
+    producers, uses, outputs = _dataflow(graph)
     masks: dict[str, tuple[str, int]] = {}  # cast output -> (boolean input, float type)
     for node in graph.node:
         source = producers.get(node.input[0]) if node.op_type == "Cast" else None
