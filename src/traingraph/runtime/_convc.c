@@ -15,8 +15,9 @@
  * cache. Samples are split across a pool of persistent worker threads, each summing into its
  * own buffer; the caller adds the buffers at the end.
  *
- * The same pool runs the other kernels here: a max-pool gradient's routing and the gradient
- * of a training-mode batch normalization (for traingraph.runtime.segments).
+ * The same pool runs the other kernels here (for traingraph.runtime.segments): a max-pool
+ * gradient's routing, the gradient of a training-mode batch normalization, and the keep masks
+ * of lowered Dropouts.
  *
  * Plain CPython C API and the buffer protocol; the computation runs without the GIL.
  */
@@ -41,7 +42,7 @@
 
 #define MAX_THREADS 64
 #define CHUNK_BYTES (768 * 1024) /* the working set of one chunk: about an L2 cache */
-#define ROUTE_PER_THREAD (1 << 16) /* elements of y below which one thread routes them all */
+#define ROUTE_PER_THREAD (1 << 16) /* elements below which one thread routes (or masks) them all */
 #define CHUNK_FLOATS 2048        /* enough positions per chunk to amortize each block's sums */
 
 #include "_pool.h"
@@ -815,10 +816,98 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ dropout masks */
+
+/* The scaled keep mask of a Dropout lowered by traingraph.ir.random: element i is ``scale``
+ * where the hash of (i G + seed) mod 2^32 is below ``threshold``, else 0. */
+struct mask {
+    float *out;
+    Py_ssize_t size;
+    uint32_t seed, golden, mix, threshold;
+    float scale;
+};
+
+typedef uint32_t v16w __attribute__((vector_size(64)));
+
+static inline uint32_t mask_hash(uint32_t h, uint32_t mix)
+{
+    h *= h + 1u;
+    h += h >> 16;
+    h *= mix;
+    return h + (h >> 16);
+}
+
+TARGETS static void mask_range(const struct mask *m, Py_ssize_t i0, Py_ssize_t i1)
+{
+    const v16w lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16i scale = (v16i)(m->scale - (v16){0});
+    Py_ssize_t i = i0;
+    for (; i + 16 <= i1; i += 16) {
+        v16w h = ((uint32_t)i + lanes) * m->golden + m->seed;
+        h *= h + 1u;
+        h += h >> 16;
+        h *= m->mix;
+        h += h >> 16;
+        *(v16u *)(m->out + i) = (v16)((v16i)(h < m->threshold) & scale);
+    }
+    for (; i < i1; i++) {
+        const uint32_t h = mask_hash((uint32_t)i * m->golden + m->seed, m->mix);
+        m->out[i] = h < m->threshold ? m->scale : 0.0f;
+    }
+}
+
+static int mask_share(const void *arg, int t, int threads)
+{
+    const struct mask *m = arg;
+    /* whole 16-element blocks per thread */
+    const Py_ssize_t blocks = (m->size + 15) / 16;
+    const Py_ssize_t i0 = blocks * t / threads * 16, i1 = blocks * (t + 1) / threads * 16;
+    mask_range(m, i0, i1 < m->size ? i1 : m->size);
+    return 0;
+}
+
+PyDoc_STRVAR(dropout_mask_doc,
+"dropout_mask(out, seed, golden, mix, threshold, scale, threads)\n--\n\n"
+"Write the scaled keep mask of a Dropout lowered by ``traingraph.ir.random`` into ``out``\n"
+"(float32, C-contiguous, any shape): element ``i`` (row-major) is ``scale`` where\n"
+"``hash((i * golden + seed) mod 2**32) < threshold``, else 0, with the hash ``h *= h + 1;\n"
+"h += h >> 16; h *= mix; h += h >> 16`` on unsigned 32-bit integers. ``threads`` threads\n"
+"share the elements (one below 64K elements).");
+
+static PyObject *dropout_mask(PyObject *self, PyObject *args)
+{
+    PyObject *object;
+    unsigned long seed, golden, mix, threshold;
+    float scale;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Okkkkfi:dropout_mask", &object, &seed, &golden, &mix,
+                          &threshold, &scale, &threads)) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (float32_array(object, &view, -1, 1, "dropout_mask: argument", 0, "out") < 0) {
+        return NULL;
+    }
+    struct mask m = {
+        .out = view.buf, .size = view.len / 4, .seed = (uint32_t)seed,
+        .golden = (uint32_t)golden, .mix = (uint32_t)mix, .threshold = (uint32_t)threshold,
+        .scale = scale,
+    };
+    if (m.size < ROUTE_PER_THREAD) {
+        threads = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(mask_share, &m, threads);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},
+    {"dropout_mask", dropout_mask, METH_VARARGS, dropout_mask_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -680,7 +680,12 @@ def _run_subgraph(
     sub = helper.make_graph(
         constant_nodes + nodes,
         "native_check",
-        [helper.make_tensor_value_info(name, FLOAT, list(v.shape)) for name, v in feeds.items()],
+        [
+            helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)
+            )
+            for name, v in feeds.items()
+        ],
         [helper.make_tensor_value_info(name, FLOAT, None) for name in outputs],
         [t for t in graph.initializer if t.name in needed],
     )

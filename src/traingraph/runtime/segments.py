@@ -1,8 +1,8 @@
 """Training graphs cut around native kernels on the CPU: onnxruntime sessions in turn.
 
-onnxruntime's CPU provider runs a graph one op at a time, each a pass over memory. Two
-subgraphs of a CNN's backward pass are chains of such passes that a fused loop does in one or
-two, and both sit in the middle of the pass:
+onnxruntime's CPU provider runs a graph one op at a time, each a pass over memory. These
+subgraphs are chains of such passes that a fused loop does in one or two, and sit in the
+middle of the step:
 
 - the gradient of a training-mode BatchNormalization, with the Relu gradient in front of it
   (the statistics, two sums, the affine map, the mask: about ten passes);
@@ -11,7 +11,9 @@ two, and both sit in the middle of the pass:
   Conv's input gradient reads it too (an ArgMax over the windows, two upsamplings, a
   comparison, the masks); :func:`split_max_pool_grads` finds them. The first Conv of a network,
   whose output gradient only its own weight gradient reads, is routed after the run instead
-  (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`).
+  (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`);
+- a lowered Dropout's keep mask (:mod:`traingraph.runtime.masks`), which depends on the step's
+  seed alone: every mask is written right after the seed is drawn.
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -37,6 +39,7 @@ from onnx import helper
 
 from traingraph.runtime import conv_grads
 from traingraph.runtime.device import Device
+from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
 
 _SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
@@ -418,7 +421,7 @@ def split_max_pool_grads(
     return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
 
 
-Kernel = BatchNormGrad | MaxPoolGrad
+Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask
 """A native kernel between two segments."""
 
 
@@ -427,11 +430,13 @@ def find_kernels(
     weight_grads: Sequence[conv_grads.WeightGrad],
     forward: onnx.ModelProto | None = None,
 ) -> list[tuple[Kernel, set[int]]]:
-    """Every kernel :func:`split_batch_norm_grads` and :func:`split_max_pool_grads` find in
-    ``model``, with the nodes each replaces."""
+    """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads` and
+    :func:`~traingraph.runtime.masks.split_dropout_masks` find in ``model``, with the nodes
+    each replaces."""
     kernels: list[tuple[Kernel, set[int]]] = []
     kernels += split_batch_norm_grads(model, forward)
     kernels += split_max_pool_grads(model, weight_grads, forward)
+    kernels += split_dropout_masks(model)
     return kernels
 
 

@@ -47,9 +47,9 @@ class SessionConfig:
         native_segments: On the CPU, run the training graph as onnxruntime segments with
             native kernels between them (see :mod:`traingraph.runtime.segments`): the gradient
             of each training-mode BatchNormalization, with the Relu gradient in front of it
-            (two passes over the activations instead of about ten), and a Conv's output
-            gradient routed through the MaxPool after it. Needs the extension; False runs the
-            graph's nodes.
+            (two passes over the activations instead of about ten), a Conv's output gradient
+            routed through the MaxPool after it, and the keep masks of the Dropouts (one pass
+            each instead of about twelve). Needs the extension; False runs the graph's nodes.
         specialize: Rewrite the model for the provider that runs it, with the same results
             (:mod:`traingraph.runtime.specialize`: on the CPU, ConvTranspose as MatMul and
             Col2Im; on CUDA, forms its kernels lack or run slowly). False runs it as written.

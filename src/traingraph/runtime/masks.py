@@ -1,0 +1,333 @@
+"""Dropout keep masks computed natively on the CPU, between onnxruntime segments.
+
+:func:`traingraph.ir.random.lower_dropout` writes a training-mode Dropout's mask as a
+counter-based hash in standard integer ops: the positions, two multiplications, two shifts and
+additions, a comparison, a cast and a scale, each a pass over the mask in onnxruntime. In a
+small Transformer those passes were a fifth of the training step. The mask depends on the
+step's seed alone (and on the shape), so :func:`split_dropout_masks` finds each one, from the
+``uint32`` seed to the scaled float mask, and a native kernel writes it in one pass; all of a
+graph's masks are ready right after the seed is drawn, before the first Dropout needs one.
+
+Each match is run against the subgraph it replaces, for several seeds, and kept only where the
+masks are bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from traingraph.ir.random import GOLDEN, MIX
+from traingraph.runtime import conv_grads
+
+_SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
+_UINT32 = onnx.TensorProto.UINT32
+_MAX_CONE = 64  # nodes computing the hash: about 30 for one mask
+_CHECK_SEEDS = (0x2545F491, 2**32 - 1, 7)
+
+
+Dim = int | tuple[str, int]
+"""A mask dimension: a number, or ``(input, axis)``: that axis of a graph input (a batch)."""
+
+
+@dataclass(frozen=True)
+class DropoutMask:
+    """One Dropout keep mask: ``scale`` where the hash of a position is below ``threshold``.
+
+    Attributes:
+        seed: The ``uint32`` scalar the hash starts from (the step's seed plus the Dropout's
+            offset).
+        mask: The float32 mask the graph computed (``keep * scale``).
+        dims: The mask's shape.
+        threshold: The keep threshold on the hash.
+        scale: ``1 / (1 - ratio)``.
+    """
+
+    seed: str
+    mask: str
+    dims: tuple[Dim, ...]
+    threshold: int
+    scale: float
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.seed] + sorted({d[0] for d in self.dims if isinstance(d, tuple)})
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.mask]
+
+    def shape(self, values: Mapping[str, Any]) -> tuple[int, ...]:
+        """The mask's shape given the graph inputs its dimensions refer to."""
+        return tuple(d if isinstance(d, int) else int(values[d[0]].shape[d[1]]) for d in self.dims)
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write the mask into ``out`` (in place where an array of its shape is there)."""
+        shape = self.shape(values)
+        mask = out.get(self.mask)
+        if mask is None or mask.shape != shape:
+            mask = out[self.mask] = np.empty(shape, np.float32)
+        assert conv_grads._native is not None
+        seed = int(np.asarray(values[self.seed]).reshape(()))
+        conv_grads._native.dropout_mask(
+            mask, seed, GOLDEN, MIX, self.threshold, self.scale, threads
+        )
+
+
+def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[int]]]:
+    """Each lowered Dropout mask of ``model`` the native kernel computes, with the indices of
+    the nodes it replaces; ``[]`` where the extension is missing or nothing matches. A mask
+    matches where onnx's shape inference gives each of its dimensions as a number or as a
+    graph input's symbolic dimension (a batch)."""
+    if conv_grads._native is None or any(conv_grads._has_subgraph(n) for n in model.graph.node):
+        return []
+    g = conv_grads.GraphIndex.of(model.graph)
+    if not any(n.op_type == "Less" for n in g.nodes):
+        return []
+    constants = _constant_values(model.graph)
+    shapes = _symbolic_shapes(model)
+    axes: dict[str, tuple[str, int]] = {}  # a graph input's symbolic dimension -> where it is
+    for info in model.graph.input:
+        for axis, d in enumerate(shapes.get(info.name) or ()):
+            if isinstance(d, str) and d:
+                axes.setdefault(d, (info.name, axis))
+    found = []
+    for i, node in enumerate(g.nodes):
+        if node.op_type == "Less" and node.domain in ("", "ai.onnx"):
+            match = _match(g, i, constants, shapes, axes)
+            if match is not None:
+                found.append(match)
+    return _verified(model, g, found, shapes)
+
+
+_Shape = Sequence[int | str | None]
+
+
+def _match(
+    g: conv_grads.GraphIndex,
+    less: int,
+    constants: Mapping[str, np.ndarray],
+    shapes: Mapping[str, _Shape],
+    axes: Mapping[str, tuple[str, int]],
+) -> tuple[DropoutMask, set[int], set[str]] | None:
+    """The mask computed from ``Less(hash, threshold)`` at node ``less``, the nodes that
+    compute it, and the values whose shape alone it reads."""
+    node = g.nodes[less]
+    threshold = constants.get(node.input[1])
+    if threshold is None or threshold.dtype != np.uint32 or threshold.size != 1:
+        return None
+    # Less -> shape ops -> Cast(float) [-> Mul(scale)]: the mask
+    chain, roots, value = [less], [node.input[0]], node.output[0]
+    step = _only_reader(g, value)
+    while step is not None and g.nodes[step].op_type in _SHAPE_OPS:
+        if g.nodes[step].input[0] != value:
+            return None
+        chain.append(step)
+        roots += [v for v in g.nodes[step].input[1:] if v]
+        value = g.nodes[step].output[0]
+        step = _only_reader(g, value)
+    if step is None or g.nodes[step].op_type != "Cast":
+        return None
+    if _cast_to(g.nodes[step]) != conv_grads.FLOAT:
+        return None
+    chain.append(step)
+    value, scale = g.nodes[step].output[0], 1.0
+    step = _only_reader(g, value)
+    if step is not None and g.nodes[step].op_type == "Mul":
+        other = [v for v in g.nodes[step].input if v != value]
+        factor = constants.get(other[0]) if len(other) == 1 else None
+        if factor is not None and factor.dtype == np.float32 and factor.size == 1:
+            chain.append(step)
+            value, scale = g.nodes[step].output[0], float(factor.reshape(()))
+    shape = shapes.get(value)
+    if shape is None or value in g.outputs:
+        return None
+    dims: list[Dim] = []
+    for d in shape:
+        dim = d if isinstance(d, int) else axes.get(d) if d else None
+        if dim is None:
+            return None
+        dims.append(dim)
+    cone = _hash_cone(g, roots)
+    if cone is None:
+        return None
+    nodes, seed, shaped = cone
+    if any(not shapes.get(v) or None in shapes[v] for v in shaped):
+        return None
+    # keep the nodes whose results something else reads too (and what they read)
+    candidates, kept = nodes | set(chain), {chain[-1]}
+    for i in sorted(candidates, reverse=True):
+        used = [o for o in g.nodes[i].output if o and (g.consumers.get(o) or o in g.outputs)]
+        if i in kept or (
+            used
+            and not any(o in g.outputs for o in used)
+            and all(g.consumers[o] <= kept for o in used)
+        ):
+            kept.add(i)
+    if not set(chain) <= kept:
+        return None
+    mask = DropoutMask(seed, value, tuple(dims), int(threshold.reshape(())), scale)
+    return mask, kept, shaped
+
+
+def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
+    """The shapes onnx's shape inference gives each tensor: numbers, symbols, or None where
+    a dimension is unknown; {} where inference fails."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+    except Exception:  # without shapes nothing is matched
+        return {}
+    shapes = {}
+    for v in [*inferred.value_info, *inferred.input, *inferred.output]:
+        tensor = v.type.tensor_type
+        if tensor.HasField("shape"):
+            shapes[v.name] = [
+                d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                for d in tensor.shape.dim
+            ]
+    return shapes
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    """A Cast's target type."""
+    return next((int(a.i) for a in node.attribute if a.name == "to"), None)
+
+
+def _only_reader(g: conv_grads.GraphIndex, value: str) -> int | None:
+    readers = g.consumers.get(value, set())
+    if len(readers) != 1 or value in g.outputs:
+        return None
+    return next(iter(readers))
+
+
+def _hash_cone(
+    g: conv_grads.GraphIndex, roots: Sequence[str]
+) -> tuple[set[int], str, set[str]] | None:
+    """The nodes that compute ``roots`` from one ``uint32`` seed (a Cast of a value that is
+    not derived from shapes), constants and the shapes of other values: those nodes, the
+    seed, and the values whose shape they read. None where anything else enters."""
+    nodes: set[int] = set()
+    seeds: set[str] = set()
+    shaped: set[str] = set()
+    stack, seen = list(roots), set()
+    derived: dict[str, bool] = {}
+    while stack:
+        v = stack.pop()
+        if v in seen or v in g.constants:
+            continue
+        seen.add(v)
+        if v not in g.producer:
+            return None  # a graph input (a seed fed from outside is not this lowering's)
+        i = g.producer[v]
+        node = g.nodes[i]
+        if (
+            node.op_type == "Cast"
+            and _cast_to(node) == _UINT32
+            and not _shape_derived(g, node.input[0], derived)
+        ):
+            seeds.add(v)
+            continue
+        nodes.add(i)
+        if len(nodes) > _MAX_CONE:
+            return None
+        if node.op_type == "Shape":
+            shaped.add(node.input[0])
+            continue
+        stack.extend(x for x in node.input if x)
+    if len(seeds) != 1:
+        return None
+    return nodes, next(iter(seeds)), shaped
+
+
+def _shape_derived(g: conv_grads.GraphIndex, value: str, memo: dict[str, bool]) -> bool:
+    """Whether ``value`` is computed from constants and ``Shape`` results alone (not from a
+    random draw, which reads no input either)."""
+    stack = [value]
+    while stack:
+        v = stack[-1]
+        if v in memo:
+            stack.pop()
+            continue
+        node = g.nodes[g.producer[v]] if v in g.producer else None
+        if v in g.constants or (node is not None and node.op_type == "Shape"):
+            memo[v] = True
+        elif node is None or not node.input:
+            memo[v] = False  # a graph input, a random draw or another source of fresh values
+        else:
+            reads = [r for r in node.input if r]
+            pending = [r for r in reads if r not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[v] = all(memo[r] for r in reads)
+        stack.pop()
+    return memo[value]
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The values of ``graph``'s small constants (initializers and Constant nodes) by name."""
+    values = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
+            attr = node.attribute[0]
+            if attr.name == "value":
+                values[node.output[0]] = attr.t
+    return {
+        name: numpy_helper.to_array(tensor)
+        for name, tensor in values.items()
+        if np.prod(tensor.dims, dtype=np.int64) <= 16
+    }
+
+
+def _verified(
+    model: onnx.ModelProto,
+    g: conv_grads.GraphIndex,
+    found: list[tuple[DropoutMask, set[int], set[str]]],
+    shapes: Mapping[str, _Shape],
+) -> list[tuple[DropoutMask, set[int]]]:
+    """The matches whose nodes compute the kernel's mask bit for bit, for several seeds, in
+    one onnxruntime session: the symbolic dimensions each get a different size, so a mask
+    sized by one symbol where the graph sizes it by another does not pass."""
+    if not found:
+        return []
+    sizes: dict[str, int] = {}
+
+    def concrete(shape: _Shape) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else sizes.setdefault(str(d), 3 + len(sizes))
+                     for d in shape)  # fmt: skip
+
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    arrays: dict[str, np.ndarray] = {}
+    for _, _, shaped in found:
+        for v in shaped:
+            arrays[v] = np.zeros(concrete(shapes[v]), np.float32)
+    shaped_feeds = dict(arrays)
+    for mask, _, _ in found:
+        for name in mask.inputs[1:]:  # the graph inputs its dimensions come from
+            dtype = helper.tensor_dtype_to_np_dtype(types.get(name, conv_grads.FLOAT))
+            arrays.setdefault(name, np.zeros(concrete(shapes[name]), dtype))
+    nodes = sorted(set().union(*(kept for _, kept, _ in found)))
+    names = [mask.mask for mask, _, _ in found]
+    same = [True] * len(found)
+    for k, base in enumerate(_CHECK_SEEDS):
+        seeds = {mask.seed: np.array((base + 0x9E37 * j) % 2**32, np.uint32)
+                 for j, (mask, _, _) in enumerate(found)}  # fmt: skip
+        try:
+            results = conv_grads._run_subgraph(
+                model, [g.nodes[i] for i in nodes], {**shaped_feeds, **seeds}, names
+            )
+        except Exception:  # a subgraph onnxruntime rejects stays in the graph
+            return []
+        for j, ((mask, _, _), got) in enumerate(zip(found, results)):
+            want: dict[str, np.ndarray] = {}
+            mask.compute({**arrays, **seeds}, want, 1 + k % 2)
+            ok = got.dtype == np.float32 and np.array_equal(got, want[mask.mask])
+            same[j] = same[j] and ok
+    return [(mask, kept) for (mask, kept, _), ok in zip(found, same) if ok]
