@@ -52,7 +52,8 @@ class SessionConfig:
             each instead of about twelve). Needs the extension; False runs the graph's nodes.
         specialize: Rewrite the model for the provider that runs it, with the same results
             (:mod:`traingraph.runtime.specialize`: on the CPU, ConvTranspose as MatMul and
-            Col2Im; on CUDA, forms its kernels lack or run slowly). False runs it as written.
+            Col2Im, Convs with parameter filters in onnxruntime's blocked kernels; on CUDA,
+            forms its kernels lack or run slowly). False runs it as written.
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
         extra: Further session config entries (``add_session_config_entry``); an entry here
