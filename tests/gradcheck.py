@@ -291,3 +291,18 @@ def assert_same_training(
             )
     for name in ref_params:
         np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-4, atol=1e-6)
+
+
+def train_steps(
+    module: Any, optimizer: Any, state: Any, batches: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> tuple[list[float], list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """One train step per batch (forward and backward, optimizer step, gradient reset):
+    the losses, each step's gradients and the parameters after, as
+    :func:`assert_same_training` compares them."""
+    losses, grads = [], []
+    for x, y in batches:
+        losses.append(float(module(x, y)))
+        grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None})
+        optimizer.step()
+        module.lazy_reset_grad()
+    return losses, grads, {n: p.data.copy() for n, p in state.parameters.items()}

@@ -12,7 +12,7 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from gradcheck import assert_same_training
+from gradcheck import assert_same_training, train_steps
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
@@ -135,18 +135,12 @@ def _run(directory, native: bool, batches):
         assert isinstance(module._train, segments.SegmentedRunner)
         kernels = [k for ks in module._train._plan.kernels for k in ks]
         assert kernels and all(isinstance(k, masks.DropoutMask) for k in kernels)
-    losses, grads = [], []
-    for x, y in batches:
-        losses.append(float(module(x, y)))
-        grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None})
-        opt.step()
-        module.lazy_reset_grad()
-    params = {n: p.data.copy() for n, p in state.parameters.items()}
+    run = train_steps(module, opt, state, batches)
     if native:  # the last step's masks: both values, in the kernel's buffers
         for kernel in kernels:
             values = module._train._scratch[kernel.mask]
             assert set(np.unique(values)) == {0.0, np.float32(kernel.scale)}
-    return losses, grads, params
+    return run
 
 
 @pytest.mark.parametrize("fixed_batch", [True, False], ids=["static", "batch-sized"])

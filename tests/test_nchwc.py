@@ -15,7 +15,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from gradcheck import assert_same_training
+from gradcheck import assert_same_training, train_steps
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
@@ -139,13 +139,7 @@ def _train(directory, config, batches):
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.onnx", state, session_config=config)
     opt = Optimizer(directory / "optimizer_model.onnx", module)
-    losses, grads = [], []
-    for x, y in batches:
-        losses.append(float(module(x, y)))
-        grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None})
-        opt.step()
-        module.lazy_reset_grad()
-    return losses, grads, {n: p.data.copy() for n, p in state.parameters.items()}
+    return train_steps(module, opt, state, batches)
 
 
 def test_module_trains_the_same_with_blocked_convs(tmp_path, monkeypatch):

@@ -462,6 +462,34 @@ class GraphIndex:
             {f"{name}_grad" for name in _graph_reads(graph)} & outputs,
         )
 
+    def derived_from(
+        self, value: str, sources: set[str], memo: dict[str, bool] | None = None
+    ) -> bool:
+        """Whether ``value`` is computed from ``sources`` and constants alone (a node that
+        reads nothing but is no Constant, a random draw, is not); ``memo`` keeps the answers
+        for values along the way, for further calls with the same ``sources``."""
+        memo = {} if memo is None else memo
+        stack = [value]
+        while stack:
+            v = stack[-1]
+            if v in memo:
+                stack.pop()
+                continue
+            node = self.nodes[self.producer[v]] if v in self.producer else None
+            if v in sources or v in self.constants:
+                memo[v] = True
+            elif node is None or not node.input:
+                memo[v] = False
+            else:
+                reads = [r for r in node.input if r]
+                pending = [r for r in reads if r not in memo]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                memo[v] = all(memo[r] for r in reads)
+            stack.pop()
+        return memo[value]
+
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
         """The nodes of ``cone`` computed from ``sources`` and constants alone."""
         known = set(sources) | self.constants

@@ -218,6 +218,7 @@ def _hash_cone(
     shaped: set[str] = set()
     stack, seen = list(roots), set()
     derived: dict[str, bool] = {}
+    shape_values = {o for n in g.nodes if n.op_type == "Shape" for o in n.output}
     while stack:
         v = stack.pop()
         if v in seen or v in g.constants:
@@ -230,7 +231,7 @@ def _hash_cone(
         if (
             node.op_type == "Cast"
             and _cast_to(node) == _UINT32
-            and not _shape_derived(g, node.input[0], derived)
+            and not g.derived_from(node.input[0], shape_values, derived)
         ):
             seeds.add(v)
             continue
@@ -244,31 +245,6 @@ def _hash_cone(
     if len(seeds) != 1:
         return None
     return nodes, next(iter(seeds)), shaped
-
-
-def _shape_derived(g: conv_grads.GraphIndex, value: str, memo: dict[str, bool]) -> bool:
-    """Whether ``value`` is computed from constants and ``Shape`` results alone (not from a
-    random draw, which reads no input either)."""
-    stack = [value]
-    while stack:
-        v = stack[-1]
-        if v in memo:
-            stack.pop()
-            continue
-        node = g.nodes[g.producer[v]] if v in g.producer else None
-        if v in g.constants or (node is not None and node.op_type == "Shape"):
-            memo[v] = True
-        elif node is None or not node.input:
-            memo[v] = False  # a graph input, a random draw or another source of fresh values
-        else:
-            reads = [r for r in node.input if r]
-            pending = [r for r in reads if r not in memo]
-            if pending:
-                stack.extend(pending)
-                continue
-            memo[v] = all(memo[r] for r in reads)
-        stack.pop()
-    return memo[value]
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:

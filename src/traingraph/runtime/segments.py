@@ -161,7 +161,7 @@ def _match(
         if product is None or product.op_type != "Mul":
             y, dy = None, gated
         else:
-            mask_side = [v for v in product.input if _computed_from(g, v, {y})]
+            mask_side = [v for v in product.input if g.derived_from(v, {y})]
             others = [v for v in product.input if v not in mask_side]
             if len(mask_side) != 1 or len(others) != 1:
                 y, dy = None, gated
@@ -212,30 +212,6 @@ def _like(
     if shape is None:
         return unknown
     return len(shape) == len(x_shape) and list(shape[1:]) == list(x_shape[1:])
-
-
-def _computed_from(g: conv_grads.GraphIndex, value: str, sources: set[str]) -> bool:
-    """Whether ``value`` is computed from ``sources`` and constants alone."""
-    memo: dict[str, bool] = {}
-    stack = [value]
-    while stack:
-        v = stack[-1]
-        if v in memo:
-            stack.pop()
-            continue
-        if v in sources or v in g.constants:
-            memo[v] = True
-        elif v not in g.producer:
-            memo[v] = False
-        else:
-            reads = [r for r in g.nodes[g.producer[v]].input if r]
-            pending = [r for r in reads if r not in memo]
-            if pending:
-                stack.extend(pending)
-                continue
-            memo[v] = all(memo[r] for r in reads)
-        stack.pop()
-    return memo[value]
 
 
 def _descendants_computed_from(
@@ -292,7 +268,7 @@ def _helpers(g: conv_grads.GraphIndex, nodes: set[int], sources: set[str]) -> se
             node = g.nodes[i]
             if any(o in g.outputs for o in node.output):
                 continue
-            if not all(_computed_from(g, v, sources) for v in node.input if v):
+            if not all(g.derived_from(v, sources) for v in node.input if v):
                 continue
             if all(g.consumers.get(o, set()) <= nodes | helpers for o in node.output if o):
                 helpers.add(i)
