@@ -9,7 +9,7 @@ two forms in one process:
   each form over ``--repeats`` rounds of 15 runs.
 - ``--step MODEL``: the training step of a benchmark model through ``Module`` with the rewrite
   and without it (the default session otherwise), in chunks of 12 steps whose order reverses
-  every chunk; the median of the per-chunk ratios.
+  every chunk (``session_ab.alternate``); the median of the per-chunk ratios.
 
 Usage:
     python benchmarks/nchwc_micro.py [--repeats 5]
@@ -97,6 +97,7 @@ def convs(repeats: int) -> None:
 def step(model: str, chunks: int) -> None:
     sys.path.insert(0, str(HERE / "peers"))
     from common import load_entry
+    from session_ab import alternate
     from traingraph_runner import write_artifacts
 
     from traingraph.api import CheckpointState, Module, Optimizer
@@ -115,21 +116,9 @@ def step(model: str, chunks: int) -> None:
             module.train()
             steppers.append((module, Optimizer(directory / "optimizer_model.onnx", module)))
         nchwc.convs_as_nchwc = rewrite  # type: ignore[assignment]
-        x, y = data["x"], data["y"]
-        medians: list[list[float]] = [[], []]
-        for chunk in range(chunks):
-            for k in ((0, 1) if chunk % 2 == 0 else (1, 0)):
-                module, opt = steppers[k]
-                samples = []
-                for i in range(12):
-                    start = time.perf_counter()
-                    module(x[i % len(x)], y[i % len(y)])
-                    opt.step()
-                    module.lazy_reset_grad()
-                    samples.append(time.perf_counter() - start)
-                medians[k].append(float(np.median(samples[2:])))
-    on, off = np.array(medians[0]), np.array(medians[1])
-    print(f"{model}: blocked {np.median(on) * 1e3:.3f} ms, plain {np.median(off) * 1e3:.3f} ms,"
+        samples = alternate(steppers, data["x"], data["y"], chunks, 12)
+    on, off = samples
+    print(f"{model}: blocked {np.median(on):.3f} ms, plain {np.median(off):.3f} ms,"
           f" per-chunk ratio plain / blocked {np.median(off / on):.3f}")  # fmt: skip
 
 

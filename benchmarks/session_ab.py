@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,28 @@ sys.path.insert(0, str(HERE / "peers"))
 
 from common import load_entry  # noqa: E402
 from traingraph_runner import write_artifacts  # noqa: E402
+
+
+def alternate(
+    steppers: list[tuple[Any, Any]], x: np.ndarray, y: np.ndarray, chunks: int, steps: int
+) -> np.ndarray:
+    """Train steps of each ``(module, optimizer)`` in turn, ``steps`` at a time, in an order
+    that reverses every chunk: ``[stepper, chunk]`` medians in ms (each chunk's first 2 steps
+    left out)."""
+    samples = np.zeros((len(steppers), chunks))
+    for chunk in range(chunks):
+        order = range(len(steppers)) if chunk % 2 == 0 else reversed(range(len(steppers)))
+        for index in order:
+            module, opt = steppers[index]
+            times = []
+            for step in range(steps):
+                start = time.perf_counter()
+                module(x[step % len(x)], y[step % len(y)])
+                opt.step()
+                module.lazy_reset_grad()
+                times.append(time.perf_counter() - start)
+            samples[index, chunk] = np.median(times[2:]) * 1e3
+    return samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,20 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             module.train()
             steppers.append((module, Optimizer(directory / "optimizer_model.onnx", module)))
 
-    x, y = data["x"], data["y"]
-    samples = np.zeros((len(configs), args.chunks))
-    for chunk in range(args.chunks):
-        order = range(len(configs)) if chunk % 2 == 0 else reversed(range(len(configs)))
-        for index in order:
-            module, opt = steppers[index]
-            times = []
-            for step in range(args.steps):
-                start = time.perf_counter()
-                module(x[step % len(x)], y[step % len(y)])
-                opt.step()
-                module.lazy_reset_grad()
-                times.append(time.perf_counter() - start)
-            samples[index, chunk] = np.median(times[2:]) * 1e3
+    samples = alternate(steppers, data["x"], data["y"], args.chunks, args.steps)
     print(f"{args.model}: {args.chunks} chunks of {args.steps} steps, ms per step")
     for index, text in enumerate(args.configs):
         q1, median, q3 = np.percentile(samples[index], [25, 50, 75])

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 # Relative tolerance of the numeric check, against the largest magnitude of the result.
 _CHECK_RTOL = 1e-4
 FLOAT = onnx.TensorProto.FLOAT
+SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
+"""Ops that keep a value's elements and only change its shape."""
 
 
 def _load_native() -> ModuleType | None:
@@ -369,11 +371,16 @@ def _elem_type(value: onnx.ValueInfoProto) -> int:
     return int(value.type.tensor_type.elem_type)
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[int | None]:
+def _dims(value: onnx.ValueInfoProto, symbols: bool = False) -> list[Any]:
+    """A value's dimensions: numbers, None where unknown (with ``symbols``, a named symbolic
+    dimension is its name)."""
     tensor = value.type.tensor_type
     if not tensor.HasField("shape"):
         return []
-    return [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None) if symbols else None
+        for d in tensor.shape.dim
+    ]
 
 
 def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
@@ -412,12 +419,20 @@ def _pair(values: Sequence[int] | None) -> tuple[int, int]:
 
 
 def _cone(
-    nodes: list[onnx.NodeProto], root: int, outputs: set[str], consumers: dict[str, set[int]]
+    nodes: list[onnx.NodeProto],
+    root: int,
+    outputs: set[str],
+    consumers: dict[str, set[int]],
+    within: set[int] | None = None,
 ) -> set[int]:
     """The nodes whose results reach only ``root``'s output: ``root`` and, walking back in
-    topological order, every node all of whose used outputs feed only nodes already in."""
+    topological order, every node (of ``within``, where given) all of whose used outputs feed
+    only nodes already in."""
     cone = {root}
-    for i in range(root - 1, -1, -1):
+    earlier = range(root - 1, -1, -1) if within is None else sorted(within, reverse=True)
+    for i in earlier:
+        if i >= root:
+            continue
         used = [name for name in nodes[i].output if name and consumers.get(name)]
         if (
             used

@@ -15,7 +15,7 @@ masks are bit-identical.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,6 @@ from onnx import helper, numpy_helper
 from traingraph.ir.random import GOLDEN, MIX
 from traingraph.runtime import conv_grads
 
-_SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
 _UINT32 = onnx.TensorProto.UINT32
 _MAX_CONE = 64  # nodes computing the hash: about 30 for one mask
 _CHECK_SEEDS = (0x2545F491, 2**32 - 1, 7)
@@ -99,9 +98,10 @@ def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[i
             if isinstance(d, str) and d:
                 axes.setdefault(d, (info.name, axis))
     found = []
+    seeds = _Seeds({o for n in g.nodes if n.op_type == "Shape" for o in n.output})
     for i, node in enumerate(g.nodes):
         if node.op_type == "Less" and node.domain in ("", "ai.onnx"):
-            match = _match(g, i, constants, shapes, axes)
+            match = _match(g, i, constants, shapes, axes, seeds)
             if match is not None:
                 found.append(match)
     return _verified(model, g, found, shapes)
@@ -116,6 +116,7 @@ def _match(
     constants: Mapping[str, np.ndarray],
     shapes: Mapping[str, _Shape],
     axes: Mapping[str, tuple[str, int]],
+    seeds: _Seeds,
 ) -> tuple[DropoutMask, set[int], set[str]] | None:
     """The mask computed from ``Less(hash, threshold)`` at node ``less``, the nodes that
     compute it, and the values whose shape alone it reads."""
@@ -126,7 +127,7 @@ def _match(
     # Less -> shape ops -> Cast(float) [-> Mul(scale)]: the mask
     chain, roots, value = [less], [node.input[0]], node.output[0]
     step = _only_reader(g, value)
-    while step is not None and g.nodes[step].op_type in _SHAPE_OPS:
+    while step is not None and g.nodes[step].op_type in conv_grads.SHAPE_OPS:
         if g.nodes[step].input[0] != value:
             return None
         chain.append(step)
@@ -155,22 +156,14 @@ def _match(
         if dim is None:
             return None
         dims.append(dim)
-    cone = _hash_cone(g, roots)
+    cone = _hash_cone(g, roots, seeds)
     if cone is None:
         return None
     nodes, seed, shaped = cone
     if any(not shapes.get(v) or None in shapes[v] for v in shaped):
         return None
-    # keep the nodes whose results something else reads too (and what they read)
-    candidates, kept = nodes | set(chain), {chain[-1]}
-    for i in sorted(candidates, reverse=True):
-        used = [o for o in g.nodes[i].output if o and (g.consumers.get(o) or o in g.outputs)]
-        if i in kept or (
-            used
-            and not any(o in g.outputs for o in used)
-            and all(g.consumers[o] <= kept for o in used)
-        ):
-            kept.add(i)
+    # the nodes whose results something else reads too (and what they read) stay
+    kept = conv_grads._cone(g.nodes, chain[-1], g.outputs, g.consumers, nodes | set(chain))
     if not set(chain) <= kept:
         return None
     mask = DropoutMask(seed, value, tuple(dims), int(threshold.reshape(())), scale)
@@ -184,15 +177,11 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph
     except Exception:  # without shapes nothing is matched
         return {}
-    shapes = {}
-    for v in [*inferred.value_info, *inferred.input, *inferred.output]:
-        tensor = v.type.tensor_type
-        if tensor.HasField("shape"):
-            shapes[v.name] = [
-                d.dim_value if d.HasField("dim_value") else d.dim_param or None
-                for d in tensor.shape.dim
-            ]
-    return shapes
+    return {
+        v.name: conv_grads._dims(v, symbols=True)
+        for v in [*inferred.value_info, *inferred.input, *inferred.output]
+        if v.type.tensor_type.HasField("shape")
+    }
 
 
 def _cast_to(node: onnx.NodeProto) -> int | None:
@@ -207,18 +196,32 @@ def _only_reader(g: conv_grads.GraphIndex, value: str) -> int | None:
     return next(iter(readers))
 
 
+@dataclass
+class _Seeds:
+    """What tells a seed from a position in the hash: a Cast to uint32 of a value that is not
+    derived from ``Shape`` results (the answers kept across the graph's masks)."""
+
+    shape_values: set[str]
+    derived: dict[str, bool] = field(default_factory=dict)
+
+    def is_seed(self, g: conv_grads.GraphIndex, node: onnx.NodeProto) -> bool:
+        return (
+            node.op_type == "Cast"
+            and _cast_to(node) == _UINT32
+            and not g.derived_from(node.input[0], self.shape_values, self.derived)
+        )
+
+
 def _hash_cone(
-    g: conv_grads.GraphIndex, roots: Sequence[str]
+    g: conv_grads.GraphIndex, roots: Sequence[str], seeds: _Seeds
 ) -> tuple[set[int], str, set[str]] | None:
     """The nodes that compute ``roots`` from one ``uint32`` seed (a Cast of a value that is
     not derived from shapes), constants and the shapes of other values: those nodes, the
     seed, and the values whose shape they read. None where anything else enters."""
     nodes: set[int] = set()
-    seeds: set[str] = set()
+    found: set[str] = set()
     shaped: set[str] = set()
     stack, seen = list(roots), set()
-    derived: dict[str, bool] = {}
-    shape_values = {o for n in g.nodes if n.op_type == "Shape" for o in n.output}
     while stack:
         v = stack.pop()
         if v in seen or v in g.constants:
@@ -228,12 +231,8 @@ def _hash_cone(
             return None  # a graph input (a seed fed from outside is not this lowering's)
         i = g.producer[v]
         node = g.nodes[i]
-        if (
-            node.op_type == "Cast"
-            and _cast_to(node) == _UINT32
-            and not g.derived_from(node.input[0], shape_values, derived)
-        ):
-            seeds.add(v)
+        if seeds.is_seed(g, node):
+            found.add(v)
             continue
         nodes.add(i)
         if len(nodes) > _MAX_CONE:
@@ -242,9 +241,9 @@ def _hash_cone(
             shaped.add(node.input[0])
             continue
         stack.extend(x for x in node.input if x)
-    if len(seeds) != 1:
+    if len(found) != 1:
         return None
-    return nodes, next(iter(seeds)), shaped
+    return nodes, next(iter(found)), shaped
 
 
 def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:

@@ -42,8 +42,6 @@ from traingraph.runtime.device import Device
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
 
-_SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
-
 
 @dataclass(frozen=True)
 class BatchNormGrad:
@@ -145,7 +143,7 @@ def _match(
         return None
     # dbias = ReduceSum(G) through shape ops; G = dy (behind a Relu: dy * mask(y))
     i = g.producer[dbias]
-    while g.nodes[i].op_type in _SHAPE_OPS and g.nodes[i].input[0] in g.producer:
+    while g.nodes[i].op_type in conv_grads.SHAPE_OPS and g.nodes[i].input[0] in g.producer:
         i = g.producer[g.nodes[i].input[0]]
     if g.nodes[i].op_type != "ReduceSum":
         return None

@@ -93,6 +93,7 @@ def for_cpu(source: Source) -> Source:
     changed = _default_opset(proto) >= _CLIP_INPUTS_OPSET and _positive_masks_as_ceil(
         proto.graph, _constants(proto.graph)
     )
+    shapes: dict[str, list[int | None]] | None = None  # the Convs' inputs keep their shapes
     if any(_is_conv_transpose(n) for n in proto.graph.node):
         try:
             converted = proto
@@ -105,7 +106,8 @@ def for_cpu(source: Source) -> Source:
             pass
     if any(n.op_type == "Conv" and n.domain in ("", "ai.onnx") for n in proto.graph.node):
         try:
-            shapes, _ = _static_shapes(shape_inference.infer_shapes(proto).graph)
+            if shapes is None:
+                shapes, _ = _static_shapes(shape_inference.infer_shapes(proto).graph)
             changed = nchwc.convs_as_nchwc(proto, shapes) or changed
         except Exception:  # shape inference failed: the Convs stay
             pass
