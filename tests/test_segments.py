@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from gradcheck import assert_same_training
-from torch_models import export, seeded
+from torch_models import ResidualNet, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import conv_grads, segments
@@ -69,27 +69,6 @@ def test_kernel_refuses_arrays_it_cannot_take():
         kernel(x, x, None, np.zeros(4, np.float32), np.empty_like(x), c, c, 1e-5, 1)
     with pytest.raises(ValueError, match="dx is not float32"):
         kernel(x, x, None, c, np.empty(x.shape), c, c, 1e-5, 1)
-
-
-class ResidualNet(nn.Module):
-    """A stem Conv-BN-Relu on the input and a downsampling residual block: two BatchNorms read
-    the same output gradient (the block's and its shortcut's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(8)
-        self.conv1 = nn.Conv2d(8, 12, 3, stride=2, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(12)
-        self.conv2 = nn.Conv2d(12, 12, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(12)
-        self.down = nn.Sequential(nn.Conv2d(8, 12, 1, stride=2, bias=False), nn.BatchNorm2d(12))
-        self.fc = nn.Linear(12, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.bn(self.stem(x)))
-        out = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(h)))))
-        return self.fc(torch.relu(out + self.down(h)).mean(dim=(2, 3)))
 
 
 def _directory(tmp_path):

@@ -379,7 +379,9 @@ class Module:
         model, grads = proto, list[conv_grads.WeightGrad]()
         if config.native_conv_grads:
             model, grads = conv_grads.split_weight_grads(proto)
-        kernels = segments.find_kernels(model, grads) if config.native_segments else []
+        kernels: list[tuple[segments.Kernel, set[int]]] = []
+        if config.native_segments:
+            model, kernels = segments.find_kernels(model, grads)
         if not grads and not kernels:
             return self._train_uri, [], []
         return model, grads, kernels

@@ -294,7 +294,7 @@ class TrainingGraph:
         kernels: list[tuple[segments.Kernel, set[int]]] = []
         if gradient is not None and self.device.kind == "cpu" and config.native_segments:
             forward = self._program.phases.forward
-            kernels = segments.find_kernels(gradient, self._native_grads, forward)
+            gradient, kernels = segments.find_kernels(gradient, self._native_grads, forward)
         runners: dict[str, BoundRunner | segments.SegmentedRunner] = {}
         target = self.device
         for phase, proto in (

@@ -16,8 +16,9 @@
  * own buffer; the caller adds the buffers at the end.
  *
  * The same pool runs the other kernels here (for traingraph.runtime.segments): a max-pool
- * gradient's routing, the gradient of a training-mode batch normalization, and the keep masks
- * of lowered Dropouts.
+ * gradient's routing, the gradient of a training-mode batch normalization, the keep masks
+ * of lowered Dropouts, and the columns of strided convolutions' input gradients added into
+ * their images.
  *
  * Plain CPython C API and the buffer protocol; the computation runs without the GIL.
  */
@@ -903,19 +904,370 @@ static PyObject *dropout_mask(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------- column sums */
+
+/* out[n, c] = (addends + the sum over terms of col2im(cols)) where gate > 0, else 0. Column
+ * l = u * ow + v of kernel offset (i, j) of a term goes to image position
+ * (u s0 + i d0 - p0, v s1 + j d1 - p1), dropped outside the image.
+ *
+ * A plane is built in the cache. A term's columns are added row by row, whole rows of ow, into
+ * phase planes: along a stride s1 the image columns congruent to b mod s1 form phase b, where
+ * each kernel offset's columns land contiguously; each phase row has room on both sides for
+ * the columns that fall outside the image, so that no row is cut short (a partial vector
+ * written and then read whole stalls). The phases are then interleaved into the plane. A
+ * stride-1 term whose columns all land inside the image is added into the plane directly. */
+struct col2im_run;
+
+struct col2im_term {
+    const float *cols; /* [n, c * kh * kw, oh * ow] */
+    Py_ssize_t kh, kw, oh, ow, stride[2], pad[2], dilation[2];
+    /* set by col2im_layout */
+    const struct col2im_run *runs;
+    Py_ssize_t run_count;
+    Py_ssize_t pitch, left; /* phase rows: pitch floats, image column b + s1 k at left + k */
+    int direct;             /* added into the plane itself (pitch w, left 0) */
+};
+
+/* Rows [u0, u1) of one kernel offset's columns (at `src` in the plane's columns) are added at
+ * `dst` + u * `step` in the phase planes. */
+struct col2im_run {
+    Py_ssize_t src, dst, u0, u1, step;
+};
+
+struct col2im {
+    float *out; /* [n, c, h, w] */
+    const struct col2im_term *terms;
+    Py_ssize_t term_count;
+    const float **addends; /* each [n, c, h, w] */
+    Py_ssize_t addend_count;
+    const float *gate; /* [n, c, h, w] or NULL */
+    Py_ssize_t n, c, h, w;
+};
+
+static struct scratch col2im_scratch[MAX_THREADS];
+
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+
+static inline __attribute__((always_inline)) void add_row(float *restrict d,
+                                                          const float *restrict s,
+                                                          Py_ssize_t count)
+{
+    Py_ssize_t k = 0;
+    for (; k + 16 <= count; k += 16) {
+        *(v16u *)(d + k) += *(const v16u *)(s + k);
+    }
+    if (k + 8 <= count) {
+        *(v8u *)(d + k) += *(const v8u *)(s + k);
+        k += 8;
+    }
+    for (; k < count; k++) {
+        d[k] += s[k];
+    }
+}
+
+static inline Py_ssize_t floor_div(Py_ssize_t a, Py_ssize_t b)
+{
+    return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+/* Term t's phase layout and runs (written to `runs`, kh * kw at most) for an image h x w. */
+static void col2im_layout(struct col2im_term *t, Py_ssize_t h, Py_ssize_t w,
+                          struct col2im_run *runs)
+{
+    const Py_ssize_t s0 = t->stride[0], s1 = t->stride[1], l = t->oh * t->ow;
+    /* image column v s1 + off = s1 (v + q) + b: phase b, place v + q for v < ow */
+    Py_ssize_t low = 0, high = (w + s1 - 1) / s1;
+    for (Py_ssize_t j = 0; j < t->kw; j++) {
+        const Py_ssize_t q = floor_div(j * t->dilation[1] - t->pad[1], s1);
+        low = q < low ? q : low;
+        high = q + t->ow > high ? q + t->ow : high;
+    }
+    t->direct = s1 == 1 && low == 0 && high == w;
+    t->left = -low;
+    t->pitch = t->direct ? w : high - low;
+    t->runs = runs;
+    t->run_count = 0;
+    for (Py_ssize_t i = 0; i < t->kh; i++) {
+        /* rows u with 0 <= u s0 + r < h */
+        const Py_ssize_t r = i * t->dilation[0] - t->pad[0];
+        const Py_ssize_t u0 = r >= 0 ? 0 : (-r + s0 - 1) / s0;
+        Py_ssize_t u1 = h - 1 - r < 0 ? 0 : (h - 1 - r) / s0 + 1;
+        u1 = u1 < t->oh ? u1 : t->oh;
+        if (u1 <= u0) {
+            continue;
+        }
+        for (Py_ssize_t j = 0; j < t->kw; j++) {
+            const Py_ssize_t off = j * t->dilation[1] - t->pad[1];
+            const Py_ssize_t q = floor_div(off, s1), b = off - q * s1;
+            runs[t->run_count++] = (struct col2im_run){
+                .src = (i * t->kw + j) * l, .dst = (b * h + r) * t->pitch + t->left + q,
+                .u0 = u0, .u1 = u1, .step = s0 * t->pitch,
+            };
+        }
+    }
+}
+
+/* Plane p's columns of term t added into `phases` along its runs. */
+TARGETS static void col2im_phases(const struct col2im_term *t, Py_ssize_t p, float *phases)
+{
+    const Py_ssize_t ow = t->ow;
+    const float *base = t->cols + p * t->kh * t->kw * t->oh * ow;
+    for (Py_ssize_t k = 0; k < t->run_count; k++) {
+        const struct col2im_run *run = &t->runs[k];
+        const float *src = base + run->src;
+        float *dst = phases + run->dst;
+        for (Py_ssize_t u = run->u0; u < run->u1; u++) {
+            add_row(dst + u * run->step, src + u * ow, ow);
+        }
+    }
+}
+
+/* plane += the phases of term t interleaved. */
+TARGETS static void interleave_add(const struct col2im_term *t, float *plane,
+                                   const float *phases, Py_ssize_t h, Py_ssize_t w)
+{
+    const Py_ssize_t s1 = t->stride[1], pitch = t->pitch;
+    for (Py_ssize_t y = 0; y < h; y++) {
+        float *row = plane + y * w;
+        const float *first = phases + y * pitch + t->left;
+        if (s1 == 1) {
+            add_row(row, first, w);
+            continue;
+        }
+        Py_ssize_t v = 0;
+        if (s1 == 2) {
+            const float *even = first, *odd = first + h * pitch;
+#if defined(__GNUC__) && !defined(__clang__)
+            const v16i low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+            const v16i high = low + 8;
+            for (; 2 * v + 32 <= w; v += 16) {
+                const v16 e = *(const v16u *)(even + v), o = *(const v16u *)(odd + v);
+                *(v16u *)(row + 2 * v) += __builtin_shuffle(e, o, low);
+                *(v16u *)(row + 2 * v + 16) += __builtin_shuffle(e, o, high);
+            }
+            typedef int v8i __attribute__((vector_size(32)));
+            const v8i low8 = {0, 8, 1, 9, 2, 10, 3, 11}, high8 = low8 + 4;
+            for (; 2 * v + 16 <= w; v += 8) {
+                const v8u e = *(const v8u *)(even + v), o = *(const v8u *)(odd + v);
+                *(v8u *)(row + 2 * v) += __builtin_shuffle(e, o, low8);
+                *(v8u *)(row + 2 * v + 8) += __builtin_shuffle(e, o, high8);
+            }
+#endif
+            for (; 2 * v + 1 < w; v++) {
+                row[2 * v] += even[v];
+                row[2 * v + 1] += odd[v];
+            }
+            v *= 2;
+        }
+        for (Py_ssize_t x = v; x < w; x++) {
+            row[x] += first[(x % s1) * h * pitch + x / s1];
+        }
+    }
+}
+
+TARGETS static void gate_plane(float *plane, const float *gate, Py_ssize_t size)
+{
+    for (Py_ssize_t x = 0; x < size; x++) {
+        plane[x] = gate[x] > 0.0f ? plane[x] : 0.0f;
+    }
+}
+
+static int col2im_share(const void *arg, int t, int threads)
+{
+    const struct col2im *cm = arg;
+    const Py_ssize_t planes = cm->n * cm->c, hw = cm->h * cm->w;
+    Py_ssize_t widest = 1;
+    for (Py_ssize_t k = 0; k < cm->term_count; k++) {
+        const struct col2im_term *term = &cm->terms[k];
+        const Py_ssize_t size = term->direct ? 1 : term->stride[1] * cm->h * term->pitch;
+        widest = size > widest ? size : widest;
+    }
+    if (reserve(&col2im_scratch[t], (size_t)widest, 0) < 0) {
+        return -1;
+    }
+    float *phases = col2im_scratch[t].data;
+    for (Py_ssize_t p = planes * t / threads; p < planes * (t + 1) / threads; p++) {
+        float *plane = cm->out + p * hw;
+        if (cm->addend_count == 0) {
+            memset(plane, 0, sizeof(float) * (size_t)hw);
+        }
+        else {
+            memcpy(plane, cm->addends[0] + p * hw, sizeof(float) * (size_t)hw);
+            for (Py_ssize_t a = 1; a < cm->addend_count; a++) {
+                add_row(plane, cm->addends[a] + p * hw, hw);
+            }
+        }
+        for (Py_ssize_t k = 0; k < cm->term_count; k++) {
+            const struct col2im_term *term = &cm->terms[k];
+            if (term->direct) {
+                col2im_phases(term, p, plane);
+                continue;
+            }
+            memset(phases, 0, sizeof(float) * (size_t)(term->stride[1] * cm->h * term->pitch));
+            col2im_phases(term, p, phases);
+            interleave_add(term, plane, phases, cm->h, cm->w);
+        }
+        if (cm->gate != NULL) {
+            gate_plane(plane, cm->gate + p * hw, hw);
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(col2im_sum_doc,
+"col2im_sum(out, terms, addends, gate, threads)\n--\n\n"
+"Write into ``out`` (float32, C-contiguous, ``[N, C, H, W]``) the sum of the ``addends``\n"
+"(arrays of ``out``'s shape) and of each term's columns added into the image (ONNX Col2Im),\n"
+"kept where ``gate`` (an array of ``out``'s shape, or None) is above 0 and 0 elsewhere.\n\n"
+"Each term is ``(cols, kernel, grid, strides, pads, dilations)``: ``cols``\n"
+"``[N, C * KH * KW, OH * OW]``, the pairs ``kernel`` (KH, KW), ``grid`` (OH, OW), strides,\n"
+"begin pads and dilations; column ``u * OW + v`` of kernel offset ``(i, j)`` goes to image\n"
+"position ``(u * s0 + i * d0 - p0, v * s1 + j * d1 - p1)``, or nowhere outside the image.\n"
+"``threads`` threads share the planes.");
+
+static PyObject *col2im_sum(PyObject *self, PyObject *args)
+{
+    PyObject *out_obj, *term_seq, *addend_seq, *gate_obj;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOi:col2im_sum", &out_obj, &term_seq, &addend_seq, &gate_obj,
+                          &threads)) {
+        return NULL;
+    }
+    PyObject *terms = PySequence_Fast(term_seq, "col2im_sum: terms must be a sequence");
+    PyObject *addends = terms ? PySequence_Fast(addend_seq, "col2im_sum: addends must be a sequence")
+                              : NULL;
+    const Py_ssize_t term_count = terms ? PySequence_Fast_GET_SIZE(terms) : 0;
+    const Py_ssize_t addend_count = addends ? PySequence_Fast_GET_SIZE(addends) : 0;
+    const Py_ssize_t view_count = 2 + term_count + addend_count;
+    Py_buffer *views = calloc((size_t)view_count, sizeof(Py_buffer));
+    struct col2im_term *ts = calloc((size_t)(term_count + 1), sizeof(struct col2im_term));
+    const float **as = calloc((size_t)(addend_count + 1), sizeof(float *));
+    struct col2im_run *runs = NULL;
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (terms == NULL || addends == NULL) {
+        goto done;
+    }
+    if (views == NULL || ts == NULL || as == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (float32_array(out_obj, &views[held], 4, 1, "col2im_sum: argument", 0, "out") < 0) {
+        goto done;
+    }
+    held++;
+    const Py_ssize_t *os = views[0].shape;
+    struct col2im cm = {
+        .out = views[0].buf, .terms = ts, .term_count = term_count, .addends = as,
+        .addend_count = addend_count, .n = os[0], .c = os[1], .h = os[2], .w = os[3],
+    };
+    for (Py_ssize_t i = 0; i < term_count; i++) {
+        PyObject *cols;
+        Py_ssize_t kh, kw, oh, ow, st[2], pd[2], dl[2];
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(terms, i), "O(nn)(nn)(nn)(nn)(nn)", &cols,
+                              &kh, &kw, &oh, &ow, &st[0], &st[1], &pd[0], &pd[1], &dl[0], &dl[1])) {
+            goto done;
+        }
+        if (float32_array(cols, &views[held], 3, 0, "col2im_sum: term", i, "cols") < 0) {
+            goto done;
+        }
+        const Py_ssize_t *cs = views[held].shape;
+        ts[i] = (struct col2im_term){
+            .cols = views[held].buf, .kh = kh, .kw = kw, .oh = oh, .ow = ow,
+            .stride = {st[0], st[1]}, .pad = {pd[0], pd[1]}, .dilation = {dl[0], dl[1]},
+        };
+        held++;
+        const int fits = kh >= 1 && kw >= 1 && oh >= 0 && ow >= 0 && st[0] >= 1 && st[1] >= 1 &&
+                         dl[0] >= 1 && dl[1] >= 1 && cs[0] == cm.n && cs[1] == cm.c * kh * kw &&
+                         cs[2] == oh * ow;
+        if (!fits) {
+            PyErr_Format(PyExc_ValueError,
+                         "col2im_sum: term %zd: cols [%zd, %zd, %zd] with kernel (%zd, %zd), grid"
+                         " (%zd, %zd), strides (%zd, %zd) and dilations (%zd, %zd) do not fill"
+                         " out [%zd, %zd, %zd, %zd]; cols must be [N, C * KH * KW, OH * OW]",
+                         i, cs[0], cs[1], cs[2], kh, kw, oh, ow, st[0], st[1], dl[0], dl[1],
+                         os[0], os[1], os[2], os[3]);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i <= addend_count; i++) {
+        PyObject *obj = i < addend_count ? PySequence_Fast_GET_ITEM(addends, i) : gate_obj;
+        if (obj == Py_None && i == addend_count) {
+            break;
+        }
+        const char *name = i < addend_count ? "addend" : "gate";
+        if (float32_array(obj, &views[held], 4, 0, "col2im_sum: argument", i, name) < 0) {
+            goto done;
+        }
+        const Py_ssize_t *s = views[held].shape;
+        held++;
+        if (s[0] != os[0] || s[1] != os[1] || s[2] != os[2] || s[3] != os[3]) {
+            PyErr_Format(PyExc_ValueError,
+                         "col2im_sum: %s [%zd, %zd, %zd, %zd] does not have out's shape"
+                         " [%zd, %zd, %zd, %zd]", name, s[0], s[1], s[2], s[3], os[0], os[1],
+                         os[2], os[3]);
+            goto done;
+        }
+        if (i < addend_count) {
+            as[i] = views[held - 1].buf;
+        }
+        else {
+            cm.gate = views[held - 1].buf;
+        }
+    }
+    Py_ssize_t offsets = 0;
+    for (Py_ssize_t i = 0; i < term_count; i++) {
+        offsets += ts[i].kh * ts[i].kw;
+    }
+    runs = malloc(sizeof(struct col2im_run) * (size_t)(offsets + 1));
+    if (runs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0, at = 0; i < term_count; i++) {
+        col2im_layout(&ts[i], cm.h, cm.w, runs + at);
+        at += ts[i].run_count;
+    }
+    if (cm.n * cm.c * cm.h * cm.w < ROUTE_PER_THREAD) {
+        threads = 1;
+    }
+    int used;
+    Py_BEGIN_ALLOW_THREADS
+    used = pool_run(col2im_share, &cm, threads);
+    Py_END_ALLOW_THREADS
+    if (used < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    free(runs);
+    free(views);
+    free(ts);
+    free(as);
+    Py_XDECREF(terms);
+    Py_XDECREF(addends);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},
     {"dropout_mask", dropout_mask, METH_VARARGS, dropout_mask_doc},
+    {"col2im_sum", col2im_sum, METH_VARARGS, col2im_sum_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "traingraph.runtime._convc",
-    .m_doc = "Native weight gradients of 2-D convolutions, and max-pool gradient routing, over"
-             " float32 arrays.",
+    .m_doc = "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
+             " convolutions' weight gradients, max-pool gradient routing, batch-norm gradients,"
+             " Dropout masks and column sums.",
     .m_size = -1,
     .m_methods = methods,
 };

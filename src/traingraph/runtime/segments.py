@@ -13,7 +13,9 @@ middle of the step:
   whose output gradient only its own weight gradient reads, is routed after the run instead
   (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`);
 - a lowered Dropout's keep mask (:mod:`traingraph.runtime.masks`), which depends on the step's
-  seed alone: every mask is written right after the seed is drawn.
+  seed alone: every mask is written right after the seed is drawn;
+- a strided Conv's input gradient after its MatMul (:mod:`traingraph.runtime.col2im`): the
+  columns added into the image, with the Sum and Relu mask after them.
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -38,6 +40,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from traingraph.runtime import conv_grads
+from traingraph.runtime.col2im import Col2ImSum, split_col2ims
 from traingraph.runtime.device import Device
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
@@ -395,7 +398,7 @@ def split_max_pool_grads(
     return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
 
 
-Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask
+Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum
 """A native kernel between two segments."""
 
 
@@ -403,15 +406,19 @@ def find_kernels(
     model: onnx.ModelProto,
     weight_grads: Sequence[conv_grads.WeightGrad],
     forward: onnx.ModelProto | None = None,
-) -> list[tuple[Kernel, set[int]]]:
-    """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads` and
-    :func:`~traingraph.runtime.masks.split_dropout_masks` find in ``model``, with the nodes
-    each replaces."""
+) -> tuple[onnx.ModelProto, list[tuple[Kernel, set[int]]]]:
+    """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads`,
+    :func:`~traingraph.runtime.masks.split_dropout_masks` and
+    :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
+    ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
+    the last ones read written after its nodes."""
     kernels: list[tuple[Kernel, set[int]]] = []
     kernels += split_batch_norm_grads(model, forward)
     kernels += split_max_pool_grads(model, weight_grads, forward)
     kernels += split_dropout_masks(model)
-    return kernels
+    taken = set().union(*(nodes for _, nodes in kernels)) if kernels else set()
+    model, found = split_col2ims(model, taken)
+    return model, kernels + list(found)
 
 
 @dataclass
@@ -436,37 +443,38 @@ class Plan:
 
 def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]]) -> Plan:
     """``model`` without the nodes of ``grads``, cut into segments: a node goes into the
-    segment after the last kernel whose output it reads (transitively)."""
+    segment after the last kernel whose output it reads (transitively). The nodes need not be
+    in order where only kernels read a node's outputs (they may come last)."""
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
-    by_output = {o: grad for grad, _ in grads for o in grad.outputs}
+    kept = [node for i, node in enumerate(graph.node) if i not in removed]
+    by_output = {o: k for k, (grad, _) in enumerate(grads) for o in grad.outputs}
     stage: dict[str, int] = {}
-    kernel_stage: dict[int, int] = {}
-    nodes_at: dict[int, list[onnx.NodeProto]] = {}
-    kernels: dict[int, list[Kernel]] = {}
+    kernel_stage = [0] * len(grads)
 
     def value_stage(name: str) -> int:
-        grad = by_output.get(name)
-        if grad is not None:
-            return place(grad) + 1
-        return stage.get(name, 0)
+        k = by_output.get(name)
+        return kernel_stage[k] + 1 if k is not None else stage.get(name, 0)
 
-    def place(grad: Kernel) -> int:
-        key = id(grad)
-        if key not in kernel_stage:
-            kernel_stage[key] = max((value_stage(v) for v in grad.inputs), default=0)
-            kernels.setdefault(kernel_stage[key], []).append(grad)
-        return kernel_stage[key]
-
-    for i, node in enumerate(graph.node):
-        if i in removed:
-            continue
+    changed = True
+    while changed:  # stages only grow; in order, the second pass changes nothing
+        changed = False
+        for node in kept:
+            s = max((value_stage(v) for v in node.input if v), default=0)
+            for o in node.output:
+                if stage.get(o, 0) != s:
+                    stage[o], changed = s, True
+        for k, (grad, _) in enumerate(grads):
+            s = max((value_stage(v) for v in grad.inputs), default=0)
+            if kernel_stage[k] != s:
+                kernel_stage[k], changed = s, True
+    nodes_at: dict[int, list[onnx.NodeProto]] = {}
+    for node in kept:
         s = max((value_stage(v) for v in node.input if v), default=0)
         nodes_at.setdefault(s, []).append(node)
-        for o in node.output:
-            stage[o] = s
-    for grad, _ in grads:
-        place(grad)
+    kernels: dict[int, list[Kernel]] = {}
+    for k, (grad, _) in enumerate(grads):
+        kernels.setdefault(kernel_stage[k], []).append(grad)
     last = max([*nodes_at, *(s + 1 for s in kernels)], default=0)
     readers: dict[str, set[int]] = {}  # value -> the stages that read it
     for s, members in nodes_at.items():
@@ -602,8 +610,9 @@ def runner(
     threads: int,
 ) -> BoundRunner | SegmentedRunner:
     """A :class:`SegmentedRunner` of ``model`` cut around ``kernels``, or, where there are none
-    or onnxruntime rejects a segment, a :class:`BoundRunner` of ``model`` whole (with a
-    warning in the second case: the step is then slower, not wrong)."""
+    or onnxruntime rejects a segment, a :class:`BoundRunner` of ``model`` whole, without the
+    nodes only the kernels read (with a warning in the second case: the step is then slower,
+    not wrong)."""
     if kernels:
         try:
             return SegmentedRunner(plan_segments(model, kernels), make_session, device, threads)
@@ -614,7 +623,25 @@ def runner(
                 RuntimeWarning,
                 stacklevel=2,
             )
+            model = _without_unread(model)
     return BoundRunner(make_session(model), device)
+
+
+def _without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without the nodes whose outputs neither a graph output is nor a node reads."""
+    wanted = {o.name for o in model.graph.output}
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(model.graph.node):
+        if any(o in wanted for o in node.output):
+            kept.append(node)
+            wanted.update(node.input)
+    if len(kept) == len(model.graph.node):
+        return model
+    pruned = onnx.ModelProto()
+    pruned.CopyFrom(model)
+    del pruned.graph.node[:]
+    pruned.graph.node.extend(reversed(kept))
+    return pruned
 
 
 @dataclass(frozen=True)

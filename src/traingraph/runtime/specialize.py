@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -183,34 +183,23 @@ def _conv_transposes_as_col2im(
         n = len(image)
         base, name = node.name or node.output[0], f"{node.output[0]}_col2im"
         bias = len(node.input) > 2 and node.input[2]
-        constants = {
-            "positions_shape": [0, filters, -1],
-            "weight_shape": [filters, -1],
-            "image": image,
-            "block": kernel,
-            **({"bias_shape": [-1] + [1] * n} if bias else {}),
-        }
+        nodes = columns_nodes(graph, node, filters, name)
         graph.initializer.extend(
             numpy_helper.from_array(np.array(v, np.int64), f"{name}_{k}")
-            for k, v in constants.items()
+            for k, v in {"image": image, "block": kernel}.items()
         )
         image_out = f"{name}_image_out" if bias else node.output[0]
-        nodes = [
-            helper.make_node("Reshape", [node.input[0], f"{name}_positions_shape"],
-                             [f"{name}_positions"], name=f"{base}_positions"),
-            helper.make_node("Reshape", [node.input[1], f"{name}_weight_shape"],
-                             [f"{name}_weight_rows"], name=f"{base}_weight_rows"),
-            helper.make_node("Transpose", [f"{name}_weight_rows"], [f"{name}_weight"],
-                             perm=[1, 0], name=f"{base}_weight"),
-            helper.make_node("MatMul", [f"{name}_weight", f"{name}_positions"],
-                             [f"{name}_columns"], name=f"{base}_columns"),
+        nodes.append(
             helper.make_node(
                 "Col2Im", [f"{name}_columns", f"{name}_image", f"{name}_block"], [image_out],
                 name=f"{base}_col2im", pads=attrs.get("pads", [0] * 2 * n),
                 strides=attrs.get("strides", [1] * n), dilations=attrs.get("dilations", [1] * n),
-            ),
-        ]  # fmt: skip
+            )
+        )  # fmt: skip
         if bias:
+            graph.initializer.append(
+                numpy_helper.from_array(np.array([-1] + [1] * n, np.int64), f"{name}_bias_shape")
+            )
             nodes += [
                 helper.make_node("Reshape", [node.input[2], f"{name}_bias_shape"],
                                  [f"{name}_bias"], name=f"{base}_bias"),
@@ -220,6 +209,28 @@ def _conv_transposes_as_col2im(
         return nodes
 
     return _expand_nodes(graph, expand)
+
+
+def columns_nodes(
+    graph: onnx.GraphProto, node: onnx.NodeProto, filters: int, name: str
+) -> list[onnx.NodeProto]:
+    """The nodes that write the columns of the ConvTranspose ``node`` (``filters`` = M) as
+    ``{name}_columns``: ``cols[n, c * K + k, o] = sum_m W[m, c, k] * G[n, m, o]``, one batched
+    MatMul; ``graph`` receives the shapes they read as initializers."""
+    graph.initializer.extend(
+        numpy_helper.from_array(np.array(v, np.int64), f"{name}_{k}")
+        for k, v in {"positions_shape": [0, filters, -1], "weight_shape": [filters, -1]}.items()
+    )
+    return [
+        helper.make_node("Reshape", [node.input[0], f"{name}_positions_shape"],
+                         [f"{name}_positions"], name=f"{name}_positions"),
+        helper.make_node("Reshape", [node.input[1], f"{name}_weight_shape"],
+                         [f"{name}_weight_rows"], name=f"{name}_weight_rows"),
+        helper.make_node("Transpose", [f"{name}_weight_rows"], [f"{name}_weight"],
+                         perm=[1, 0], name=f"{name}_weight"),
+        helper.make_node("MatMul", [f"{name}_weight", f"{name}_positions"],
+                         [f"{name}_columns"], name=f"{name}_columns"),
+    ]  # fmt: skip
 
 
 def _dataflow(
@@ -307,7 +318,7 @@ _NOTSET = helper.make_attribute("auto_pad", "NOTSET")
 
 
 def _transposed_geometry(
-    node: onnx.NodeProto, shapes: dict[str, list[int | None]]
+    node: onnx.NodeProto, shapes: Mapping[str, list[int | None]]
 ) -> tuple[list[int], list[int], int] | None:
     """``(image size, kernel, M)`` of a ConvTranspose that :func:`_conv_transposes_as_col2im`
     rewrites, else None: default domain, one group, explicit pads (no ``auto_pad``, no

@@ -1,0 +1,354 @@
+"""The input gradients of strided convolutions, finished natively on the CPU between segments.
+
+The gradient of a Conv's input is a ConvTranspose of its output gradient. Where the Conv is
+strided (or its input has more positions than its output),
+:func:`traingraph.runtime.specialize.for_cpu` writes that ConvTranspose as one MatMul into
+columns and a ``Col2Im`` that adds the columns into the image. onnxruntime's Col2Im adds one
+element at a time, and what follows the ConvTranspose in a training graph is often more passes
+over the same image: the ``Sum`` with the gradient from the input's other readers (a residual
+block's shortcut, itself a strided 1x1 Conv's ConvTranspose) and the product with the mask of
+the Relu that wrote the input.
+
+:func:`split_col2ims` gives each such ConvTranspose's MatMul to onnxruntime and the rest to one
+native kernel, :class:`Col2ImSum`: the columns of every ConvTranspose the Sum adds, the Sum's
+other terms and the Relu mask, in one pass over the image, built plane by plane in the cache.
+Each match is checked against the nodes it replaces on random inputs.
+
+The artifacts on disk stay standard ONNX; this is how the CPU runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import shape_inference
+
+from traingraph.runtime import conv_grads, specialize
+
+Pair = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Col2ImTerm:
+    """One ConvTranspose's columns ``[N, C * KH * KW, OH * OW]`` and how they go into the
+    image (Col2Im's attributes, with the begin pads)."""
+
+    columns: str
+    kernel: Pair
+    grid: Pair
+    strides: Pair
+    pads: Pair
+    dilations: Pair
+
+
+@dataclass(frozen=True)
+class Col2ImSum:
+    """``out = (sum of addends + sum of the terms' Col2Ims)``, kept where ``gate > 0`` (the
+    product with ``Cast(Greater(gate, 0))``) when ``gate`` is set.
+
+    Attributes:
+        terms: The ConvTransposes' columns.
+        addends: The Sum's other terms, each of ``out``'s shape.
+        gate: The value whose positive elements the Relu mask keeps, or None.
+        out: The value the kernel writes.
+        channels: ``out``'s channels.
+        image: ``out``'s height and width.
+    """
+
+    terms: tuple[Col2ImTerm, ...]
+    addends: tuple[str, ...]
+    gate: str | None
+    out: str
+    channels: int
+    image: Pair
+
+    @property
+    def inputs(self) -> list[str]:
+        return [t.columns for t in self.terms] + list(self.addends) + (
+            [self.gate] if self.gate else []
+        )
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        batch = values[self.terms[0].columns].shape[0]
+        shape = (batch, self.channels, *self.image)
+        target = out.get(self.out)
+        if target is None or target.shape != shape:
+            target = out[self.out] = np.empty(shape, np.float32)
+        terms = [
+            (values[t.columns], t.kernel, t.grid, t.strides, t.pads, t.dilations)
+            for t in self.terms
+        ]
+        assert conv_grads._native is not None
+        conv_grads._native.col2im_sum(
+            target,
+            terms,
+            [values[a] for a in self.addends],
+            values[self.gate] if self.gate else None,
+            threads,
+        )
+
+
+def split_col2ims(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> tuple[onnx.ModelProto, list[tuple[Col2ImSum, set[int]]]]:
+    """``model`` with the columns of each ConvTranspose the kernel finishes written after its
+    nodes (nothing in it reads them: only the kernel), and each :class:`Col2ImSum` with the
+    indices of the nodes it replaces: its ConvTransposes, the Sum and the mask product, none of
+    them in ``taken`` (the nodes other kernels replace). ``(model, [])`` where the extension is
+    missing or nothing matches."""
+    native = conv_grads._native
+    if native is None or not hasattr(native, "col2im_sum"):
+        return model, []
+    if not any(specialize._is_conv_transpose(n) for n in model.graph.node):
+        return model, []
+    if any(conv_grads._has_subgraph(n) for n in model.graph.node):
+        return model, []
+    try:
+        inferred = shape_inference.infer_shapes(model)
+    except Exception:  # without shapes nothing is matched
+        return model, []
+    shapes, types = specialize._static_shapes(inferred.graph)
+    g = conv_grads.GraphIndex.of(model.graph)
+    transposed = {
+        i: t
+        for i, n in enumerate(g.nodes)
+        if i not in taken and (t := _term(n, shapes, types)) is not None
+    }
+    matches: list[tuple[Col2ImSum, set[int]]] = []
+    claimed = set(taken)
+    for i in transposed:
+        if i not in claimed:
+            match = _match(g, i, transposed, claimed, shapes)
+            claimed |= match[1]
+            matches.append(match)
+    filters = {i: t.filters for i, t in transposed.items()}
+    verified = _verified(model, g, matches, filters, shapes)
+    if not verified:
+        return model, []
+    return _with_columns(model, verified, filters)[0], verified
+
+
+@dataclass(frozen=True)
+class _Transposed:
+    """A ConvTranspose the kernel can finish: its columns, filters (M), channels and image."""
+
+    term: Col2ImTerm
+    filters: int
+    channels: int
+    image: Pair
+
+
+def _term(
+    node: onnx.NodeProto, shapes: Mapping[str, list[int | None]], types: Mapping[str, int]
+) -> _Transposed | None:
+    """A 2-D ConvTranspose without bias that :func:`~traingraph.runtime.specialize.for_cpu`
+    would write as MatMul and Col2Im; else None."""
+    if len(node.input) > 2 and node.input[2]:
+        return None
+    geometry = specialize._transposed_geometry(node, shapes)
+    if geometry is None or types.get(node.input[0]) != onnx.TensorProto.FLOAT:
+        return None
+    image, kernel, filters = geometry
+    grad, weight = shapes[node.input[0]], shapes[node.input[1]]
+    if len(image) != 2 or weight[1] is None or None in grad[2:]:
+        return None
+    attrs = {a.name: list(a.ints) for a in node.attribute if a.type == onnx.AttributeProto.INTS}
+    strides, pads = attrs.get("strides", [1, 1]), attrs.get("pads", [0] * 4)
+    dilations = attrs.get("dilations", [1, 1])
+    term = Col2ImTerm(
+        f"{node.output[0]}_native_columns",
+        _pair(kernel),
+        _pair(grad[2:]),
+        _pair(strides),
+        _pair(pads[:2]),
+        _pair(dilations),
+    )
+    out = shapes.get(node.output[0])
+    if out is not None and list(out[1:]) != [weight[1], *image]:
+        return None
+    return _Transposed(term, int(filters), int(weight[1]), _pair(image))
+
+
+def _pair(values: Sequence[int | None]) -> Pair:
+    return int(values[0] or 0), int(values[1] or 0)
+
+
+def _match(
+    g: conv_grads.GraphIndex,
+    first: int,
+    transposed: Mapping[int, _Transposed],
+    claimed: set[int],
+    shapes: Mapping[str, list[int | None]],
+) -> tuple[Col2ImSum, set[int]]:
+    """The kernel that finishes the ConvTranspose at ``first``: with the Sum that is the only
+    reader of its output (and of the other ConvTransposes it adds), and the Relu mask product
+    that is the only reader of the result, where their shapes allow."""
+    own = transposed[first]
+    members, addends, out = [first], list[str](), g.nodes[first].output[0]
+    nodes = {first}
+    reader = _only_reader(g, out)
+    if reader is not None and reader not in claimed and g.nodes[reader].op_type in ("Sum", "Add"):
+        total = g.nodes[reader]
+        inputs = [v for v in total.input if v]
+        ours = [
+            g.producer[v] for v in inputs
+            if g.producer.get(v) in transposed and g.producer[v] not in claimed
+            and _only_reader(g, v) == reader
+            and transposed[g.producer[v]].channels == own.channels
+            and transposed[g.producer[v]].image == own.image
+        ]  # fmt: skip
+        others = [v for v in inputs if g.producer.get(v) not in ours]
+        if all(_same(shapes.get(v), shapes.get(total.output[0])) for v in others):
+            members, addends, out = sorted(ours), others, total.output[0]
+            nodes = set(members) | {reader}
+    gate = None
+    reader = _only_reader(g, out)
+    if reader is None or reader in claimed:
+        reader = None
+    if reader is not None and g.nodes[reader].op_type == "Mul" and len(g.nodes[reader].input) == 2:
+        product = g.nodes[reader]
+        other = product.input[1] if product.input[0] == out else product.input[0]
+        cast = g.producer.get(other)
+        greater = (
+            specialize._positive_test(g.nodes[cast], _producers(g), _constants(g))
+            if cast is not None and other != out
+            else None
+        )
+        if greater is not None and _same(shapes.get(greater.input[0]), shapes.get(out)):
+            gate, out = greater.input[0], product.output[0]
+            nodes.add(reader)
+            if cast is not None and cast not in claimed and _only_reader(g, other) == reader:
+                nodes.add(cast)
+                test = g.producer[greater.output[0]]
+                if test not in claimed and _only_reader(g, greater.output[0]) == cast:
+                    nodes.add(test)
+    kernel = Col2ImSum(
+        tuple(transposed[i].term for i in members),
+        tuple(addends),
+        gate,
+        out,
+        own.channels,
+        own.image,
+    )
+    return kernel, nodes
+
+
+def _only_reader(g: conv_grads.GraphIndex, value: str) -> int | None:
+    """The one node that reads ``value`` (once), where ``value`` is no graph output."""
+    readers = g.consumers.get(value, set())
+    if value in g.outputs or len(readers) != 1:
+        return None
+    (reader,) = readers
+    return reader if list(g.nodes[reader].input).count(value) == 1 else None
+
+
+def _same(a: Sequence[int | None] | None, b: Sequence[int | None] | None) -> bool:
+    """Whether two inferred shapes are one shape of rank 4, but perhaps for an unknown batch."""
+    if a is None or b is None or len(a) != 4 or len(b) != 4 or None in [*a[1:], *b[1:]]:
+        return False
+    return list(a[1:]) == list(b[1:]) and (a[0] is None or b[0] is None or a[0] == b[0])
+
+
+def _producers(g: conv_grads.GraphIndex) -> dict[str, onnx.NodeProto]:
+    return {name: g.nodes[i] for name, i in g.producer.items()}
+
+
+def _constants(g: conv_grads.GraphIndex) -> dict[str, onnx.TensorProto]:
+    constants: dict[str, onnx.TensorProto] = {}
+    for node in g.nodes:
+        if node.op_type == "Constant":
+            constants.update((node.output[0], a.t) for a in node.attribute if a.name == "value")
+    return constants
+
+
+def _with_columns(
+    model: onnx.ModelProto,
+    matches: list[tuple[Col2ImSum, set[int]]],
+    filters: Mapping[int, int],
+) -> tuple[onnx.ModelProto, dict[int, list[onnx.NodeProto]]]:
+    """``model`` with the columns of the matches' ConvTransposes written after its nodes (the
+    indices of its nodes stay), and the nodes written for each ConvTransposes."""
+    written = onnx.ModelProto()
+    written.CopyFrom(model)
+    columns: dict[int, list[onnx.NodeProto]] = {}
+    for i in sorted(i for _, nodes in matches for i in nodes if i in filters):
+        node = model.graph.node[i]
+        name = f"{node.output[0]}_native"
+        columns[i] = specialize.columns_nodes(written.graph, node, filters[i], name)
+        written.graph.node.extend(columns[i])
+    return written, columns
+
+
+def _verified(
+    model: onnx.ModelProto,
+    g: conv_grads.GraphIndex,
+    matches: list[tuple[Col2ImSum, set[int]]],
+    filters: Mapping[int, int],
+    shapes: Mapping[str, list[int | None]],
+) -> list[tuple[Col2ImSum, set[int]]]:
+    """The matches whose kernel computes what their nodes compute on random inputs (of the
+    model's batch, or 2 where it is open), all in two single-threaded onnxruntime sessions."""
+    written, written_columns = _with_columns(model, matches, filters)
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    checks = []
+    for kernel, nodes in matches:
+        replaced = [g.nodes[i] for i in sorted(nodes)]
+        columns = [n for i in sorted(nodes) for n in written_columns.get(i, [])]
+        reads = {v for n in replaced for v in n.input if v}
+        external = sorted(reads - {o for n in replaced for o in n.output} - g.constants)
+        dims = [shapes.get(v) for v in external]
+        if any(d is None or None in d[1:] for d in dims):
+            continue
+        for name, shape in zip(external, dims):
+            assert shape is not None
+            full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
+            feeds.setdefault(name, rng.standard_normal(full).astype(np.float32))
+        checks.append((kernel, nodes, replaced, columns))
+    if not checks:
+        return []
+    try:
+        original = [n for _, _, replaced, _ in checks for n in replaced]
+        wanted = [kernel.out for kernel, *_ in checks]
+        expected = dict(zip(wanted, conv_grads._run_subgraph(model, original, feeds, wanted)))
+        names = [t.columns for kernel, *_ in checks for t in kernel.terms]
+        new = [n for *_, columns in checks for n in columns]
+        reads = {v for n in new for v in n.input}
+        values = dict(feeds)
+        values.update(
+            zip(
+                names,
+                conv_grads._run_subgraph(
+                    written, new, {k: v for k, v in feeds.items() if k in reads}, names
+                ),
+            )
+        )
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return []
+    verified = []
+    for kernel, nodes, _, _ in checks:
+        got: dict[str, np.ndarray] = {}
+        try:
+            kernel.compute(values, got, 1)
+        except ValueError:  # shapes the kernel refuses
+            continue
+        want, result = expected[kernel.out], got[kernel.out]
+        scale = float(np.abs(want).max()) or 1.0
+        if result.shape == want.shape and bool(
+            np.abs(result - want).max() <= conv_grads._CHECK_RTOL * scale
+        ):
+            verified.append((kernel, nodes))
+    return verified
+
+
+__all__ = ["Col2ImSum", "Col2ImTerm", "split_col2ims"]
