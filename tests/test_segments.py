@@ -225,3 +225,18 @@ def test_models_with_subgraphs_are_not_cut():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert segments.split_batch_norm_grads(model) == []
     assert segments.split_max_pool_grads(model, []) == []
+
+
+def test_each_segment_writes_its_own_profile(tmp_path, monkeypatch):
+    # a segmented step creates its sessions within a moment: one file each
+    _, directory = _directory(tmp_path / "artifacts")
+    monkeypatch.chdir(tmp_path)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(
+        directory / "training_model.onnx", state, session_config=SessionConfig(profile=True)
+    )
+    rng = np.random.default_rng(0)
+    module(rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4))
+    runners = [r for r in module._train._runners if r is not None]
+    files = {r.session.end_profiling() for r in runners}
+    assert len(runners) > 1 and len(files) == len(runners)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -150,8 +151,13 @@ class SessionConfig:
         for key, value in entries.items():
             options.add_session_config_entry(key, str(value))
         options.enable_profiling = self.profile
+        if self.profile:  # one file per session: a segmented step creates several at once
+            options.profile_file_prefix = f"onnxruntime_profile_{next(_profiles)}"
         options.enable_cpu_mem_arena = self.memory_arena
         return options
+
+
+_profiles = itertools.count()
 
 
 def create_session(
