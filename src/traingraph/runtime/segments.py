@@ -411,7 +411,7 @@ def find_kernels(
     :func:`~traingraph.runtime.masks.split_dropout_masks` and
     :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
-    the last ones read written after its nodes."""
+    the Col2Im kernels read written after its nodes."""
     kernels: list[tuple[Kernel, set[int]]] = []
     kernels += split_batch_norm_grads(model, forward)
     kernels += split_max_pool_grads(model, weight_grads, forward)
@@ -448,6 +448,16 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
     kept = [node for i, node in enumerate(graph.node) if i not in removed]
+    # a Constant goes into every segment that reads it, as an initializer would, unless a
+    # kernel reads it or it is a graph output
+    outside = {o.name for o in graph.output} | {v for g, _ in grads for v in g.inputs}
+    constants = {
+        node.output[0]: node
+        for node in kept
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+        and not node.input and node.output[0] not in outside
+    }  # fmt: skip
+    kept = [node for node in kept if not node.output or node.output[0] not in constants]
     by_output = {o: k for k, (grad, _) in enumerate(grads) for o in grad.outputs}
     stage: dict[str, int] = {}
     kernel_stage = [0] * len(grads)
@@ -481,7 +491,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         for node in members:
             for v in node.input:
                 readers.setdefault(v, set()).add(s)
-    kept_outside = {o.name for o in graph.output} | {v for g, _ in grads for v in g.inputs}
+    kept_outside = outside
     initializers = {t.name: t for t in graph.initializer}
     graph_inputs = {i.name: i for i in graph.input}
     types = _types(model)
@@ -489,6 +499,8 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     plan_kernels: list[list[Kernel]] = []
     for s in range(last + 1):
         members = nodes_at.get(s, [])
+        needed = sorted({v for n in members for v in n.input if v in constants})
+        members = [constants[v] for v in needed] + members
         produced = {o for n in members for o in n.output if o}
         read = [v for n in members for v in n.input if v]
         inputs = sorted({v for v in read if v not in produced and v not in initializers})
