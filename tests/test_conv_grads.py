@@ -36,6 +36,10 @@ GEOMETRIES = [
     pytest.param((1, 3, 7, 7, 17, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="batch-1"),
     pytest.param((6, 2, 5, 5, 3, (5, 5), (1, 1), (4, 4), (1, 1), 1), id="pads-beyond-kernel"),
     pytest.param((2, 3, 40, 40, 9, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="chunk-of-one"),
+    # along a column stride of 2, rows are split into their phases in vectors of 16
+    pytest.param((3, 4, 40, 37, 5, (3, 3), (2, 2), (1, 1), (1, 1), 1), id="stride-2-wide"),
+    pytest.param((2, 3, 35, 70, 4, (5, 5), (1, 2), (3, 2), (1, 1), 1), id="stride-2-padded"),
+    pytest.param((2, 4, 12, 66, 6, (3, 3), (2, 2), (1, 0), (1, 2), 2), id="stride-2-grouped"),
 ]
 
 

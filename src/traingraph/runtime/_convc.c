@@ -10,9 +10,10 @@
  * contraction over (n, u, v) becomes one dot product of two contiguous rows per (m, c, i, j),
  * where dY is copied into the same pitch with zeros in the pitch's extra columns. Along an axis
  * of stride 1, neighbouring rows (and samples) share their zero padding, so fewer of the sums'
- * terms are zeros (an 8x8 output with 3x3 windows: 81 places per sample instead of 100). The
- * dot products run in 4 x 4 blocks of 16-float vectors, with the chunk sized to stay in the L2
- * cache. Samples are split across a pool of persistent worker threads, each summing into its
+ * terms are zeros (an 8x8 output with 3x3 windows: 81 places per sample instead of 100); along
+ * a column stride of 2 each row is split into its two phases with vector shuffles. The dot
+ * products run in 4 x 4 blocks of 16-float vectors, whose 16 sums are reduced together in
+ * four levels of shuffles, with the chunk sized to stay in the L2 cache. Samples are split across a pool of persistent worker threads, each summing into its
  * own buffer; the caller adds the buffers at the end.
  *
  * The same pool runs the other kernels here (for traingraph.runtime.segments): a max-pool
@@ -71,6 +72,35 @@ static inline float hsum(v16 a)
     return s;
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+typedef int v16i __attribute__((vector_size(64)));
+
+/* The 16 lane sums of a[0..15] in one vector, lane i holding a[rev(i)] (rev reverses the 4
+ * bits of i): four levels of pairwise shuffles and adds, halving the partial sums each time,
+ * instead of 16 sums of 16 lanes one by one. */
+static inline __attribute__((always_inline)) v16 reduce16(const v16 *a)
+{
+    const v16i h1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i h2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i h3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i h4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    v16 c[8], e[4], f[2];
+    for (int j = 0; j < 8; j++) {
+        c[j] = __builtin_shuffle(a[2 * j], a[2 * j + 1], h1) +
+               __builtin_shuffle(a[2 * j], a[2 * j + 1], h1 + 8);
+    }
+    for (int j = 0; j < 4; j++) {
+        e[j] = __builtin_shuffle(c[2 * j], c[2 * j + 1], h2) +
+               __builtin_shuffle(c[2 * j], c[2 * j + 1], h2 + 4);
+    }
+    for (int j = 0; j < 2; j++) {
+        f[j] = __builtin_shuffle(e[2 * j], e[2 * j + 1], h3) +
+               __builtin_shuffle(e[2 * j], e[2 * j + 1], h3 + 2);
+    }
+    return __builtin_shuffle(f[0], f[1], h4) + __builtin_shuffle(f[0], f[1], h4 + 1);
+}
+#endif
+
 /* d[m * ldd + k] += sum_{l < len} a[m * lda + l] * b[boff[k] + l] for m < rows, k < cols.
  * a is 64-byte aligned with lda and len multiples of 16; b's rows may start anywhere. */
 TARGETS static void dot_rows(const float *a, Py_ssize_t lda, const float *b, const Py_ssize_t *boff,
@@ -97,11 +127,21 @@ TARGETS static void dot_rows(const float *a, Py_ssize_t lda, const float *b, con
                 s20 += x2 * y0; s21 += x2 * y1; s22 += x2 * y2; s23 += x2 * y3;
                 s30 += x3 * y0; s31 += x3 * y1; s32 += x3 * y2; s33 += x3 * y3;
             }
+#if defined(__GNUC__) && !defined(__clang__)
+            /* in bit-reversed order, which the reduction turns into row-major lanes */
+            const v16 sums[16] = {s00, s20, s10, s30, s02, s22, s12, s32,
+                                  s01, s21, s11, s31, s03, s23, s13, s33};
+            const v16 r = reduce16(sums);
+            for (int i = 0; i < 16; i++) {
+                d[(m + i / 4) * ldd + k + i % 4] += r[i];
+            }
+#else
             const v16 sums[16] = {s00, s01, s02, s03, s10, s11, s12, s13,
                                   s20, s21, s22, s23, s30, s31, s32, s33};
             for (int i = 0; i < 16; i++) {
                 d[(m + i / 4) * ldd + k + i % 4] += hsum(sums[i]);
             }
+#endif
         }
         for (; k < cols; k++) {
             for (int i = 0; i < 4; i++) {
@@ -158,6 +198,66 @@ static int reserve(struct scratch *s, size_t floats, size_t offsets)
 
 static inline Py_ssize_t round16(Py_ssize_t v) { return (v + 15) & ~(Py_ssize_t)15; }
 
+/* Along a column stride of 2: the rows of channel `ch`'s samples [n, n + count), row phase
+ * a, split into the even and odd column phases outs[0] and outs[1] (either NULL where the
+ * kernel reads no such phase), each row of `pitch` with zeros outside the image: phase b's
+ * place v holds column 2 v + b - p1. `line` holds 2 round16(pitch) + 32 floats. */
+TARGETS static void split_rows(const struct conv *cv, float *outs[2], float *line, Py_ssize_t ch,
+                               Py_ssize_t n, Py_ssize_t count, Py_ssize_t a, Py_ssize_t rows,
+                               Py_ssize_t pitch, Py_ssize_t area, Py_ssize_t plane)
+{
+    const Py_ssize_t hw = cv->h * cv->w, p1 = cv->pad[1], span = 2 * round16(pitch);
+    /* line[j] = column j - p1 of the row, 0 outside it */
+    const Py_ssize_t lo = p1 < span ? p1 : span;
+    Py_ssize_t hi = cv->w + p1 < span ? cv->w + p1 : span;
+    hi = hi > lo ? hi : lo;
+    memset(line, 0, sizeof(float) * (size_t)(span + 32));
+    for (Py_ssize_t t = 0; t < count; t++) {
+        const float *src = cv->x + ((n + t) * cv->c + ch) * hw;
+        for (Py_ssize_t u = 0; u < rows; u++) {
+            const Py_ssize_t ih = u * cv->stride[0] + a - cv->pad[0];
+            float *dst[2];
+            for (int b = 0; b < 2; b++) {
+                dst[b] = outs[b] != NULL ? outs[b] + t * area + u * pitch : NULL;
+            }
+            if (ih < 0 || ih >= cv->h) {
+                for (int b = 0; b < 2; b++) {
+                    if (dst[b] != NULL) {
+                        memset(dst[b], 0, sizeof(float) * (size_t)pitch);
+                    }
+                }
+                continue;
+            }
+            memcpy(line + lo, src + ih * cv->w + lo - p1, sizeof(float) * (size_t)(hi - lo));
+            Py_ssize_t v = 0;
+#if defined(__GNUC__) && !defined(__clang__)
+            const v16i evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+            for (; v + 16 <= pitch; v += 16) {
+                const v16 x0 = *(const v16u *)(line + 2 * v), x1 = *(const v16u *)(line + 2 * v + 16);
+                if (dst[0] != NULL) {
+                    *(v16u *)(dst[0] + v) = __builtin_shuffle(x0, x1, evens);
+                }
+                if (dst[1] != NULL) {
+                    *(v16u *)(dst[1] + v) = __builtin_shuffle(x0, x1, evens + 1);
+                }
+            }
+#endif
+            for (; v < pitch; v++) {
+                for (int b = 0; b < 2; b++) {
+                    if (dst[b] != NULL) {
+                        dst[b][v] = line[2 * v + b];
+                    }
+                }
+            }
+        }
+    }
+    for (int b = 0; b < 2; b++) {
+        if (outs[b] != NULL) {
+            memset(outs[b] + count * area, 0, sizeof(float) * (size_t)(plane - count * area));
+        }
+    }
+}
+
 /* dw (zeroed here) = the weight gradient of samples [n0, n1) of `cv`. */
 static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize_t n1,
                         struct scratch *scratch)
@@ -206,17 +306,33 @@ static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssiz
     }
     const Py_ssize_t plane = round16(round16(per_chunk * area) + slack);
     const Py_ssize_t max_len = round16(per_chunk * area);
-    if (reserve(scratch, (size_t)(plane * used * cg + max_len * mg), (size_t)k_count) < 0) {
+    const Py_ssize_t line_len = 2 * round16(pitch) + 32; /* a padded input row (s1 = 2) */
+    if (reserve(scratch, (size_t)(plane * used * cg + max_len * mg + line_len),
+                (size_t)k_count) < 0) {
         return -1;
     }
     float *planes = scratch->data, *grads = planes + plane * used * cg;
+    float *line_buffer = grads + max_len * mg;
     Py_ssize_t *offsets = scratch->offsets;
     const Py_ssize_t hw = cv->h * cv->w, ohw = cv->oh * cv->ow;
     for (Py_ssize_t g = 0; g < g_count; g++) {
         for (Py_ssize_t n = n0; n < n1; n += per_chunk) {
             const Py_ssize_t count = n1 - n < per_chunk ? n1 - n : per_chunk;
             const Py_ssize_t len = round16(count * area);
-            for (Py_ssize_t c = 0; c < cg; c++) {
+            for (Py_ssize_t c = 0; c < cg && s1 == 2; c++) {
+                for (Py_ssize_t a = 0; a < s0; a++) {
+                    float *outs[2] = {NULL, NULL};
+                    for (int b = 0; b < 2; b++) {
+                        outs[b] = slot[a * 2 + b] < 0 ? NULL
+                                                      : planes + (c * used + slot[a * 2 + b]) * plane;
+                    }
+                    if (outs[0] != NULL || outs[1] != NULL) {
+                        split_rows(cv, outs, line_buffer, g * cg + c, n, count, a, rows, pitch,
+                                   area, plane);
+                    }
+                }
+            }
+            for (Py_ssize_t c = 0; c < cg && s1 != 2; c++) {
                 for (Py_ssize_t a = 0; a < s0; a++) {
                     for (Py_ssize_t b = 0; b < s1; b++) {
                         const int k = slot[a * s1 + b];
@@ -648,7 +764,9 @@ struct bn {
     double eps;
 };
 
+#if !defined(__GNUC__) || defined(__clang__)
 typedef int v16i __attribute__((vector_size(64)));
+#endif
 
 static inline v16 relu_gate(v16 dy, v16 y)
 {
