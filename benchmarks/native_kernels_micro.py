@@ -1,0 +1,162 @@
+"""Time traingraph's native convolution kernels against their peers on the benchmark models'
+convolutions, alternating in one process.
+
+- ``weight``: the native weight gradient (``_convc.weight_grads``) against PyTorch's
+  ``torch.nn.grad.conv2d_weight`` (oneDNN) on the same threads;
+- ``col2im``: the native column sum (``_convc.col2im_sum``, :mod:`traingraph.runtime.col2im`)
+  against onnxruntime's ``Col2Im``, for the strided input gradients of ResNet-8 (batch 32) and
+  the unpadded one of LeNet's second convolution (batch 64).
+
+Each result is checked against the peer's before it is timed. Figures are medians of
+``--repeats`` calls, the systems taking turns in chunks of 5.
+
+Usage:
+    python benchmarks/native_kernels_micro.py [--threads 2] [--repeats 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from traingraph.runtime import conv_grads
+
+# batch, channels, size, filters, kernel, stride, pad
+WEIGHT_CASES = [
+    (32, 3, 32, 16, 3, 1, 1), (32, 16, 32, 16, 3, 1, 1), (32, 16, 32, 32, 3, 2, 1),
+    (32, 32, 16, 32, 3, 1, 1), (32, 16, 32, 32, 1, 2, 0), (32, 32, 16, 64, 3, 2, 1),
+    (32, 64, 8, 64, 3, 1, 1), (32, 32, 16, 64, 1, 2, 0), (64, 1, 28, 6, 5, 1, 0),
+    (64, 6, 12, 16, 5, 1, 0),
+]  # fmt: skip
+# batch, channels, image, kernel, stride, pad: the input gradient's Col2Im
+COL2IM_CASES = [
+    (32, 16, 32, 3, 2, 1), (32, 16, 32, 1, 2, 0), (32, 32, 16, 3, 2, 1), (32, 32, 16, 1, 2, 0),
+    (64, 6, 12, 5, 1, 0),
+]  # fmt: skip
+
+
+def _alternate(systems: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per call of each system, the systems taking turns in chunks of 5."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for run in systems.values():
+        for _ in range(3):
+            run()
+    for _ in range(max(1, repeats // 5)):
+        for name, run in systems.items():
+            for _ in range(5):
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+
+
+def _weight_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
+    """The native kernel and PyTorch on one convolution, checked against each other."""
+    import torch
+
+    n, c, h, m, k, s, p = case
+    rng = np.random.default_rng(0)
+    oh = (h + 2 * p - k) // s + 1
+    x = rng.standard_normal((n, c, h, h)).astype(np.float32)
+    dy = rng.standard_normal((n, m, oh, oh)).astype(np.float32)
+    dw = np.empty((m, c, k, k), np.float32)
+    xt, dyt = torch.from_numpy(x), torch.from_numpy(dy)
+
+    def native() -> None:
+        conv_grads._native.weight_grads([(x, dy, dw, (s, s), (p, p), (1, 1), 1)], threads)
+
+    def peer() -> object:
+        return torch.nn.grad.conv2d_weight(xt, dw.shape, dyt, stride=s, padding=p)
+
+    native()
+    want = torch.nn.grad.conv2d_weight(xt, dw.shape, dyt, stride=s, padding=p).numpy()
+    np.testing.assert_allclose(dw, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+    return {"native": native, "peer": peer}
+
+
+def weight_gradients(threads: int, repeats: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    print("| conv (N C H -> M k s) | native ms | torch ms | torch / native | native GFLOP/s |")
+    print("|---|---|---|---|---|")
+    for case in WEIGHT_CASES:
+        n, c, h, m, k, s, p = case
+        t = _alternate(_weight_case(case, threads), repeats)
+        oh = (h + 2 * p - k) // s + 1
+        flops = 2 * n * m * oh * oh * c * k * k
+        print(f"| {n}x{c}x{h} -> {m} k{k} s{s} | {t['native']:.3f} | {t['peer']:.3f} |"
+              f" {t['peer'] / t['native']:.2f}x | {flops / t['native'] / 1e6:.0f} |")  # fmt: skip
+
+
+def _col2im_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
+    """The native column sum and onnxruntime's Col2Im on one image, checked against each
+    other."""
+    n, c, h, k, s, p = case
+    grid = (h + 2 * p - k) // s + 1
+    cols = np.random.default_rng(0).standard_normal((n, c * k * k, grid * grid))
+    cols = cols.astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Col2Im", ["cols", "image", "block"], ["y"], strides=[s, s],
+                          pads=[p] * 4)],
+        "col2im",
+        [helper.make_tensor_value_info("cols", TensorProto.FLOAT, list(cols.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([h, h], np.int64), "image"),
+         numpy_helper.from_array(np.array([k, k], np.int64), "block")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    out = np.empty((n, c, h, h), np.float32)
+    term = (cols, (k, k), (grid, grid), (s, s), (p, p), (1, 1))
+
+    def native() -> None:
+        conv_grads._native.col2im_sum(out, [term], [], None, threads)
+
+    def peer() -> object:
+        return session.run(None, {"cols": cols})[0]
+
+    native()
+    np.testing.assert_allclose(out, session.run(None, {"cols": cols})[0], rtol=1e-5, atol=1e-5)
+    return {"native": native, "peer": peer}
+
+
+def col2im(threads: int, repeats: int) -> None:
+    print("| image (N C H, k s) | native ms | onnxruntime ms | onnxruntime / native |")
+    print("|---|---|---|---|")
+    for case in COL2IM_CASES:
+        n, c, h, k, s, _ = case
+        t = _alternate(_col2im_case(case, threads), repeats)
+        print(f"| {n}x{c}x{h}, k{k} s{s} | {t['native']:.3f} | {t['peer']:.3f} |"
+              f" {t['peer'] / t['native']:.2f}x |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--kernels", nargs="+", choices=["weight", "col2im"],
+                        default=["weight", "col2im"])  # fmt: skip
+    args = parser.parse_args()
+    if conv_grads._native is None:
+        raise SystemExit("traingraph.runtime._convc was not built (no C compiler at install time)")
+    if "weight" in args.kernels:
+        weight_gradients(args.threads, args.repeats)
+    if "col2im" in args.kernels:
+        print()
+        col2im(args.threads, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
