@@ -471,6 +471,13 @@ static int float32_array(PyObject *obj, Py_buffer *view, int ndim, int writable,
     return 0;
 }
 
+static void release_views(Py_buffer *views, Py_ssize_t held)
+{
+    for (Py_ssize_t k = 0; k < held; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+}
+
 PyDoc_STRVAR(weight_grads_doc,
 "weight_grads(convs, threads)\n--\n\n"
 "Write the weight gradient of each 2-D convolution in ``convs`` into its ``dw``.\n\n"
@@ -573,9 +580,7 @@ static PyObject *weight_grads(PyObject *self, PyObject *args)
     }
     result = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
+    release_views(views, held);
     free(partials);
     free(views);
     free(convs);
@@ -744,9 +749,7 @@ static PyObject *route_max_pool(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    for (int k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
+    release_views(views, held);
     return result;
 }
 
@@ -1359,9 +1362,7 @@ static PyObject *col2im_sum(PyObject *self, PyObject *args)
     }
     result = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t k = 0; k < held; k++) {
-        PyBuffer_Release(&views[k]);
-    }
+    release_views(views, held);
     free(runs);
     free(views);
     free(ts);

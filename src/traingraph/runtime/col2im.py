@@ -124,18 +124,23 @@ def split_col2ims(
         for i, n in enumerate(g.nodes)
         if i not in taken and (t := _term(n, shapes, types)) is not None
     }
+    producers, _, _ = specialize._dataflow(model.graph)
+    constants = specialize._constants(model.graph)
     matches: list[tuple[Col2ImSum, set[int]]] = []
     claimed = set(taken)
     for i in transposed:
         if i not in claimed:
-            match = _match(g, i, transposed, claimed, shapes)
+            match = _match(g, i, transposed, claimed, shapes, producers, constants)
             claimed |= match[1]
             matches.append(match)
     filters = {i: t.filters for i, t in transposed.items()}
-    verified = _verified(model, g, matches, filters, shapes)
+    written, columns = _with_columns(model, matches, filters)
+    verified = _verified(model, g, matches, shapes, written, columns)
     if not verified:
         return model, []
-    return _with_columns(model, verified, filters)[0], verified
+    if len(verified) < len(matches):  # the columns of the refused ones stay unwritten
+        written = _with_columns(model, verified, filters)[0]
+    return written, verified
 
 
 @dataclass(frozen=True)
@@ -162,25 +167,22 @@ def _term(
     grad, weight = shapes[node.input[0]], shapes[node.input[1]]
     if len(image) != 2 or weight[1] is None or None in grad[2:]:
         return None
+    grid = [int(d or 0) for d in grad[2:]]
     attrs = {a.name: list(a.ints) for a in node.attribute if a.type == onnx.AttributeProto.INTS}
     strides, pads = attrs.get("strides", [1, 1]), attrs.get("pads", [0] * 4)
     dilations = attrs.get("dilations", [1, 1])
     term = Col2ImTerm(
         f"{node.output[0]}_native_columns",
-        _pair(kernel),
-        _pair(grad[2:]),
-        _pair(strides),
-        _pair(pads[:2]),
-        _pair(dilations),
+        conv_grads._pair(kernel),
+        conv_grads._pair(grid),
+        conv_grads._pair(strides),
+        conv_grads._pair(pads[:2]),
+        conv_grads._pair(dilations),
     )
     out = shapes.get(node.output[0])
     if out is not None and list(out[1:]) != [weight[1], *image]:
         return None
-    return _Transposed(term, int(filters), int(weight[1]), _pair(image))
-
-
-def _pair(values: Sequence[int | None]) -> Pair:
-    return int(values[0] or 0), int(values[1] or 0)
+    return _Transposed(term, int(filters), int(weight[1]), conv_grads._pair(image))
 
 
 def _match(
@@ -189,48 +191,48 @@ def _match(
     transposed: Mapping[int, _Transposed],
     claimed: set[int],
     shapes: Mapping[str, list[int | None]],
+    producers: dict[str, onnx.NodeProto],
+    constants: dict[str, onnx.TensorProto],
 ) -> tuple[Col2ImSum, set[int]]:
     """The kernel that finishes the ConvTranspose at ``first``: with the Sum that is the only
-    reader of its output (and of the other ConvTransposes it adds), and the Relu mask product
-    that is the only reader of the result, where their shapes allow."""
+    reader of its output (and of the other ConvTransposes it adds, each once), and the Relu
+    mask product that is the only reader of the result, where their shapes allow."""
     own = transposed[first]
     members, addends, out = [first], list[str](), g.nodes[first].output[0]
     nodes = {first}
-    reader = _only_reader(g, out)
+    reader = g.only_reader(out)
     if reader is not None and reader not in claimed and g.nodes[reader].op_type in ("Sum", "Add"):
         total = g.nodes[reader]
         inputs = [v for v in total.input if v]
         ours = [
             g.producer[v] for v in inputs
             if g.producer.get(v) in transposed and g.producer[v] not in claimed
-            and _only_reader(g, v) == reader
+            and g.only_reader(v) == reader and inputs.count(v) == 1
             and transposed[g.producer[v]].channels == own.channels
             and transposed[g.producer[v]].image == own.image
         ]  # fmt: skip
         others = [v for v in inputs if g.producer.get(v) not in ours]
-        if all(_same(shapes.get(v), shapes.get(total.output[0])) for v in others):
+        if first in ours and all(_same(shapes.get(v), shapes.get(total.output[0])) for v in others):
             members, addends, out = sorted(ours), others, total.output[0]
             nodes = set(members) | {reader}
     gate = None
-    reader = _only_reader(g, out)
-    if reader is None or reader in claimed:
-        reader = None
-    if reader is not None and g.nodes[reader].op_type == "Mul" and len(g.nodes[reader].input) == 2:
-        product = g.nodes[reader]
+    reader = g.only_reader(out)
+    product = g.nodes[reader] if reader is not None and reader not in claimed else None
+    if product is not None and product.op_type == "Mul" and len(product.input) == 2:
         other = product.input[1] if product.input[0] == out else product.input[0]
         cast = g.producer.get(other)
         greater = (
-            specialize._positive_test(g.nodes[cast], _producers(g), _constants(g))
+            specialize._positive_test(g.nodes[cast], producers, constants)
             if cast is not None and other != out
             else None
         )
         if greater is not None and _same(shapes.get(greater.input[0]), shapes.get(out)):
             gate, out = greater.input[0], product.output[0]
-            nodes.add(reader)
-            if cast is not None and cast not in claimed and _only_reader(g, other) == reader:
+            nodes.add(g.producer[product.output[0]])
+            if cast is not None and cast not in claimed and g.only_reader(other) == reader:
                 nodes.add(cast)
                 test = g.producer[greater.output[0]]
-                if test not in claimed and _only_reader(g, greater.output[0]) == cast:
+                if test not in claimed and g.only_reader(greater.output[0]) == cast:
                     nodes.add(test)
     kernel = Col2ImSum(
         tuple(transposed[i].term for i in members),
@@ -243,32 +245,11 @@ def _match(
     return kernel, nodes
 
 
-def _only_reader(g: conv_grads.GraphIndex, value: str) -> int | None:
-    """The one node that reads ``value`` (once), where ``value`` is no graph output."""
-    readers = g.consumers.get(value, set())
-    if value in g.outputs or len(readers) != 1:
-        return None
-    (reader,) = readers
-    return reader if list(g.nodes[reader].input).count(value) == 1 else None
-
-
 def _same(a: Sequence[int | None] | None, b: Sequence[int | None] | None) -> bool:
     """Whether two inferred shapes are one shape of rank 4, but perhaps for an unknown batch."""
     if a is None or b is None or len(a) != 4 or len(b) != 4 or None in [*a[1:], *b[1:]]:
         return False
     return list(a[1:]) == list(b[1:]) and (a[0] is None or b[0] is None or a[0] == b[0])
-
-
-def _producers(g: conv_grads.GraphIndex) -> dict[str, onnx.NodeProto]:
-    return {name: g.nodes[i] for name, i in g.producer.items()}
-
-
-def _constants(g: conv_grads.GraphIndex) -> dict[str, onnx.TensorProto]:
-    constants: dict[str, onnx.TensorProto] = {}
-    for node in g.nodes:
-        if node.op_type == "Constant":
-            constants.update((node.output[0], a.t) for a in node.attribute if a.name == "value")
-    return constants
 
 
 def _with_columns(
@@ -293,12 +274,14 @@ def _verified(
     model: onnx.ModelProto,
     g: conv_grads.GraphIndex,
     matches: list[tuple[Col2ImSum, set[int]]],
-    filters: Mapping[int, int],
     shapes: Mapping[str, list[int | None]],
+    written: onnx.ModelProto,
+    written_columns: Mapping[int, list[onnx.NodeProto]],
 ) -> list[tuple[Col2ImSum, set[int]]]:
     """The matches whose kernel computes what their nodes compute on random inputs (of the
-    model's batch, or 2 where it is open), all in two single-threaded onnxruntime sessions."""
-    written, written_columns = _with_columns(model, matches, filters)
+    model's batch, or 2 where it is open), all in two single-threaded onnxruntime sessions;
+    ``written`` is ``model`` with every match's columns (``written_columns``, by
+    ConvTranspose)."""
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
     checks = []

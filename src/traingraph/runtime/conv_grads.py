@@ -505,6 +505,13 @@ class GraphIndex:
             stack.pop()
         return memo[value]
 
+    def only_reader(self, value: str) -> int | None:
+        """The one node that reads ``value``, where ``value`` is no graph output; else None."""
+        readers = self.consumers.get(value, set())
+        if len(readers) != 1 or value in self.outputs:
+            return None
+        return next(iter(readers))
+
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
         """The nodes of ``cone`` computed from ``sources`` and constants alone."""
         known = set(sources) | self.constants

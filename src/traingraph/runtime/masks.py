@@ -126,21 +126,21 @@ def _match(
         return None
     # Less -> shape ops -> Cast(float) [-> Mul(scale)]: the mask
     chain, roots, value = [less], [node.input[0]], node.output[0]
-    step = _only_reader(g, value)
+    step = g.only_reader(value)
     while step is not None and g.nodes[step].op_type in conv_grads.SHAPE_OPS:
         if g.nodes[step].input[0] != value:
             return None
         chain.append(step)
         roots += [v for v in g.nodes[step].input[1:] if v]
         value = g.nodes[step].output[0]
-        step = _only_reader(g, value)
+        step = g.only_reader(value)
     if step is None or g.nodes[step].op_type != "Cast":
         return None
     if _cast_to(g.nodes[step]) != conv_grads.FLOAT:
         return None
     chain.append(step)
     value, scale = g.nodes[step].output[0], 1.0
-    step = _only_reader(g, value)
+    step = g.only_reader(value)
     if step is not None and g.nodes[step].op_type == "Mul":
         other = [v for v in g.nodes[step].input if v != value]
         factor = constants.get(other[0]) if len(other) == 1 else None
@@ -187,13 +187,6 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]
 def _cast_to(node: onnx.NodeProto) -> int | None:
     """A Cast's target type."""
     return next((int(a.i) for a in node.attribute if a.name == "to"), None)
-
-
-def _only_reader(g: conv_grads.GraphIndex, value: str) -> int | None:
-    readers = g.consumers.get(value, set())
-    if len(readers) != 1 or value in g.outputs:
-        return None
-    return next(iter(readers))
 
 
 @dataclass

@@ -491,7 +491,6 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         for node in members:
             for v in node.input:
                 readers.setdefault(v, set()).add(s)
-    kept_outside = outside
     initializers = {t.name: t for t in graph.initializer}
     graph_inputs = {i.name: i for i in graph.input}
     types = _types(model)
@@ -505,7 +504,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         read = [v for n in members for v in n.input if v]
         inputs = sorted({v for v in read if v not in produced and v not in initializers})
         outputs = sorted(
-            o for o in produced if o in kept_outside or readers.get(o, set()) - {s}
+            o for o in produced if o in outside or readers.get(o, set()) - {s}
         )
         sub = helper.make_graph(
             members,
