@@ -5,7 +5,10 @@ convolutions, alternating in one process.
   ``torch.nn.grad.conv2d_weight`` (oneDNN) on the same threads;
 - ``col2im``: the native column sum (``_convc.col2im_sum``, :mod:`traingraph.runtime.col2im`)
   against onnxruntime's ``Col2Im``, for the strided input gradients of ResNet-8 (batch 32) and
-  the unpadded one of LeNet's second convolution (batch 64).
+  the unpadded one of LeNet's second convolution (batch 64);
+- ``direct``: the first convolution computed directly (``_convc.conv_direct``,
+  :mod:`traingraph.runtime.direct_conv`) against onnxruntime's ``Conv`` (and ``Relu``) with
+  every graph optimization, for LeNet's first layer and ResNet-8's stem.
 
 Each result is checked against the peer's before it is timed. Figures are medians of
 ``--repeats`` calls, the systems taking turns in chunks of 5.
@@ -30,14 +33,16 @@ from traingraph.runtime import conv_grads
 WEIGHT_CASES = [
     (32, 3, 32, 16, 3, 1, 1), (32, 16, 32, 16, 3, 1, 1), (32, 16, 32, 32, 3, 2, 1),
     (32, 32, 16, 32, 3, 1, 1), (32, 16, 32, 32, 1, 2, 0), (32, 32, 16, 64, 3, 2, 1),
-    (32, 64, 8, 64, 3, 1, 1), (32, 32, 16, 64, 1, 2, 0), (64, 1, 28, 6, 5, 1, 0),
-    (64, 6, 12, 16, 5, 1, 0),
+    (32, 64, 8, 64, 3, 1, 1), (32, 32, 16, 64, 1, 2, 0), (64, 1, 28, 6, 5, 1, 2),
+    (64, 6, 14, 16, 5, 1, 0),
 ]  # fmt: skip
 # batch, channels, image, kernel, stride, pad: the input gradient's Col2Im
 COL2IM_CASES = [
     (32, 16, 32, 3, 2, 1), (32, 16, 32, 1, 2, 0), (32, 32, 16, 3, 2, 1), (32, 32, 16, 1, 2, 0),
-    (64, 6, 12, 5, 1, 0),
+    (64, 6, 14, 5, 1, 0),
 ]  # fmt: skip
+# batch, channels, size, filters, kernel, pad, relu: a first convolution
+DIRECT_CASES = [(64, 1, 28, 6, 5, 2, True), (32, 3, 32, 16, 3, 1, False)]
 
 
 def _alternate(systems: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -142,12 +147,62 @@ def col2im(threads: int, repeats: int) -> None:
               f" {t['peer'] / t['native']:.2f}x |")  # fmt: skip
 
 
+def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
+    """The direct convolution and onnxruntime's on one layer, checked against each other."""
+    n, c, h, m, k, p, relu = case
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, h)).astype(np.float32)
+    w = rng.standard_normal((m, c, k, k)).astype(np.float32)
+    b = rng.standard_normal(m).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[p] * 4)]
+    nodes += [helper.make_node("Relu", ["c"], ["y"])] if relu else []
+    graph = helper.make_graph(
+        nodes,
+        "first_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y" if relu else "c", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    out = np.empty((n, m, h + 2 * p - k + 1, h + 2 * p - k + 1), np.float32)
+
+    def native() -> None:
+        conv_grads._native.conv_direct(x, w, b, out, (p, p), relu, threads)
+
+    def peer() -> object:
+        return session.run(None, {"x": x})[0]
+
+    native()
+    np.testing.assert_allclose(out, peer(), rtol=1e-4, atol=1e-4)
+    return {"native": native, "peer": peer}
+
+
+def direct(threads: int, repeats: int) -> None:
+    print("| conv (N C H -> M k, relu) | native ms | onnxruntime ms | onnxruntime / native |"
+          " native GFLOP/s |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for case in DIRECT_CASES:
+        n, c, h, m, k, p, relu = case
+        t = _alternate(_direct_case(case, threads), repeats)
+        flops = 2 * n * m * (h + 2 * p - k + 1) ** 2 * c * k * k
+        print(f"| {n}x{c}x{h} -> {m} k{k}{' relu' if relu else ''} | {t['native']:.3f} |"
+              f" {t['peer']:.3f} | {t['peer'] / t['native']:.2f}x |"
+              f" {flops / t['native'] / 1e6:.0f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--kernels", nargs="+", choices=["weight", "col2im"],
-                        default=["weight", "col2im"])  # fmt: skip
+    parser.add_argument("--kernels", nargs="+", choices=["weight", "col2im", "direct"],
+                        default=["weight", "col2im", "direct"])  # fmt: skip
     args = parser.parse_args()
     if conv_grads._native is None:
         raise SystemExit("traingraph.runtime._convc was not built (no C compiler at install time)")
@@ -156,6 +211,9 @@ def main() -> None:
     if "col2im" in args.kernels:
         print()
         col2im(args.threads, args.repeats)
+    if "direct" in args.kernels:
+        print()
+        direct(args.threads, args.repeats)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,6 @@ and against ``torch.autograd``."""
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
 import pytest
@@ -14,7 +11,7 @@ import torch
 from torch import nn
 
 from gradcheck import assert_same_training
-from torch_models import export, seeded
+from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import conv_grads, segments
@@ -96,24 +93,10 @@ class PoolNet(nn.Module):
         return self.fc(h.flatten(1))
 
 
-def _export_dynamo(model: nn.Module, example: torch.Tensor) -> onnx.ModelProto:
-    batch = torch.export.Dim("batch", min=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            model, (example,), dynamo=True, verbose=False, input_names=["x"],
-            output_names=["logits"], dynamic_shapes={"x": {0: batch}}, opset_version=18,
-        )  # fmt: skip
-    assert program is not None
-    buffer = io.BytesIO()
-    onnx.save(program.model_proto, buffer)
-    return onnx.load_from_string(buffer.getvalue())
-
-
 def _directory(tmp_path, dynamo=False, frozen=(), **kwargs):
     model = seeded(PoolNet, **kwargs)
     example = torch.zeros(2, 2, 12, 12)
-    onnx_model = _export_dynamo(model, example) if dynamo else export(model, example)
+    onnx_model = export_dynamo(model, example) if dynamo else export(model, example)
     params = [name for name, _ in model.named_parameters()]
     artifacts.generate_artifacts(
         onnx_model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 import onnx
@@ -80,6 +81,21 @@ def export(
         do_constant_folding=False,
         dynamo=False,
     )
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def export_dynamo(model: nn.Module, example: torch.Tensor) -> onnx.ModelProto:
+    """Export ``model`` with a dynamic batch axis (at least 2) with the dynamo exporter."""
+    batch = torch.export.Dim("batch", min=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model, (example,), dynamo=True, verbose=False, input_names=["x"],
+            output_names=["logits"], dynamic_shapes={"x": {0: batch}}, opset_version=18,
+        )  # fmt: skip
+    assert program is not None
+    buffer = io.BytesIO()
+    onnx.save(program.model_proto, buffer)
     return onnx.load_from_string(buffer.getvalue())
 
 

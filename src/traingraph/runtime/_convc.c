@@ -1372,12 +1372,250 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------ direct convolution forward */
+
+/* y = Conv(x, w, b) (then Relu where `relu`) with strides and dilations 1 and one group,
+ * computed directly: each output row is a sum over (c, i, j) of an input row shifted by j,
+ * times a filter tap. A block of up to 8 filters by up to 32 columns stays in 16 vector
+ * registers while the taps stream by, every input vector loaded once for the 8 filters. The
+ * rows a unit of work reads are copied with their zero padding into a slab first, so no load
+ * needs a bound. For the few input channels of a network's first layer, where onnxruntime's
+ * blocked convolution pads the filters to its block and reorders its output. */
+struct direct {
+    const float *x, *b;
+    float *y;
+    const float *taps; /* [ceil(M / 8)][C][KH][KW][8], zeros past M */
+    Py_ssize_t n, c, h, w, m, kh, kw, oh, ow, pad_top, pad_left;
+    Py_ssize_t rows;  /* output rows per unit of work */
+    Py_ssize_t pitch; /* floats per slab row */
+    int relu;
+};
+
+#define DIRECT_FILTERS 8
+#define DIRECT_VECTORS 2
+
+static struct scratch direct_scratch[MAX_THREADS];
+
+/* Filters [m0, m0 + mb) and columns [x0, x0 + valid) of an output row, at `out` for filter m0,
+ * from row `srow` of the slab on (mb <= 8; vb vectors cover valid <= 16 vb columns). */
+static inline __attribute__((always_inline)) void direct_block(
+    const struct direct *d, const float *slab, Py_ssize_t srow, const float *taps, float *out,
+    Py_ssize_t m0, Py_ssize_t x0, Py_ssize_t valid, const int mb, const int vb)
+{
+    v16 acc[DIRECT_FILTERS][DIRECT_VECTORS];
+    for (int f = 0; f < mb; f++) {
+        for (int v = 0; v < vb; v++) {
+            acc[f][v] = (v16){0};
+        }
+    }
+    const Py_ssize_t srows = d->rows + d->kh - 1;
+    for (Py_ssize_t c = 0; c < d->c; c++) {
+        for (Py_ssize_t i = 0; i < d->kh; i++) {
+            const float *row = slab + (c * srows + srow + i) * d->pitch + x0;
+            const float *tap = taps + (c * d->kh + i) * d->kw * DIRECT_FILTERS;
+            for (Py_ssize_t j = 0; j < d->kw; j++) {
+                v16 in[DIRECT_VECTORS];
+                for (int v = 0; v < vb; v++) {
+                    in[v] = *(const v16u *)(row + j + 16 * v);
+                }
+                for (int f = 0; f < mb; f++) {
+                    const float t = tap[j * DIRECT_FILTERS + f];
+                    for (int v = 0; v < vb; v++) {
+                        acc[f][v] += in[v] * t;
+                    }
+                }
+            }
+        }
+    }
+    const Py_ssize_t plane = d->oh * d->ow;
+    for (int f = 0; f < mb; f++) {
+        const float bias = d->b != NULL ? d->b[m0 + f] : 0.0f;
+        float *dst = out + f * plane + x0;
+        for (int v = 0; v < vb; v++) {
+            v16 r = acc[f][v] + bias;
+            if (d->relu) {
+                r = relu_gate(r, r);
+            }
+            const Py_ssize_t left = valid - 16 * v;
+            if (left >= 16) {
+                *(v16u *)(dst + 16 * v) = r;
+            }
+            else {
+                float tail[16] __attribute__((aligned(64)));
+                *(v16 *)tail = r;
+                memcpy(dst + 16 * v, tail, sizeof(float) * (size_t)left);
+            }
+        }
+    }
+}
+
+#define DIRECT_BLOCK(mb, vb)                                                                      \
+    TARGETS static void direct_block_##mb##_##vb(const struct direct *d, const float *slab,      \
+                                                 Py_ssize_t srow, const float *taps, float *out,  \
+                                                 Py_ssize_t m0, Py_ssize_t x0, Py_ssize_t valid)  \
+    {                                                                                             \
+        direct_block(d, slab, srow, taps, out, m0, x0, valid, mb, vb);                            \
+    }
+#define DIRECT_BLOCKS(mb) DIRECT_BLOCK(mb, 1) DIRECT_BLOCK(mb, 2)
+DIRECT_BLOCKS(1) DIRECT_BLOCKS(2) DIRECT_BLOCKS(3) DIRECT_BLOCKS(4)
+DIRECT_BLOCKS(5) DIRECT_BLOCKS(6) DIRECT_BLOCKS(7) DIRECT_BLOCKS(8)
+
+typedef void (*direct_fn)(const struct direct *, const float *, Py_ssize_t, const float *,
+                          float *, Py_ssize_t, Py_ssize_t, Py_ssize_t);
+#define DIRECT_ROW(mb) {direct_block_##mb##_1, direct_block_##mb##_2}
+static const direct_fn direct_blocks[DIRECT_FILTERS][DIRECT_VECTORS] = {
+    DIRECT_ROW(1), DIRECT_ROW(2), DIRECT_ROW(3), DIRECT_ROW(4),
+    DIRECT_ROW(5), DIRECT_ROW(6), DIRECT_ROW(7), DIRECT_ROW(8),
+};
+
+/* The slab of sample n for output rows [oy0, oy0 + rows): the input rows they read, each at
+ * column pad_left of a zeroed row of `pitch`, zero rows outside the image. */
+static void direct_slab(const struct direct *d, float *slab, Py_ssize_t n, Py_ssize_t oy0)
+{
+    const Py_ssize_t srows = d->rows + d->kh - 1;
+    for (Py_ssize_t c = 0; c < d->c; c++) {
+        const float *plane = d->x + (n * d->c + c) * d->h * d->w;
+        for (Py_ssize_t r = 0; r < srows; r++) {
+            float *dst = slab + (c * srows + r) * d->pitch;
+            const Py_ssize_t iy = oy0 + r - d->pad_top;
+            memset(dst, 0, sizeof(float) * (size_t)d->pitch);
+            if (iy >= 0 && iy < d->h) {
+                memcpy(dst + d->pad_left, plane + iy * d->w, sizeof(float) * (size_t)d->w);
+            }
+        }
+    }
+}
+
+static int direct_share(const void *arg, int t, int threads)
+{
+    const struct direct *d = arg;
+    const Py_ssize_t per_sample = (d->oh + d->rows - 1) / d->rows, units = d->n * per_sample;
+    const Py_ssize_t srows = d->rows + d->kh - 1;
+    if (reserve(&direct_scratch[t], (size_t)(d->c * srows * d->pitch), 0) < 0) {
+        return -1;
+    }
+    float *slab = direct_scratch[t].data;
+    const Py_ssize_t blocks = (d->m + DIRECT_FILTERS - 1) / DIRECT_FILTERS;
+    for (Py_ssize_t u = units * t / threads; u < units * (t + 1) / threads; u++) {
+        const Py_ssize_t n = u / per_sample, oy0 = u % per_sample * d->rows;
+        const Py_ssize_t oy1 = oy0 + d->rows < d->oh ? oy0 + d->rows : d->oh;
+        direct_slab(d, slab, n, oy0);
+        for (Py_ssize_t blk = 0; blk < blocks; blk++) {
+            const Py_ssize_t m0 = blk * DIRECT_FILTERS;
+            const Py_ssize_t mb = d->m - m0 < DIRECT_FILTERS ? d->m - m0 : DIRECT_FILTERS;
+            const float *taps = d->taps + blk * d->c * d->kh * d->kw * DIRECT_FILTERS;
+            for (Py_ssize_t oy = oy0; oy < oy1; oy++) {
+                float *out = d->y + ((n * d->m + m0) * d->oh + oy) * d->ow;
+                for (Py_ssize_t x0 = 0; x0 < d->ow; x0 += 16 * DIRECT_VECTORS) {
+                    const Py_ssize_t valid = d->ow - x0 < 32 ? d->ow - x0 : 32;
+                    direct_blocks[mb - 1][valid > 16](d, slab, oy - oy0, taps, out, m0, x0, valid);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(conv_direct_doc,
+"conv_direct(x, w, b, y, pads, relu, threads)\n--\n\n"
+"Write into ``y`` (float32, C-contiguous, ``[N, M, OH, OW]``) the convolution of ``x``\n"
+"``[N, C, H, W]`` with the filters ``w`` ``[M, C, KH, KW]`` and the bias ``b`` ``[M]`` (or\n"
+"None), strides and dilations 1, one group, begin ``pads`` (top, left); then Relu where\n"
+"``relu``. ``y``'s shape sets the end pads: ``OH = H + top + bottom - KH + 1``, likewise\n"
+"``OW``. ``threads`` threads share the samples and rows.");
+
+static PyObject *conv_direct(PyObject *self, PyObject *args)
+{
+    PyObject *objects[4];
+    Py_ssize_t top, left;
+    int relu, threads;
+    if (!PyArg_ParseTuple(args, "OOOO(nn)pi:conv_direct", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &top, &left, &relu, &threads)) {
+        return NULL;
+    }
+    static const char *names[4] = {"x", "w", "b", "y"};
+    static const int ranks[4] = {4, 4, 1, 4};
+    Py_buffer views[4];
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    float *taps = NULL;
+    for (int k = 0; k < 4; k++) {
+        if (objects[k] == Py_None && k == 2) {
+            continue;
+        }
+        if (float32_array(objects[k], &views[held], ranks[k], k == 3, "conv_direct: argument", k,
+                          names[k]) < 0) {
+            goto done;
+        }
+        held++;
+    }
+    const int has_bias = objects[2] != Py_None;
+    const Py_ssize_t *xs = views[0].shape, *ws = views[1].shape;
+    const Py_ssize_t *ys = views[has_bias ? 3 : 2].shape;
+    const Py_ssize_t n = xs[0], c = xs[1], h = xs[2], w = xs[3], m = ws[0], kh = ws[2], kw = ws[3];
+    const Py_ssize_t oh = ys[2], ow = ys[3];
+    const int fits = ws[1] == c && ys[0] == n && ys[1] == m && kh >= 1 && kw >= 1 && top >= 0 &&
+                     left >= 0 && oh >= 1 && ow >= 1 && oh + kh - 1 <= h + top + kh &&
+                     ow + kw - 1 <= w + left + kw && (!has_bias || views[2].shape[0] == m);
+    if (!fits) {
+        PyErr_Format(PyExc_ValueError,
+                     "conv_direct: x [%zd, %zd, %zd, %zd], w [%zd, %zd, %zd, %zd], y [%zd, %zd,"
+                     " %zd, %zd] and begin pads (%zd, %zd) are not one convolution; y must be"
+                     " [N, M, OH, OW] with w [M, C, KH, KW], b [M] and pads >= 0",
+                     n, c, h, w, ws[0], ws[1], kh, kw, ys[0], ys[1], oh, ow, top, left);
+        goto done;
+    }
+    const Py_ssize_t blocks = (m + DIRECT_FILTERS - 1) / DIRECT_FILTERS, area = c * kh * kw;
+    taps = calloc((size_t)(blocks * area * DIRECT_FILTERS + 1), sizeof(float));
+    if (taps == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const float *wv = views[1].buf;
+    for (Py_ssize_t f = 0; f < m; f++) {
+        float *dst = taps + f / DIRECT_FILTERS * area * DIRECT_FILTERS + f % DIRECT_FILTERS;
+        for (Py_ssize_t k = 0; k < area; k++) {
+            dst[k * DIRECT_FILTERS] = wv[f * area + k];
+        }
+    }
+    Py_ssize_t pitch = round16(ow) + kw - 1;
+    pitch = round16(pitch > left + w ? pitch : left + w);
+    if (n * m * oh * ow < ROUTE_PER_THREAD / 4 || threads < 1) {
+        threads = 1;
+    }
+    /* enough units for the threads, each slab within about half an L2 cache */
+    Py_ssize_t per_sample = (4 * threads + n - 1) / n;
+    Py_ssize_t rows = (oh + per_sample - 1) / per_sample;
+    const Py_ssize_t fit = (CHUNK_BYTES / 2 / (Py_ssize_t)sizeof(float)) / (c * pitch) - kh + 1;
+    rows = rows < fit ? rows : fit;
+    rows = rows > 1 ? rows : 1;
+    struct direct d = {
+        .x = views[0].buf, .b = has_bias ? views[2].buf : NULL, .y = views[held - 1].buf,
+        .taps = taps, .n = n, .c = c, .h = h, .w = w, .m = m, .kh = kh, .kw = kw, .oh = oh,
+        .ow = ow, .pad_top = top, .pad_left = left, .rows = rows, .pitch = pitch, .relu = relu,
+    };
+    int used;
+    Py_BEGIN_ALLOW_THREADS
+    used = pool_run(direct_share, &d, threads);
+    Py_END_ALLOW_THREADS
+    if (used < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_views(views, held);
+    free(taps);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},
     {"dropout_mask", dropout_mask, METH_VARARGS, dropout_mask_doc},
     {"col2im_sum", col2im_sum, METH_VARARGS, col2im_sum_doc},
+    {"conv_direct", conv_direct, METH_VARARGS, conv_direct_doc},
     {NULL, NULL, 0, NULL},
 };
 

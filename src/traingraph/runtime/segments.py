@@ -15,7 +15,9 @@ middle of the step:
 - a lowered Dropout's keep mask (:mod:`traingraph.runtime.masks`), which depends on the step's
   seed alone: every mask is written right after the seed is drawn;
 - a strided Conv's input gradient after its MatMul (:mod:`traingraph.runtime.col2im`): the
-  columns added into the image, with the Sum and Relu mask after them.
+  columns added into the image, with the Sum and Relu mask after them;
+- a first Conv of few input channels (and its Relu), computed directly before the first segment
+  (:mod:`traingraph.runtime.direct_conv`).
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -42,6 +44,7 @@ from onnx import helper
 from traingraph.runtime import conv_grads
 from traingraph.runtime.col2im import Col2ImSum, split_col2ims
 from traingraph.runtime.device import Device
+from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
 
@@ -398,8 +401,8 @@ def split_max_pool_grads(
     return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
 
 
-Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum
-"""A native kernel between two segments."""
+Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv
+"""A native kernel between two segments (or before the first)."""
 
 
 def find_kernels(
@@ -408,7 +411,8 @@ def find_kernels(
     forward: onnx.ModelProto | None = None,
 ) -> tuple[onnx.ModelProto, list[tuple[Kernel, set[int]]]]:
     """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads`,
-    :func:`~traingraph.runtime.masks.split_dropout_masks` and
+    :func:`~traingraph.runtime.masks.split_dropout_masks`,
+    :func:`~traingraph.runtime.direct_conv.split_direct_convs` and
     :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
     the Col2Im kernels read written after its nodes."""
@@ -416,9 +420,13 @@ def find_kernels(
     kernels += split_batch_norm_grads(model, forward)
     kernels += split_max_pool_grads(model, weight_grads, forward)
     kernels += split_dropout_masks(model)
-    taken = set().union(*(nodes for _, nodes in kernels)) if kernels else set()
-    model, found = split_col2ims(model, taken)
+    kernels += split_direct_convs(model, _taken(kernels))
+    model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
+
+
+def _taken(kernels: Sequence[tuple[Kernel, set[int]]]) -> set[int]:
+    return set().union(*(nodes for _, nodes in kernels)) if kernels else set()
 
 
 @dataclass
@@ -439,12 +447,20 @@ class Plan:
     kernels: list[list[Kernel]] = field(default_factory=list)
     other_inputs: list[onnx.ValueInfoProto] = field(default_factory=list)
     """The model inputs no segment reads (a kernel's, or the native weight gradients')."""
+    first: list[Kernel] = field(default_factory=list)
+    """The kernels that read only model inputs: they run before the first segment."""
+
+    @property
+    def all_kernels(self) -> list[Kernel]:
+        """Every kernel, in the order they run."""
+        return self.first + [k for ks in self.kernels for k in ks]
 
 
 def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]]) -> Plan:
     """``model`` without the nodes of ``grads``, cut into segments: a node goes into the
-    segment after the last kernel whose output it reads (transitively). The nodes need not be
-    in order where only kernels read a node's outputs (they may come last)."""
+    segment after the last kernel whose output it reads (transitively); a kernel that reads
+    only model inputs runs before the first segment. The nodes need not be in order where only
+    kernels read a node's outputs (they may come last)."""
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
     kept = [node for i, node in enumerate(graph.node) if i not in removed]
@@ -459,29 +475,31 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     }  # fmt: skip
     kept = [node for node in kept if not node.output or node.output[0] not in constants]
     by_output = {o: k for k, (grad, _) in enumerate(grads) for o in grad.outputs}
-    stage: dict[str, int] = {}
-    kernel_stage = [0] * len(grads)
+    stage = {o: 0 for node in kept for o in node.output if o}
+    kernel_stage = [-1] * len(grads)  # -1: before the first segment
 
     def value_stage(name: str) -> int:
         k = by_output.get(name)
-        return kernel_stage[k] + 1 if k is not None else stage.get(name, 0)
+        return kernel_stage[k] + 1 if k is not None else stage.get(name, -1)
+
+    def node_stage(node: onnx.NodeProto) -> int:
+        return max([0, *(value_stage(v) for v in node.input if v)])
 
     changed = True
     while changed:  # stages only grow; in order, the second pass changes nothing
         changed = False
         for node in kept:
-            s = max((value_stage(v) for v in node.input if v), default=0)
+            s = node_stage(node)
             for o in node.output:
-                if stage.get(o, 0) != s:
+                if o and stage[o] != s:
                     stage[o], changed = s, True
         for k, (grad, _) in enumerate(grads):
-            s = max((value_stage(v) for v in grad.inputs), default=0)
+            s = max((value_stage(v) for v in grad.inputs), default=-1)
             if kernel_stage[k] != s:
                 kernel_stage[k], changed = s, True
     nodes_at: dict[int, list[onnx.NodeProto]] = {}
     for node in kept:
-        s = max((value_stage(v) for v in node.input if v), default=0)
-        nodes_at.setdefault(s, []).append(node)
+        nodes_at.setdefault(node_stage(node), []).append(node)
     kernels: dict[int, list[Kernel]] = {}
     for k, (grad, _) in enumerate(grads):
         kernels.setdefault(kernel_stage[k], []).append(grad)
@@ -519,7 +537,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         plan_kernels.append(kernels.get(s, []))
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
-    return Plan(segments, plan_kernels, others)
+    return Plan(segments, plan_kernels, others, kernels.get(-1, []))
 
 
 def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -561,7 +579,7 @@ class SegmentedRunner:
             for s in plan.segments
         ]
         produced = {o for s in plan.segments for o in s.outputs}
-        produced |= {o for ks in plan.kernels for k in ks for o in k.outputs}
+        produced |= {o for k in plan.all_kernels for o in k.outputs}
         self.inputs: dict[str, Any] = {}
         for runner, segment in zip(self._runners, plan.segments):
             for name in segment.inputs:
@@ -576,7 +594,7 @@ class SegmentedRunner:
             for info in runner.session.get_outputs()
         ]
         self.outputs = [info.name for info in self.output_infos] + [
-            o for ks in plan.kernels for k in ks for o in k.outputs
+            o for k in plan.all_kernels for o in k.outputs
         ]
         self._fed: dict[str, Any] = {}
         self._scratch: dict[str, np.ndarray] = {}
@@ -589,6 +607,7 @@ class SegmentedRunner:
         """Run every segment and kernel in turn. ``outputs``: the model outputs wanted, each
         a buffer to write or None. Returns them and every value that crossed a cut."""
         values: dict[str, Any] = dict(self._fed)
+        self._run_kernels(self._plan.first, values, outputs)
         for runner, segment, kernels in zip(
             self._runners, self._plan.segments, self._plan.kernels
         ):
@@ -596,21 +615,31 @@ class SegmentedRunner:
                 for name in segment.inputs:
                     runner.bind_input(name, values[name])
                 values.update(runner.run({o: outputs.get(o) for o in segment.outputs}))
-            for kernel in kernels:
-                arrays = {name: _host(values[name]) for name in kernel.inputs}
-                out: dict[str, np.ndarray] = {}
-                for o in kernel.outputs:
-                    buffer = outputs.get(o)
-                    if buffer is not None:
-                        out[o] = buffer.numpy()  # written in place
-                    elif o in self._scratch:
-                        out[o] = self._scratch[o]
-                kernel.compute(arrays, out, self._threads)
-                for o in kernel.outputs:
-                    if outputs.get(o) is None:
-                        self._scratch[o] = out[o]
-                    values[o] = out[o]
+            self._run_kernels(kernels, values, outputs)
         return {name: values[name] for name in values if name not in self._fed}
+
+    def _run_kernels(
+        self,
+        kernels: Sequence[Kernel],
+        values: dict[str, Any],
+        outputs: Mapping[str, ort.OrtValue | None],
+    ) -> None:
+        """Run ``kernels`` on ``values``, adding what they write to it: into the buffers of
+        ``outputs`` where given, else into arrays kept for the next step."""
+        for kernel in kernels:
+            arrays = {name: _host(values[name]) for name in kernel.inputs}
+            out: dict[str, np.ndarray] = {}
+            for o in kernel.outputs:
+                buffer = outputs.get(o)
+                if buffer is not None:
+                    out[o] = buffer.numpy()  # written in place
+                elif o in self._scratch:
+                    out[o] = self._scratch[o]
+            kernel.compute(arrays, out, self._threads)
+            for o in kernel.outputs:
+                if outputs.get(o) is None:
+                    self._scratch[o] = out[o]
+                values[o] = out[o]
 
 
 def runner(

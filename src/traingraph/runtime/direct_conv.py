@@ -1,0 +1,214 @@
+"""A network's first convolutions, run natively on the CPU before the first segment.
+
+The first Conv of an image network reads few channels (1 for grey images, 3 for colour).
+onnxruntime's blocked (NCHWc) convolution pads such a Conv's filters to its block of 8 or 16,
+computes the padded ones too, and reorders its output back to NCHW, after which the Relu is
+one more pass: for LeNet's first layer (1 channel, 6 filters of 5 x 5) about five times the
+arithmetic's time.
+
+:class:`DirectConv` computes ``Conv`` (and the ``Relu`` that is the only reader of its output)
+directly, a block of filters by a row of outputs at a time in vector registers. It replaces a
+Conv whose inputs the graph reads from outside (the data, the weights, the bias), so it runs
+before the first onnxruntime segment and adds no cut. Each match is checked against the nodes
+it replaces on random inputs.
+
+The artifacts on disk stay standard ONNX; this is how the CPU runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from traingraph.runtime import conv_grads
+
+MAX_CHANNELS = 4
+"""Input channels up to which a Conv runs directly; with more, onnxruntime's blocked
+convolution fills its vectors along the channels."""
+
+
+@dataclass(frozen=True)
+class DirectConv:
+    """``out = Conv(x, weight, bias)`` with strides and dilations 1 and one group, then Relu
+    where ``relu``.
+
+    Attributes:
+        x: The Conv's input ``[N, C, H, W]``.
+        weight: Its filters ``[M, C, KH, KW]``.
+        bias: Its bias ``[M]``, or None.
+        out: The value the kernel writes: the Conv's output, or the Relu's.
+        pads: Top, left, bottom and right pads.
+        relu: Whether the Relu after the Conv is applied.
+    """
+
+    x: str
+    weight: str
+    bias: str | None
+    out: str
+    pads: tuple[int, int, int, int]
+    relu: bool
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.weight] + ([self.bias] if self.bias else [])
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        x, weight = values[self.x], values[self.weight]
+        top, left, bottom, right = self.pads
+        if x.ndim != 4 or weight.ndim != 4:
+            raise ValueError(
+                f"conv {self.out!r}: x {list(x.shape)} and weight {list(weight.shape)} must be"
+                " 4-D ([N, C, H, W] and [M, C, KH, KW])"
+            )
+        shape = (
+            x.shape[0],
+            weight.shape[0],
+            x.shape[2] + top + bottom - weight.shape[2] + 1,
+            x.shape[3] + left + right - weight.shape[3] + 1,
+        )
+        target = out.get(self.out)
+        if target is None or target.shape != shape:
+            target = out[self.out] = np.empty(shape, np.float32)
+        assert conv_grads._native is not None
+        conv_grads._native.conv_direct(
+            x,
+            weight,
+            values[self.bias] if self.bias else None,
+            target,
+            (top, left),
+            self.relu,
+            threads,
+        )
+
+
+def split_direct_convs(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[DirectConv, set[int]]]:
+    """Each Conv of ``model`` (with the Relu that alone reads it) that :class:`DirectConv`
+    computes, with the indices of the nodes it replaces, none in ``taken``: 2-D float Convs
+    of at most :data:`MAX_CHANNELS` input channels, strides and dilations 1 and one group,
+    whose inputs are all graph inputs. ``[]`` where the extension is missing or nothing
+    matches."""
+    native = conv_grads._native
+    if native is None or not hasattr(native, "conv_direct"):
+        return []
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    if not any(_candidate(n, inputs) for n in graph.node):
+        return []
+    if any(conv_grads._has_subgraph(n) for n in graph.node):
+        return []
+    shapes = conv_grads._inferred_shapes(model)
+    g = conv_grads.GraphIndex.of(graph)
+    matches = []
+    for i, node in enumerate(g.nodes):
+        if i in taken or not _candidate(node, inputs):
+            continue
+        match = _match(g, i, shapes, taken)
+        if match is not None:
+            matches.append(match)
+    return _verified(model, g, matches, shapes)
+
+
+def _candidate(node: onnx.NodeProto, inputs: Set[str]) -> bool:
+    return (
+        node.op_type == "Conv"
+        and node.domain in ("", "ai.onnx")
+        and len(node.input) >= 2
+        and all(v in inputs for v in node.input if v)
+    )
+
+
+def _match(
+    g: conv_grads.GraphIndex,
+    i: int,
+    shapes: Mapping[str, list[int | None]],
+    taken: Set[int],
+) -> tuple[DirectConv, set[int]] | None:
+    node = g.nodes[i]
+    x, weight = shapes.get(node.input[0]), shapes.get(node.input[1])
+    if x is None or weight is None or len(x) != 4 or len(weight) != 4 or None in weight:
+        return None
+    if int(weight[1] or 0) > MAX_CHANNELS or x[1] != weight[1]:
+        return None
+    attrs = {a.name: a for a in node.attribute}
+    ints = {name: list(a.ints) for name, a in attrs.items() if a.type == onnx.AttributeProto.INTS}
+    auto_pad = attrs["auto_pad"].s.decode() if "auto_pad" in attrs else "NOTSET"
+    group = attrs["group"].i if "group" in attrs else 1
+    if auto_pad not in ("NOTSET", "VALID") or group != 1:
+        return None
+    if any(v != 1 for v in ints.get("strides", []) + ints.get("dilations", [])):
+        return None
+    if "kernel_shape" in ints and ints["kernel_shape"] != list(weight[2:]):
+        return None
+    pads = ints.get("pads", [0, 0, 0, 0]) if auto_pad == "NOTSET" else [0, 0, 0, 0]
+    if len(pads) != 4 or min(pads) < 0:
+        return None
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    out, relu, nodes = node.output[0], False, {i}
+    reader = g.only_reader(out)
+    if reader is not None and reader not in taken:
+        after = g.nodes[reader]
+        if after.op_type == "Relu" and after.domain in ("", "ai.onnx"):
+            out, relu = after.output[0], True
+            nodes.add(reader)
+    top, left, bottom, right = pads
+    kernel = DirectConv(node.input[0], node.input[1], bias, out, (top, left, bottom, right), relu)
+    return kernel, nodes
+
+
+def _verified(
+    model: onnx.ModelProto,
+    g: conv_grads.GraphIndex,
+    matches: list[tuple[DirectConv, set[int]]],
+    shapes: Mapping[str, list[int | None]],
+) -> list[tuple[DirectConv, set[int]]]:
+    """The matches whose kernel computes what their nodes compute on random inputs (of the
+    model's batch, or 2 where it is open), all in one single-threaded onnxruntime session."""
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    checks = []
+    for kernel, nodes in matches:
+        dims = [shapes.get(v) for v in kernel.inputs]
+        if any(d is None or None in d[1:] for d in dims):
+            continue
+        for name, shape in zip(kernel.inputs, dims):
+            assert shape is not None
+            full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
+            feeds.setdefault(name, rng.standard_normal(full).astype(np.float32))
+        checks.append((kernel, nodes))
+    if not checks:
+        return []
+    try:
+        replaced = [g.nodes[i] for _, nodes in checks for i in sorted(nodes)]
+        wanted = [kernel.out for kernel, _ in checks]
+        expected = dict(zip(wanted, conv_grads._run_subgraph(model, replaced, feeds, wanted)))
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return []
+    verified = []
+    for kernel, nodes in checks:
+        got: dict[str, np.ndarray] = {}
+        try:
+            kernel.compute(feeds, got, 1)
+        except ValueError:  # shapes the kernel refuses
+            continue
+        want, result = expected[kernel.out], got[kernel.out]
+        scale = float(np.abs(want).max()) or 1.0
+        if result.shape == want.shape and bool(
+            np.abs(result - want).max() <= conv_grads._CHECK_RTOL * scale
+        ):
+            verified.append((kernel, nodes))
+    return verified
+
+
+__all__ = ["MAX_CHANNELS", "DirectConv", "split_direct_convs"]
