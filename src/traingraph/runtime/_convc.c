@@ -938,6 +938,162 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------- batch normalization forward */
+
+/* A training-mode BatchNormalization's forward pass, a channel at a time: the batch mean and
+ * (biased) variance of the channel in one pass (sums shifted by its first element, in double),
+ * then y = a x + b (+ addend) (then Relu) with a = scale / sqrt(var + eps), b = bias - a mean,
+ * while the channel's planes are still in the cache. */
+struct bnf {
+    const float *x, *scale, *bias, *addend;
+    float *y, *mean, *var;
+    Py_ssize_t n, c, s;
+    double eps;
+    int relu;
+};
+
+TARGETS static void bnf_sums(const struct bnf *b, Py_ssize_t c, float x0, double sums[2])
+{
+    const v16 shift = x0 - (v16){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const float *x = b->x + (n * b->c + c) * b->s;
+        v16 sd = {0}, sdd = {0};
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            const v16 d = *(const v16u *)(x + i) - shift;
+            sd += d;
+            sdd += d * d;
+        }
+        float tail[2] = {0};
+        for (; i < b->s; i++) {
+            const float d = x[i] - x0;
+            tail[0] += d;
+            tail[1] += d * d;
+        }
+        sums[0] += (double)hsum(sd) + tail[0];
+        sums[1] += (double)hsum(sdd) + tail[1];
+    }
+}
+
+TARGETS static void bnf_apply(const struct bnf *b, Py_ssize_t c, float a, float shift)
+{
+    const v16 av = a - (v16){0}, bv = shift - (v16){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const Py_ssize_t off = (n * b->c + c) * b->s;
+        const float *x = b->x + off, *r = b->addend ? b->addend + off : NULL;
+        float *y = b->y + off;
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            v16 v = av * *(const v16u *)(x + i) + bv;
+            if (r != NULL) {
+                v += *(const v16u *)(r + i);
+            }
+            *(v16u *)(y + i) = b->relu ? relu_gate(v, v) : v;
+        }
+        for (; i < b->s; i++) {
+            float v = a * x[i] + shift + (r != NULL ? r[i] : 0.0f);
+            y[i] = b->relu && !(v > 0.0f) ? 0.0f : v;
+        }
+    }
+}
+
+static int bnf_share(const void *arg, int t, int threads)
+{
+    const struct bnf *b = arg;
+    const double count = (double)b->n * (double)b->s;
+    for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
+        const float x0 = b->x[c * b->s];
+        double sums[2] = {0, 0};
+        bnf_sums(b, c, x0, sums);
+        const double shifted_mean = sums[0] / count;
+        double var = sums[1] / count - shifted_mean * shifted_mean;
+        var = var > 0.0 ? var : 0.0;
+        const double mean = x0 + shifted_mean, a = b->scale[c] / sqrt(var + b->eps);
+        b->mean[c] = (float)mean;
+        b->var[c] = (float)var;
+        bnf_apply(b, c, (float)a, (float)(b->bias[c] - a * mean));
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(batch_norm_forward_doc,
+"batch_norm_forward(x, scale, bias, addend, y, mean, var, epsilon, relu, threads)\n--\n\n"
+"A training-mode BatchNormalization of ``x`` (float32, C-contiguous, ``[N, C, ...]``): writes\n"
+"the batch ``mean`` and biased ``var`` (``[C]`` each) and ``y`` (``x``'s shape), the\n"
+"normalized ``x`` times ``scale`` plus ``bias`` (``[C]``), plus ``addend`` (``x``'s shape,\n"
+"or None), then Relu where ``relu``. ``threads`` threads share the channels.");
+
+static PyObject *batch_norm_forward(PyObject *self, PyObject *args)
+{
+    PyObject *objects[7];
+    double eps;
+    int relu, threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOdpi:batch_norm_forward", &objects[0], &objects[1],
+                          &objects[2], &objects[3], &objects[4], &objects[5], &objects[6], &eps,
+                          &relu, &threads)) {
+        return NULL;
+    }
+    static const char *names[7] = {"x", "scale", "bias", "addend", "y", "mean", "var"};
+    static const int ranks[7] = {-1, 1, 1, -1, -1, 1, 1};
+    Py_buffer views[7];
+    int held[7] = {0};
+    PyObject *result = NULL;
+    for (int k = 0; k < 7; k++) {
+        if (k == 3 && objects[k] == Py_None) {
+            continue;
+        }
+        if (float32_array(objects[k], &views[k], ranks[k], k >= 4, "batch_norm_forward: argument",
+                          k, names[k]) < 0) {
+            goto done;
+        }
+        held[k] = 1;
+    }
+    const Py_buffer *x = &views[0];
+    int fits = x->ndim >= 2;
+    for (int k = 3; k < 5 && fits; k++) {
+        if (!held[k]) {
+            continue;
+        }
+        fits = views[k].ndim == x->ndim;
+        for (int d = 0; d < x->ndim && fits; d++) {
+            fits = views[k].shape[d] == x->shape[d];
+        }
+    }
+    for (int k = 1; k < 7 && fits; k++) {
+        fits = k == 3 || k == 4 || views[k].shape[0] == x->shape[1];
+    }
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError,
+                        "batch_norm_forward: x, addend and y must have one shape [N, C, ...]"
+                        " (rank 2 or more) and scale, bias, mean and var the shape [C]");
+        goto done;
+    }
+    struct bnf b = {
+        .x = x->buf, .scale = views[1].buf, .bias = views[2].buf,
+        .addend = held[3] ? views[3].buf : NULL, .y = views[4].buf, .mean = views[5].buf,
+        .var = views[6].buf, .n = x->shape[0], .c = x->shape[1], .s = 1, .eps = eps,
+        .relu = relu,
+    };
+    for (int d = 2; d < x->ndim; d++) {
+        b.s *= x->shape[d];
+    }
+    if (b.n * b.s == 0) {
+        PyErr_SetString(PyExc_ValueError, "batch_norm_forward: x has no elements per channel");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(bnf_share, &b, threads);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (int k = 0; k < 7; k++) {
+        if (held[k]) {
+            PyBuffer_Release(&views[k]);
+        }
+    }
+    return result;
+}
+
 /* ------------------------------------------------------------------ dropout masks */
 
 /* The scaled keep mask of a Dropout lowered by traingraph.ir.random: element i is ``scale``
@@ -1613,6 +1769,7 @@ static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},
+    {"batch_norm_forward", batch_norm_forward, METH_VARARGS, batch_norm_forward_doc},
     {"dropout_mask", dropout_mask, METH_VARARGS, dropout_mask_doc},
     {"col2im_sum", col2im_sum, METH_VARARGS, col2im_sum_doc},
     {"conv_direct", conv_direct, METH_VARARGS, conv_direct_doc},

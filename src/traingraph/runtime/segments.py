@@ -17,7 +17,9 @@ middle of the step:
 - a strided Conv's input gradient after its MatMul (:mod:`traingraph.runtime.col2im`): the
   columns added into the image, with the Sum and Relu mask after them;
 - a first Conv of few input channels (and its Relu), computed directly before the first segment
-  (:mod:`traingraph.runtime.direct_conv`).
+  (:mod:`traingraph.runtime.direct_conv`);
+- a training-mode BatchNormalization's forward pass, with the residual Add and Relu after it
+  (:mod:`traingraph.runtime.bn_forward`).
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -42,6 +44,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from traingraph.runtime import conv_grads
+from traingraph.runtime.bn_forward import BatchNormForward, split_batch_norm_forwards
 from traingraph.runtime.col2im import Col2ImSum, split_col2ims
 from traingraph.runtime.device import Device
 from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
@@ -401,7 +404,7 @@ def split_max_pool_grads(
     return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
 
 
-Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv
+Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
 """A native kernel between two segments (or before the first)."""
 
 
@@ -421,6 +424,7 @@ def find_kernels(
     kernels += split_max_pool_grads(model, weight_grads, forward)
     kernels += split_dropout_masks(model)
     kernels += split_direct_convs(model, _taken(kernels))
+    kernels += split_batch_norm_forwards(model, _taken(kernels))
     model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
 

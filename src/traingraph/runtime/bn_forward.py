@@ -1,0 +1,303 @@
+"""Training-mode BatchNormalization forward passes, run natively on the CPU between segments.
+
+A training graph holds a training-mode BatchNormalization as what the ONNX specification
+defines (:mod:`traingraph.autodiff.lowering`): ``mean = ReduceMean(x)``,
+``var = ReduceMean((x - mean)^2)`` and an inference-mode BatchNormalization with them, often
+followed by a Relu, or by a residual Add and a Relu. onnxruntime runs that as six or seven passes
+over the activations. :class:`BatchNormForward` makes two, a channel at a time, the second while
+the channel is still in the cache: the statistics, then the normalized, scaled and shifted
+values with the residual added and the Relu applied. It writes the mean and variance the graph's
+running-statistics update reads. Each match is checked against the nodes it replaces on random
+inputs.
+
+The artifacts on disk stay standard ONNX; this is how the CPU runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from traingraph.runtime import conv_grads
+
+_DEFAULT = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class BatchNormForward:
+    """``out = Relu(BatchNormalization(x, scale, bias, mean, var) + addend)`` with the batch
+    statistics ``mean`` and ``var`` of ``x`` (over every axis but 1, kept as ``[1, C, 1...]``),
+    without the Relu where ``relu`` is False and without the addend where it is None.
+
+    Attributes:
+        x: The input ``[N, C, ...]``.
+        scale: The scale ``[C]``.
+        bias: The bias ``[C]``.
+        addend: A value of ``x``'s shape added after the normalization, or None.
+        mean: The batch mean the graph's ReduceMean writes.
+        var: The biased batch variance the graph's second ReduceMean writes.
+        out: The value the kernel writes: the BatchNormalization's output, the Add's or the
+            Relu's.
+        epsilon: The BatchNormalization's epsilon.
+        relu: Whether a Relu is applied last.
+    """
+
+    x: str
+    scale: str
+    bias: str
+    addend: str | None
+    mean: str
+    var: str
+    out: str
+    epsilon: float
+    relu: bool
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.scale, self.bias] + ([self.addend] if self.addend else [])
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out, self.mean, self.var]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``out``, ``mean`` and ``var`` into ``out`` (in place where arrays of their
+        shapes are there)."""
+        x = values[self.x]
+        if x.ndim < 2:
+            raise ValueError(
+                f"batch norm {self.out!r}: x {list(x.shape)} must be [N, C, ...] (rank 2 or"
+                " more)"
+            )
+        stats = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+        for name, shape in ((self.out, x.shape), (self.mean, stats), (self.var, stats)):
+            if name not in out or out[name].shape != shape:
+                out[name] = np.empty(shape, np.float32)
+        assert conv_grads._native is not None
+        conv_grads._native.batch_norm_forward(
+            x,
+            values[self.scale],
+            values[self.bias],
+            values[self.addend] if self.addend else None,
+            out[self.out],
+            out[self.mean].reshape(-1),
+            out[self.var].reshape(-1),
+            self.epsilon,
+            self.relu,
+            threads,
+        )
+
+
+def split_batch_norm_forwards(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[BatchNormForward, set[int]]]:
+    """Each lowered training-mode BatchNormalization of ``model`` (with the Relu, or the Add and
+    the Relu, after it) that :class:`BatchNormForward` computes, with the indices of the nodes
+    it replaces, none in ``taken``. ``[]`` where the extension is missing or nothing
+    matches."""
+    native = conv_grads._native
+    if native is None or not hasattr(native, "batch_norm_forward"):
+        return []
+    graph = model.graph
+    if not any(n.op_type == "BatchNormalization" for n in graph.node):
+        return []
+    if any(conv_grads._has_subgraph(n) for n in graph.node):
+        return []
+    shapes = conv_grads._inferred_shapes(model)
+    g = conv_grads.GraphIndex.of(graph)
+    constants = _constant_values(graph)
+    matches = []
+    claimed = set(taken)
+    for i, node in enumerate(g.nodes):
+        if i not in claimed and node.op_type == "BatchNormalization" and node.domain in _DEFAULT:
+            match = _match(g, i, shapes, constants, claimed)
+            if match is not None:  # an Add of two of them goes with the first
+                claimed |= match[1]
+                matches.append(match)
+    return _verified(model, g, matches, shapes)
+
+
+def _producer(
+    g: conv_grads.GraphIndex, value: str, op_type: str, taken: Set[int]
+) -> tuple[int, onnx.NodeProto] | None:
+    i = g.producer.get(value)
+    if i is None or i in taken:
+        return None
+    node = g.nodes[i]
+    return (i, node) if node.op_type == op_type and node.domain in _DEFAULT else None
+
+
+def _reduced_axes(node: onnx.NodeProto, constants: Mapping[str, list[int]]) -> list[int]:
+    """The axes a ReduceMean reduces (from its attribute or its constant input), kept dims
+    only; [] where they are not known."""
+    attrs = {a.name: a for a in node.attribute}
+    if "keepdims" in attrs and attrs["keepdims"].i != 1:
+        return []
+    if "axes" in attrs:
+        return list(attrs["axes"].ints)
+    if len(node.input) > 1 and node.input[1] in constants:
+        return [int(v) for v in constants[node.input[1]]]
+    return []
+
+
+def _match(
+    g: conv_grads.GraphIndex,
+    i: int,
+    shapes: Mapping[str, list[int | None]],
+    constants: Mapping[str, list[int]],
+    taken: Set[int],
+) -> tuple[BatchNormForward, set[int]] | None:
+    """The kernel of the BatchNormalization at ``i`` where its mean and variance are the
+    lowered batch statistics of its input."""
+    node = g.nodes[i]
+    attrs = {a.name: a for a in node.attribute}
+    if "training_mode" in attrs and attrs["training_mode"].i != 0:
+        return None
+    if len(node.input) != 5 or len([o for o in node.output if o]) != 1:
+        return None
+    x, scale, bias, mean_in, var_in = node.input
+    shape = shapes.get(x)
+    if shape is None or len(shape) < 2 or shape[1] is None:
+        return None
+    axes = [0, *range(2, len(shape))]
+    found = []
+    for value in (mean_in, var_in):
+        squeeze = _producer(g, value, "Squeeze", taken)
+        reduce = squeeze and _producer(g, squeeze[1].input[0], "ReduceMean", taken)
+        if not reduce:
+            return None
+        reduced = sorted(a % len(shape) for a in _reduced_axes(reduce[1], constants))
+        if reduced != axes:
+            return None
+        found.append(reduce)
+    (mean_i, mean_node), (var_i, var_node) = found
+    mean = mean_node.output[0]
+    if mean_node.input[0] != x:
+        return None
+    square = _producer(g, var_node.input[0], "Mul", taken)
+    centered = square and square[1].input[0] == square[1].input[1] and _producer(
+        g, square[1].input[0], "Sub", taken
+    )
+    if not square or not centered or list(centered[1].input) != [x, mean]:
+        return None
+    nodes = {i, mean_i, var_i}
+    if g.only_reader(centered[1].output[0]) == square[0] and g.only_reader(
+        square[1].output[0]
+    ) == var_i:
+        nodes |= {square[0], centered[0]}  # else they stay, reading the kernel's mean
+    epsilon = attrs["epsilon"].f if "epsilon" in attrs else 1e-5
+    out, addend, relu = node.output[0], None, False
+    after = _only_reader(g, out, taken)
+    if after is not None and after[1].op_type == "Add" and after[1].domain in _DEFAULT:
+        total = after[1]
+        other = total.input[1] if total.input[0] == out else total.input[0]
+        last = _only_reader(g, total.output[0], taken)
+        same = shapes.get(other) == shape and None not in shape[1:]
+        if other != out and same and last is not None and _is_relu(last[1]):
+            addend, out, relu = other, last[1].output[0], True
+            nodes |= {after[0], last[0]}
+    elif after is not None and _is_relu(after[1]):
+        out, relu = after[1].output[0], True
+        nodes.add(after[0])
+    kernel = BatchNormForward(x, scale, bias, addend, mean, var_node.output[0], out, epsilon, relu)
+    return kernel, nodes
+
+
+def _only_reader(
+    g: conv_grads.GraphIndex, value: str, taken: Set[int]
+) -> tuple[int, onnx.NodeProto] | None:
+    """The one node that reads ``value`` (no graph output), with its index, unless taken."""
+    i = g.only_reader(value)
+    return (i, g.nodes[i]) if i is not None and i not in taken else None
+
+
+def _is_relu(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Relu" and node.domain in _DEFAULT
+
+
+def _constant_values(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    """The int64 values of the initializers and Constant nodes, by name."""
+    tensors = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in _DEFAULT:
+            for a in node.attribute:
+                if a.name == "value":
+                    tensors[node.output[0]] = a.t
+    return {
+        name: [int(v) for v in numpy_helper.to_array(t).ravel()]
+        for name, t in tensors.items()
+        if t.data_type == onnx.TensorProto.INT64
+    }
+
+
+def _verified(
+    model: onnx.ModelProto,
+    g: conv_grads.GraphIndex,
+    matches: list[tuple[BatchNormForward, set[int]]],
+    shapes: Mapping[str, list[int | None]],
+) -> list[tuple[BatchNormForward, set[int]]]:
+    """The matches whose kernel computes what their nodes compute on random inputs (of the
+    model's batch, or 2 where it is open), all in one single-threaded onnxruntime session; a
+    kernel reads what the others' nodes computed (an addend that is another's output)."""
+    checked = [
+        (kernel, nodes) for kernel, nodes in matches
+        if all((d := shapes.get(v)) is not None and None not in d[1:] for v in kernel.inputs)
+    ]  # fmt: skip
+    if not checked:
+        return []
+    members = set().union(*(nodes for _, nodes in checked))
+    while True:  # with the nodes between them that stay (the Squeezes of the statistics)
+        produced = {o for i in members for o in g.nodes[i].output}
+        reads = {v for i in members for v in g.nodes[i].input if v}
+        between = {
+            g.producer[v] for v in reads - produced
+            if v in g.producer and all(
+                u in produced or u in g.constants for u in g.nodes[g.producer[v]].input if u
+            )
+        }  # fmt: skip
+        if between <= members:
+            break
+        members |= between
+    replaced = [g.nodes[i] for i in sorted(members)]
+    external = sorted(reads - produced - g.constants)
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {}
+    xs = {kernel.x for kernel, _ in checked}
+    for name in external:
+        shape = shapes.get(name)
+        if shape is None or None in shape[1:]:
+            return []
+        full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
+        value = rng.standard_normal(full).astype(np.float32)
+        feeds[name] = value + 1.5 if name in xs else value  # statistics off zero
+    wanted = [o for kernel, _ in checked for o in kernel.outputs]
+    try:
+        expected = dict(zip(wanted, conv_grads._run_subgraph(model, replaced, feeds, wanted)))
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return []
+    values = {**feeds, **expected}
+    verified = []
+    for kernel, nodes in checked:
+        got: dict[str, np.ndarray] = {}
+        try:
+            kernel.compute(values, got, 1)
+        except ValueError:  # shapes the kernel refuses
+            continue
+        ok = True
+        for name in kernel.outputs:
+            want, result = expected[name], got[name]
+            scale = float(np.abs(want).max()) or 1.0
+            ok = ok and result.shape == want.shape
+            ok = ok and bool(np.abs(result - want).max() <= conv_grads._CHECK_RTOL * scale)
+        if ok:
+            verified.append((kernel, nodes))
+    return verified
+
+
+__all__ = ["BatchNormForward", "split_batch_norm_forwards"]

@@ -1,0 +1,149 @@
+"""Training-mode BatchNormalization forward passes run natively between segments
+(runtime/bn_forward.py): the kernel against torch, the matches in a residual network, the plan,
+and Module's train steps (with the running statistics) against the graph as written."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from gradcheck import assert_same_training, train_steps
+from torch_models import ResidualNet, export, seeded
+from traingraph import artifacts, optim
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.runtime import bn_forward, conv_grads, segments
+
+pytestmark = pytest.mark.skipif(
+    not conv_grads.AVAILABLE,
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+
+@pytest.mark.parametrize("shape", [(8, 16, 9, 11), (5, 3, 40), (7, 6), (2, 4, 1, 1)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("addend", [False, True])
+def test_kernel_matches_torch(shape, threads, relu, addend):
+    rng = np.random.default_rng(0)
+    channels = shape[1]
+    # statistics away from zero: the variance is taken around a large mean
+    x = (rng.standard_normal(shape) * 3 + 50).astype(np.float32)
+    scale = rng.standard_normal(channels).astype(np.float32)
+    bias = rng.standard_normal(channels).astype(np.float32)
+    other = rng.standard_normal(shape).astype(np.float32) if addend else None
+    y = np.full(shape, np.nan, np.float32)
+    mean, var = np.full(channels, np.nan, np.float32), np.full(channels, np.nan, np.float32)
+    conv_grads._native.batch_norm_forward(
+        x, scale, bias, other, y, mean, var, 1e-5, relu, threads
+    )
+    xt = torch.from_numpy(x).double()
+    axes = [0, *range(2, x.ndim)]
+    want = torch.nn.functional.batch_norm(
+        xt, None, None, torch.from_numpy(scale).double(), torch.from_numpy(bias).double(),
+        training=True, eps=1e-5,
+    )  # fmt: skip
+    if other is not None:
+        want = want + torch.from_numpy(other).double()
+    want = torch.relu(want) if relu else want
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(mean, xt.mean(axes).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(var, xt.var(axes, unbiased=False).numpy(), rtol=1e-4)
+
+
+def test_kernel_refuses_arrays_it_cannot_take():
+    native = conv_grads._native
+    x, c = np.zeros((2, 3, 4), np.float32), np.zeros(3, np.float32)
+    y, m, v = np.zeros_like(x), np.zeros(3, np.float32), np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match=r"scale, bias, mean and var the shape \[C\]"):
+        native.batch_norm_forward(x, np.zeros(4, np.float32), c, None, y, m, v, 1e-5, False, 1)
+    with pytest.raises(ValueError, match=r"x, addend and y must have one shape"):
+        native.batch_norm_forward(x, c, c, np.zeros((2, 3, 5), np.float32), y, m, v, 1e-5,
+                                  False, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="argument 4: y is read-only"):
+        y.flags.writeable = False
+        native.batch_norm_forward(x, c, c, None, y, m, v, 1e-5, False, 1)
+    with pytest.raises(ValueError, match="x has no elements per channel"):
+        empty = np.zeros((0, 3, 4), np.float32)
+        native.batch_norm_forward(empty, c, c, None, empty.copy(), m, v, 1e-5, False, 1)
+
+
+def _residual(tmp_path):
+    artifacts.generate_artifacts(
+        export(seeded(ResidualNet), torch.zeros(4, 3, 10, 10), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    return tmp_path
+
+
+def test_every_batch_norm_of_a_residual_net_is_taken(tmp_path):
+    model = onnx.load(_residual(tmp_path) / "training_model.onnx")
+    found = bn_forward.split_batch_norm_forwards(model)
+    assert len(found) == 4  # the stem's, the block's two and the shortcut's
+    by_scale = {kernel.scale: (kernel, nodes) for kernel, nodes in found}
+    ops = {s: sorted(model.graph.node[i].op_type for i in n) for s, (_, n) in by_scale.items()}
+    lowered = ["BatchNormalization", "Mul", "ReduceMean", "ReduceMean", "Sub"]
+    assert ops["bn.weight"] == sorted([*lowered, "Relu"])
+    assert ops["bn1.weight"] == sorted([*lowered, "Relu"])
+    # the block's output Add: one of its two BatchNorms adds the other's output, then the Relu
+    stem, block, shortcut = by_scale["bn.weight"][0], by_scale["bn2.weight"][0], by_scale[
+        "down.1.weight"
+    ][0]
+    fused = [k for k in (block, shortcut) if k.addend is not None]
+    plain = [k for k in (block, shortcut) if k.addend is None]
+    assert len(fused) == 1 and len(plain) == 1
+    assert fused[0].addend == plain[0].out and fused[0].relu and not plain[0].relu
+    assert stem.relu and stem.addend is None
+    # nodes another kernel takes stay in the graph
+    bn_index = next(i for i in by_scale["bn.weight"][1]
+                    if model.graph.node[i].op_type == "BatchNormalization")  # fmt: skip
+    rest = bn_forward.split_batch_norm_forwards(model, taken={bn_index})
+    assert "bn.weight" not in {k.scale for k, _ in rest} and len(rest) == 3
+
+
+def test_the_forward_is_cut_at_each_kernel(tmp_path):
+    model = onnx.load(_residual(tmp_path) / "training_model.onnx")
+    model, grads = conv_grads.split_weight_grads(model)
+    model, kernels = segments.find_kernels(model, grads)
+    forwards = [k for k, _ in kernels if isinstance(k, bn_forward.BatchNormForward)]
+    assert len(forwards) == 4
+    plan = segments.plan_segments(model, kernels)
+    order = plan.all_kernels
+    for kernel in forwards:
+        if kernel.addend is not None:  # after the BatchNorm whose output it adds
+            (other,) = [k for k in forwards if k.out == kernel.addend]
+            assert order.index(other) < order.index(kernel)
+    means = {k.mean for k in forwards} | {k.var for k in forwards}
+    for segment in plan.segments:
+        for node in segment.model.graph.node:
+            assert node.op_type != "BatchNormalization"
+            # the statistics are read only by the Squeezes before the running statistics
+            assert node.op_type == "Squeeze" or not set(node.input) & means
+
+
+def _run(directory, batches, native: bool, monkeypatch):
+    with monkeypatch.context() as patch:
+        if not native:
+            patch.setattr(segments, "split_batch_norm_forwards", lambda model, taken: [])
+        state = CheckpointState.load_checkpoint(directory / "checkpoint")
+        module = Module(directory / "training_model.onnx", state)
+    kernels = getattr(module._train, "_plan", segments.Plan([])).all_kernels
+    assert any(isinstance(k, bn_forward.BatchNormForward) for k in kernels) == native
+    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
+    return train_steps(module, optimizer, state, batches)
+
+
+def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):
+    directory = _residual(tmp_path)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 3, 10, 10)).astype(np.float32) + 2, rng.integers(0, 5, n))
+        for n in (4, 4, 3)  # the batch changes: the kernels' outputs follow it
+    ]
+    got = _run(directory, batches, True, monkeypatch)
+    expected = _run(directory, batches, False, monkeypatch)
+    assert {"bn.running_mean", "bn.running_var", "bn2.running_var"} <= set(got[2])
+    assert_same_training(got, expected, one_scale=True)
