@@ -40,6 +40,8 @@ GEOMETRIES = [
     pytest.param((3, 4, 40, 37, 5, (3, 3), (2, 2), (1, 1), (1, 1), 1), id="stride-2-wide"),
     pytest.param((2, 3, 35, 70, 4, (5, 5), (1, 2), (3, 2), (1, 1), 1), id="stride-2-padded"),
     pytest.param((2, 4, 12, 66, 6, (3, 3), (2, 2), (1, 0), (1, 2), 2), id="stride-2-grouped"),
+    # the edges of the 4 x 4 blocks of sums: 3 filters left over, 2 taps in all
+    pytest.param((4, 2, 6, 6, 7, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="edge-blocks"),
 ]
 
 

@@ -101,6 +101,61 @@ static inline __attribute__((always_inline)) v16 reduce16(const v16 *a)
 }
 #endif
 
+/* The r x c block (r, c <= 4) at a and boff of dot_rows' sums, one accumulator each. */
+static inline __attribute__((always_inline)) void dot_tile(const float *a, Py_ssize_t lda,
+                                                           const float *b, const Py_ssize_t *boff,
+                                                           float *d, Py_ssize_t ldd,
+                                                           Py_ssize_t len, const int r, const int c)
+{
+    v16 s[4][4];
+    const float *p[4], *q[4];
+    for (int i = 0; i < r; i++) {
+        p[i] = a + i * lda;
+        for (int k = 0; k < c; k++) {
+            s[i][k] = (v16){0};
+        }
+    }
+    for (int k = 0; k < c; k++) {
+        q[k] = b + boff[k];
+    }
+    for (Py_ssize_t l = 0; l < len; l += 16) {
+        v16 x[4], y[4];
+        for (int i = 0; i < r; i++) {
+            x[i] = *(const v16 *)(p[i] + l);
+        }
+        for (int k = 0; k < c; k++) {
+            y[k] = *(const v16u *)(q[k] + l);
+        }
+        for (int i = 0; i < r; i++) {
+            for (int k = 0; k < c; k++) {
+                s[i][k] += x[i] * y[k];
+            }
+        }
+    }
+    for (int i = 0; i < r; i++) {
+        for (int k = 0; k < c; k++) {
+            d[i * ldd + k] += hsum(s[i][k]);
+        }
+    }
+}
+
+typedef void (*dot_tile_fn)(const float *, Py_ssize_t, const float *, const Py_ssize_t *, float *,
+                            Py_ssize_t, Py_ssize_t);
+#define DOT_TILE(r, c)                                                                            \
+    TARGETS static void dot_tile_##r##_##c(const float *a, Py_ssize_t lda, const float *b,       \
+                                           const Py_ssize_t *boff, float *d, Py_ssize_t ldd,     \
+                                           Py_ssize_t len)                                       \
+    {                                                                                             \
+        dot_tile(a, lda, b, boff, d, ldd, len, r, c);                                             \
+    }
+#define DOT_TILES(r) DOT_TILE(r, 1) DOT_TILE(r, 2) DOT_TILE(r, 3) DOT_TILE(r, 4)
+DOT_TILES(1) DOT_TILES(2) DOT_TILES(3) DOT_TILES(4)
+#define DOT_TILE_ROW(r) {dot_tile_##r##_1, dot_tile_##r##_2, dot_tile_##r##_3, dot_tile_##r##_4}
+/* dot_tiles[r - 1][c - 1]: the edges of dot_rows' 4 x 4 blocks */
+static const dot_tile_fn dot_tiles[4][4] = {
+    DOT_TILE_ROW(1), DOT_TILE_ROW(2), DOT_TILE_ROW(3), DOT_TILE_ROW(4),
+};
+
 /* d[m * ldd + k] += sum_{l < len} a[m * lda + l] * b[boff[k] + l] for m < rows, k < cols.
  * a is 64-byte aligned with lda and len multiples of 16; b's rows may start anywhere. */
 TARGETS static void dot_rows(const float *a, Py_ssize_t lda, const float *b, const Py_ssize_t *boff,
@@ -143,25 +198,15 @@ TARGETS static void dot_rows(const float *a, Py_ssize_t lda, const float *b, con
             }
 #endif
         }
-        for (; k < cols; k++) {
-            for (int i = 0; i < 4; i++) {
-                const float *p = a + (m + i) * lda, *q = b + boff[k];
-                v16 s = {0};
-                for (Py_ssize_t l = 0; l < len; l += 16) {
-                    s += *(const v16 *)(p + l) * *(const v16u *)(q + l);
-                }
-                d[(m + i) * ldd + k] += hsum(s);
-            }
+        if (k < cols) {
+            dot_tiles[3][cols - k - 1](p0, lda, b, boff + k, d + m * ldd + k, ldd, len);
         }
     }
-    for (; m < rows; m++) {
-        for (Py_ssize_t k = 0; k < cols; k++) {
-            const float *p = a + m * lda, *q = b + boff[k];
-            v16 s = {0};
-            for (Py_ssize_t l = 0; l < len; l += 16) {
-                s += *(const v16 *)(p + l) * *(const v16u *)(q + l);
-            }
-            d[m * ldd + k] += hsum(s);
+    if (m < rows) { /* the last rows in blocks of them by 4 columns */
+        for (Py_ssize_t k = 0; k < cols; k += 4) {
+            const Py_ssize_t c = cols - k < 4 ? cols - k : 4;
+            dot_tiles[rows - m - 1][c - 1](a + m * lda, lda, b, boff + k, d + m * ldd + k, ldd,
+                                           len);
         }
     }
 }
