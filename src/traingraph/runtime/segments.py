@@ -415,7 +415,8 @@ def find_kernels(
 ) -> tuple[onnx.ModelProto, list[tuple[Kernel, set[int]]]]:
     """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads`,
     :func:`~traingraph.runtime.masks.split_dropout_masks`,
-    :func:`~traingraph.runtime.direct_conv.split_direct_convs` and
+    :func:`~traingraph.runtime.direct_conv.split_direct_convs`,
+    :func:`~traingraph.runtime.bn_forward.split_batch_norm_forwards` and
     :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
     the Col2Im kernels read written after its nodes."""
