@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
@@ -99,6 +100,19 @@ def weight_gradients(threads: int, repeats: int) -> None:
               f" {t['peer'] / t['native']:.2f}x | {flops / t['native'] / 1e6:.0f} |")  # fmt: skip
 
 
+def _session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
+    """An onnxruntime CPU session of ``graph`` (opset 18) on ``threads`` threads that do not
+    spin."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
 def _col2im_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
     """The native column sum and onnxruntime's Col2Im on one image, checked against each
     other."""
@@ -115,14 +129,7 @@ def _col2im_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
         [numpy_helper.from_array(np.array([h, h], np.int64), "image"),
          numpy_helper.from_array(np.array([k, k], np.int64), "block")],
     )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 9
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    session = _session(graph, threads)
     out = np.empty((n, c, h, h), np.float32)
     term = (cols, (k, k), (grid, grid), (s, s), (p, p), (1, 1))
 
@@ -163,14 +170,7 @@ def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
         [helper.make_tensor_value_info("y" if relu else "c", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 9
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    session = _session(graph, threads)
     out = np.empty((n, m, h + 2 * p - k + 1, h + 2 * p - k + 1), np.float32)
 
     def native() -> None:

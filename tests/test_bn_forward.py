@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from gradcheck import assert_same_training, train_steps
-from torch_models import ResidualNet, export, seeded
-from traingraph import artifacts, optim
+from torch_models import residual_artifacts
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import bn_forward, conv_grads, segments
 
@@ -69,18 +68,8 @@ def test_kernel_refuses_arrays_it_cannot_take():
         native.batch_norm_forward(empty, c, c, None, empty.copy(), m, v, 1e-5, False, 1)
 
 
-def _residual(tmp_path):
-    artifacts.generate_artifacts(
-        export(seeded(ResidualNet), torch.zeros(4, 3, 10, 10), training=True),
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.SGD(lr=0.05, momentum=0.9),
-        artifact_directory=tmp_path,
-    )
-    return tmp_path
-
-
 def test_every_batch_norm_of_a_residual_net_is_taken(tmp_path):
-    model = onnx.load(_residual(tmp_path) / "training_model.onnx")
+    model = onnx.load(residual_artifacts(tmp_path) / "training_model.onnx")
     found = bn_forward.split_batch_norm_forwards(model)
     assert len(found) == 4  # the stem's, the block's two and the shortcut's
     by_scale = {kernel.scale: (kernel, nodes) for kernel, nodes in found}
@@ -105,7 +94,7 @@ def test_every_batch_norm_of_a_residual_net_is_taken(tmp_path):
 
 
 def test_the_forward_is_cut_at_each_kernel(tmp_path):
-    model = onnx.load(_residual(tmp_path) / "training_model.onnx")
+    model = onnx.load(residual_artifacts(tmp_path) / "training_model.onnx")
     model, grads = conv_grads.split_weight_grads(model)
     model, kernels = segments.find_kernels(model, grads)
     forwards = [k for k, _ in kernels if isinstance(k, bn_forward.BatchNormForward)]
@@ -137,7 +126,7 @@ def _run(directory, batches, native: bool, monkeypatch):
 
 
 def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):
-    directory = _residual(tmp_path)
+    directory = residual_artifacts(tmp_path)
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, 3, 10, 10)).astype(np.float32) + 2, rng.integers(0, 5, n))

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from gradcheck import assert_same_training, train_steps
-from torch_models import ResidualNet, export, seeded
+from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import col2im, conv_grads, segments
@@ -94,18 +94,8 @@ def test_kernel_refuses_arrays_it_cannot_take():
         kernel(out, [(cols, (3, 3))], [], None, 1)
 
 
-def _residual(tmp_path):
-    artifacts.generate_artifacts(
-        export(seeded(ResidualNet), torch.zeros(4, 3, 10, 10), training=True),
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.SGD(lr=0.05, momentum=0.9),
-        artifact_directory=tmp_path,
-    )
-    return tmp_path
-
-
 def test_a_strided_block_is_finished_with_its_sum(tmp_path):
-    model = onnx.load(_residual(tmp_path) / "training_model.onnx")
+    model = onnx.load(residual_artifacts(tmp_path) / "training_model.onnx")
     written, found = col2im.split_col2ims(model)
     assert len(found) == 1
     kernel, nodes = found[0]
@@ -154,7 +144,7 @@ def _run(directory, batches, finished: bool, monkeypatch):
 
 
 def test_module_trains_the_residual_block_as_the_graph_does(tmp_path, monkeypatch):
-    directory = _residual(tmp_path)
+    directory = residual_artifacts(tmp_path)
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, n))

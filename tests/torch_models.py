@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 from torch import nn
+
+from traingraph import artifacts, optim
 
 
 class MLP(nn.Module):
@@ -111,3 +114,14 @@ def classification_data(
     x = rng.standard_normal((n, d_in)).astype(np.float32)
     y = rng.integers(0, classes, n).astype(np.int64)
     return x, y
+
+
+def residual_artifacts(directory: Path) -> Path:
+    """Training artifacts of :class:`ResidualNet` (SGD with momentum) in ``directory``."""
+    artifacts.generate_artifacts(
+        export(seeded(ResidualNet), torch.zeros(4, 3, 10, 10), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=directory,
+    )
+    return directory

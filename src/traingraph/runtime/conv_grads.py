@@ -750,6 +750,25 @@ def _run_subgraph(
     return list(session.run(outputs, feeds))
 
 
+def kernel_agrees(
+    kernel: Any, values: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
+) -> bool:
+    """Whether ``kernel`` (a native kernel of :mod:`traingraph.runtime.segments`), computed
+    single-threaded from ``values``, writes each of its outputs as ``expected`` holds it, to
+    ``_CHECK_RTOL`` of its largest element; False where it refuses the shapes."""
+    got: dict[str, np.ndarray] = {}
+    try:
+        kernel.compute(values, got, 1)
+    except ValueError:
+        return False
+    for name in kernel.outputs:
+        want, result = expected[name], got[name]
+        scale = float(np.abs(want).max()) or 1.0
+        if result.shape != want.shape or not np.abs(result - want).max() <= _CHECK_RTOL * scale:
+            return False
+    return True
+
+
 def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightGrad, set[int]]]:
     """The candidates whose subgraph computes what the kernel computes, on random inputs of
     batch 2 (all in one onnxruntime session)."""
