@@ -8,9 +8,11 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from torch import nn
 
 from gradcheck import assert_same_training, train_steps
-from torch_models import residual_artifacts
+from torch_models import export, residual_artifacts, seeded
+from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import bn_forward, conv_grads, segments
 
@@ -136,3 +138,34 @@ def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):
     expected = _run(directory, batches, False, monkeypatch)
     assert {"bn.running_mean", "bn.running_var", "bn2.running_var"} <= set(got[2])
     assert_same_training(got, expected, one_scale=True)
+
+
+class ChainedNorms(nn.Module):
+    """A BatchNorm right after a BatchNorm: the second one's input is the first one's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+        self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn2(self.bn1(self.conv(x)))).mean(dim=(2, 3)))
+
+
+def test_a_batch_norm_reading_another_is_taken_and_trains(tmp_path, monkeypatch):
+    artifacts.generate_artifacts(
+        export(seeded(ChainedNorms), torch.zeros(2, 3, 6, 6), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )
+    found = bn_forward.split_batch_norm_forwards(onnx.load(tmp_path / "training_model.onnx"))
+    first, second = sorted((k for k, _ in found), key=lambda k: k.relu)
+    assert second.x == first.out and second.relu and not first.relu
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.standard_normal((3, 3, 6, 6)).astype(np.float32), rng.integers(0, 2, 3))
+        for _ in range(2)
+    ]
+    got = _run(tmp_path, batches, True, monkeypatch)
+    assert_same_training(got, _run(tmp_path, batches, False, monkeypatch), one_scale=True)

@@ -267,15 +267,11 @@ def _verified(
     replaced = [g.nodes[i] for i in sorted(members)]
     external = sorted(reads - produced - g.constants)
     rng = np.random.default_rng(0)
-    feeds: dict[str, np.ndarray] = {}
-    xs = {kernel.x for kernel, _ in checked}
-    for name in external:
-        shape = shapes.get(name)
-        if shape is None or None in shape[1:]:
-            return []
-        full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
-        value = rng.standard_normal(full).astype(np.float32)
-        feeds[name] = value + 1.5 if name in xs else value  # statistics off zero
+    feeds = conv_grads.random_feeds(rng, external, shapes)
+    if feeds is None:
+        return []
+    for x in {kernel.x for kernel, _ in checked} & feeds.keys():
+        feeds[x] += 1.5  # statistics off zero (an x another kernel writes is computed)
     wanted = [o for kernel, _ in checked for o in kernel.outputs]
     try:
         expected = dict(zip(wanted, conv_grads._run_subgraph(model, replaced, feeds, wanted)))

@@ -290,13 +290,10 @@ def _verified(
         columns = [n for i in sorted(nodes) for n in written_columns.get(i, [])]
         reads = {v for n in replaced for v in n.input if v}
         external = sorted(reads - {o for n in replaced for o in n.output} - g.constants)
-        dims = [shapes.get(v) for v in external]
-        if any(d is None or None in d[1:] for d in dims):
+        drawn = conv_grads.random_feeds(rng, external, shapes)
+        if drawn is None:
             continue
-        for name, shape in zip(external, dims):
-            assert shape is not None
-            full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
-            feeds.setdefault(name, rng.standard_normal(full).astype(np.float32))
+        feeds = {**drawn, **feeds}
         checks.append((kernel, nodes, replaced, columns))
     if not checks:
         return []

@@ -750,6 +750,22 @@ def _run_subgraph(
     return list(session.run(outputs, feeds))
 
 
+def random_feeds(
+    rng: np.random.Generator, names: Sequence[str], shapes: Mapping[str, list[int | None]]
+) -> dict[str, np.ndarray] | None:
+    """A standard-normal float32 value for each of ``names`` of its inferred shape (batch 2
+    where it is open), to check a native kernel against the nodes it replaces; None where a
+    shape beyond the batch is unknown."""
+    feeds = {}
+    for name in names:
+        shape = shapes.get(name)
+        if shape is None or None in shape[1:]:
+            return None
+        full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
+        feeds[name] = rng.standard_normal(full).astype(np.float32)
+    return feeds
+
+
 def kernel_agrees(
     kernel: Any, values: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
 ) -> bool:

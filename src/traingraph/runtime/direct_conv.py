@@ -179,13 +179,10 @@ def _verified(
     feeds: dict[str, np.ndarray] = {}
     checks = []
     for kernel, nodes in matches:
-        dims = [shapes.get(v) for v in kernel.inputs]
-        if any(d is None or None in d[1:] for d in dims):
+        drawn = conv_grads.random_feeds(rng, kernel.inputs, shapes)
+        if drawn is None:
             continue
-        for name, shape in zip(kernel.inputs, dims):
-            assert shape is not None
-            full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
-            feeds.setdefault(name, rng.standard_normal(full).astype(np.float32))
+        feeds = {**drawn, **feeds}
         checks.append((kernel, nodes))
     if not checks:
         return []
