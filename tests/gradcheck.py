@@ -306,3 +306,29 @@ def train_steps(
         optimizer.step()
         module.lazy_reset_grad()
     return losses, grads, {n: p.data.copy() for n, p in state.parameters.items()}
+
+
+def artifact_steps(
+    directory: Any,
+    batches: Sequence[tuple[np.ndarray, np.ndarray]],
+    monkeypatch: Any,
+    kind: type,
+    *,
+    without: tuple[str, Callable[..., Any]] | None = None,
+) -> tuple[list[float], list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """:func:`train_steps` of the artifacts in ``directory`` with ``Module``; ``without``
+    (a function of :mod:`traingraph.runtime.segments` and what replaces it while the Module is
+    built) leaves a kind of native kernel out. Asserts the plan holds a kernel of ``kind``
+    exactly when it is not left out."""
+    from traingraph.api import CheckpointState, Module, Optimizer
+    from traingraph.runtime import segments
+
+    with monkeypatch.context() as patch:
+        if without is not None:
+            patch.setattr(segments, *without)
+        state = CheckpointState.load_checkpoint(directory / "checkpoint")
+        module = Module(directory / "training_model.onnx", state)
+    kernels = getattr(module._train, "_plan", segments.Plan([])).all_kernels
+    assert any(isinstance(k, kind) for k in kernels) == (without is None)
+    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
+    return train_steps(module, optimizer, state, batches)

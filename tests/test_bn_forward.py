@@ -10,11 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from gradcheck import assert_same_training, train_steps
+from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
-from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import bn_forward, conv_grads, segments
+
+NO_BN_FORWARDS = ("split_batch_norm_forwards", lambda model, taken: [])
 
 pytestmark = pytest.mark.skipif(
     not conv_grads.AVAILABLE,
@@ -115,18 +116,6 @@ def test_the_forward_is_cut_at_each_kernel(tmp_path):
             assert node.op_type == "Squeeze" or not set(node.input) & means
 
 
-def _run(directory, batches, native: bool, monkeypatch):
-    with monkeypatch.context() as patch:
-        if not native:
-            patch.setattr(segments, "split_batch_norm_forwards", lambda model, taken: [])
-        state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        module = Module(directory / "training_model.onnx", state)
-    kernels = getattr(module._train, "_plan", segments.Plan([])).all_kernels
-    assert any(isinstance(k, bn_forward.BatchNormForward) for k in kernels) == native
-    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
-    return train_steps(module, optimizer, state, batches)
-
-
 def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):
     directory = residual_artifacts(tmp_path)
     rng = np.random.default_rng(0)
@@ -134,8 +123,10 @@ def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):
         (rng.standard_normal((n, 3, 10, 10)).astype(np.float32) + 2, rng.integers(0, 5, n))
         for n in (4, 4, 3)  # the batch changes: the kernels' outputs follow it
     ]
-    got = _run(directory, batches, True, monkeypatch)
-    expected = _run(directory, batches, False, monkeypatch)
+    got = artifact_steps(directory, batches, monkeypatch, bn_forward.BatchNormForward)
+    expected = artifact_steps(
+        directory, batches, monkeypatch, bn_forward.BatchNormForward, without=NO_BN_FORWARDS
+    )
     assert {"bn.running_mean", "bn.running_var", "bn2.running_var"} <= set(got[2])
     assert_same_training(got, expected, one_scale=True)
 
@@ -167,5 +158,8 @@ def test_a_batch_norm_reading_another_is_taken_and_trains(tmp_path, monkeypatch)
         (rng.standard_normal((3, 3, 6, 6)).astype(np.float32), rng.integers(0, 2, 3))
         for _ in range(2)
     ]
-    got = _run(tmp_path, batches, True, monkeypatch)
-    assert_same_training(got, _run(tmp_path, batches, False, monkeypatch), one_scale=True)
+    got = artifact_steps(tmp_path, batches, monkeypatch, bn_forward.BatchNormForward)
+    expected = artifact_steps(
+        tmp_path, batches, monkeypatch, bn_forward.BatchNormForward, without=NO_BN_FORWARDS
+    )
+    assert_same_training(got, expected, one_scale=True)

@@ -12,11 +12,12 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from gradcheck import assert_same_training, train_steps
+from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
-from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import col2im, conv_grads, segments
+
+NO_COLUMN_SUMS = ("split_col2ims", lambda model, taken: (model, []))
 
 pytestmark = pytest.mark.skipif(
     not conv_grads.AVAILABLE,
@@ -131,18 +132,6 @@ def test_a_strided_block_is_finished_with_its_sum(tmp_path):
         assert not any(n.op_type in ("ConvTranspose", "Col2Im") for n in segment.model.graph.node)
 
 
-def _run(directory, batches, finished: bool, monkeypatch):
-    with monkeypatch.context() as patch:
-        if not finished:
-            patch.setattr(segments, "split_col2ims", lambda model, taken: (model, []))
-        state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        module = Module(directory / "training_model.onnx", state)
-    kernels = [k for ks in module._train._plan.kernels for k in ks]
-    assert any(isinstance(k, col2im.Col2ImSum) for k in kernels) == finished
-    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
-    return train_steps(module, optimizer, state, batches)
-
-
 def test_module_trains_the_residual_block_as_the_graph_does(tmp_path, monkeypatch):
     directory = residual_artifacts(tmp_path)
     rng = np.random.default_rng(0)
@@ -150,8 +139,11 @@ def test_module_trains_the_residual_block_as_the_graph_does(tmp_path, monkeypatc
         (rng.standard_normal((n, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, n))
         for n in (4, 4, 3)  # the batch changes: the kernel's image follows it
     ]
-    got = _run(directory, batches, True, monkeypatch)
-    assert_same_training(got, _run(directory, batches, False, monkeypatch), one_scale=True)
+    got = artifact_steps(directory, batches, monkeypatch, col2im.Col2ImSum)
+    expected = artifact_steps(
+        directory, batches, monkeypatch, col2im.Col2ImSum, without=NO_COLUMN_SUMS
+    )
+    assert_same_training(got, expected, one_scale=True)
 
 
 class PoolNet(nn.Module):
@@ -189,8 +181,11 @@ def test_an_unpadded_conv_input_gradient_is_finished_alone(tmp_path, monkeypatch
         (rng.standard_normal((n, 1, 20, 20)).astype(np.float32), rng.integers(0, 3, n))
         for n in (2, 5, 5)
     ]
-    got = _run(tmp_path, batches, True, monkeypatch)
-    assert_same_training(got, _run(tmp_path, batches, False, monkeypatch), one_scale=True)
+    got = artifact_steps(tmp_path, batches, monkeypatch, col2im.Col2ImSum)
+    expected = artifact_steps(
+        tmp_path, batches, monkeypatch, col2im.Col2ImSum, without=NO_COLUMN_SUMS
+    )
+    assert_same_training(got, expected, one_scale=True)
 
 
 def test_convtransposes_the_kernel_cannot_finish_stay():

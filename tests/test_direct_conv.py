@@ -11,11 +11,12 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from gradcheck import assert_same_training, train_steps
+from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
-from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import conv_grads, direct_conv, segments
+
+NO_DIRECT_CONVS = ("split_direct_convs", lambda model, taken: [])
 
 pytestmark = pytest.mark.skipif(
     not conv_grads.AVAILABLE,
@@ -158,18 +159,6 @@ class SmallLeNet(nn.Module):
         return self.fc(h.flatten(1))
 
 
-def _run(directory, batches, direct: bool, monkeypatch):
-    with monkeypatch.context() as patch:
-        if not direct:
-            patch.setattr(segments, "split_direct_convs", lambda model, taken: [])
-        state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        module = Module(directory / "training_model.onnx", state)
-    plan = getattr(module._train, "_plan", segments.Plan([]))
-    assert any(isinstance(k, direct_conv.DirectConv) for k in plan.first) == direct
-    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
-    return train_steps(module, optimizer, state, batches)
-
-
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_module_trains_as_the_graph_does(tmp_path, monkeypatch, dynamo):
     model, example = seeded(SmallLeNet), torch.zeros(2, 1, 16, 16)
@@ -187,5 +176,8 @@ def test_module_trains_as_the_graph_does(tmp_path, monkeypatch, dynamo):
         (rng.standard_normal((n, 1, 16, 16)).astype(np.float32), rng.integers(0, 4, n))
         for n in (3, 3, 5)  # the batch changes: the kernel's output follows it
     ]
-    got = _run(tmp_path, batches, True, monkeypatch)
-    assert_same_training(got, _run(tmp_path, batches, False, monkeypatch), one_scale=True)
+    got = artifact_steps(tmp_path, batches, monkeypatch, direct_conv.DirectConv)
+    expected = artifact_steps(
+        tmp_path, batches, monkeypatch, direct_conv.DirectConv, without=NO_DIRECT_CONVS
+    )
+    assert_same_training(got, expected, one_scale=True)

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, specialize
 
 _DEFAULT = ("", "ai.onnx")
 
@@ -111,7 +111,7 @@ def split_batch_norm_forwards(
         return []
     shapes = conv_grads._inferred_shapes(model)
     g = conv_grads.GraphIndex.of(graph)
-    constants = _constant_values(graph)
+    constants = specialize._constants(graph)
     matches = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):
@@ -120,7 +120,8 @@ def split_batch_norm_forwards(
             if match is not None:  # an Add of two of them goes with the first
                 claimed |= match[1]
                 matches.append(match)
-    return _verified(model, g, matches, shapes)
+    offsets = {kernel.x: 1.5 for kernel, _ in matches}  # statistics off zero
+    return conv_grads.verified_kernels(model, g, matches, shapes, offsets)
 
 
 def _producer(
@@ -133,7 +134,7 @@ def _producer(
     return (i, node) if node.op_type == op_type and node.domain in _DEFAULT else None
 
 
-def _reduced_axes(node: onnx.NodeProto, constants: Mapping[str, list[int]]) -> list[int]:
+def _reduced_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> list[int]:
     """The axes a ReduceMean reduces (from its attribute or its constant input), kept dims
     only; [] where they are not known."""
     attrs = {a.name: a for a in node.attribute}
@@ -142,7 +143,7 @@ def _reduced_axes(node: onnx.NodeProto, constants: Mapping[str, list[int]]) -> l
     if "axes" in attrs:
         return list(attrs["axes"].ints)
     if len(node.input) > 1 and node.input[1] in constants:
-        return [int(v) for v in constants[node.input[1]]]
+        return [int(v) for v in numpy_helper.to_array(constants[node.input[1]]).ravel()]
     return []
 
 
@@ -150,7 +151,7 @@ def _match(
     g: conv_grads.GraphIndex,
     i: int,
     shapes: Mapping[str, list[int | None]],
-    constants: Mapping[str, list[int]],
+    constants: Mapping[str, onnx.TensorProto],
     taken: Set[int],
 ) -> tuple[BatchNormForward, set[int]] | None:
     """The kernel of the BatchNormalization at ``i`` where its mean and variance are the
@@ -193,95 +194,25 @@ def _match(
         nodes |= {square[0], centered[0]}  # else they stay, reading the kernel's mean
     epsilon = attrs["epsilon"].f if "epsilon" in attrs else 1e-5
     out, addend, relu = node.output[0], None, False
-    after = _only_reader(g, out, taken)
-    if after is not None and after[1].op_type == "Add" and after[1].domain in _DEFAULT:
-        total = after[1]
+    after = g.only_reader(out, taken)
+    if after is not None and _is_relu(g.nodes[after]):
+        out, relu = g.nodes[after].output[0], True
+        nodes.add(after)
+    elif after is not None and g.nodes[after].op_type == "Add":
+        total = g.nodes[after]
         other = total.input[1] if total.input[0] == out else total.input[0]
-        last = _only_reader(g, total.output[0], taken)
+        last = g.only_reader(total.output[0], taken)
         same = shapes.get(other) == shape and None not in shape[1:]
-        if other != out and same and last is not None and _is_relu(last[1]):
-            addend, out, relu = other, last[1].output[0], True
-            nodes |= {after[0], last[0]}
-    elif after is not None and _is_relu(after[1]):
-        out, relu = after[1].output[0], True
-        nodes.add(after[0])
+        default = total.domain in _DEFAULT
+        if default and other != out and same and last is not None and _is_relu(g.nodes[last]):
+            addend, out, relu = other, g.nodes[last].output[0], True
+            nodes |= {after, last}
     kernel = BatchNormForward(x, scale, bias, addend, mean, var_node.output[0], out, epsilon, relu)
     return kernel, nodes
 
 
-def _only_reader(
-    g: conv_grads.GraphIndex, value: str, taken: Set[int]
-) -> tuple[int, onnx.NodeProto] | None:
-    """The one node that reads ``value`` (no graph output), with its index, unless taken."""
-    i = g.only_reader(value)
-    return (i, g.nodes[i]) if i is not None and i not in taken else None
-
-
 def _is_relu(node: onnx.NodeProto) -> bool:
     return node.op_type == "Relu" and node.domain in _DEFAULT
-
-
-def _constant_values(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    """The int64 values of the initializers and Constant nodes, by name."""
-    tensors = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in _DEFAULT:
-            for a in node.attribute:
-                if a.name == "value":
-                    tensors[node.output[0]] = a.t
-    return {
-        name: [int(v) for v in numpy_helper.to_array(t).ravel()]
-        for name, t in tensors.items()
-        if t.data_type == onnx.TensorProto.INT64
-    }
-
-
-def _verified(
-    model: onnx.ModelProto,
-    g: conv_grads.GraphIndex,
-    matches: list[tuple[BatchNormForward, set[int]]],
-    shapes: Mapping[str, list[int | None]],
-) -> list[tuple[BatchNormForward, set[int]]]:
-    """The matches whose kernel computes what their nodes compute on random inputs (of the
-    model's batch, or 2 where it is open), all in one single-threaded onnxruntime session; a
-    kernel reads what the others' nodes computed (an addend that is another's output)."""
-    checked = [
-        (kernel, nodes) for kernel, nodes in matches
-        if all((d := shapes.get(v)) is not None and None not in d[1:] for v in kernel.inputs)
-    ]  # fmt: skip
-    if not checked:
-        return []
-    members = set().union(*(nodes for _, nodes in checked))
-    while True:  # with the nodes between them that stay (the Squeezes of the statistics)
-        produced = {o for i in members for o in g.nodes[i].output}
-        reads = {v for i in members for v in g.nodes[i].input if v}
-        between = {
-            g.producer[v] for v in reads - produced
-            if v in g.producer and all(
-                u in produced or u in g.constants for u in g.nodes[g.producer[v]].input if u
-            )
-        }  # fmt: skip
-        if between <= members:
-            break
-        members |= between
-    replaced = [g.nodes[i] for i in sorted(members)]
-    external = sorted(reads - produced - g.constants)
-    rng = np.random.default_rng(0)
-    feeds = conv_grads.random_feeds(rng, external, shapes)
-    if feeds is None:
-        return []
-    for x in {kernel.x for kernel, _ in checked} & feeds.keys():
-        feeds[x] += 1.5  # statistics off zero (an x another kernel writes is computed)
-    wanted = [o for kernel, _ in checked for o in kernel.outputs]
-    try:
-        expected = dict(zip(wanted, conv_grads._run_subgraph(model, replaced, feeds, wanted)))
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
-        return []
-    values = {**feeds, **expected}
-    return [
-        (kernel, nodes) for kernel, nodes in checked
-        if conv_grads.kernel_agrees(kernel, values, expected)
-    ]  # fmt: skip
 
 
 __all__ = ["BatchNormForward", "split_batch_norm_forwards"]

@@ -200,8 +200,8 @@ def _match(
     own = transposed[first]
     members, addends, out = [first], list[str](), g.nodes[first].output[0]
     nodes = {first}
-    reader = g.only_reader(out)
-    if reader is not None and reader not in claimed and g.nodes[reader].op_type in ("Sum", "Add"):
+    reader = g.only_reader(out, claimed)
+    if reader is not None and g.nodes[reader].op_type in ("Sum", "Add"):
         total = g.nodes[reader]
         inputs = [v for v in total.input if v]
         ours = [
@@ -216,8 +216,8 @@ def _match(
             members, addends, out = sorted(ours), others, total.output[0]
             nodes = set(members) | {reader}
     gate = None
-    reader = g.only_reader(out)
-    product = g.nodes[reader] if reader is not None and reader not in claimed else None
+    reader = g.only_reader(out, claimed)
+    product = g.nodes[reader] if reader is not None else None
     if product is not None and product.op_type == "Mul" and len(product.input) == 2:
         other = product.input[1] if product.input[0] == out else product.input[0]
         cast = g.producer.get(other)

@@ -505,12 +505,14 @@ class GraphIndex:
             stack.pop()
         return memo[value]
 
-    def only_reader(self, value: str) -> int | None:
-        """The one node that reads ``value``, where ``value`` is no graph output; else None."""
+    def only_reader(self, value: str, taken: Collection[int] = ()) -> int | None:
+        """The one node that reads ``value``, where ``value`` is no graph output and the node
+        is not in ``taken`` (another kernel's); else None."""
         readers = self.consumers.get(value, set())
         if len(readers) != 1 or value in self.outputs:
             return None
-        return next(iter(readers))
+        reader = next(iter(readers))
+        return None if reader in taken else reader
 
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
         """The nodes of ``cone`` computed from ``sources`` and constants alone."""
@@ -748,6 +750,55 @@ def _run_subgraph(
         check.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     return list(session.run(outputs, feeds))
+
+
+def verified_kernels(
+    model: onnx.ModelProto,
+    g: GraphIndex,
+    matches: Sequence[tuple[Any, set[int]]],
+    shapes: Mapping[str, list[int | None]],
+    offsets: Mapping[str, float] | None = None,
+) -> list[tuple[Any, set[int]]]:
+    """The matches (native kernels of :mod:`traingraph.runtime.segments`, each with the indices
+    of the nodes it replaces) whose kernel computes what their nodes compute on random inputs
+    (of the model's batch, or 2 where it is open), ``offsets`` added to the named ones, all in
+    one single-threaded onnxruntime session. The nodes between matches that stay (the Squeezes
+    of a BatchNorm's statistics) run in the check too, and a kernel reads what the others'
+    nodes computed (an addend that is another's output)."""
+    checked = [
+        (kernel, nodes) for kernel, nodes in matches
+        if all((d := shapes.get(v)) is not None and None not in d[1:] for v in kernel.inputs)
+    ]  # fmt: skip
+    if not checked:
+        return []
+    members = set().union(*(nodes for _, nodes in checked))
+    while True:
+        produced = {o for i in members for o in g.nodes[i].output}
+        reads = {v for i in members for v in g.nodes[i].input if v}
+        between = {
+            g.producer[v] for v in reads - produced
+            if v in g.producer and all(
+                u in produced or u in g.constants for u in g.nodes[g.producer[v]].input if u
+            )
+        }  # fmt: skip
+        if between <= members:
+            break
+        members |= between
+    external = sorted(reads - produced - g.constants)
+    feeds = random_feeds(np.random.default_rng(0), external, shapes)
+    if feeds is None:
+        return []
+    for name, offset in (offsets or {}).items():
+        if name in feeds:  # else another kernel's nodes compute it
+            feeds[name] += offset
+    wanted = [o for kernel, _ in checked for o in kernel.outputs]
+    replaced = [g.nodes[i] for i in sorted(members)]
+    try:
+        expected = dict(zip(wanted, _run_subgraph(model, replaced, feeds, wanted)))
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return []
+    values = {**feeds, **expected}
+    return [(kernel, nodes) for kernel, nodes in checked if kernel_agrees(kernel, values, expected)]
 
 
 def random_feeds(

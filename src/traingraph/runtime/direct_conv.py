@@ -117,7 +117,7 @@ def split_direct_convs(
         match = _match(g, i, shapes, taken)
         if match is not None:
             matches.append(match)
-    return _verified(model, g, matches, shapes)
+    return conv_grads.verified_kernels(model, g, matches, shapes)
 
 
 def _candidate(node: onnx.NodeProto, inputs: Set[str]) -> bool:
@@ -156,46 +156,15 @@ def _match(
         return None
     bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
     out, relu, nodes = node.output[0], False, {i}
-    reader = g.only_reader(out)
-    if reader is not None and reader not in taken:
-        after = g.nodes[reader]
-        if after.op_type == "Relu" and after.domain in ("", "ai.onnx"):
-            out, relu = after.output[0], True
-            nodes.add(reader)
-    top, left, bottom, right = pads
-    kernel = DirectConv(node.input[0], node.input[1], bias, out, (top, left, bottom, right), relu)
-    return kernel, nodes
+    reader = g.only_reader(out, taken)
+    if reader is not None and _is_relu(g.nodes[reader]):
+        out, relu = g.nodes[reader].output[0], True
+        nodes.add(reader)
+    return DirectConv(node.input[0], node.input[1], bias, out, tuple(pads), relu), nodes
 
 
-def _verified(
-    model: onnx.ModelProto,
-    g: conv_grads.GraphIndex,
-    matches: list[tuple[DirectConv, set[int]]],
-    shapes: Mapping[str, list[int | None]],
-) -> list[tuple[DirectConv, set[int]]]:
-    """The matches whose kernel computes what their nodes compute on random inputs (of the
-    model's batch, or 2 where it is open), all in one single-threaded onnxruntime session."""
-    rng = np.random.default_rng(0)
-    feeds: dict[str, np.ndarray] = {}
-    checks = []
-    for kernel, nodes in matches:
-        drawn = conv_grads.random_feeds(rng, kernel.inputs, shapes)
-        if drawn is None:
-            continue
-        feeds = {**drawn, **feeds}
-        checks.append((kernel, nodes))
-    if not checks:
-        return []
-    try:
-        replaced = [g.nodes[i] for _, nodes in checks for i in sorted(nodes)]
-        wanted = [kernel.out for kernel, _ in checks]
-        expected = dict(zip(wanted, conv_grads._run_subgraph(model, replaced, feeds, wanted)))
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
-        return []
-    return [
-        (kernel, nodes) for kernel, nodes in checks
-        if conv_grads.kernel_agrees(kernel, feeds, expected)
-    ]  # fmt: skip
+def _is_relu(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Relu" and node.domain in ("", "ai.onnx")
 
 
 __all__ = ["MAX_CHANNELS", "DirectConv", "split_direct_convs"]
