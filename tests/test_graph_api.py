@@ -424,10 +424,10 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: s
     runner = fast._runners["gradient"]
     kernels = [type(k).__name__ for ks in getattr(runner, "_plan", Plan([])).kernels for k in ks]
     # the strided Conv's input gradient is finished natively (its Col2Im, and the Relu mask
-    # where no BatchNorm kernel takes it)
+    # where no BatchNorm kernel takes it); the 3 x 3 Conv's by Winograd's transforms
     assert kernels == {
         "strided": ["Col2ImSum"],
-        "maxpool": ["MaxPoolGrad"],
+        "maxpool": ["MaxPoolGrad", "WinogradConv"],
         "batchnorm": ["BatchNormGrad", "Col2ImSum", "BatchNormGrad"],
     }[variant]
     assert isinstance(plain._runners["gradient"], BoundRunner)

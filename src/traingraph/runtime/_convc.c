@@ -1810,6 +1810,8 @@ done:
     return result;
 }
 
+#include "_winograd.h"
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
@@ -1818,6 +1820,7 @@ static PyMethodDef methods[] = {
     {"dropout_mask", dropout_mask, METH_VARARGS, dropout_mask_doc},
     {"col2im_sum", col2im_sum, METH_VARARGS, col2im_sum_doc},
     {"conv_direct", conv_direct, METH_VARARGS, conv_direct_doc},
+    {"conv_winograd", conv_winograd, METH_VARARGS, conv_winograd_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -792,6 +792,8 @@ def verified_kernels(
         if name in feeds:  # else another kernel's nodes compute it
             feeds[name] += offset
     wanted = [o for kernel, _ in checked for o in kernel.outputs]
+    # what the nodes between compute and a kernel reads (a Relu between two matches)
+    wanted += sorted({v for kernel, _ in checked for v in kernel.inputs} & produced - set(wanted))
     replaced = [g.nodes[i] for i in sorted(members)]
     try:
         expected = dict(zip(wanted, _run_subgraph(model, replaced, feeds, wanted)))

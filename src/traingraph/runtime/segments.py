@@ -19,7 +19,9 @@ middle of the step:
 - a first Conv of few input channels (and its Relu), computed directly before the first segment
   (:mod:`traingraph.runtime.direct_conv`);
 - a training-mode BatchNormalization's forward pass, with the residual Add and Relu after it
-  (:mod:`traingraph.runtime.bn_forward`).
+  (:mod:`traingraph.runtime.bn_forward`);
+- a 3 x 3 Conv of stride 1, forward or input gradient, by Winograd's transforms
+  (:mod:`traingraph.runtime.winograd`).
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -50,6 +52,7 @@ from traingraph.runtime.device import Device
 from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
+from traingraph.runtime.winograd import WinogradConv, split_winograd_convs
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,10 @@ def split_max_pool_grads(
     return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
 
 
-Kernel = BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
+Kernel = (
+    BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
+    | WinogradConv
+)
 """A native kernel between two segments (or before the first)."""
 
 
@@ -416,7 +422,8 @@ def find_kernels(
     """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads`,
     :func:`~traingraph.runtime.masks.split_dropout_masks`,
     :func:`~traingraph.runtime.direct_conv.split_direct_convs`,
-    :func:`~traingraph.runtime.bn_forward.split_batch_norm_forwards` and
+    :func:`~traingraph.runtime.bn_forward.split_batch_norm_forwards`,
+    :func:`~traingraph.runtime.winograd.split_winograd_convs` and
     :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
     the Col2Im kernels read written after its nodes."""
@@ -426,6 +433,7 @@ def find_kernels(
     kernels += split_dropout_masks(model)
     kernels += split_direct_convs(model, _taken(kernels))
     kernels += split_batch_norm_forwards(model, _taken(kernels))
+    kernels += split_winograd_convs(model, _taken(kernels))
     model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
 

@@ -1,0 +1,482 @@
+/* 3 x 3 convolutions of stride 1 and pads 1 by Winograd's F(2 x 2, 3 x 3), for _convc.c.
+ *
+ * Each 2 x 2 block of outputs (a tile) of filter k is
+ *
+ *     Y = A^T [ sum_c (G g[k, c] G^T) * (B^T d[c] B) ] A
+ *
+ * where d[c] is the 4 x 4 patch of channel c the tile reads and * multiplies element by
+ * element: 16 products per tile and channel pair instead of 36. The 16 places of the
+ * transformed patches (frequencies) are 16 independent matrix products over the channels.
+ *
+ *     B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1]
+ *     G   = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]
+ *     A^T = [1 1 1 0; 0 1 -1 -1]
+ *
+ * The tiles lie along the vector lanes: a block of whole tile rows is transformed into
+ * V[frequency][channel][tile], multiplied into M[frequency][filter][tile] (8 filters by 48
+ * tiles of sums in registers, the transformed filters broadcast), and M is transformed back
+ * into the output rows. A block's V and M stay within a fraction of an L2 cache; the threads
+ * take the blocks in turn. A tile's four input columns are shuffled out of the row's even and
+ * odd columns (with the pad's zeros at both ends).
+ */
+
+#define WINO_FILTERS 8
+#define WINO_MAX_ROWS 256 /* tile rows per block */
+#define WINO_VECTORS 3
+#define WINO_BLOCK_BYTES (256 * 1024)
+
+struct wino {
+    const float *x, *b, *addend;
+    float *y;
+    const float *u; /* transformed filters [16][C][K] */
+    Py_ssize_t n, c, h, w, k;
+    Py_ssize_t th, tw; /* tile rows and columns: h / 2, w / 2 */
+    Py_ssize_t rows;   /* tile rows per block */
+    Py_ssize_t tiles;  /* rows * tw rounded up to 16: the block's tile pitch */
+    atomic_long *next; /* the next block a thread takes */
+};
+
+static struct scratch wino_scratch[MAX_THREADS];
+
+/* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3]; `row` holds 16 k
+ * floats: one channel's 16 rows of U, written together (U's planes lie a multiple of 4 KiB
+ * apart, where stores scattered over them stall). */
+TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_t k, Py_ssize_t c)
+{
+    for (Py_ssize_t cc = 0; cc < c; cc++) {
+        for (Py_ssize_t kk = 0; kk < k; kk++) {
+            const float *t = g + (kk * c + cc) * 9;
+            float gt[4][3]; /* G g */
+            for (int j = 0; j < 3; j++) {
+                gt[0][j] = t[j];
+                gt[1][j] = 0.5f * (t[j] + t[3 + j] + t[6 + j]);
+                gt[2][j] = 0.5f * (t[j] - t[3 + j] + t[6 + j]);
+                gt[3][j] = t[6 + j];
+            }
+            for (int r = 0; r < 4; r++) {
+                row[(r * 4 + 0) * k + kk] = gt[r][0];
+                row[(r * 4 + 1) * k + kk] = 0.5f * (gt[r][0] + gt[r][1] + gt[r][2]);
+                row[(r * 4 + 2) * k + kk] = 0.5f * (gt[r][0] - gt[r][1] + gt[r][2]);
+                row[(r * 4 + 3) * k + kk] = gt[r][2];
+            }
+        }
+        for (int f = 0; f < 16; f++) {
+            memcpy(u + (f * c + cc) * k, row + f * k, sizeof(float) * (size_t)k);
+        }
+    }
+}
+
+/* The four columns of tile j of a padded row (place 0 the pad's zero, place 1 + x column x):
+ * places 2j, 2j + 1, 2j + 2 and 2j + 3, each in its own array at the tile's index. */
+enum { WINO_E0, WINO_O0, WINO_E1, WINO_O1 };
+
+/* Row `src` (w = 2 tw floats) split into the columns of its tiles at `at` in cols[0..3]: the
+ * odd columns (2j + 1: places 2j + 2 and, one tile on, 2j + 1 + 2) and the even ones. The
+ * first tile's place 0 and the last's place 2 tw + 1 are set later (they are zeros): the
+ * shifted stores overwrite a neighbouring row's. */
+static inline __attribute__((always_inline)) void wino_split(const float *restrict src,
+                                                              float *const cols[4],
+                                                              Py_ssize_t at, Py_ssize_t tw)
+{
+    const v16i evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i odds = evens + 1;
+    float *e0 = cols[WINO_E0] + at, *o0 = cols[WINO_O0] + at;
+    float *e1 = cols[WINO_E1] + at, *o1 = cols[WINO_O1] + at;
+    Py_ssize_t m = 0;
+    for (; m + 16 <= tw; m += 16) {
+        const v16 a = *(const v16u *)(src + 2 * m), b = *(const v16u *)(src + 2 * m + 16);
+        const v16 even = __builtin_shuffle(a, b, evens), odd = __builtin_shuffle(a, b, odds);
+        *(v16u *)(o0 + m) = even;
+        *(v16u *)(o1 + m - 1) = even;
+        *(v16u *)(e1 + m) = odd;
+        *(v16u *)(e0 + m + 1) = odd;
+    }
+    for (; m < tw; m++) {
+        o0[m] = o1[m - 1] = src[2 * m];
+        e1[m] = e0[m + 1] = src[2 * m + 1];
+    }
+}
+
+/* The block's transformed patches V[f][c][t] for its tiles t = q * tw + j (tile row unit0 + q,
+ * column j), whole vectors along t. `cols` holds 16 arrays of `span` floats, 16 from their
+ * start: the four column arrays of each of the patch's rows. */
+TARGETS static void wino_in(const struct wino *p, float *restrict v, float *restrict cols,
+                            Py_ssize_t span, Py_ssize_t unit0, Py_ssize_t units)
+{
+    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t stride = p->c * p->tiles; /* between frequencies */
+    Py_ssize_t first[WINO_MAX_ROWS]; /* each tile row's first patch row, from the image */
+    const float *base[WINO_MAX_ROWS];
+    for (Py_ssize_t q = 0; q < units; q++) {
+        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+        first[q] = 2 * i - 1;
+        base[q] = p->x + n * p->c * plane + first[q] * p->w;
+    }
+    for (Py_ssize_t c = 0; c < p->c; c++) {
+        for (int r = 0; r < 4; r++) {
+            float *const rc[4] = {cols + (4 * r + 0) * span + 16, cols + (4 * r + 1) * span + 16,
+                                  cols + (4 * r + 2) * span + 16, cols + (4 * r + 3) * span + 16};
+            for (Py_ssize_t q = 0; q < units; q++) {
+                const Py_ssize_t row = first[q] + r;
+                if (row >= 0 && row < p->h) {
+                    wino_split(base[q] + c * plane + r * p->w, rc, q * tw, tw);
+                }
+                else {
+                    for (int k = 0; k < 4; k++) {
+                        memset(rc[k] + q * tw, 0, sizeof(float) * (size_t)tw);
+                    }
+                }
+            }
+            for (Py_ssize_t q = 0; q < units; q++) {
+                rc[WINO_E0][q * tw] = 0.0f;
+                rc[WINO_O1][q * tw + tw - 1] = 0.0f;
+            }
+        }
+        float *dst = v + c * p->tiles;
+        for (Py_ssize_t t = 0; t < used; t += 16) {
+            v16 u[4][4];
+            for (int r = 0; r < 4; r++) {
+                const float *at = cols + 4 * r * span + 16 + t;
+                const v16 e0 = *(const v16 *)at, o0 = *(const v16 *)(at + span);
+                const v16 e1 = *(const v16 *)(at + 2 * span), o1 = *(const v16 *)(at + 3 * span);
+                u[r][0] = e0 - e1;
+                u[r][1] = o0 + e1;
+                u[r][2] = e1 - o0;
+                u[r][3] = o0 - o1;
+            }
+            for (int s = 0; s < 4; s++) {
+                *(v16 *)(dst + (0 * 4 + s) * stride + t) = u[0][s] - u[2][s];
+                *(v16 *)(dst + (1 * 4 + s) * stride + t) = u[1][s] + u[2][s];
+                *(v16 *)(dst + (2 * 4 + s) * stride + t) = u[2][s] - u[1][s];
+                *(v16 *)(dst + (3 * 4 + s) * stride + t) = u[1][s] - u[3][s];
+            }
+        }
+    }
+}
+
+/* Whether wino_in_lanes takes rows of tw tiles: whole vectors of a row, or rows of 8 or 4
+ * tiles packed two or four to a vector. */
+static inline int wino_lanes(Py_ssize_t tw) { return tw % 16 == 0 || tw == 8 || tw == 4; }
+
+static const float wino_zeros[32] __attribute__((aligned(64)));
+
+/* Row r of the patches of tile row q (or zeros outside the image and past the block). */
+static inline const float *wino_row(const struct wino *p, const float *const *base,
+                                    const Py_ssize_t *first, Py_ssize_t q, Py_ssize_t units,
+                                    int r, Py_ssize_t c)
+{
+    const Py_ssize_t row = first[q] + r;
+    if (q >= units || row < 0 || row >= p->h) {
+        return NULL;
+    }
+    return base[q] + c * p->h * p->w + r * p->w;
+}
+
+/* wino_in for wino_lanes(tw), without the column arrays: each vector's four tile columns are
+ * shuffled out of the 32 input columns it covers, in registers. */
+TARGETS static void wino_in_lanes(const struct wino *p, float *restrict v, Py_ssize_t unit0,
+                                  Py_ssize_t units)
+{
+    const v16i evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i odds = evens + 1;
+    const v16i right = {16, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    const v16i left = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t stride = p->c * p->tiles; /* between frequencies */
+    v16i keep_first = {0}, keep_last = {0}; /* lanes whose tile has a left / right neighbour */
+    for (int l = 0; l < 16; l++) {
+        keep_first[l] = tw >= 16 || l % tw != 0 ? -1 : 0;
+        keep_last[l] = tw >= 16 || l % tw != tw - 1 ? -1 : 0;
+    }
+    Py_ssize_t first[WINO_MAX_ROWS + 3];
+    const float *base[WINO_MAX_ROWS + 3];
+    for (Py_ssize_t q = 0; q < units; q++) {
+        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+        first[q] = 2 * i - 1;
+        base[q] = p->x + n * p->c * plane + first[q] * p->w;
+    }
+    for (Py_ssize_t c = 0; c < p->c; c++) {
+        float *dst = v + c * p->tiles;
+        for (Py_ssize_t t = 0; t < used; t += 16) {
+            const Py_ssize_t q = t / tw, m = t % tw;
+            v16 u[4][4];
+            for (int r = 0; r < 4; r++) {
+                v16 a, b, prev = {0}, next = {0};
+                if (tw >= 16) {
+                    const float *src = wino_row(p, base, first, q, units, r, c);
+                    if (src == NULL) {
+                        a = b = (v16){0};
+                    }
+                    else {
+                        a = *(const v16u *)(src + 2 * m);
+                        b = *(const v16u *)(src + 2 * m + 16);
+                        prev[0] = m > 0 ? src[2 * m - 1] : 0.0f;
+                        next[0] = m + 16 < tw ? src[2 * m + 32] : 0.0f;
+                    }
+                }
+                else if (tw == 8) {
+                    const float *s0 = wino_row(p, base, first, q, units, r, c);
+                    const float *s1 = wino_row(p, base, first, q + 1, units, r, c);
+                    a = *(const v16u *)(s0 != NULL ? s0 : wino_zeros);
+                    b = *(const v16u *)(s1 != NULL ? s1 : wino_zeros);
+                }
+                else {
+                    v8u h[4];
+                    for (int k = 0; k < 4; k++) {
+                        const float *s = wino_row(p, base, first, q + k, units, r, c);
+                        h[k] = *(const v8u *)(s != NULL ? s : wino_zeros);
+                    }
+                    a = __builtin_shufflevector(h[0], h[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                12, 13, 14, 15);
+                    b = __builtin_shufflevector(h[2], h[3], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                12, 13, 14, 15);
+                }
+                /* padded places 2j, 2j + 1, 2j + 2, 2j + 3: columns 2j - 1 .. 2j + 2 */
+                const v16 d1 = __builtin_shuffle(a, b, evens), d2 = __builtin_shuffle(a, b, odds);
+                const v16 d0 = (v16)((v16i)__builtin_shuffle(d2, prev, right) & keep_first);
+                const v16 d3 = (v16)((v16i)__builtin_shuffle(d1, next, left) & keep_last);
+                u[r][0] = d0 - d2;
+                u[r][1] = d1 + d2;
+                u[r][2] = d2 - d1;
+                u[r][3] = d1 - d3;
+            }
+            for (int s = 0; s < 4; s++) {
+                *(v16 *)(dst + (0 * 4 + s) * stride + t) = u[0][s] - u[2][s];
+                *(v16 *)(dst + (1 * 4 + s) * stride + t) = u[1][s] + u[2][s];
+                *(v16 *)(dst + (2 * 4 + s) * stride + t) = u[2][s] - u[1][s];
+                *(v16 *)(dst + (3 * 4 + s) * stride + t) = u[1][s] - u[3][s];
+            }
+        }
+    }
+}
+
+/* M[f][k0 + a][t0 + 16 b] for a < kb, b < vb: the sums over the channels. */
+static inline __attribute__((always_inline)) void wino_dot(const struct wino *p, const float *v,
+                                                            const float *u, float *m,
+                                                            Py_ssize_t k0, Py_ssize_t t0,
+                                                            const int kb, const int vb)
+{
+    v16 acc[WINO_FILTERS][WINO_VECTORS];
+    for (int a = 0; a < kb; a++) {
+        for (int b = 0; b < vb; b++) {
+            acc[a][b] = (v16){0};
+        }
+    }
+    for (Py_ssize_t c = 0; c < p->c; c++) {
+        v16 in[WINO_VECTORS];
+        for (int b = 0; b < vb; b++) {
+            in[b] = *(const v16 *)(v + c * p->tiles + t0 + 16 * b);
+        }
+        for (int a = 0; a < kb; a++) {
+            const float f = u[c * p->k + k0 + a];
+            for (int b = 0; b < vb; b++) {
+                acc[a][b] += in[b] * f;
+            }
+        }
+    }
+    for (int a = 0; a < kb; a++) {
+        for (int b = 0; b < vb; b++) {
+            *(v16 *)(m + (k0 + a) * p->tiles + t0 + 16 * b) = acc[a][b];
+        }
+    }
+}
+
+#define WINO_DOT(kb, vb)                                                                          \
+    TARGETS static void wino_dot_##kb##_##vb(const struct wino *p, const float *v,               \
+                                             const float *u, float *m, Py_ssize_t k0,             \
+                                             Py_ssize_t t0)                                       \
+    {                                                                                             \
+        wino_dot(p, v, u, m, k0, t0, kb, vb);                                                     \
+    }
+#define WINO_DOTS(kb) WINO_DOT(kb, 1) WINO_DOT(kb, 2) WINO_DOT(kb, 3)
+#define WINO_ROW_OF(kb) {wino_dot_##kb##_1, wino_dot_##kb##_2, wino_dot_##kb##_3}
+WINO_DOTS(1) WINO_DOTS(2) WINO_DOTS(3) WINO_DOTS(4)
+WINO_DOTS(5) WINO_DOTS(6) WINO_DOTS(7) WINO_DOTS(8)
+
+typedef void (*wino_fn)(const struct wino *, const float *, const float *, float *, Py_ssize_t,
+                        Py_ssize_t);
+static const wino_fn wino_dots[WINO_FILTERS][WINO_VECTORS] = {
+    WINO_ROW_OF(1), WINO_ROW_OF(2), WINO_ROW_OF(3), WINO_ROW_OF(4),
+    WINO_ROW_OF(5), WINO_ROW_OF(6), WINO_ROW_OF(7), WINO_ROW_OF(8),
+};
+
+/* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend), whole vectors
+ * along t: tile row q's two output rows go to top and bottom at 2 q tw = q w first, then to y.
+ * `top` and `bottom` hold 2 tiles floats. */
+TARGETS static void wino_out(const struct wino *p, const float *restrict m, float *restrict top,
+                             float *restrict bottom, Py_ssize_t unit0, Py_ssize_t units)
+{
+    const v16i low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const v16i high = low + 8;
+    const Py_ssize_t used = units * p->tw, stride = p->k * p->tiles, plane = p->h * p->w;
+    for (Py_ssize_t k = 0; k < p->k; k++) {
+        const float *src = m + k * p->tiles;
+        const v16 bias = (p->b != NULL ? p->b[k] : 0.0f) + (v16){0};
+        for (Py_ssize_t t = 0; t < used; t += 16) {
+            v16 h[2][4];
+            for (int s = 0; s < 4; s++) {
+                const v16 m0 = *(const v16 *)(src + (0 * 4 + s) * stride + t);
+                const v16 m1 = *(const v16 *)(src + (1 * 4 + s) * stride + t);
+                const v16 m2 = *(const v16 *)(src + (2 * 4 + s) * stride + t);
+                const v16 m3 = *(const v16 *)(src + (3 * 4 + s) * stride + t);
+                h[0][s] = m0 + m1 + m2;
+                h[1][s] = m1 - m2 - m3;
+            }
+            float *rows[2] = {top + 2 * t, bottom + 2 * t};
+            for (int a = 0; a < 2; a++) {
+                const v16 even = h[a][0] + h[a][1] + h[a][2] + bias;
+                const v16 odd = h[a][1] - h[a][2] - h[a][3] + bias;
+                *(v16 *)rows[a] = __builtin_shuffle(even, odd, low);
+                *(v16 *)(rows[a] + 16) = __builtin_shuffle(even, odd, high);
+            }
+        }
+        for (Py_ssize_t q = 0; q < units; q++) {
+            const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+            const Py_ssize_t at = (n * p->k + k) * plane + 2 * i * p->w;
+            const float *t0 = top + q * p->w, *t1 = bottom + q * p->w;
+            float *restrict y0 = p->y + at, *restrict y1 = y0 + p->w;
+            if (p->addend != NULL) {
+                const float *a0 = p->addend + at, *a1 = a0 + p->w;
+                for (Py_ssize_t j = 0; j < p->w; j++) {
+                    y0[j] = t0[j] + a0[j];
+                    y1[j] = t1[j] + a1[j];
+                }
+            }
+            else {
+                memcpy(y0, t0, sizeof(float) * (size_t)p->w);
+                memcpy(y1, t1, sizeof(float) * (size_t)p->w);
+            }
+        }
+    }
+}
+
+static int wino_share(const void *arg, int t, int threads)
+{
+    const struct wino *p = arg;
+    const Py_ssize_t span = p->tiles + 32; /* 16 before the tiles, slack after */
+    const size_t v_floats = (size_t)(16 * p->c * p->tiles), m_floats = (size_t)(16 * p->k * p->tiles);
+    if (reserve(&wino_scratch[t], v_floats + m_floats + (size_t)(16 * span + 4 * p->tiles), 0) < 0) {
+        return -1;
+    }
+    float *v = wino_scratch[t].data, *m = v + v_floats, *cols = m + m_floats;
+    float *top = cols + 16 * span, *bottom = top + 2 * p->tiles;
+    /* lanes past the block's tiles are transformed from these and multiplied, never read back */
+    memset(cols, 0, sizeof(float) * (size_t)(16 * span));
+    const Py_ssize_t units = p->n * p->th, blocks = (units + p->rows - 1) / p->rows;
+    (void)threads;
+    /* blocks taken in turn: the caller starts on them while the workers wake */
+    for (Py_ssize_t blk; (blk = atomic_fetch_add(p->next, 1)) < blocks;) {
+        const Py_ssize_t unit0 = blk * p->rows;
+        const Py_ssize_t count = units - unit0 < p->rows ? units - unit0 : p->rows;
+        const Py_ssize_t used = (count * p->tw + 15) / 16;
+        if (wino_lanes(p->tw)) {
+            wino_in_lanes(p, v, unit0, count);
+        }
+        else {
+            wino_in(p, v, cols, span, unit0, count);
+        }
+        for (int f = 0; f < 16; f++) {
+            const float *vf = v + f * p->c * p->tiles, *uf = p->u + f * p->c * p->k;
+            float *mf = m + f * p->k * p->tiles;
+            for (Py_ssize_t k0 = 0; k0 < p->k; k0 += WINO_FILTERS) {
+                const Py_ssize_t kb = p->k - k0 < WINO_FILTERS ? p->k - k0 : WINO_FILTERS;
+                for (Py_ssize_t b = 0; b < used; b += WINO_VECTORS) {
+                    const Py_ssize_t vb = used - b < WINO_VECTORS ? used - b : WINO_VECTORS;
+                    wino_dots[kb - 1][vb - 1](p, vf, uf, mf, k0, 16 * b);
+                }
+            }
+        }
+        wino_out(p, m, top, bottom, unit0, count);
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(conv_winograd_doc,
+"conv_winograd(x, w, b, addend, y, threads)\n--\n\n"
+"Write into ``y`` (float32, C-contiguous, ``[N, K, H, W]``) the convolution of ``x``\n"
+"``[N, C, H, W]`` with the 3 x 3 filters ``w`` ``[K, C, 3, 3]``, strides 1 and pads 1, plus\n"
+"the bias ``b`` ``[K]`` and ``addend`` (``y``'s shape) where not None; H and W even. By\n"
+"Winograd's F(2 x 2, 3 x 3); ``threads`` threads share the tile rows.");
+
+static PyObject *conv_winograd(PyObject *self, PyObject *args)
+{
+    PyObject *objects[5];
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOi:conv_winograd", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &objects[4], &threads)) {
+        return NULL;
+    }
+    static const char *names[5] = {"x", "w", "b", "addend", "y"};
+    static const int ranks[5] = {4, 4, 1, 4, 4};
+    Py_buffer views[5];
+    const float *bufs[5] = {NULL};
+    Py_ssize_t held = 0, shapes[5][4] = {{0}};
+    PyObject *result = NULL;
+    float *u = NULL;
+    for (int k = 0; k < 5; k++) {
+        if (objects[k] == Py_None && (k == 2 || k == 3)) {
+            continue;
+        }
+        if (float32_array(objects[k], &views[held], ranks[k], k == 4, "conv_winograd: argument",
+                          k, names[k]) < 0) {
+            goto done;
+        }
+        bufs[k] = views[held].buf;
+        memcpy(shapes[k], views[held].shape, sizeof(Py_ssize_t) * (size_t)ranks[k]);
+        held++;
+    }
+    const Py_ssize_t *xs = shapes[0], *ws = shapes[1], *ys = shapes[4];
+    const Py_ssize_t n = xs[0], c = xs[1], h = xs[2], w = xs[3], k = ws[0];
+    int fits = ws[1] == c && ws[2] == 3 && ws[3] == 3 && ys[0] == n && ys[1] == k && ys[2] == h &&
+               ys[3] == w && h >= 2 && w >= 2 && h % 2 == 0 && w % 2 == 0 && c >= 1 && k >= 1;
+    if (bufs[2] != NULL && shapes[2][0] != k) {
+        fits = 0;
+    }
+    if (bufs[3] != NULL && memcmp(shapes[3], ys, sizeof(Py_ssize_t) * 4) != 0) {
+        fits = 0;
+    }
+    if (!fits) {
+        PyErr_Format(PyExc_ValueError,
+                     "conv_winograd: x [%zd, %zd, %zd, %zd], w [%zd, %zd, %zd, %zd] and y [%zd,"
+                     " %zd, %zd, %zd] are not one 3 x 3 convolution of pads 1 over an even"
+                     " height and width; y must be [N, K, H, W] with w [K, C, 3, 3], b [K] and"
+                     " addend y's shape",
+                     n, c, h, w, ws[0], ws[1], ws[2], ws[3], ys[0], ys[1], ys[2], ys[3]);
+        goto done;
+    }
+    u = malloc(sizeof(float) * (size_t)(16 * c * k + 16 * k));
+    if (u == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    wino_filters(bufs[1], u, u + 16 * c * k, k, c);
+    const Py_ssize_t th = h / 2, tw = w / 2, units = n * th;
+    /* the block's V and M within WINO_BLOCK_BYTES, with enough blocks for the threads */
+    Py_ssize_t fit = WINO_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / (16 * (c + k)) / tw;
+    fit = fit > 1 ? fit : 1;
+    fit = fit < WINO_MAX_ROWS ? fit : WINO_MAX_ROWS;
+    if (n * k * h * w < ROUTE_PER_THREAD / 4 || threads < 1) {
+        threads = 1;
+    }
+    Py_ssize_t rows = (units + 2 * threads - 1) / (2 * threads);
+    rows = rows < fit ? rows : fit;
+    atomic_long next = 0;
+    struct wino p = {
+        .x = bufs[0], .b = bufs[2], .addend = bufs[3], .y = (float *)bufs[4], .u = u, .n = n,
+        .c = c, .h = h, .w = w, .k = k, .th = th, .tw = tw, .rows = rows,
+        .tiles = round16(rows * tw), .next = &next,
+    };
+    int used;
+    Py_BEGIN_ALLOW_THREADS
+    used = pool_run(wino_share, &p, threads);
+    Py_END_ALLOW_THREADS
+    if (used < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_views(views, held);
+    free(u);
+    return result;
+}

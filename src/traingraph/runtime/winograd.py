@@ -1,0 +1,160 @@
+"""3 x 3 convolutions of stride 1, run natively on the CPU by Winograd's F(2 x 2, 3 x 3).
+
+A ResNet spends most of its step in 3 x 3 convolutions of stride 1 and pads 1: the forward
+Convs, and their input gradients, which the training graph writes as the same convolution of
+the output gradient with the filters flipped and transposed. onnxruntime computes each as a
+blocked direct convolution, 36 multiplications per 2 x 2 block of outputs and channel pair.
+:class:`WinogradConv` makes 16: each 4 x 4 input patch and each filter are transformed, the
+16 places multiplied and summed over the channels as 16 matrix products, and the sums
+transformed back into the 2 x 2 outputs (``_convc.conv_winograd``). A Sum or Add that alone
+reads the Conv's output (the two gradient paths of a residual block meeting) is added as the
+outputs are written.
+
+It replaces a Conv wherever it sits: it runs between the segments, after the values it reads
+are written. Each match is checked against the nodes it replaces on random inputs; the
+transforms' rounding differs from a direct convolution's by a few units in the last place of
+the largest terms.
+
+The artifacts on disk stay standard ONNX; this is how the CPU runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from traingraph.runtime import conv_grads
+
+_DEFAULT = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class WinogradConv:
+    """``out = Conv(x, weight, bias) + addend`` for 3 x 3 filters, strides and dilations 1,
+    pads 1 and one group over an even height and width; without the bias or the addend where
+    they are None.
+
+    Attributes:
+        x: The Conv's input ``[N, C, H, W]``.
+        weight: Its filters ``[K, C, 3, 3]``.
+        bias: Its bias ``[K]``, or None.
+        addend: A value of the output's shape added to it, or None.
+        out: The value the kernel writes: the Conv's output, or the Sum's.
+    """
+
+    x: str
+    weight: str
+    bias: str | None
+    addend: str | None
+    out: str
+
+    @property
+    def inputs(self) -> list[str]:
+        optional = [v for v in (self.bias, self.addend) if v]
+        return [self.x, self.weight, *optional]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        x, weight = values[self.x], values[self.weight]
+        if x.ndim != 4 or weight.ndim != 4:
+            raise ValueError(
+                f"conv {self.out!r}: x {list(x.shape)} and weight {list(weight.shape)} must be"
+                " 4-D ([N, C, H, W] and [K, C, 3, 3])"
+            )
+        shape = (x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
+        target = out.get(self.out)
+        if target is None or target.shape != shape:
+            target = out[self.out] = np.empty(shape, np.float32)
+        assert conv_grads._native is not None
+        conv_grads._native.conv_winograd(
+            x,
+            weight,
+            values[self.bias] if self.bias else None,
+            values[self.addend] if self.addend else None,
+            target,
+            threads,
+        )
+
+
+def split_winograd_convs(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[WinogradConv, set[int]]]:
+    """Each Conv of ``model`` (with the Sum or Add that alone reads it) that
+    :class:`WinogradConv` computes, with the indices of the nodes it replaces, none in
+    ``taken``: 2-D float Convs of 3 x 3 filters, strides and dilations 1, pads 1 and one group
+    over an even height and width known from shape inference. ``[]`` where the extension is
+    missing or nothing matches."""
+    native = conv_grads._native
+    if native is None or not hasattr(native, "conv_winograd"):
+        return []
+    graph = model.graph
+    if not any(n.op_type == "Conv" and n.domain in _DEFAULT for n in graph.node):
+        return []
+    if any(conv_grads._has_subgraph(n) for n in graph.node):
+        return []
+    shapes = conv_grads._inferred_shapes(model)
+    g = conv_grads.GraphIndex.of(graph)
+    matches = []
+    claimed = set(taken)
+    for i, node in enumerate(g.nodes):
+        if i not in claimed and node.op_type == "Conv" and node.domain in _DEFAULT:
+            match = _match(g, i, shapes, claimed)
+            if match is not None:
+                claimed |= match[1]
+                matches.append(match)
+    return conv_grads.verified_kernels(model, g, matches, shapes)
+
+
+def _match(
+    g: conv_grads.GraphIndex,
+    i: int,
+    shapes: Mapping[str, list[int | None]],
+    taken: Set[int],
+) -> tuple[WinogradConv, set[int]] | None:
+    node = g.nodes[i]
+    if len(node.input) < 2 or len([o for o in node.output if o]) != 1:
+        return None
+    x, weight = shapes.get(node.input[0]), shapes.get(node.input[1])
+    if x is None or weight is None or len(x) != 4 or len(weight) != 4:
+        return None
+    if weight[2:] != [3, 3] or weight[1] is None or x[1] != weight[1] or weight[0] is None:
+        return None
+    height, width = x[2], x[3]
+    if height is None or width is None or height % 2 or width % 2:
+        return None
+    attrs = {a.name: a for a in node.attribute}
+    ints = {name: list(a.ints) for name, a in attrs.items() if a.type == onnx.AttributeProto.INTS}
+    auto_pad = attrs["auto_pad"].s.decode() if "auto_pad" in attrs else "NOTSET"
+    group = attrs["group"].i if "group" in attrs else 1
+    if group != 1 or any(v != 1 for v in ints.get("strides", []) + ints.get("dilations", [])):
+        return None
+    if "kernel_shape" in ints and ints["kernel_shape"] != [3, 3]:
+        return None
+    same = auto_pad in ("SAME_UPPER", "SAME_LOWER")
+    if not same and (auto_pad != "NOTSET" or ints.get("pads") != [1, 1, 1, 1]):
+        return None
+    bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    out, addend, nodes = node.output[0], None, {i}
+    reader = g.only_reader(out, taken)
+    if reader is not None:
+        total = g.nodes[reader]
+        if total.op_type in ("Sum", "Add") and total.domain in _DEFAULT and len(total.input) == 2:
+            other = total.input[1] if total.input[0] == out else total.input[0]
+            if other != out and shapes.get(other) == shapes.get(out) == [
+                x[0], weight[0], height, width
+            ]:
+                addend, out = other, total.output[0]
+                nodes.add(reader)
+    return WinogradConv(node.input[0], node.input[1], bias, addend, out), nodes
+
+
+__all__ = ["WinogradConv", "split_winograd_convs"]

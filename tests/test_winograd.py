@@ -1,0 +1,199 @@
+"""3 x 3 convolutions of stride 1 by Winograd's F(2 x 2, 3 x 3) (runtime/winograd.py): the
+kernel against torch, which Convs of a residual network it takes (forward and input gradient,
+with the Sum of a residual block's two gradient paths), and Module's train steps against the
+graph as written."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper
+from torch import nn
+
+from gradcheck import artifact_steps, assert_same_training
+from torch_models import export, export_dynamo, seeded
+from traingraph import artifacts, optim
+from traingraph.runtime import conv_grads, segments, winograd
+
+NO_WINOGRAD = ("split_winograd_convs", lambda model, taken: [])
+
+pytestmark = pytest.mark.skipif(
+    not conv_grads.AVAILABLE,
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+GEOMETRIES = {
+    # (N, C, K, H, W): tile rows of 16 k tiles take whole vectors, rows of 8 and 4 tiles are
+    # packed two and four to a vector, other widths go through the column arrays
+    "32-wide": (2, 16, 16, 32, 32),
+    "64-wide": (1, 4, 8, 10, 64),
+    "16-wide": (3, 5, 6, 16, 16),
+    "8-wide": (5, 6, 4, 8, 8),
+    "10-wide": (2, 3, 5, 6, 10),
+    "2-wide": (3, 7, 9, 4, 2),
+    "48-wide": (2, 3, 4, 12, 48),
+    "large-block": (2, 40, 24, 14, 14),
+}
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("bias", "addend"), [(False, False), (True, True), (False, True)])
+def test_kernel_matches_torch(geometry, threads, bias, addend):
+    n, c, k, h, w = GEOMETRIES[geometry]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = rng.standard_normal((k, c, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(k).astype(np.float32) if bias else None
+    other = rng.standard_normal((n, k, h, w)).astype(np.float32) if addend else None
+    y = np.full((n, k, h, w), np.nan, np.float32)
+    conv_grads._native.conv_winograd(x, weight, b, other, y, threads)
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(x).double(),
+        torch.from_numpy(weight).double(),
+        None if b is None else torch.from_numpy(b).double(),
+        padding=1,
+    ).numpy()
+    if other is not None:
+        want = want + other
+    scale = np.abs(want).max()
+    assert np.abs(y - want).max() <= 2e-6 * scale * np.sqrt(c)
+
+
+def test_kernel_refuses_arrays_it_cannot_take():
+    native = conv_grads._native
+    x, w = np.zeros((2, 3, 6, 6), np.float32), np.zeros((4, 3, 3, 3), np.float32)
+    y = np.zeros((2, 4, 6, 6), np.float32)
+    with pytest.raises(ValueError, match=r"over an even height and width"):
+        native.conv_winograd(np.zeros((2, 3, 5, 6), np.float32), w, None, None,
+                             np.zeros((2, 4, 5, 6), np.float32), 1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"w \[4, 3, 5, 5\]"):
+        native.conv_winograd(x, np.zeros((4, 3, 5, 5), np.float32), None, None, y, 1)
+    with pytest.raises(ValueError, match=r"b \[K\] and addend y's shape"):
+        native.conv_winograd(x, w, None, np.zeros((2, 4, 6, 4), np.float32), y, 1)
+    with pytest.raises(ValueError, match=r"b \[K\]"):
+        native.conv_winograd(x, w, np.zeros(3, np.float32), None, y, 1)
+    with pytest.raises(TypeError, match="argument 0: x must be a numpy array"):
+        native.conv_winograd([1.0], w, None, None, y, 1)
+    with pytest.raises(ValueError, match="argument 4: y is read-only"):
+        y.flags.writeable = False
+        native.conv_winograd(x, w, None, None, y, 1)
+
+
+class PlainBlock(nn.Module):
+    """A stem, an identity residual block of 3 x 3 Convs (the block's input gradient is the Sum
+    of the two paths), a strided Conv and a Conv with a bias and no BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.strided = nn.Conv2d(8, 12, 3, stride=2, padding=1)
+        self.head = nn.Conv2d(12, 6, 3, padding=1)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.stem(x)))
+        h = torch.relu(h + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(h))))))
+        h = torch.relu(self.head(torch.relu(self.strided(h))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def _artifacts(directory, dynamo=False):
+    model, example = seeded(PlainBlock), torch.zeros(4, 3, 8, 12)
+    onnx_model = (
+        export_dynamo(model, example) if dynamo else export(model, example, training=True)
+    )
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=directory,
+    )
+    return directory
+
+
+def test_the_three_by_three_convs_of_stride_one_are_taken(tmp_path):
+    model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
+    found = winograd.split_winograd_convs(model)
+    inputs = {i.name for i in model.graph.input}
+    forward = {k.weight: k for k, _ in found if k.weight in inputs}
+    # the stem, the block's two and the head (the strided Conv stays)
+    assert set(forward) == {"stem.weight", "conv1.weight", "conv2.weight", "head.weight"}
+    assert forward["head.weight"].bias == "head.bias"
+    assert forward["conv1.weight"].bias is None
+    # input gradients: the Conv of the output gradient with the flipped filters, for the head
+    # and the block's Convs (the stem's input gradient is not computed)
+    gradients = [k for k, _ in found if k.weight not in inputs]
+    assert len(gradients) == 3, [k.weight for k in gradients]
+    summed = [k for k in gradients if k.addend is not None]
+    assert len(summed) == 1  # conv1's input gradient adds the identity path's
+    (kernel, nodes) = next((k, n) for k, n in found if k is summed[0])
+    assert sorted(model.graph.node[i].op_type for i in nodes) == ["Conv", "Sum"]
+    # nodes another kernel takes stay in the graph
+    conv = next(i for i, node in enumerate(model.graph.node) if node.op_type == "Conv")
+    assert conv not in set().union(*(n for _, n in winograd.split_winograd_convs(model, {conv})))
+
+
+@pytest.mark.parametrize(
+    ("attributes", "shape"),
+    [
+        ({"pads": [1, 1, 1, 1], "strides": [2, 2]}, [2, 3, 8, 8]),
+        ({"pads": [0, 0, 0, 0]}, [2, 3, 8, 8]),
+        ({"pads": [1, 1, 1, 1]}, [2, 3, 7, 8]),
+        ({"pads": [1, 1, 1, 1], "dilations": [2, 2]}, [2, 3, 8, 8]),
+        ({"pads": [1, 1, 1, 1], "group": 3}, [2, 3, 8, 8]),
+    ],
+    ids=["strided", "unpadded", "odd-height", "dilated", "grouped"],
+)
+def test_convs_the_kernel_does_not_take_stay(attributes, shape):
+    group = attributes.get("group", 1)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attributes)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [6, 3 // group, 3, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    assert winograd.split_winograd_convs(model) == []
+    attributes = {"pads": [1, 1, 1, 1]}
+    model.graph.node[0].CopyFrom(helper.make_node("Conv", ["x", "w"], ["y"], **attributes))
+    if shape[2] % 2 == 0 and group == 1:  # the same Conv, made one the kernel takes
+        assert len(winograd.split_winograd_convs(model)) == 1
+
+
+def test_the_plan_keeps_no_taken_conv(tmp_path):
+    model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
+    model, grads = conv_grads.split_weight_grads(model)
+    model, kernels = segments.find_kernels(model, grads)
+    taken = [k for k, _ in kernels if isinstance(k, winograd.WinogradConv)]
+    plan = segments.plan_segments(model, kernels)
+    outputs = {k.out for k in taken}
+    for segment in plan.segments:
+        for node in segment.model.graph.node:
+            assert not set(node.output) & outputs
+    assert [k for k in plan.all_kernels if isinstance(k, winograd.WinogradConv)] != []
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_module_trains_as_the_graph_does(tmp_path, monkeypatch, dynamo):
+    directory = _artifacts(tmp_path, dynamo)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 3, 8, 12)).astype(np.float32), rng.integers(0, 5, n))
+        for n in (4, 4, 3)  # the batch changes: the kernels' outputs follow it
+    ]
+    got = artifact_steps(directory, batches, monkeypatch, winograd.WinogradConv)
+    expected = artifact_steps(
+        directory, batches, monkeypatch, winograd.WinogradConv, without=NO_WINOGRAD
+    )
+    assert_same_training(got, expected, one_scale=True)
