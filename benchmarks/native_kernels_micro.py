@@ -8,7 +8,10 @@ convolutions, alternating in one process.
   the unpadded one of LeNet's second convolution (batch 64);
 - ``direct``: the first convolution computed directly (``_convc.conv_direct``,
   :mod:`traingraph.runtime.direct_conv`) against onnxruntime's ``Conv`` (and ``Relu``) with
-  every graph optimization, for LeNet's first layer and ResNet-8's stem.
+  every graph optimization, for LeNet's first layer and ResNet-8's stem;
+- ``winograd``: the 3 x 3 convolutions of stride 1 by Winograd's transforms
+  (``_convc.conv_winograd``, :mod:`traingraph.runtime.winograd`) against onnxruntime's ``Conv``,
+  for ResNet-8's three sizes (forward Convs; the input gradients have the same shapes).
 
 Each result is checked against the peer's before it is timed. Figures are medians of
 ``--repeats`` calls, the systems taking turns in chunks of 5.
@@ -44,6 +47,8 @@ COL2IM_CASES = [
 ]  # fmt: skip
 # batch, channels, size, filters, kernel, pad, relu: a first convolution
 DIRECT_CASES = [(64, 1, 28, 6, 5, 2, True), (32, 3, 32, 16, 3, 1, False)]
+# batch, channels, size, filters: a 3 x 3 convolution of stride 1 and pads 1
+WINOGRAD_CASES = [(32, 16, 32, 16), (32, 32, 16, 32), (32, 64, 8, 64)]
 
 
 def _alternate(systems: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -154,8 +159,11 @@ def col2im(threads: int, repeats: int) -> None:
               f" {t['peer'] / t['native']:.2f}x |")  # fmt: skip
 
 
-def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
-    """The direct convolution and onnxruntime's on one layer, checked against each other."""
+def _conv_case(
+    case: tuple[int, ...], threads: int, native: Callable[..., None]
+) -> dict[str, Callable[[], object]]:
+    """``native(x, w, b, out)`` and onnxruntime's Conv (and Relu) on one layer, checked
+    against each other."""
     n, c, h, m, k, p, relu = case
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, h)).astype(np.float32)
@@ -165,7 +173,7 @@ def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
     nodes += [helper.make_node("Relu", ["c"], ["y"])] if relu else []
     graph = helper.make_graph(
         nodes,
-        "first_conv",
+        "conv",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
         [helper.make_tensor_value_info("y" if relu else "c", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
@@ -173,15 +181,22 @@ def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
     session = _session(graph, threads)
     out = np.empty((n, m, h + 2 * p - k + 1, h + 2 * p - k + 1), np.float32)
 
-    def native() -> None:
-        conv_grads._native.conv_direct(x, w, b, out, (p, p), relu, threads)
-
     def peer() -> object:
         return session.run(None, {"x": x})[0]
 
-    native()
+    native(x, w, b, out)
     np.testing.assert_allclose(out, peer(), rtol=1e-4, atol=1e-4)
-    return {"native": native, "peer": peer}
+    return {"native": lambda: native(x, w, b, out), "peer": peer}
+
+
+def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
+    """The direct convolution and onnxruntime's on one layer."""
+    p, relu = case[5], case[6]
+    return _conv_case(
+        case, threads, lambda x, w, b, out: conv_grads._native.conv_direct(
+            x, w, b, out, (p, p), relu, threads
+        )
+    )  # fmt: skip
 
 
 def direct(threads: int, repeats: int) -> None:
@@ -197,12 +212,29 @@ def direct(threads: int, repeats: int) -> None:
               f" {flops / t['native'] / 1e6:.0f} |")  # fmt: skip
 
 
+def winograd(threads: int, repeats: int) -> None:
+    print("| conv (N C H -> M, k3 s1 p1) | native ms | onnxruntime ms | onnxruntime / native |"
+          " equivalent GFLOP/s |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for n, c, h, m in WINOGRAD_CASES:
+        t = _alternate(
+            _conv_case(
+                (n, c, h, m, 3, 1, False), threads,
+                lambda x, w, b, out: conv_grads._native.conv_winograd(x, w, b, None, out, threads),
+            ),
+            repeats,
+        )  # fmt: skip
+        flops = 2 * n * m * h * h * c * 9
+        print(f"| {n}x{c}x{h} -> {m} | {t['native']:.3f} | {t['peer']:.3f} |"
+              f" {t['peer'] / t['native']:.2f}x | {flops / t['native'] / 1e6:.0f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--kernels", nargs="+", choices=["weight", "col2im", "direct"],
-                        default=["weight", "col2im", "direct"])  # fmt: skip
+    kernels = ["weight", "col2im", "direct", "winograd"]
+    parser.add_argument("--kernels", nargs="+", choices=kernels, default=kernels)
     args = parser.parse_args()
     if conv_grads._native is None:
         raise SystemExit("traingraph.runtime._convc was not built (no C compiler at install time)")
@@ -214,6 +246,9 @@ def main() -> None:
     if "direct" in args.kernels:
         print()
         direct(args.threads, args.repeats)
+    if "winograd" in args.kernels:
+        print()
+        winograd(args.threads, args.repeats)
 
 
 if __name__ == "__main__":
