@@ -77,8 +77,7 @@ class BatchNormForward:
             )
         stats = (1, x.shape[1]) + (1,) * (x.ndim - 2)
         for name, shape in ((self.out, x.shape), (self.mean, stats), (self.var, stats)):
-            if name not in out or out[name].shape != shape:
-                out[name] = np.empty(shape, np.float32)
+            conv_grads.output_array(out, name, shape)
         assert conv_grads._native is not None
         conv_grads._native.batch_norm_forward(
             x,

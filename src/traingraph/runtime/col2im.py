@@ -81,9 +81,7 @@ class Col2ImSum:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         batch = values[self.terms[0].columns].shape[0]
         shape = (batch, self.channels, *self.image)
-        target = out.get(self.out)
-        if target is None or target.shape != shape:
-            target = out[self.out] = np.empty(shape, np.float32)
+        target = conv_grads.output_array(out, self.out, shape)
         terms = [
             (values[t.columns], t.kernel, t.grid, t.strides, t.pads, t.dilations)
             for t in self.terms

@@ -819,6 +819,15 @@ def random_feeds(
     return feeds
 
 
+def output_array(out: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """``out[name]`` where it has ``shape`` (a native kernel writes it in place), else a new
+    float32 array put there."""
+    target = out.get(name)
+    if target is None or target.shape != tuple(shape):
+        target = out[name] = np.empty(shape, np.float32)
+    return target
+
+
 def kernel_agrees(
     kernel: Any, values: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
 ) -> bool:

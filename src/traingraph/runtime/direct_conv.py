@@ -76,9 +76,7 @@ class DirectConv:
             x.shape[2] + top + bottom - weight.shape[2] + 1,
             x.shape[3] + left + right - weight.shape[3] + 1,
         )
-        target = out.get(self.out)
-        if target is None or target.shape != shape:
-            target = out[self.out] = np.empty(shape, np.float32)
+        target = conv_grads.output_array(out, self.out, shape)
         assert conv_grads._native is not None
         conv_grads._native.conv_direct(
             x,

@@ -70,9 +70,7 @@ class DropoutMask:
     ) -> None:
         """Write the mask into ``out`` (in place where an array of its shape is there)."""
         shape = self.shape(values)
-        mask = out.get(self.mask)
-        if mask is None or mask.shape != shape:
-            mask = out[self.mask] = np.empty(shape, np.float32)
+        mask = conv_grads.output_array(out, self.mask, shape)
         assert conv_grads._native is not None
         seed = int(np.asarray(values[self.seed]).reshape(()))
         conv_grads._native.dropout_mask(

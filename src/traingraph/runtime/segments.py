@@ -96,8 +96,8 @@ class BatchNormGrad:
         channels = x.shape[1]
         shapes = {self.dx: x.shape, self.dscale: (channels,), self.dbias: (channels,)}
         for name, shape in shapes.items():
-            if name and (name not in out or out[name].shape != shape):
-                out[name] = np.empty(shape, np.float32)
+            if name:
+                conv_grads.output_array(out, name, shape)
         assert conv_grads._native is not None
         conv_grads._native.batch_norm_grad(
             x,
@@ -381,8 +381,7 @@ class MaxPoolGrad:
         y, route = values[self.route.y], self.route
         shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
         for name, shape in shapes.items():
-            if name not in out or out[name].shape != shape:
-                out[name] = np.empty(shape, np.float32)
+            conv_grads.output_array(out, name, shape)
         bias = out[f"{route.bias}_grad"] if route.bias is not None else None
         assert conv_grads._native is not None
         conv_grads._native.route_max_pool(
