@@ -70,6 +70,19 @@ TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_
  * places 2j, 2j + 1, 2j + 2 and 2j + 3, each in its own array at the tile's index. */
 enum { WINO_E0, WINO_O0, WINO_E1, WINO_O1 };
 
+/* B^T along the patch rows: the 16 frequencies of 16 tiles from u[r][s], the patch rows
+ * already transformed along their columns, stored at dst + f * stride. */
+static inline __attribute__((always_inline)) void wino_rows_out(const v16 u[4][4], float *dst,
+                                                                 Py_ssize_t stride)
+{
+    for (int s = 0; s < 4; s++) {
+        *(v16 *)(dst + (0 * 4 + s) * stride) = u[0][s] - u[2][s];
+        *(v16 *)(dst + (1 * 4 + s) * stride) = u[1][s] + u[2][s];
+        *(v16 *)(dst + (2 * 4 + s) * stride) = u[2][s] - u[1][s];
+        *(v16 *)(dst + (3 * 4 + s) * stride) = u[1][s] - u[3][s];
+    }
+}
+
 /* Row `src` (w = 2 tw floats) split into the columns of its tiles at `at` in cols[0..3]: the
  * odd columns (2j + 1: places 2j + 2 and, one tile on, 2j + 1 + 2) and the even ones. The
  * first tile's place 0 and the last's place 2 tw + 1 are set later (they are zeros): the
@@ -144,12 +157,7 @@ TARGETS static void wino_in(const struct wino *p, float *restrict v, float *rest
                 u[r][2] = e1 - o0;
                 u[r][3] = o0 - o1;
             }
-            for (int s = 0; s < 4; s++) {
-                *(v16 *)(dst + (0 * 4 + s) * stride + t) = u[0][s] - u[2][s];
-                *(v16 *)(dst + (1 * 4 + s) * stride + t) = u[1][s] + u[2][s];
-                *(v16 *)(dst + (2 * 4 + s) * stride + t) = u[2][s] - u[1][s];
-                *(v16 *)(dst + (3 * 4 + s) * stride + t) = u[1][s] - u[3][s];
-            }
+            wino_rows_out(u, dst + t, stride);
         }
     }
 }
@@ -240,12 +248,7 @@ TARGETS static void wino_in_lanes(const struct wino *p, float *restrict v, Py_ss
                 u[r][2] = d2 - d1;
                 u[r][3] = d1 - d3;
             }
-            for (int s = 0; s < 4; s++) {
-                *(v16 *)(dst + (0 * 4 + s) * stride + t) = u[0][s] - u[2][s];
-                *(v16 *)(dst + (1 * 4 + s) * stride + t) = u[1][s] + u[2][s];
-                *(v16 *)(dst + (2 * 4 + s) * stride + t) = u[2][s] - u[1][s];
-                *(v16 *)(dst + (3 * 4 + s) * stride + t) = u[1][s] - u[3][s];
-            }
+            wino_rows_out(u, dst + t, stride);
         }
     }
 }
