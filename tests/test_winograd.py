@@ -1,7 +1,7 @@
-"""3 x 3 convolutions of stride 1 by Winograd's F(2 x 2, 3 x 3) (runtime/winograd.py): the
-kernel against torch, which Convs of a residual network it takes (forward and input gradient,
-with the Sum of a residual block's two gradient paths), and Module's train steps against the
-graph as written."""
+"""3 x 3 convolutions of stride 1 by Winograd's F(2 x 2, 3 x 3) and F(4 x 4, 3 x 3)
+(runtime/winograd.py): the kernel against torch, which Convs of a residual network it takes
+(forward and input gradient, with the Sum of a residual block's two gradient paths), and
+Module's train steps against the graph as written."""
 
 from __future__ import annotations
 
@@ -25,23 +25,40 @@ pytestmark = pytest.mark.skipif(
 )
 
 GEOMETRIES = {
-    # (N, C, K, H, W): tile rows of 16 k tiles take whole vectors, rows of 8 and 4 tiles are
-    # packed two and four to a vector, other widths go through the column arrays
+    # (N, C, K, H, W). F(2 x 2, 3 x 3): tile rows of 16 k tiles take whole vectors, rows of 8
+    # and 4 tiles are packed two and four to a vector, other widths go through the column
+    # arrays. F(4 x 4, 3 x 3): rows of 16 k tiles, and rows of 8, 4 and 2 tiles packed.
     "32-wide": (2, 16, 16, 32, 32),
-    "64-wide": (1, 4, 8, 10, 64),
+    "64-wide": (1, 4, 8, 12, 64),
+    "128-wide": (1, 3, 5, 8, 128),
     "16-wide": (3, 5, 6, 16, 16),
     "8-wide": (5, 6, 4, 8, 8),
     "10-wide": (2, 3, 5, 6, 10),
     "2-wide": (3, 7, 9, 4, 2),
     "48-wide": (2, 3, 4, 12, 48),
     "large-block": (2, 40, 24, 14, 14),
+    "large-block-4": (2, 40, 24, 16, 16),
+    "deep": (3, 64, 64, 8, 8),
 }
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES)
+def takes_four(h: int, w: int) -> bool:
+    """Whether F(4 x 4, 3 x 3) takes an image of h x w (what conv_winograd's docstring says)."""
+    return h % 4 == 0 and w % 4 == 0 and (w in (8, 16, 32) or w % 64 == 0)
+
+
+KERNEL_CASES = [
+    (geometry, tile)
+    for geometry, (_, _, _, h, w) in GEOMETRIES.items()
+    for tile in (0, 2, 4)
+    if tile != 4 or takes_four(h, w)
+]
+
+
+@pytest.mark.parametrize(("geometry", "tile"), KERNEL_CASES)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(("bias", "addend"), [(False, False), (True, True), (False, True)])
-def test_kernel_matches_torch(geometry, threads, bias, addend):
+def test_kernel_matches_torch(geometry, tile, threads, bias, addend):
     n, c, k, h, w = GEOMETRIES[geometry]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
@@ -49,7 +66,7 @@ def test_kernel_matches_torch(geometry, threads, bias, addend):
     b = rng.standard_normal(k).astype(np.float32) if bias else None
     other = rng.standard_normal((n, k, h, w)).astype(np.float32) if addend else None
     y = np.full((n, k, h, w), np.nan, np.float32)
-    conv_grads._native.conv_winograd(x, weight, b, other, y, threads)
+    conv_grads._native.conv_winograd(x, weight, b, other, y, threads, tile)
     want = torch.nn.functional.conv2d(
         torch.from_numpy(x).double(),
         torch.from_numpy(weight).double(),
@@ -75,6 +92,10 @@ def test_kernel_refuses_arrays_it_cannot_take():
         native.conv_winograd(x, w, None, np.zeros((2, 4, 6, 4), np.float32), y, 1)
     with pytest.raises(ValueError, match=r"b \[K\]"):
         native.conv_winograd(x, w, np.zeros(3, np.float32), None, y, 1)
+    for tile, shape in [(4, (2, 3, 6, 8)), (4, (2, 3, 8, 12)), (3, (2, 3, 8, 8))]:
+        with pytest.raises(ValueError, match=rf"tile {tile} over a height {shape[2]} and width"):
+            native.conv_winograd(np.zeros(shape, np.float32), w, None, None,
+                                 np.zeros((2, 4, *shape[2:]), np.float32), 1, tile)  # fmt: skip
     with pytest.raises(TypeError, match="argument 0: x must be a numpy array"):
         native.conv_winograd([1.0], w, None, None, y, 1)
     with pytest.raises(ValueError, match="argument 4: y is read-only"):

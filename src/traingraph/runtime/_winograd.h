@@ -1,4 +1,5 @@
-/* 3 x 3 convolutions of stride 1 and pads 1 by Winograd's F(2 x 2, 3 x 3), for _convc.c.
+/* 3 x 3 convolutions of stride 1 and pads 1 by Winograd's F(2 x 2, 3 x 3) and F(4 x 4, 3 x 3)
+ * (below), for _convc.c.
  *
  * Each 2 x 2 block of outputs (a tile) of filter k is
  *
@@ -28,11 +29,16 @@
 struct wino {
     const float *x, *b, *addend;
     float *y;
-    const float *u; /* transformed filters [16][C][K] */
+    const float *u; /* transformed filters [freqs][C][K] */
     Py_ssize_t n, c, h, w, k;
-    Py_ssize_t th, tw; /* tile rows and columns: h / 2, w / 2 */
+    int tile;          /* outputs along each side of a tile: 2 or 4 */
+    int freqs;         /* places of a transformed patch: (tile + 2)^2 */
+    Py_ssize_t th, tw; /* tile rows and columns: h / tile, w / tile */
     Py_ssize_t rows;   /* tile rows per block */
     Py_ssize_t tiles;  /* rows * tw rounded up to 16: the block's tile pitch */
+    /* floats between the frequencies of V and M: a cache line over c tiles and k tiles, so
+     * that a tile's frequencies do not all fall into one set of the L1 cache */
+    Py_ssize_t v_pitch, m_pitch;
     atomic_long *next; /* the next block a thread takes */
 };
 
@@ -117,7 +123,7 @@ TARGETS static void wino_in(const struct wino *p, float *restrict v, float *rest
                             Py_ssize_t span, Py_ssize_t unit0, Py_ssize_t units)
 {
     const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
-    const Py_ssize_t stride = p->c * p->tiles; /* between frequencies */
+    const Py_ssize_t stride = p->v_pitch; /* between frequencies */
     Py_ssize_t first[WINO_MAX_ROWS]; /* each tile row's first patch row, from the image */
     const float *base[WINO_MAX_ROWS];
     for (Py_ssize_t q = 0; q < units; q++) {
@@ -190,7 +196,7 @@ TARGETS static void wino_in_lanes(const struct wino *p, float *restrict v, Py_ss
     const v16i right = {16, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     const v16i left = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
     const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
-    const Py_ssize_t stride = p->c * p->tiles; /* between frequencies */
+    const Py_ssize_t stride = p->v_pitch; /* between frequencies */
     v16i keep_first = {0}, keep_last = {0}; /* lanes whose tile has a left / right neighbour */
     for (int l = 0; l < 16; l++) {
         keep_first[l] = tw >= 16 || l % tw != 0 ? -1 : 0;
@@ -303,6 +309,21 @@ static const wino_fn wino_dots[WINO_FILTERS][WINO_VECTORS] = {
     WINO_ROW_OF(5), WINO_ROW_OF(6), WINO_ROW_OF(7), WINO_ROW_OF(8),
 };
 
+/* Output row `row` (w floats) into y at `at`, plus the addend's row there. */
+static inline void wino_store(const struct wino *p, Py_ssize_t at, const float *restrict row)
+{
+    float *restrict y = p->y + at;
+    if (p->addend != NULL) {
+        const float *a = p->addend + at;
+        for (Py_ssize_t j = 0; j < p->w; j++) {
+            y[j] = row[j] + a[j];
+        }
+    }
+    else {
+        memcpy(y, row, sizeof(float) * (size_t)p->w);
+    }
+}
+
 /* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend), whole vectors
  * along t: tile row q's two output rows go to top and bottom at 2 q tw = q w first, then to y.
  * `top` and `bottom` hold 2 tiles floats. */
@@ -311,7 +332,7 @@ TARGETS static void wino_out(const struct wino *p, const float *restrict m, floa
 {
     const v16i low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
     const v16i high = low + 8;
-    const Py_ssize_t used = units * p->tw, stride = p->k * p->tiles, plane = p->h * p->w;
+    const Py_ssize_t used = units * p->tw, stride = p->m_pitch, plane = p->h * p->w;
     for (Py_ssize_t k = 0; k < p->k; k++) {
         const float *src = m + k * p->tiles;
         const v16 bias = (p->b != NULL ? p->b[k] : 0.0f) + (v16){0};
@@ -336,18 +357,248 @@ TARGETS static void wino_out(const struct wino *p, const float *restrict m, floa
         for (Py_ssize_t q = 0; q < units; q++) {
             const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
             const Py_ssize_t at = (n * p->k + k) * plane + 2 * i * p->w;
-            const float *t0 = top + q * p->w, *t1 = bottom + q * p->w;
-            float *restrict y0 = p->y + at, *restrict y1 = y0 + p->w;
-            if (p->addend != NULL) {
-                const float *a0 = p->addend + at, *a1 = a0 + p->w;
-                for (Py_ssize_t j = 0; j < p->w; j++) {
-                    y0[j] = t0[j] + a0[j];
-                    y1[j] = t1[j] + a1[j];
+            wino_store(p, at, top + q * p->w);
+            wino_store(p, at + p->w, bottom + q * p->w);
+        }
+    }
+}
+
+/* ------------------------------------------------ F(4 x 4, 3 x 3): 36 products per 16 outputs
+ *
+ *     B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0;
+ *            0 4 0 -5 0 1]
+ *     G   = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
+ *     A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1]
+ *
+ * Used where the height and width are multiples of 4 and a row's tiles fill whole vectors or
+ * divide one (rows of 8, 16, 32 or a multiple of 64 columns): 2.25 products per output instead
+ * of 4, and fewer additions per output in the transforms. */
+
+/* G t for the three taps t[0], t[stride], t[2 stride]. */
+static inline void wino4_taps(const float *t, Py_ssize_t stride, float out[6])
+{
+    const float sixth = 1.0f / 6.0f;
+    const float a = t[0], b = t[stride], c = t[2 * stride], ac = a * 0.25f + c;
+    out[0] = 0.25f * a;
+    out[1] = -sixth * (a + b + c);
+    out[2] = -sixth * (a - b + c);
+    out[3] = sixth * (ac + 0.5f * b);
+    out[4] = sixth * (ac - 0.5f * b);
+    out[5] = c;
+}
+
+/* U[f][c][k] = (G g[k, c] G^T)[f / 6][f % 6]; `row` holds 36 k floats (as in wino_filters). */
+TARGETS static void wino4_filters(const float *g, float *u, float *row, Py_ssize_t k,
+                                  Py_ssize_t c)
+{
+    for (Py_ssize_t cc = 0; cc < c; cc++) {
+        for (Py_ssize_t kk = 0; kk < k; kk++) {
+            const float *t = g + (kk * c + cc) * 9;
+            float gt[3][6]; /* (G g)^T: column j of G g */
+            for (int j = 0; j < 3; j++) {
+                wino4_taps(t + j, 3, gt[j]);
+            }
+            for (int r = 0; r < 6; r++) {
+                float out[6];
+                const float col[3] = {gt[0][r], gt[1][r], gt[2][r]};
+                wino4_taps(col, 1, out);
+                for (int s = 0; s < 6; s++) {
+                    row[(r * 6 + s) * k + kk] = out[s];
                 }
             }
-            else {
-                memcpy(y0, t0, sizeof(float) * (size_t)p->w);
-                memcpy(y1, t1, sizeof(float) * (size_t)p->w);
+        }
+        for (int f = 0; f < 36; f++) {
+            memcpy(u + (f * c + cc) * k, row + f * k, sizeof(float) * (size_t)k);
+        }
+    }
+}
+
+/* B^T d for six vectors d. */
+static inline __attribute__((always_inline)) void wino4_bt(const v16 d[6], v16 o[6])
+{
+    const v16 a = d[4] - 4.0f * d[2], b = d[3] - 4.0f * d[1];
+    const v16 e = d[4] - d[2], f = 2.0f * (d[3] - d[1]);
+    o[0] = 4.0f * d[0] - 5.0f * d[2] + d[4];
+    o[1] = a + b;
+    o[2] = a - b;
+    o[3] = e + f;
+    o[4] = e - f;
+    o[5] = 4.0f * d[1] - 5.0f * d[3] + d[5];
+}
+
+/* A^T m for six vectors m. */
+static inline __attribute__((always_inline)) void wino4_at(const v16 m[6], v16 y[4])
+{
+    const v16 s12 = m[1] + m[2], d12 = m[1] - m[2], s34 = m[3] + m[4], d34 = m[3] - m[4];
+    y[0] = m[0] + s12 + s34;
+    y[1] = d12 + 2.0f * d34;
+    y[2] = s12 + 4.0f * s34;
+    y[3] = d12 + 8.0f * d34 + m[5];
+}
+
+/* Whether wino4_in takes rows of tw tiles (4 tw columns): whole vectors of 16 tiles, or rows
+ * of 8, 4 or 2 tiles packed two, four or eight to a vector. */
+static inline int wino4_lanes(Py_ssize_t tw) { return tw % 16 == 0 || tw == 8 || tw == 4 || tw == 2; }
+
+/* The 64 input columns of 16 tiles (t = q * tw + m on) in row r of their patches: x[0..3].
+ * `rows` is the number of tile rows per vector (16 / tw), 1 where tw is a multiple of 16. */
+static inline __attribute__((always_inline)) void wino4_load(const struct wino *p,
+                                                             const float *const *base,
+                                                             const Py_ssize_t *first, Py_ssize_t q,
+                                                             Py_ssize_t m, Py_ssize_t units, int r,
+                                                             Py_ssize_t c, v16 x[4], const int rows)
+{
+    if (rows == 1) {
+        const float *src = wino_row(p, base, first, q, units, r, c);
+        for (int k = 0; k < 4; k++) {
+            x[k] = src != NULL ? *(const v16u *)(src + 4 * m + 16 * k) : (v16){0};
+        }
+    }
+    else if (rows <= 4) { /* rows of 32 or 16 columns: 2 or 1 vectors each */
+        const int per = 4 / rows;
+        for (int k = 0; k < rows; k++) {
+            const float *src = wino_row(p, base, first, q + k, units, r, c);
+            for (int j = 0; j < per; j++) {
+                x[k * per + j] = src != NULL ? *(const v16u *)(src + 16 * j) : (v16){0};
+            }
+        }
+    }
+    else { /* rows of 8 columns, two to a vector */
+        for (int k = 0; k < 4; k++) {
+            const float *s0 = wino_row(p, base, first, q + 2 * k, units, r, c);
+            const float *s1 = wino_row(p, base, first, q + 2 * k + 1, units, r, c);
+            const v8u lo = *(const v8u *)(s0 != NULL ? s0 : wino_zeros);
+            const v8u hi = *(const v8u *)(s1 != NULL ? s1 : wino_zeros);
+            x[k] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                           14, 15);
+        }
+    }
+}
+
+/* The block's transformed patches V[f][c][t] for its tiles t = q * tw + j, whole vectors along
+ * t: the 64 input columns of 16 tiles are split into their four phases (column 4j + s) in
+ * registers, even and odd columns first; the columns 4j - 1 and 4j + 4 are the neighbouring
+ * tiles' phases 3 and 0, shifted by a lane (zeros at a row's ends). */
+static inline __attribute__((always_inline)) void wino4_in(const struct wino *p,
+                                                           float *restrict v, Py_ssize_t unit0,
+                                                           Py_ssize_t units, const int rows)
+{
+    const v16i evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i odds = evens + 1;
+    const v16i right = {16, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    const v16i left = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t stride = p->v_pitch; /* between frequencies */
+    v16i keep_first = {0}, keep_last = {0}; /* lanes whose tile has a left / right neighbour */
+    for (int l = 0; l < 16; l++) {
+        keep_first[l] = rows == 1 || l % tw != 0 ? -1 : 0;
+        keep_last[l] = rows == 1 || l % tw != tw - 1 ? -1 : 0;
+    }
+    Py_ssize_t first[WINO_MAX_ROWS + 15];
+    const float *base[WINO_MAX_ROWS + 15];
+    for (Py_ssize_t q = 0; q < units; q++) {
+        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+        first[q] = 4 * i - 1;
+        base[q] = p->x + n * p->c * plane + first[q] * p->w;
+    }
+    for (Py_ssize_t c = 0; c < p->c; c++) {
+        float *dst = v + c * p->tiles;
+        for (Py_ssize_t t = 0; t < used; t += 16) {
+            const Py_ssize_t q = rows == 1 ? t / tw : t / (16 / rows);
+            const Py_ssize_t m = rows == 1 ? t % tw : 0;
+            v16 h[6][6];
+            for (int r = 0; r < 6; r++) {
+                v16 x[4], prev = {0}, next = {0};
+                wino4_load(p, base, first, q, m, units, r, c, x, rows);
+                if (rows == 1) {
+                    const float *src = wino_row(p, base, first, q, units, r, c);
+                    if (src != NULL) {
+                        prev[0] = m > 0 ? src[4 * m - 1] : 0.0f;
+                        next[0] = m + 16 < tw ? src[4 * m + 64] : 0.0f;
+                    }
+                }
+                const v16 e0 = __builtin_shuffle(x[0], x[1], evens);
+                const v16 e1 = __builtin_shuffle(x[2], x[3], evens);
+                const v16 o0 = __builtin_shuffle(x[0], x[1], odds);
+                const v16 o1 = __builtin_shuffle(x[2], x[3], odds);
+                v16 d[6];
+                d[1] = __builtin_shuffle(e0, e1, evens);
+                d[3] = __builtin_shuffle(e0, e1, odds);
+                d[2] = __builtin_shuffle(o0, o1, evens);
+                d[4] = __builtin_shuffle(o0, o1, odds);
+                d[0] = (v16)((v16i)__builtin_shuffle(d[4], prev, right) & keep_first);
+                d[5] = (v16)((v16i)__builtin_shuffle(d[1], next, left) & keep_last);
+                wino4_bt(d, h[r]);
+            }
+            for (int s = 0; s < 6; s++) {
+                const v16 col[6] = {h[0][s], h[1][s], h[2][s], h[3][s], h[4][s], h[5][s]};
+                v16 o[6];
+                wino4_bt(col, o);
+                for (int r = 0; r < 6; r++) {
+                    *(v16 *)(dst + (r * 6 + s) * stride + t) = o[r];
+                }
+            }
+        }
+    }
+}
+
+#define WINO4_IN(rows)                                                                            \
+    TARGETS static void wino4_in_##rows(const struct wino *p, float *restrict v,                \
+                                        Py_ssize_t unit0, Py_ssize_t units)                      \
+    {                                                                                             \
+        wino4_in(p, v, unit0, units, rows);                                                       \
+    }
+WINO4_IN(1) WINO4_IN(2) WINO4_IN(4) WINO4_IN(8)
+
+/* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend): tile row q's
+ * four output rows go to rows[a] at 4 q tw = q w first, then to y. rows[a] holds 4 tiles
+ * floats. */
+TARGETS static void wino4_out(const struct wino *p, const float *restrict m, float *const rows[4],
+                              Py_ssize_t unit0, Py_ssize_t units)
+{
+    const v16i low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const v16i high = low + 8;
+    const v16i pairs = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+    const v16i pairs_high = pairs + 8;
+    const Py_ssize_t used = units * p->tw, stride = p->m_pitch, plane = p->h * p->w;
+    for (Py_ssize_t k = 0; k < p->k; k++) {
+        const float *src = m + k * p->tiles;
+        const v16 bias = (p->b != NULL ? p->b[k] : 0.0f) + (v16){0};
+        for (Py_ssize_t t = 0; t < used; t += 16) {
+            v16 g[4][6]; /* A^T along the patch rows */
+            for (int s = 0; s < 6; s++) {
+                v16 col[6], out[4];
+                for (int r = 0; r < 6; r++) {
+                    col[r] = *(const v16 *)(src + (r * 6 + s) * stride + t);
+                }
+                wino4_at(col, out);
+                for (int a = 0; a < 4; a++) {
+                    g[a][s] = out[a];
+                }
+            }
+            for (int a = 0; a < 4; a++) {
+                v16 y[4];
+                wino4_at(g[a], y);
+                for (int b = 0; b < 4; b++) {
+                    y[b] += bias;
+                }
+                /* the four columns of each tile, interleaved */
+                const v16 p0 = __builtin_shuffle(y[0], y[1], low);
+                const v16 p1 = __builtin_shuffle(y[0], y[1], high);
+                const v16 q0 = __builtin_shuffle(y[2], y[3], low);
+                const v16 q1 = __builtin_shuffle(y[2], y[3], high);
+                float *at = rows[a] + 4 * t;
+                *(v16 *)at = __builtin_shuffle(p0, q0, pairs);
+                *(v16 *)(at + 16) = __builtin_shuffle(p0, q0, pairs_high);
+                *(v16 *)(at + 32) = __builtin_shuffle(p1, q1, pairs);
+                *(v16 *)(at + 48) = __builtin_shuffle(p1, q1, pairs_high);
+            }
+        }
+        for (Py_ssize_t q = 0; q < units; q++) {
+            const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+            for (int a = 0; a < 4; a++) {
+                const Py_ssize_t at = (n * p->k + k) * plane + (4 * i + a) * p->w;
+                wino_store(p, at, rows[a] + q * p->w);
             }
         }
     }
@@ -357,12 +608,14 @@ static int wino_share(const void *arg, int t, int threads)
 {
     const struct wino *p = arg;
     const Py_ssize_t span = p->tiles + 32; /* 16 before the tiles, slack after */
-    const size_t v_floats = (size_t)(16 * p->c * p->tiles), m_floats = (size_t)(16 * p->k * p->tiles);
-    if (reserve(&wino_scratch[t], v_floats + m_floats + (size_t)(16 * span + 4 * p->tiles), 0) < 0) {
+    const size_t v_floats = (size_t)(p->freqs * p->v_pitch);
+    const size_t m_floats = (size_t)(p->freqs * p->m_pitch);
+    if (reserve(&wino_scratch[t], v_floats + m_floats + (size_t)(16 * span + 16 * p->tiles), 0) < 0) {
         return -1;
     }
     float *v = wino_scratch[t].data, *m = v + v_floats, *cols = m + m_floats;
-    float *top = cols + 16 * span, *bottom = top + 2 * p->tiles;
+    float *const rows[4] = {cols + 16 * span, cols + 16 * span + 4 * p->tiles,
+                            cols + 16 * span + 8 * p->tiles, cols + 16 * span + 12 * p->tiles};
     /* lanes past the block's tiles are transformed from these and multiplied, never read back */
     memset(cols, 0, sizeof(float) * (size_t)(16 * span));
     const Py_ssize_t units = p->n * p->th, blocks = (units + p->rows - 1) / p->rows;
@@ -372,15 +625,23 @@ static int wino_share(const void *arg, int t, int threads)
         const Py_ssize_t unit0 = blk * p->rows;
         const Py_ssize_t count = units - unit0 < p->rows ? units - unit0 : p->rows;
         const Py_ssize_t used = (count * p->tw + 15) / 16;
-        if (wino_lanes(p->tw)) {
+        if (p->tile == 4) {
+            switch (p->tw >= 16 ? 1 : 16 / p->tw) {
+            case 1: wino4_in_1(p, v, unit0, count); break;
+            case 2: wino4_in_2(p, v, unit0, count); break;
+            case 4: wino4_in_4(p, v, unit0, count); break;
+            default: wino4_in_8(p, v, unit0, count); break;
+            }
+        }
+        else if (wino_lanes(p->tw)) {
             wino_in_lanes(p, v, unit0, count);
         }
         else {
             wino_in(p, v, cols, span, unit0, count);
         }
-        for (int f = 0; f < 16; f++) {
-            const float *vf = v + f * p->c * p->tiles, *uf = p->u + f * p->c * p->k;
-            float *mf = m + f * p->k * p->tiles;
+        for (int f = 0; f < p->freqs; f++) {
+            const float *vf = v + f * p->v_pitch, *uf = p->u + f * p->c * p->k;
+            float *mf = m + f * p->m_pitch;
             for (Py_ssize_t k0 = 0; k0 < p->k; k0 += WINO_FILTERS) {
                 const Py_ssize_t kb = p->k - k0 < WINO_FILTERS ? p->k - k0 : WINO_FILTERS;
                 for (Py_ssize_t b = 0; b < used; b += WINO_VECTORS) {
@@ -389,24 +650,31 @@ static int wino_share(const void *arg, int t, int threads)
                 }
             }
         }
-        wino_out(p, m, top, bottom, unit0, count);
+        if (p->tile == 4) {
+            wino4_out(p, m, rows, unit0, count);
+        }
+        else {
+            wino_out(p, m, rows[0], rows[1], unit0, count);
+        }
     }
     return 0;
 }
 
 PyDoc_STRVAR(conv_winograd_doc,
-"conv_winograd(x, w, b, addend, y, threads)\n--\n\n"
+"conv_winograd(x, w, b, addend, y, threads, tile=0)\n--\n\n"
 "Write into ``y`` (float32, C-contiguous, ``[N, K, H, W]``) the convolution of ``x``\n"
 "``[N, C, H, W]`` with the 3 x 3 filters ``w`` ``[K, C, 3, 3]``, strides 1 and pads 1, plus\n"
 "the bias ``b`` ``[K]`` and ``addend`` (``y``'s shape) where not None; H and W even. By\n"
-"Winograd's F(2 x 2, 3 x 3); ``threads`` threads share the tile rows.");
+"Winograd's F(tile x tile, 3 x 3): ``tile`` 4 where H and W are multiples of 4 and W is 8,\n"
+"16, 32 or a multiple of 64, else 2; 0 picks 4 where it can. ``threads`` threads share the\n"
+"tile rows.");
 
 static PyObject *conv_winograd(PyObject *self, PyObject *args)
 {
     PyObject *objects[5];
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOi:conv_winograd", &objects[0], &objects[1], &objects[2],
-                          &objects[3], &objects[4], &threads)) {
+    int threads, tile = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOi|i:conv_winograd", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &objects[4], &threads, &tile)) {
         return NULL;
     }
     static const char *names[5] = {"x", "w", "b", "addend", "y"};
@@ -447,15 +715,33 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
                      n, c, h, w, ws[0], ws[1], ws[2], ws[3], ys[0], ys[1], ys[2], ys[3]);
         goto done;
     }
-    u = malloc(sizeof(float) * (size_t)(16 * c * k + 16 * k));
+    const int four = h % 4 == 0 && w % 4 == 0 && wino4_lanes(w / 4);
+    if (tile == 0) {
+        tile = four ? 4 : 2;
+    }
+    if (tile != 2 && (tile != 4 || !four)) {
+        PyErr_Format(PyExc_ValueError,
+                     "conv_winograd: tile %d over a height %zd and width %zd; pass 2, 4 where"
+                     " the height and width are multiples of 4 and the width is 8, 16, 32 or a"
+                     " multiple of 64, or 0 to pick",
+                     tile, h, w);
+        goto done;
+    }
+    const int freqs = (tile + 2) * (tile + 2);
+    u = malloc(sizeof(float) * (size_t)(freqs * c * k + freqs * k));
     if (u == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    wino_filters(bufs[1], u, u + 16 * c * k, k, c);
-    const Py_ssize_t th = h / 2, tw = w / 2, units = n * th;
+    if (tile == 4) {
+        wino4_filters(bufs[1], u, u + freqs * c * k, k, c);
+    }
+    else {
+        wino_filters(bufs[1], u, u + freqs * c * k, k, c);
+    }
+    const Py_ssize_t th = h / tile, tw = w / tile, units = n * th;
     /* the block's V and M within WINO_BLOCK_BYTES, with enough blocks for the threads */
-    Py_ssize_t fit = WINO_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / (16 * (c + k)) / tw;
+    Py_ssize_t fit = WINO_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / (freqs * (c + k)) / tw;
     fit = fit > 1 ? fit : 1;
     fit = fit < WINO_MAX_ROWS ? fit : WINO_MAX_ROWS;
     if (n * k * h * w < ROUTE_PER_THREAD / 4 || threads < 1) {
@@ -463,11 +749,16 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
     }
     Py_ssize_t rows = (units + 2 * threads - 1) / (2 * threads);
     rows = rows < fit ? rows : fit;
+    if (tw < 16 && 16 % tw == 0) { /* whole vectors of tiles */
+        const Py_ssize_t per = 16 / tw;
+        rows = (rows + per - 1) / per * per;
+    }
     atomic_long next = 0;
     struct wino p = {
         .x = bufs[0], .b = bufs[2], .addend = bufs[3], .y = (float *)bufs[4], .u = u, .n = n,
-        .c = c, .h = h, .w = w, .k = k, .th = th, .tw = tw, .rows = rows,
-        .tiles = round16(rows * tw), .next = &next,
+        .c = c, .h = h, .w = w, .k = k, .tile = tile, .freqs = freqs, .th = th, .tw = tw, .rows = rows,
+        .tiles = round16(rows * tw), .v_pitch = c * round16(rows * tw) + 16,
+        .m_pitch = k * round16(rows * tw) + 16, .next = &next,
     };
     int used;
     Py_BEGIN_ALLOW_THREADS
