@@ -42,6 +42,16 @@ GEOMETRIES = [
     pytest.param((2, 4, 12, 66, 6, (3, 3), (2, 2), (1, 0), (1, 2), 2), id="stride-2-grouped"),
     # the edges of the 4 x 4 blocks of sums: 3 filters left over, 2 taps in all
     pytest.param((4, 2, 6, 6, 7, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="edge-blocks"),
+    # 3 x 3, strides 1 and pads 1 over 8+ channels and filters, height and width multiples of
+    # 4: by Winograd's F(4 x 4, 3 x 3), rows of 8, 4, 2 tiles packed into a vector, rows of 16
+    # and 32 tiles; channel counts that leave part of the last 16 of the final transform
+    pytest.param((3, 16, 32, 32, 16, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-32-wide"),
+    pytest.param((5, 9, 16, 16, 11, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-16-wide"),
+    pytest.param((3, 64, 8, 8, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-8-wide"),
+    pytest.param((1, 12, 12, 64, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-64-wide"),
+    pytest.param((2, 8, 8, 128, 10, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-128-wide"),
+    pytest.param((2, 20, 20, 32, 17, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-20-rows"),
+    pytest.param((7, 8, 4, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-4-rows"),
 ]
 
 

@@ -13,8 +13,11 @@
  * terms are zeros (an 8x8 output with 3x3 windows: 81 places per sample instead of 100); along
  * a column stride of 2 each row is split into its two phases with vector shuffles. The dot
  * products run in 4 x 4 blocks of 16-float vectors, whose 16 sums are reduced together in
- * four levels of shuffles, with the chunk sized to stay in the L2 cache. Samples are split across a pool of persistent worker threads, each summing into its
- * own buffer; the caller adds the buffers at the end.
+ * four levels of shuffles, with the chunk sized to stay in the L2 cache. A 3 x 3 convolution
+ * of strides 1 and pads 1 over 8 or more channels and filters, whose height and width suit
+ * F(4 x 4, 3 x 3), goes by Winograd's transforms instead (_winograd.h): 36 products per 4 x 4
+ * tile and filter pair instead of 144. Samples are split across a pool of persistent worker
+ * threads, each summing into its own buffer; the caller adds the buffers at the end.
  *
  * The same pool runs the other kernels here (for traingraph.runtime.segments): a max-pool
  * gradient's routing, the gradient of a training-mode batch normalization, the keep masks
@@ -457,6 +460,11 @@ static int conv_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssiz
 /* Each thread's buffers for the weight gradients. */
 static struct scratch conv_scratch[MAX_THREADS];
 
+/* Weight gradients by Winograd's F(4 x 4, 3 x 3), where they fit (_winograd.h). */
+static int wino_weight_fits(const struct conv *cv);
+static int wino_weight_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize_t n1,
+                               struct scratch *scratch);
+
 struct conv_batch {
     const struct conv *convs;
     Py_ssize_t count;
@@ -470,8 +478,10 @@ static int conv_share(const void *arg, int t, int threads)
     for (Py_ssize_t i = 0; i < batch->count; i++) {
         const struct conv *cv = &batch->convs[i];
         float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * cv->size;
-        if (conv_samples(cv, out, cv->n * t / threads, cv->n * (t + 1) / threads,
-                         &conv_scratch[t]) < 0) {
+        const Py_ssize_t n0 = cv->n * t / threads, n1 = cv->n * (t + 1) / threads;
+        const int by_winograd = wino_weight_fits(cv);
+        if ((by_winograd ? wino_weight_samples : conv_samples)(cv, out, n0, n1,
+                                                               &conv_scratch[t]) < 0) {
             failed = 1;
         }
     }
@@ -529,7 +539,9 @@ PyDoc_STRVAR(weight_grads_doc,
 "Each entry is ``(x, dy, dw, strides, pads, dilations, group)``: the float32 C-contiguous\n"
 "input ``x [N, C, H, W]``, output gradient ``dy [N, M, OH, OW]`` and gradient\n"
 "``dw [M, C / group, KH, KW]``, with ``strides``, begin ``pads`` and ``dilations`` as pairs.\n"
-"``threads`` threads share the samples.");
+"``threads`` threads share the samples. 3 x 3 convolutions of strides 1 and pads 1 over 8+\n"
+"channels and filters, H and W multiples of 4 and W 8, 16, 32 or a multiple of 64, go by\n"
+"Winograd's F(4 x 4, 3 x 3).");
 
 static PyObject *weight_grads(PyObject *self, PyObject *args)
 {

@@ -28,6 +28,7 @@
 
 struct wino {
     const float *x, *b, *addend;
+    const float *dy; /* the output gradient, for weight gradients */
     float *y;
     const float *u; /* transformed filters [freqs][C][K] */
     Py_ssize_t n, c, h, w, k;
@@ -475,6 +476,20 @@ static inline __attribute__((always_inline)) void wino4_load(const struct wino *
     }
 }
 
+/* The four phases of 64 columns x[0..3]: ph[s] holds columns 4 l + s. Even and odd columns
+ * first, then their even and odd ones. */
+static inline __attribute__((always_inline)) void wino4_phases(const v16 x[4], v16 ph[4])
+{
+    const v16i evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i odds = evens + 1;
+    const v16 e0 = __builtin_shuffle(x[0], x[1], evens), e1 = __builtin_shuffle(x[2], x[3], evens);
+    const v16 o0 = __builtin_shuffle(x[0], x[1], odds), o1 = __builtin_shuffle(x[2], x[3], odds);
+    ph[0] = __builtin_shuffle(e0, e1, evens);
+    ph[1] = __builtin_shuffle(o0, o1, evens);
+    ph[2] = __builtin_shuffle(e0, e1, odds);
+    ph[3] = __builtin_shuffle(o0, o1, odds);
+}
+
 /* The block's transformed patches V[f][c][t] for its tiles t = q * tw + j, whole vectors along
  * t: the 64 input columns of 16 tiles are split into their four phases (column 4j + s) in
  * registers, even and odd columns first; the columns 4j - 1 and 4j + 4 are the neighbouring
@@ -483,8 +498,6 @@ static inline __attribute__((always_inline)) void wino4_in(const struct wino *p,
                                                            float *restrict v, Py_ssize_t unit0,
                                                            Py_ssize_t units, const int rows)
 {
-    const v16i evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const v16i odds = evens + 1;
     const v16i right = {16, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     const v16i left = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
     const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
@@ -517,15 +530,8 @@ static inline __attribute__((always_inline)) void wino4_in(const struct wino *p,
                         next[0] = m + 16 < tw ? src[4 * m + 64] : 0.0f;
                     }
                 }
-                const v16 e0 = __builtin_shuffle(x[0], x[1], evens);
-                const v16 e1 = __builtin_shuffle(x[2], x[3], evens);
-                const v16 o0 = __builtin_shuffle(x[0], x[1], odds);
-                const v16 o1 = __builtin_shuffle(x[2], x[3], odds);
                 v16 d[6];
-                d[1] = __builtin_shuffle(e0, e1, evens);
-                d[3] = __builtin_shuffle(e0, e1, odds);
-                d[2] = __builtin_shuffle(o0, o1, evens);
-                d[4] = __builtin_shuffle(o0, o1, odds);
+                wino4_phases(x, d + 1);
                 d[0] = (v16)((v16i)__builtin_shuffle(d[4], prev, right) & keep_first);
                 d[5] = (v16)((v16i)__builtin_shuffle(d[1], next, left) & keep_last);
                 wino4_bt(d, h[r]);
@@ -773,4 +779,197 @@ done:
     release_views(views, held);
     free(u);
     return result;
+}
+
+/* ------------------------------------------ weight gradients by F(4 x 4, 3 x 3)
+ *
+ * The weight gradient of a 3 x 3 Conv sums, over the 4 x 4 tiles of the output gradient dY,
+ * the correlation of each tile with the 6 x 6 input patch it reads; by the same identity as
+ * the forward's, read the other way round,
+ *
+ *     dW[k, c] = G^T [ sum_tiles (A dY[k] A^T) * (B^T X[c] B) ] G
+ *
+ * with the forward's B, G and A (A = (A^T)^T, 6 x 4): 36 products per tile and filter pair
+ * instead of 144, summed over the tiles as 36 matrix products that reduce along the tiles
+ * (dot_rows), into sums of 36 x K x C per thread. The input patches are transformed as the
+ * forward transforms them (wino4_in). */
+
+/* A y for four vectors y: the six places of the tile's four outputs. */
+static inline __attribute__((always_inline)) void wino4_a(const v16 y[4], v16 o[6])
+{
+    const v16 even = y[0] + y[2], odd = y[1] + y[3];
+    const v16 even4 = y[0] + 4.0f * y[2], odd2 = 2.0f * y[1] + 8.0f * y[3];
+    o[0] = y[0];
+    o[1] = even + odd;
+    o[2] = even - odd;
+    o[3] = even4 + odd2;
+    o[4] = even4 - odd2;
+    o[5] = y[3];
+}
+
+/* The block's transformed output gradients Z[f][k][t] = (A dY[k] A^T)[f / 6][f % 6] of tile
+ * t = q * tw + j, whole vectors along t (zeros in lanes past the block's tiles). */
+static inline __attribute__((always_inline)) void wino4_grads(const struct wino *p,
+                                                              float *restrict z, Py_ssize_t unit0,
+                                                              Py_ssize_t units, const int rows)
+{
+    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t stride = p->m_pitch; /* between frequencies */
+    Py_ssize_t first[WINO_MAX_ROWS + 15];
+    const float *base[WINO_MAX_ROWS + 15];
+    for (Py_ssize_t q = 0; q < units; q++) {
+        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+        first[q] = 4 * i;
+        base[q] = p->dy + n * p->k * plane + first[q] * p->w;
+    }
+    for (Py_ssize_t k = 0; k < p->k; k++) {
+        float *dst = z + k * p->tiles;
+        for (Py_ssize_t t = 0; t < used; t += 16) {
+            const Py_ssize_t q = rows == 1 ? t / tw : t / (16 / rows);
+            const Py_ssize_t m = rows == 1 ? t % tw : 0;
+            v16 h[4][6];
+            for (int r = 0; r < 4; r++) {
+                v16 x[4], d[4];
+                wino4_load(p, base, first, q, m, units, r, k, x, rows);
+                wino4_phases(x, d);
+                wino4_a(d, h[r]);
+            }
+            for (int s = 0; s < 6; s++) {
+                const v16 col[4] = {h[0][s], h[1][s], h[2][s], h[3][s]};
+                v16 o[6];
+                wino4_a(col, o);
+                for (int a = 0; a < 6; a++) {
+                    *(v16 *)(dst + (a * 6 + s) * stride + t) = o[a];
+                }
+            }
+        }
+    }
+}
+
+#define WINO4_GRADS(rows)                                                                         \
+    TARGETS static void wino4_grads_##rows(const struct wino *p, float *restrict z,             \
+                                           Py_ssize_t unit0, Py_ssize_t units)                   \
+    {                                                                                             \
+        wino4_grads(p, z, unit0, units, rows);                                                    \
+    }
+WINO4_GRADS(1) WINO4_GRADS(2) WINO4_GRADS(4) WINO4_GRADS(8)
+
+/* Channels and filters from which the weight gradient goes by Winograd's transforms: below,
+ * the transforms cost more than the direct sums they save. */
+#define WINO_WEIGHT_MIN 8
+#define WINO_WEIGHT_BLOCK_BYTES (1024 * 1024)
+
+/* Whether wino_weight_samples takes cv's weight gradient: a 3 x 3 Conv of strides and
+ * dilations 1, pads 1 on every side and one group whose output's height and width are
+ * F(4 x 4, 3 x 3)'s (as conv_winograd's). */
+static int wino_weight_fits(const struct conv *cv)
+{
+    return cv->kh == 3 && cv->kw == 3 && cv->stride[0] == 1 && cv->stride[1] == 1 &&
+           cv->dilation[0] == 1 && cv->dilation[1] == 1 && cv->group == 1 && cv->pad[0] == 1 &&
+           cv->pad[1] == 1 && cv->oh == cv->h && cv->ow == cv->w && cv->h % 4 == 0 &&
+           cv->w % 4 == 0 && wino4_lanes(cv->w / 4) && cv->c >= WINO_WEIGHT_MIN &&
+           cv->m >= WINO_WEIGHT_MIN;
+}
+
+/* dw[k][c][3][3] = G^T sums[.][k][c] G for the sums [36][K][C], 16 channels at a time. */
+TARGETS static void wino4_weights(const float *sums, float *dw, Py_ssize_t k, Py_ssize_t c)
+{
+    /* G^T's rows: the 3 taps' weights of the 6 places */
+    static const float gt[3][6] = {
+        {0.25f, -1.0f / 6, -1.0f / 6, 1.0f / 24, 1.0f / 24, 0.0f},
+        {0.0f, -1.0f / 6, 1.0f / 6, 1.0f / 12, -1.0f / 12, 0.0f},
+        {0.0f, -1.0f / 6, -1.0f / 6, 1.0f / 6, 1.0f / 6, 1.0f},
+    };
+    const Py_ssize_t kc = k * c;
+    for (Py_ssize_t kk = 0; kk < k; kk++) {
+        for (Py_ssize_t c0 = 0; c0 < c; c0 += 16) {
+            const Py_ssize_t lanes = c - c0 < 16 ? c - c0 : 16;
+            v16 m[36];
+            for (int f = 0; f < 36; f++) {
+                const float *at = sums + f * kc + kk * c + c0;
+                if (lanes == 16) {
+                    m[f] = *(const v16u *)at;
+                }
+                else {
+                    float part[16] __attribute__((aligned(64))) = {0};
+                    memcpy(part, at, sizeof(float) * (size_t)lanes);
+                    m[f] = *(const v16 *)part;
+                }
+            }
+            float taps[9][16] __attribute__((aligned(64)));
+            for (int i = 0; i < 3; i++) {
+                v16 row[6]; /* (G^T M)[i][b] */
+                for (int b = 0; b < 6; b++) {
+                    row[b] = (v16){0};
+                    for (int a = 0; a < 6; a++) {
+                        if (gt[i][a] != 0.0f) {
+                            row[b] += gt[i][a] * m[a * 6 + b];
+                        }
+                    }
+                }
+                for (int j = 0; j < 3; j++) {
+                    v16 out = {0};
+                    for (int b = 0; b < 6; b++) {
+                        if (gt[j][b] != 0.0f) {
+                            out += gt[j][b] * row[b];
+                        }
+                    }
+                    *(v16 *)taps[i * 3 + j] = out;
+                }
+            }
+            float *dst = dw + (kk * c + c0) * 9;
+            for (Py_ssize_t l = 0; l < lanes; l++) {
+                for (int e = 0; e < 9; e++) {
+                    dst[l * 9 + e] = taps[e][l];
+                }
+            }
+        }
+    }
+}
+
+/* dw = the weight gradient of samples [n0, n1) of cv, for wino_weight_fits(cv). */
+static int wino_weight_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize_t n1,
+                               struct scratch *scratch)
+{
+    const Py_ssize_t c = cv->c, k = cv->m, tw = cv->w / 4, th = cv->h / 4;
+    Py_ssize_t rows = WINO_WEIGHT_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / (36 * (c + k)) / tw;
+    rows = rows > 1 ? rows : 1;
+    rows = rows < WINO_MAX_ROWS ? rows : WINO_MAX_ROWS;
+    if (tw < 16) { /* whole vectors of tiles */
+        const Py_ssize_t per = 16 / tw;
+        rows = (rows + per - 1) / per * per;
+    }
+    const Py_ssize_t tiles = round16(rows * tw);
+    struct wino p = {
+        .x = cv->x, .dy = cv->dy, .n = cv->n, .c = c, .h = cv->h, .w = cv->w, .k = k, .tile = 4,
+        .freqs = 36, .th = th, .tw = tw, .rows = rows, .tiles = tiles,
+        .v_pitch = c * tiles + 16, .m_pitch = k * tiles + 16,
+    };
+    const size_t v_floats = (size_t)(36 * p.v_pitch), z_floats = (size_t)(36 * p.m_pitch);
+    if (reserve(scratch, v_floats + z_floats + (size_t)(36 * k * c), (size_t)c) < 0) {
+        return -1;
+    }
+    float *v = scratch->data, *z = v + v_floats, *sums = z + z_floats;
+    Py_ssize_t *offsets = scratch->offsets;
+    for (Py_ssize_t cc = 0; cc < c; cc++) {
+        offsets[cc] = cc * tiles;
+    }
+    memset(sums, 0, sizeof(float) * (size_t)(36 * k * c));
+    const int per_vector = tw >= 16 ? 1 : (int)(16 / tw);
+    for (Py_ssize_t unit0 = n0 * th; unit0 < n1 * th; unit0 += rows) {
+        const Py_ssize_t count = n1 * th - unit0 < rows ? n1 * th - unit0 : rows;
+        switch (per_vector) {
+        case 1: wino4_in_1(&p, v, unit0, count); wino4_grads_1(&p, z, unit0, count); break;
+        case 2: wino4_in_2(&p, v, unit0, count); wino4_grads_2(&p, z, unit0, count); break;
+        case 4: wino4_in_4(&p, v, unit0, count); wino4_grads_4(&p, z, unit0, count); break;
+        default: wino4_in_8(&p, v, unit0, count); wino4_grads_8(&p, z, unit0, count); break;
+        }
+        const Py_ssize_t len = round16(count * tw);
+        for (int f = 0; f < 36; f++) {
+            dot_rows(z + f * p.m_pitch, tiles, v + f * p.v_pitch, offsets, sums + f * k * c, c, k,
+                     c, len);
+        }
+    }
+    wino4_weights(sums, dw, k, c);
+    return 0;
 }
