@@ -45,6 +45,19 @@ struct wino {
 
 static struct scratch wino_scratch[MAX_THREADS];
 
+/* Each tile row q < units of the block from unit0 on: the image row its patches start at
+ * (first[q], `shift` from the tile's first row), and where that row lies in channel 0 of
+ * `src` (base[q]; `channels` planes per sample). */
+static void wino_rows(const struct wino *p, const float *src, Py_ssize_t channels, int shift,
+                      Py_ssize_t unit0, Py_ssize_t units, Py_ssize_t *first, const float **base)
+{
+    for (Py_ssize_t q = 0; q < units; q++) {
+        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
+        first[q] = p->tile * i + shift;
+        base[q] = src + n * channels * p->h * p->w + first[q] * p->w;
+    }
+}
+
 /* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3]; `row` holds 16 k
  * floats: one channel's 16 rows of U, written together (U's planes lie a multiple of 4 KiB
  * apart, where stores scattered over them stall). */
@@ -127,11 +140,7 @@ TARGETS static void wino_in(const struct wino *p, float *restrict v, float *rest
     const Py_ssize_t stride = p->v_pitch; /* between frequencies */
     Py_ssize_t first[WINO_MAX_ROWS]; /* each tile row's first patch row, from the image */
     const float *base[WINO_MAX_ROWS];
-    for (Py_ssize_t q = 0; q < units; q++) {
-        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
-        first[q] = 2 * i - 1;
-        base[q] = p->x + n * p->c * plane + first[q] * p->w;
-    }
+    wino_rows(p, p->x, p->c, -1, unit0, units, first, base);
     for (Py_ssize_t c = 0; c < p->c; c++) {
         for (int r = 0; r < 4; r++) {
             float *const rc[4] = {cols + (4 * r + 0) * span + 16, cols + (4 * r + 1) * span + 16,
@@ -196,7 +205,7 @@ TARGETS static void wino_in_lanes(const struct wino *p, float *restrict v, Py_ss
     const v16i odds = evens + 1;
     const v16i right = {16, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     const v16i left = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t tw = p->tw, used = units * tw;
     const Py_ssize_t stride = p->v_pitch; /* between frequencies */
     v16i keep_first = {0}, keep_last = {0}; /* lanes whose tile has a left / right neighbour */
     for (int l = 0; l < 16; l++) {
@@ -205,11 +214,7 @@ TARGETS static void wino_in_lanes(const struct wino *p, float *restrict v, Py_ss
     }
     Py_ssize_t first[WINO_MAX_ROWS + 3];
     const float *base[WINO_MAX_ROWS + 3];
-    for (Py_ssize_t q = 0; q < units; q++) {
-        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
-        first[q] = 2 * i - 1;
-        base[q] = p->x + n * p->c * plane + first[q] * p->w;
-    }
+    wino_rows(p, p->x, p->c, -1, unit0, units, first, base);
     for (Py_ssize_t c = 0; c < p->c; c++) {
         float *dst = v + c * p->tiles;
         for (Py_ssize_t t = 0; t < used; t += 16) {
@@ -500,7 +505,7 @@ static inline __attribute__((always_inline)) void wino4_in(const struct wino *p,
 {
     const v16i right = {16, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     const v16i left = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t tw = p->tw, used = units * tw;
     const Py_ssize_t stride = p->v_pitch; /* between frequencies */
     v16i keep_first = {0}, keep_last = {0}; /* lanes whose tile has a left / right neighbour */
     for (int l = 0; l < 16; l++) {
@@ -509,11 +514,7 @@ static inline __attribute__((always_inline)) void wino4_in(const struct wino *p,
     }
     Py_ssize_t first[WINO_MAX_ROWS + 15];
     const float *base[WINO_MAX_ROWS + 15];
-    for (Py_ssize_t q = 0; q < units; q++) {
-        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
-        first[q] = 4 * i - 1;
-        base[q] = p->x + n * p->c * plane + first[q] * p->w;
-    }
+    wino_rows(p, p->x, p->c, -1, unit0, units, first, base);
     for (Py_ssize_t c = 0; c < p->c; c++) {
         float *dst = v + c * p->tiles;
         for (Py_ssize_t t = 0; t < used; t += 16) {
@@ -555,6 +556,12 @@ static inline __attribute__((always_inline)) void wino4_in(const struct wino *p,
         wino4_in(p, v, unit0, units, rows);                                                       \
     }
 WINO4_IN(1) WINO4_IN(2) WINO4_IN(4) WINO4_IN(8)
+
+typedef void (*wino_block_fn)(const struct wino *, float *restrict, Py_ssize_t, Py_ssize_t);
+/* Which of the F(4 x 4, 3 x 3) transforms' instances takes rows of tw tiles: the index of
+ * their packing (1, 2, 4 or 8 tile rows to a vector). */
+static inline int wino4_packing(Py_ssize_t tw) { return tw >= 16 ? 0 : tw == 8 ? 1 : tw == 4 ? 2 : 3; }
+static const wino_block_fn wino4_ins[4] = {wino4_in_1, wino4_in_2, wino4_in_4, wino4_in_8};
 
 /* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend): tile row q's
  * four output rows go to rows[a] at 4 q tw = q w first, then to y. rows[a] holds 4 tiles
@@ -632,12 +639,7 @@ static int wino_share(const void *arg, int t, int threads)
         const Py_ssize_t count = units - unit0 < p->rows ? units - unit0 : p->rows;
         const Py_ssize_t used = (count * p->tw + 15) / 16;
         if (p->tile == 4) {
-            switch (p->tw >= 16 ? 1 : 16 / p->tw) {
-            case 1: wino4_in_1(p, v, unit0, count); break;
-            case 2: wino4_in_2(p, v, unit0, count); break;
-            case 4: wino4_in_4(p, v, unit0, count); break;
-            default: wino4_in_8(p, v, unit0, count); break;
-            }
+            wino4_ins[wino4_packing(p->tw)](p, v, unit0, count);
         }
         else if (wino_lanes(p->tw)) {
             wino_in_lanes(p, v, unit0, count);
@@ -813,15 +815,11 @@ static inline __attribute__((always_inline)) void wino4_grads(const struct wino 
                                                               float *restrict z, Py_ssize_t unit0,
                                                               Py_ssize_t units, const int rows)
 {
-    const Py_ssize_t tw = p->tw, plane = p->h * p->w, used = units * tw;
+    const Py_ssize_t tw = p->tw, used = units * tw;
     const Py_ssize_t stride = p->m_pitch; /* between frequencies */
     Py_ssize_t first[WINO_MAX_ROWS + 15];
     const float *base[WINO_MAX_ROWS + 15];
-    for (Py_ssize_t q = 0; q < units; q++) {
-        const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
-        first[q] = 4 * i;
-        base[q] = p->dy + n * p->k * plane + first[q] * p->w;
-    }
+    wino_rows(p, p->dy, p->k, 0, unit0, units, first, base);
     for (Py_ssize_t k = 0; k < p->k; k++) {
         float *dst = z + k * p->tiles;
         for (Py_ssize_t t = 0; t < used; t += 16) {
@@ -853,6 +851,8 @@ static inline __attribute__((always_inline)) void wino4_grads(const struct wino 
         wino4_grads(p, z, unit0, units, rows);                                                    \
     }
 WINO4_GRADS(1) WINO4_GRADS(2) WINO4_GRADS(4) WINO4_GRADS(8)
+static const wino_block_fn wino4_grads_of[4] = {wino4_grads_1, wino4_grads_2, wino4_grads_4,
+                                                wino4_grads_8};
 
 /* Channels and filters from which the weight gradient goes by Winograd's transforms: below,
  * the transforms cost more than the direct sums they save. */
@@ -955,15 +955,11 @@ static int wino_weight_samples(const struct conv *cv, float *dw, Py_ssize_t n0, 
         offsets[cc] = cc * tiles;
     }
     memset(sums, 0, sizeof(float) * (size_t)(36 * k * c));
-    const int per_vector = tw >= 16 ? 1 : (int)(16 / tw);
+    const int packing = wino4_packing(tw);
     for (Py_ssize_t unit0 = n0 * th; unit0 < n1 * th; unit0 += rows) {
         const Py_ssize_t count = n1 * th - unit0 < rows ? n1 * th - unit0 : rows;
-        switch (per_vector) {
-        case 1: wino4_in_1(&p, v, unit0, count); wino4_grads_1(&p, z, unit0, count); break;
-        case 2: wino4_in_2(&p, v, unit0, count); wino4_grads_2(&p, z, unit0, count); break;
-        case 4: wino4_in_4(&p, v, unit0, count); wino4_grads_4(&p, z, unit0, count); break;
-        default: wino4_in_8(&p, v, unit0, count); wino4_grads_8(&p, z, unit0, count); break;
-        }
+        wino4_ins[packing](&p, v, unit0, count);
+        wino4_grads_of[packing](&p, z, unit0, count);
         const Py_ssize_t len = round16(count * tw);
         for (int f = 0; f < 36; f++) {
             dot_rows(z + f * p.m_pitch, tiles, v + f * p.v_pitch, offsets, sums + f * k * c, c, k,
