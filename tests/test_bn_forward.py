@@ -114,6 +114,19 @@ def test_the_forward_is_cut_at_each_kernel(tmp_path):
             assert node.op_type != "BatchNormalization"
             # the statistics are read only by the Squeezes before the running statistics
             assert node.op_type == "Squeeze" or not set(node.input) & means
+    # those Squeezes join the segment that updates the running statistics instead of
+    # running in segments of their own between the kernels
+    squeezes = [
+        k for k, segment in enumerate(plan.segments)
+        for node in segment.model.graph.node
+        if node.op_type == "Squeeze" and set(node.input) & means
+    ]  # fmt: skip
+    assert len(squeezes) == 2 * len(forwards) and len(set(squeezes)) == 1
+    (late,) = set(squeezes)
+    assert any(n.op_type == "Concat" for n in plan.segments[late].model.graph.node)
+    for segment in plan.segments:
+        kinds = {n.op_type for n in segment.model.graph.node}
+        assert not kinds or not kinds <= {"Squeeze", "Constant"}
 
 
 def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -470,8 +470,9 @@ class Plan:
 
 def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]]) -> Plan:
     """``model`` without the nodes of ``grads``, cut into segments: a node goes into the
-    segment after the last kernel whose output it reads (transitively); a kernel that reads
-    only model inputs runs before the first segment. The nodes need not be in order where only
+    segment after the last kernel whose output it reads (transitively), or, where only nodes
+    read its outputs, into the first segment that reads them (:func:`_sunk`); a kernel that
+    reads only model inputs runs before the first segment. The nodes need not be in order where only
     kernels read a node's outputs (they may come last)."""
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
@@ -509,9 +510,10 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
             s = max((value_stage(v) for v in grad.inputs), default=-1)
             if kernel_stage[k] != s:
                 kernel_stage[k], changed = s, True
+    placed = _sunk(kept, {i: node_stage(n) for i, n in enumerate(kept)}, outside)
     nodes_at: dict[int, list[onnx.NodeProto]] = {}
-    for node in kept:
-        nodes_at.setdefault(node_stage(node), []).append(node)
+    for i, node in enumerate(kept):
+        nodes_at.setdefault(placed[i], []).append(node)
     kernels: dict[int, list[Kernel]] = {}
     for k, (grad, _) in enumerate(grads):
         kernels.setdefault(kernel_stage[k], []).append(grad)
@@ -550,6 +552,30 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
     return Plan(segments, plan_kernels, others, kernels.get(-1, []))
+
+
+def _sunk(
+    nodes: Sequence[onnx.NodeProto], earliest: Mapping[int, int], pinned: Set[str]
+) -> dict[int, int]:
+    """The stage of each of ``nodes`` (by index), moved from its ``earliest`` to the first
+    stage that reads its outputs where only later nodes read them, so that a small node such
+    as the Squeeze of a BatchNorm kernel's statistics joins its reader's segment instead of
+    costing a run of its own. A node whose output a kernel reads or that is a graph output
+    (``pinned``) stays."""
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for v in node.input:
+            if v:
+                readers.setdefault(v, []).append(i)
+    placed = dict(earliest)
+    for i in reversed(range(len(nodes))):  # readers come later, so theirs are final
+        outs = [o for o in nodes[i].output if o]
+        if not outs or any(o in pinned for o in outs):
+            continue
+        reading = [placed[r] for o in outs for r in readers.get(o, ())]
+        if reading:
+            placed[i] = max(placed[i], min(reading))
+    return placed
 
 
 def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
