@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
@@ -160,6 +161,36 @@ def test_segmented_steps_match_the_graph_and_torch(tmp_path):
         np.testing.assert_allclose(
             grads[0][name], param.grad.numpy(), rtol=1e-3, atol=1e-5 * scale, err_msg=name
         )
+
+
+def test_values_between_segments_are_kept_while_the_batch_keeps_its_shape(tmp_path):
+    _, directory = _directory(tmp_path)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    runner = module._train
+    assert isinstance(runner, segments.SegmentedRunner)
+    rng = np.random.default_rng(0)
+
+    def step(n):
+        x = rng.standard_normal((n, 3, 10, 10)).astype(np.float32)
+        loss = float(module(x, rng.integers(0, 5, n)))
+        module.lazy_reset_grad()
+        return loss, {name: array for name, (array, _) in runner._cuts.items()}
+
+    _, first = step(4)
+    assert first and all(a.shape[0] == 4 for a in first.values() if a.ndim == 4)
+    loss, second = step(4)  # the same buffers, written in place
+    assert all(second[name] is first[name] for name in first) and np.isfinite(loss)
+    _, smaller = step(3)  # a new batch size: new buffers of its shapes
+    assert all(a.shape[0] == 3 for a in smaller.values() if a.ndim == 4)
+    assert not any(smaller[name] is first[name] for name in first)
+    # a shape the inputs do not decide fails the run with the kept buffers: it is run again
+    # with buffers onnxruntime allocates, and the step goes on
+    name = next(n for n, a in smaller.items() if a.ndim == 4)
+    array = np.empty((1, *smaller[name].shape[1:]), np.float32)
+    runner._cuts[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+    assert np.isfinite(step(3)[0])
+    assert runner._cuts[name][0].shape[0] == 3
 
 
 class NormMLP(nn.Module):

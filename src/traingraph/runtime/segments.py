@@ -636,6 +636,10 @@ class SegmentedRunner:
         ]
         self._fed: dict[str, Any] = {}
         self._scratch: dict[str, np.ndarray] = {}
+        # the values passed from one segment to a later one, kept from step to step while
+        # the inputs keep their shapes: bound once, written in place, read without a copy
+        self._cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
+        self._cut_shapes: tuple[Any, ...] | None = None
 
     def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
         """Bind the model input ``name`` for the next runs."""
@@ -643,7 +647,27 @@ class SegmentedRunner:
 
     def run(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, Any]:
         """Run every segment and kernel in turn. ``outputs``: the model outputs wanted, each
-        a buffer to write or None. Returns them and every value that crossed a cut."""
+        a buffer to write or None. Returns them and every value that crossed a cut (valid
+        until the next run)."""
+        shapes = tuple(
+            (name, tuple(v.shape()) if isinstance(v, ort.OrtValue) else np.shape(v))
+            for name, v in self._fed.items()
+        )
+        if shapes == self._cut_shapes:
+            try:
+                return self._run(outputs, self._cuts)
+            except Exception:  # a shape the inputs do not decide: allocate every run
+                self._cut_shapes = None
+        values = self._run(outputs, {})
+        self._cuts = self._cut_buffers(values, outputs)
+        self._cut_shapes = shapes
+        return values
+
+    def _run(
+        self,
+        outputs: Mapping[str, ort.OrtValue | None],
+        cuts: Mapping[str, tuple[np.ndarray, ort.OrtValue]],
+    ) -> dict[str, Any]:
         values: dict[str, Any] = dict(self._fed)
         self._run_kernels(self._plan.first, values, outputs)
         for runner, segment, kernels in zip(
@@ -652,9 +676,34 @@ class SegmentedRunner:
             if runner is not None:
                 for name in segment.inputs:
                     runner.bind_input(name, values[name])
-                values.update(runner.run({o: outputs.get(o) for o in segment.outputs}))
+                bound = {
+                    o: outputs[o] if o in outputs else cuts[o][1] if o in cuts else None
+                    for o in segment.outputs
+                }  # fmt: skip
+                values.update(runner.run(bound))
             self._run_kernels(kernels, values, outputs)
+        for name, (array, _) in cuts.items():
+            values[name] = array  # what the kernels and the caller read
         return {name: values[name] for name in values if name not in self._fed}
+
+    def _host(self, name: str, value: Any) -> np.ndarray:
+        cut = self._cuts.get(name)
+        return cut[0] if cut is not None and cut[1] is value else _host(value)
+
+    def _cut_buffers(
+        self, values: Mapping[str, Any], outputs: Mapping[str, ort.OrtValue | None]
+    ) -> dict[str, tuple[np.ndarray, ort.OrtValue]]:
+        """A host buffer (and its OrtValue) of each value a segment wrote for later segments
+        or kernels, not one of the caller's ``outputs``, with the shape it had."""
+        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
+        for segment in self._plan.segments:
+            for name in segment.outputs:
+                value = values.get(name)
+                if name in outputs or not isinstance(value, ort.OrtValue):
+                    continue
+                array = np.empty(value.shape(), value.numpy().dtype)
+                cuts[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+        return cuts
 
     def _run_kernels(
         self,
@@ -665,7 +714,7 @@ class SegmentedRunner:
         """Run ``kernels`` on ``values``, adding what they write to it: into the buffers of
         ``outputs`` where given, else into arrays kept for the next step."""
         for kernel in kernels:
-            arrays = {name: _host(values[name]) for name in kernel.inputs}
+            arrays = {name: self._host(name, values[name]) for name in kernel.inputs}
             out: dict[str, np.ndarray] = {}
             for o in kernel.outputs:
                 buffer = outputs.get(o)
