@@ -25,7 +25,11 @@ setup(
         Extension(
             "traingraph.runtime._convc",
             sources=["src/traingraph/runtime/_convc.c"],
-            depends=["src/traingraph/runtime/_pool.h", "src/traingraph/runtime/_winograd.h"],
+            depends=[
+                "src/traingraph/runtime/_pool.h",
+                "src/traingraph/runtime/_winograd.h",
+                "src/traingraph/runtime/_gelu.h",
+            ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
             libraries=["m"],

@@ -1823,6 +1823,7 @@ done:
 }
 
 #include "_winograd.h"
+#include "_gelu.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1833,6 +1834,7 @@ static PyMethodDef methods[] = {
     {"col2im_sum", col2im_sum, METH_VARARGS, col2im_sum_doc},
     {"conv_direct", conv_direct, METH_VARARGS, conv_direct_doc},
     {"conv_winograd", conv_winograd, METH_VARARGS, conv_winograd_doc},
+    {"gelu", gelu, METH_VARARGS, gelu_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1841,7 +1843,7 @@ static struct PyModuleDef module_def = {
     .m_name = "traingraph.runtime._convc",
     .m_doc = "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
              " convolutions' weight gradients, max-pool gradient routing, batch-norm gradients,"
-             " Dropout masks and column sums.",
+             " Dropout masks, column sums, Winograd convolutions and GELU.",
     .m_size = -1,
     .m_methods = methods,
 };

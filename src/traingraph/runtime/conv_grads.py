@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from traingraph.runtime.device import physical_cores
 
@@ -443,6 +443,21 @@ def _cone(
         ):
             cone.add(i)
     return cone
+
+
+def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The values of ``graph``'s small constants (initializers and Constant nodes) by name."""
+    values = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
+            attr = node.attribute[0]
+            if attr.name == "value":
+                values[node.output[0]] = attr.t
+    return {
+        name: numpy_helper.to_array(tensor)
+        for name, tensor in values.items()
+        if np.prod(tensor.dims, dtype=np.int64) <= 16
+    }
 
 
 @dataclass(frozen=True)

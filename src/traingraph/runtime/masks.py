@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from traingraph.ir.random import GOLDEN, MIX
 from traingraph.runtime import conv_grads
@@ -88,7 +88,7 @@ def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[i
     g = conv_grads.GraphIndex.of(model.graph)
     if not any(n.op_type == "Less" for n in g.nodes):
         return []
-    constants = _constant_values(model.graph)
+    constants = conv_grads.constant_values(model.graph)
     shapes = _symbolic_shapes(model)
     axes: dict[str, tuple[str, int]] = {}  # a graph input's symbolic dimension -> where it is
     for info in model.graph.input:
@@ -235,21 +235,6 @@ def _hash_cone(
     if len(found) != 1:
         return None
     return nodes, next(iter(found)), shaped
-
-
-def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
-    """The values of ``graph``'s small constants (initializers and Constant nodes) by name."""
-    values = {t.name: t for t in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.attribute:
-            attr = node.attribute[0]
-            if attr.name == "value":
-                values[node.output[0]] = attr.t
-    return {
-        name: numpy_helper.to_array(tensor)
-        for name, tensor in values.items()
-        if np.prod(tensor.dims, dtype=np.int64) <= 16
-    }
 
 
 def _verified(

@@ -50,6 +50,7 @@ from traingraph.runtime.bn_forward import BatchNormForward, split_batch_norm_for
 from traingraph.runtime.col2im import Col2ImSum, split_col2ims
 from traingraph.runtime.device import Device
 from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
+from traingraph.runtime.gelu import Gelu, split_gelus
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
 from traingraph.runtime.winograd import WinogradConv, split_winograd_convs
@@ -408,7 +409,7 @@ def split_max_pool_grads(
 
 Kernel = (
     BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
-    | WinogradConv
+    | WinogradConv | Gelu
 )
 """A native kernel between two segments (or before the first)."""
 
@@ -422,7 +423,8 @@ def find_kernels(
     :func:`~traingraph.runtime.masks.split_dropout_masks`,
     :func:`~traingraph.runtime.direct_conv.split_direct_convs`,
     :func:`~traingraph.runtime.bn_forward.split_batch_norm_forwards`,
-    :func:`~traingraph.runtime.winograd.split_winograd_convs` and
+    :func:`~traingraph.runtime.winograd.split_winograd_convs`,
+    :func:`~traingraph.runtime.gelu.split_gelus` and
     :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
     the Col2Im kernels read written after its nodes."""
@@ -433,6 +435,7 @@ def find_kernels(
     kernels += split_direct_convs(model, _taken(kernels))
     kernels += split_batch_norm_forwards(model, _taken(kernels))
     kernels += split_winograd_convs(model, _taken(kernels))
+    kernels += split_gelus(model, _taken(kernels))
     model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
 
