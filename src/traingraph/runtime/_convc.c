@@ -1191,13 +1191,20 @@ TARGETS static void mask_range(const struct mask *m, Py_ssize_t i0, Py_ssize_t i
     }
 }
 
+/* Thread t's share [*i0, *i1) of `size` elements: whole 16-element blocks, the last cut short. */
+static void block_share(Py_ssize_t size, int t, int threads, Py_ssize_t *i0, Py_ssize_t *i1)
+{
+    const Py_ssize_t blocks = (size + 15) / 16, end = blocks * (t + 1) / threads * 16;
+    *i0 = blocks * t / threads * 16;
+    *i1 = end < size ? end : size;
+}
+
 static int mask_share(const void *arg, int t, int threads)
 {
     const struct mask *m = arg;
-    /* whole 16-element blocks per thread */
-    const Py_ssize_t blocks = (m->size + 15) / 16;
-    const Py_ssize_t i0 = blocks * t / threads * 16, i1 = blocks * (t + 1) / threads * 16;
-    mask_range(m, i0, i1 < m->size ? i1 : m->size);
+    Py_ssize_t i0, i1;
+    block_share(m->size, t, threads, &i0, &i1);
+    mask_range(m, i0, i1);
     return 0;
 }
 

@@ -89,9 +89,9 @@ TARGETS static void gelu_range(const struct gelu *p, Py_ssize_t i0, Py_ssize_t i
 static int gelu_share(const void *arg, int t, int threads)
 {
     const struct gelu *p = arg;
-    const Py_ssize_t blocks = (p->size + 15) / 16;
-    const Py_ssize_t i0 = blocks * t / threads * 16, i1 = blocks * (t + 1) / threads * 16;
-    gelu_range(p, i0, i1 < p->size ? i1 : p->size);
+    Py_ssize_t i0, i1;
+    block_share(p->size, t, threads, &i0, &i1);
+    gelu_range(p, i0, i1);
     return 0;
 }
 
