@@ -445,6 +445,18 @@ def _cone(
     return cone
 
 
+def can_match(model: onnx.ModelProto, function: str, op_type: str) -> bool:
+    """Whether a native kernel's matcher has anything to look at: the extension has
+    ``function``, ``model`` holds a default-domain ``op_type`` node, and no node holds a
+    subgraph (whose reads of outer values a match would not see)."""
+    if _native is None or not hasattr(_native, function):
+        return False
+    nodes = model.graph.node
+    if not any(n.op_type == op_type and n.domain in ("", "ai.onnx") for n in nodes):
+        return False
+    return not any(_has_subgraph(n) for n in nodes)
+
+
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     """The values of ``graph``'s small constants (initializers and Constant nodes) by name."""
     values = {t.name: t for t in graph.initializer}

@@ -78,14 +78,9 @@ def split_gelus(
     half taken first) and the gradient that reads its values, as :class:`Gelu` kernels with
     the indices of the nodes each replaces, none in ``taken``. ``[]`` where the extension is
     missing or nothing matches."""
-    native = conv_grads._native
-    if native is None or not hasattr(native, "gelu"):
+    if not conv_grads.can_match(model, "gelu", "Erf"):
         return []
     graph = model.graph
-    if not any(n.op_type == "Erf" and n.domain in _DEFAULT for n in graph.node):
-        return []
-    if any(conv_grads._has_subgraph(n) for n in graph.node):
-        return []
     g = conv_grads.GraphIndex.of(graph)
     constants = conv_grads.constant_values(graph)
     shapes = conv_grads._inferred_shapes(model)

@@ -92,14 +92,9 @@ def split_winograd_convs(
     ``taken``: 2-D float Convs of 3 x 3 filters, strides and dilations 1, pads 1 and one group
     over an even height and width known from shape inference. ``[]`` where the extension is
     missing or nothing matches."""
-    native = conv_grads._native
-    if native is None or not hasattr(native, "conv_winograd"):
+    if not conv_grads.can_match(model, "conv_winograd", "Conv"):
         return []
     graph = model.graph
-    if not any(n.op_type == "Conv" and n.domain in _DEFAULT for n in graph.node):
-        return []
-    if any(conv_grads._has_subgraph(n) for n in graph.node):
-        return []
     shapes = conv_grads._inferred_shapes(model)
     g = conv_grads.GraphIndex.of(graph)
     matches = []
