@@ -185,7 +185,9 @@ def _conv_case(
         return session.run(None, {"x": x})[0]
 
     native(x, w, b, out)
-    np.testing.assert_allclose(out, peer(), rtol=1e-4, atol=1e-4)
+    expected = np.asarray(peer())
+    # Winograd's F(4x4, 3x3) rounds within about 1e-5 of the output's scale
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=3e-5 * np.abs(expected).max())
     return {"native": lambda: native(x, w, b, out), "peer": peer}
 
 

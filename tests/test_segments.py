@@ -193,6 +193,68 @@ def test_values_between_segments_are_kept_while_the_batch_keeps_its_shape(tmp_pa
     assert runner._cuts[name][0].shape[0] == 3
 
 
+def test_values_that_are_not_read_at_once_share_memory(tmp_path):
+    _, directory = _directory(tmp_path)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    runner = module._train
+    assert isinstance(runner, segments.SegmentedRunner)
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        module(rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4))
+    steps = runner._steps()
+    born = {name: i for i, (_, writes) in enumerate(steps) for name in writes}
+    last = {name: i for i, (reads, _) in enumerate(steps) for name in reads}
+    for name in module._train_outputs:  # what the caller gets lives to the end
+        last[name] = len(steps)
+    arrays = {**{name: array for name, (array, _) in runner._cuts.items()}, **runner._kept}
+    assert len(arrays) > 10
+    shared = 0
+    for i, a in enumerate(arrays):
+        for b in list(arrays)[i + 1 :]:
+            if np.shares_memory(arrays[a], arrays[b]):
+                shared += 1
+                # one is read for the last time before the other is written
+                assert last.get(a, born[a]) < born[b] or last.get(b, born[b]) < born[a], (a, b)
+    assert shared > 0
+    total = sum(a.nbytes for a in arrays.values())
+    distinct = {a.ctypes.data: a for a in arrays.values()}
+    assert sum(a.nbytes for a in distinct.values()) < total
+
+
+def test_weight_gradients_are_computed_between_the_segments(tmp_path):
+    torch_model, directory = _directory(tmp_path)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    plan = module._train._plan
+    weights = [k for k in plan.all_kernels if isinstance(k, conv_grads.WeightGradKernel)]
+    assert {k.grad.param for k in weights} == {g.param for g in module._native_grads}
+    assert len(weights) == 4 and not module._after_run  # the stem, two 3 x 3, the 1 x 1
+    # each runs as soon as the segments let it: after the segment that writes the last of the
+    # values it reads, or after the first segment that follows the kernel that does
+    for stage, kernels in enumerate(plan.kernels):
+        for at, kernel in enumerate(kernels):
+            if isinstance(kernel, conv_grads.WeightGradKernel):
+                written = set(plan.segments[stage].outputs)
+                earlier = plan.kernels[stage - 1] if stage else plan.first
+                written |= {o for k in [*earlier, *kernels[:at]] for o in k.outputs}
+                assert written & set(kernel.inputs), kernel.grad.param
+    # and the gradients are those of the graph as written
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 10, 10)).astype(np.float32)
+    y = rng.integers(0, 5, 4)
+    grads = []
+    for native in (True, False):
+        state = CheckpointState.load_checkpoint(directory / "checkpoint")
+        config = SessionConfig(native_conv_grads=native, native_segments=native)
+        m = Module(directory / "training_model.onnx", state, session_config=config)
+        m(x, y)
+        grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None})
+    for name in (k.grad.param for k in weights):
+        want = grads[1][name]
+        np.testing.assert_allclose(grads[0][name], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
 class NormMLP(nn.Module):
     """BatchNorm1d over features ([N, C]), a Relu after one of them."""
 

@@ -322,9 +322,8 @@ class Module:
         self._grads_finite = True
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
         train_model, self._native_grads, kernels = self._split_native()
-        self._native_params = conv_grads.native_params(self._native_grads)
-        self._native_values = conv_grads.run_outputs(self._native_grads, inputs)
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
+        after_run = self._native_grads
         self._train: BoundRunner | segments.SegmentedRunner
         if kernels:
             assert isinstance(train_model, onnx.ModelProto)
@@ -334,11 +333,18 @@ class Module:
                 lambda model: create_session(model, self._device, self._config),
                 self._device,
                 self._native_threads,
+                self._native_grads,
             )
+            if isinstance(self._train, segments.SegmentedRunner):
+                after_run = []  # its kernels compute them
         else:
             self._train = BoundRunner(
                 create_session(train_model, self._device, self._config), self._device
             )
+        # the weight gradients computed after each run, from values the run returns
+        self._after_run = after_run
+        self._native_params = conv_grads.native_params(after_run)
+        self._native_values = conv_grads.run_outputs(after_run, inputs)
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
         self._eval_inputs: list[str] = []
@@ -500,9 +506,9 @@ class Module:
         if self.loss_scaler is not None:
             outs[GRADS_FINITE] = None
         outputs = runner.run(outs)
-        if self._native_grads:
+        if self._after_run:
             conv_grads.compute_after_run(
-                self._native_grads, outputs, feeds, target, self._native_threads
+                self._after_run, outputs, feeds, target, self._native_threads
             )
         if self.loss_scaler is not None:
             finite = bool(outputs[GRADS_FINITE].numpy())

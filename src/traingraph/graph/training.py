@@ -147,6 +147,7 @@ class TrainingGraph:
         self._host_parameters: dict[str, np.ndarray] = {}
         self._native_grads: list[conv_grads.WeightGrad] = []
         self._native_threads = 1
+        self._after_run: list[conv_grads.WeightGrad] = []  # computed after the gradient run
         self._native_params: set[str] = set()
         self._native_values: list[str] = []
 
@@ -287,10 +288,7 @@ class TrainingGraph:
                 gradient, self._program.phases.forward
             )
         self._native_threads = conv_grads.default_threads(config.intra_op_threads)
-        self._native_params = conv_grads.native_params(self._native_grads)
-        self._native_values = conv_grads.run_outputs(
-            self._native_grads, [i.name for i in gradient.graph.input] if gradient else []
-        )
+        after_run = self._native_grads
         kernels: list[tuple[segments.Kernel, set[int]]] = []
         if gradient is not None and self.device.kind == "cpu" and config.native_segments:
             forward = self._program.phases.forward
@@ -309,12 +307,21 @@ class TrainingGraph:
                     lambda model: create_session(model, target, config),
                     target,
                     self._native_threads,
+                    self._native_grads,
                 )
+                if isinstance(runners[phase], segments.SegmentedRunner):
+                    after_run = []  # its kernels compute them
             elif proto is not None:
                 runners[phase] = BoundRunner(
                     create_session(proto, self.device, config), self.device
                 )
         self._runners = runners
+        # the weight gradients computed after each gradient run, from values the run returns
+        self._after_run = after_run
+        self._native_params = conv_grads.native_params(after_run)
+        self._native_values = conv_grads.run_outputs(
+            after_run, [i.name for i in gradient.graph.input] if gradient else []
+        )
         self._state = self._program.new_state(self.device, previous, owners)
         self._pending = None
         self._tensor_grads = {}
@@ -487,9 +494,9 @@ class TrainingGraph:
         bound.update({f"{n}_grad": None for n in program.tensor_grads})
         bound.update({name: None for name in self._native_values})
         outputs = runner.run(bound)
-        if self._native_grads:
+        if self._after_run:
             conv_grads.compute_after_run(
-                self._native_grads, outputs, fed, state.grads, self._native_threads
+                self._after_run, outputs, fed, state.grads, self._native_threads
             )
         self._tensor_grads = {n: outputs[f"{n}_grad"] for n in program.tensor_grads}
         state.grads_valid = True

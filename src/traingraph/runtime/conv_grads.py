@@ -13,7 +13,9 @@ but the Conv's input ``X``, one other tensor ``G`` (the gradient of the Conv's o
 constants. It checks that claim numerically (the subgraph and the kernel give the same
 result on random ``X`` and ``G``), then returns the model without those nodes, with ``X``
 and ``G`` as outputs instead of the gradient, and a :class:`WeightGrad` for each, which
-:func:`compute` evaluates after each run. Everything else, the artifact on disk included,
+:func:`compute` evaluates after each run, or, where the run is cut into segments around other
+native kernels, a :class:`WeightGradKernel` between them as soon as ``X`` and ``G`` are
+written. Everything else, the artifact on disk included,
 stays standard ONNX; where the extension is missing or nothing matches, the model is used
 as it is.
 
@@ -106,6 +108,7 @@ class WeightGrad:
         dilations: Dilations (2).
         group: Groups.
         route: Where ``dy`` is not computed by the graph but from a MaxPool's gradient.
+        kernel: The weight's height and width, where known.
     """
 
     output: str
@@ -118,6 +121,7 @@ class WeightGrad:
     dilations: tuple[int, int]
     group: int
     route: MaxPoolRoute | None = None
+    kernel: tuple[int, int] | None = None
 
 
 def compute(
@@ -178,6 +182,42 @@ def run_outputs(grads: Sequence[WeightGrad], inputs: Collection[str]) -> list[st
     """The values the split model must return for ``grads``: each that :func:`reads` names
     and that is not one of the model's ``inputs``."""
     return sorted({name for g in grads for name in reads(g)} - set(inputs))
+
+
+@dataclass(frozen=True)
+class WeightGradKernel:
+    """A :class:`WeightGrad` computed between two segments of a
+    :class:`~traingraph.runtime.segments.SegmentedRunner`, as soon as the values it reads
+    are written (while the output gradient is still in cache), instead of after the run."""
+
+    grad: WeightGrad
+
+    @property
+    def inputs(self) -> list[str]:
+        return list(reads(self.grad))
+
+    @property
+    def outputs(self) -> list[str]:
+        bias = self.grad.route.bias if self.grad.route is not None else None
+        return [self.grad.output] + ([f"{bias}_grad"] if bias is not None else [])
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write the gradients into ``out`` (arrays there of the parameters' shapes are
+        written in place; others are allocated)."""
+        g = self.grad
+        x = values[g.x]
+        filters = values[g.route.y if g.route is not None else g.dy].shape[1]
+        if g.kernel is None and g.output not in out:
+            raise ValueError(
+                f"the weight gradient of {g.param!r} needs a buffer: its kernel size is not known"
+            )
+        shape = (filters, x.shape[1] // g.group, *(g.kernel or out[g.output].shape[2:]))
+        output_array(out, g.output, shape)
+        for name in self.outputs[1:]:
+            output_array(out, name, (filters,))
+        compute([g], values, out, threads)
 
 
 def compute_after_run(
@@ -351,6 +391,7 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
                     end_pads=(pads[2], pads[3]),
                     dilations=dilations,
                     group=int(attrs.get("group", 1)),
+                    kernel=(int(w_shape[2]), int(w_shape[3])),  # type: ignore[arg-type]
                 )
                 match = _Match(
                     grad,

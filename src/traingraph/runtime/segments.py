@@ -21,13 +21,16 @@ middle of the step:
 - a training-mode BatchNormalization's forward pass, with the residual Add and Relu after it
   (:mod:`traingraph.runtime.bn_forward`);
 - a 3 x 3 Conv of stride 1, forward or input gradient, by Winograd's transforms
-  (:mod:`traingraph.runtime.winograd`).
+  (:mod:`traingraph.runtime.winograd`);
+- a Conv's weight gradient (:class:`~traingraph.runtime.conv_grads.WeightGradKernel`), as
+  soon as its output gradient is written, while that is still in cache.
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
 runs them with the interface of :class:`~traingraph.runtime.session.BoundRunner`: values that
 cross a cut stay where they were written (onnxruntime's outputs are read in place, the
-kernels' outputs are bound as inputs).
+kernels' outputs are bound as inputs), in buffers kept from step to step, shared by values
+that are not needed at the same time.
 
 The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 """
@@ -409,7 +412,7 @@ def split_max_pool_grads(
 
 Kernel = (
     BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
-    | WinogradConv | Gelu
+    | WinogradConv | Gelu | conv_grads.WeightGradKernel
 )
 """A native kernel between two segments (or before the first)."""
 
@@ -638,11 +641,12 @@ class SegmentedRunner:
             o for k in plan.all_kernels for o in k.outputs
         ]
         self._fed: dict[str, Any] = {}
-        self._scratch: dict[str, np.ndarray] = {}
-        # the values passed from one segment to a later one, kept from step to step while
-        # the inputs keep their shapes: bound once, written in place, read without a copy
-        self._cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
-        self._cut_shapes: tuple[Any, ...] | None = None
+        # The values passed from one segment or kernel to later ones, kept from step to step
+        # while the inputs keep their shapes: bound once, written in place, read without a
+        # copy. Values that are not read at the same time share memory (:meth:`_buffers`).
+        self._cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # written by segments
+        self._kept: dict[str, np.ndarray] = {}  # written by kernels
+        self._cut_key: tuple[Any, ...] | None = None
 
     def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
         """Bind the model input ``name`` for the next runs."""
@@ -650,29 +654,34 @@ class SegmentedRunner:
 
     def run(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, Any]:
         """Run every segment and kernel in turn. ``outputs``: the model outputs wanted, each
-        a buffer to write or None. Returns them and every value that crossed a cut (valid
-        until the next run)."""
-        shapes = tuple(
-            (name, tuple(v.shape()) if isinstance(v, ort.OrtValue) else np.shape(v))
-            for name, v in self._fed.items()
+        a buffer to write or None. Returns them (those not given a buffer are valid until the
+        next run)."""
+        key = (
+            tuple(
+                (name, tuple(v.shape()) if isinstance(v, ort.OrtValue) else np.shape(v))
+                for name, v in self._fed.items()
+            ),
+            tuple((name, value is None) for name, value in outputs.items()),
         )
-        if shapes == self._cut_shapes:
+        if key == self._cut_key:
             try:
-                return self._run(outputs, self._cuts)
+                values = self._run(outputs, self._cuts, self._kept)
+                return {name: values[name] for name in outputs}
             except Exception:  # a shape the inputs do not decide: allocate every run
-                self._cut_shapes = None
-        values = self._run(outputs, {})
-        self._cuts = self._cut_buffers(values, outputs)
-        self._cut_shapes = shapes
-        return values
+                self._cut_key = None
+        values = self._run(outputs, {}, {})
+        self._cuts, self._kept = self._buffers(values, outputs)
+        self._cut_key = key
+        return {name: values[name] for name in outputs}
 
     def _run(
         self,
         outputs: Mapping[str, ort.OrtValue | None],
         cuts: Mapping[str, tuple[np.ndarray, ort.OrtValue]],
+        kept: Mapping[str, np.ndarray],
     ) -> dict[str, Any]:
         values: dict[str, Any] = dict(self._fed)
-        self._run_kernels(self._plan.first, values, outputs)
+        self._run_kernels(self._plan.first, values, outputs, kept)
         for runner, segment, kernels in zip(
             self._runners, self._plan.segments, self._plan.kernels
         ):
@@ -684,38 +693,85 @@ class SegmentedRunner:
                     for o in segment.outputs
                 }  # fmt: skip
                 values.update(runner.run(bound))
-            self._run_kernels(kernels, values, outputs)
-        for name, (array, _) in cuts.items():
-            values[name] = array  # what the kernels and the caller read
-        return {name: values[name] for name in values if name not in self._fed}
+            self._run_kernels(kernels, values, outputs, kept)
+        return values
 
     def _host(self, name: str, value: Any) -> np.ndarray:
         cut = self._cuts.get(name)
         return cut[0] if cut is not None and cut[1] is value else _host(value)
 
-    def _cut_buffers(
+    def _steps(self) -> list[tuple[list[str], list[str]]]:
+        """What each segment run and kernel reads and writes, in the order they run."""
+        steps = [(list(k.inputs), list(k.outputs)) for k in self._plan.first]
+        for runner, segment, kernels in zip(
+            self._runners, self._plan.segments, self._plan.kernels
+        ):
+            if runner is not None:
+                steps.append((segment.inputs, segment.outputs))
+            steps += [(list(k.inputs), list(k.outputs)) for k in kernels]
+        return steps
+
+    def _buffers(
         self, values: Mapping[str, Any], outputs: Mapping[str, ort.OrtValue | None]
-    ) -> dict[str, tuple[np.ndarray, ort.OrtValue]]:
-        """A host buffer (and its OrtValue) of each value a segment wrote for later segments
-        or kernels, not one of the caller's ``outputs``, with the shape it had."""
-        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
-        for segment in self._plan.segments:
-            for name in segment.outputs:
+    ) -> tuple[dict[str, tuple[np.ndarray, ort.OrtValue]], dict[str, np.ndarray]]:
+        """Buffers of the shapes ``values`` had for the values a segment or kernel writes
+        into memory of its own (not one of the caller's ``outputs`` buffers): for those
+        segments write, the array and its OrtValue; for those kernels write, the array.
+
+        A value lives from the segment or kernel that writes it to the last that reads it
+        (to the end of the run where the caller asked for it); values that do not live at
+        the same time share memory, so that the step's working set stays small and in cache.
+        """
+        steps = self._steps()
+        written_by_segment = {o for s in self._plan.segments for o in s.outputs}
+        last: dict[str, int] = {}
+        for i, (reads, _) in enumerate(steps):
+            for name in reads:
+                last[name] = i
+        wanted: list[tuple[int, int, str, np.dtype, tuple[int, ...]]] = []  # in write order
+        for i, (_, writes) in enumerate(steps):
+            for name in writes:
                 value = values.get(name)
-                if name in outputs or not isinstance(value, ort.OrtValue):
+                if outputs.get(name) is not None:
+                    continue  # written into the caller's buffer
+                if name in written_by_segment:
+                    if name in outputs or not isinstance(value, ort.OrtValue):
+                        continue  # onnxruntime allocates what the caller gets, or on a device
+                elif not isinstance(value, np.ndarray):
                     continue
-                array = np.empty(value.shape(), value.numpy().dtype)
-                cuts[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-        return cuts
+                array = _host(value)
+                end = len(steps) if name in outputs else max(last.get(name, i), i)
+                wanted.append((i, end, name, array.dtype, array.shape))
+        free: list[np.ndarray] = []
+        live: list[tuple[int, np.ndarray]] = []  # the last step that reads each, its memory
+        placed: dict[str, np.ndarray] = {}
+        for start, end, name, dtype, shape in wanted:
+            free += [memory for read, memory in live if read < start]
+            live = [(read, memory) for read, memory in live if read >= start]
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            fits = [k for k, memory in enumerate(free) if memory.nbytes >= size]
+            best = min(fits, key=lambda k: free[k].nbytes, default=None)  # the smallest
+            memory = free.pop(best) if best is not None else _aligned(size)
+            live.append((end, memory))
+            placed[name] = memory[:size].view(dtype).reshape(shape)
+        cuts = {
+            name: (array, ort.OrtValue.ortvalue_from_numpy(array))
+            for name, array in placed.items()
+            if name in written_by_segment
+        }
+        kept = {name: a for name, a in placed.items() if name not in written_by_segment}
+        return cuts, kept
 
     def _run_kernels(
         self,
         kernels: Sequence[Kernel],
         values: dict[str, Any],
         outputs: Mapping[str, ort.OrtValue | None],
+        kept: Mapping[str, np.ndarray],
     ) -> None:
         """Run ``kernels`` on ``values``, adding what they write to it: into the buffers of
-        ``outputs`` where given, else into arrays kept for the next step."""
+        ``outputs`` where given, else into the ``kept`` arrays where there, else into new
+        ones."""
         for kernel in kernels:
             arrays = {name: self._host(name, values[name]) for name in kernel.inputs}
             out: dict[str, np.ndarray] = {}
@@ -723,12 +779,10 @@ class SegmentedRunner:
                 buffer = outputs.get(o)
                 if buffer is not None:
                     out[o] = buffer.numpy()  # written in place
-                elif o in self._scratch:
-                    out[o] = self._scratch[o]
+                elif o in kept:
+                    out[o] = kept[o]
             kernel.compute(arrays, out, self._threads)
             for o in kernel.outputs:
-                if outputs.get(o) is None:
-                    self._scratch[o] = out[o]
                 values[o] = out[o]
 
 
@@ -738,14 +792,23 @@ def runner(
     make_session: Callable[[onnx.ModelProto], ort.InferenceSession],
     device: Device,
     threads: int,
+    weight_grads: Sequence[conv_grads.WeightGrad] = (),
 ) -> BoundRunner | SegmentedRunner:
     """A :class:`SegmentedRunner` of ``model`` cut around ``kernels``, or, where there are none
     or onnxruntime rejects a segment, a :class:`BoundRunner` of ``model`` whole, without the
     nodes only the kernels read (with a warning in the second case: the step is then slower,
-    not wrong)."""
+    not wrong).
+
+    ``weight_grads``, split from ``model`` by
+    :func:`~traingraph.runtime.conv_grads.split_weight_grads`, are computed by the
+    :class:`SegmentedRunner` as soon as it has their values (and written into the run's
+    outputs named ``<param>_grad``); the caller computes them after a :class:`BoundRunner`'s
+    run."""
     if kernels:
+        moved = [(conv_grads.WeightGradKernel(g), set[int]()) for g in weight_grads]
         try:
-            return SegmentedRunner(plan_segments(model, kernels), make_session, device, threads)
+            plan = plan_segments(model, [*kernels, *moved])
+            return SegmentedRunner(plan, make_session, device, threads)
         except Exception as error:  # the whole graph still runs
             warnings.warn(
                 f"running the training graph whole, without its native kernels: a segment"
@@ -798,6 +861,13 @@ def _has_subgraphs(model: onnx.ModelProto) -> bool:
     """Whether a node of ``model`` holds a graph (If, Loop, Scan), whose reads of outer values
     a segment's inputs would not list: such models are not cut."""
     return any(conv_grads._has_subgraph(n) for n in model.graph.node)
+
+
+def _aligned(size: int, alignment: int = 64) -> np.ndarray:
+    """``size`` bytes that start on an ``alignment`` boundary (a cache line)."""
+    raw = np.empty(size + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + size]
 
 
 def _host(value: Any) -> np.ndarray:
