@@ -640,6 +640,20 @@ class SegmentedRunner:
         self.outputs = [info.name for info in self.output_infos] + [
             o for k in plan.all_kernels for o in k.outputs
         ]
+        # what runs, in order: an onnxruntime run of a segment, or a kernel
+        self._steps: list[tuple[BoundRunner, Segment] | Kernel] = list(plan.first)
+        for runner, segment, kernels in zip(self._runners, plan.segments, plan.kernels):
+            if runner is not None:
+                self._steps.append((runner, segment))
+            self._steps += kernels
+        # the values each step reads for the last time
+        last: dict[str, int] = {}
+        for i, step in enumerate(self._steps):
+            for name in _reads(step):
+                last[name] = i
+        self._done: list[list[str]] = [[] for _ in self._steps]
+        for name, i in last.items():
+            self._done[i].append(name)
         self._fed: dict[str, Any] = {}
         # The values passed from one segment or kernel to later ones, kept from step to step
         # while the inputs keep their shapes: bound once, written in place, read without a
@@ -665,27 +679,31 @@ class SegmentedRunner:
         )
         if key == self._cut_key:
             try:
-                values = self._run(outputs, self._cuts, self._kept)
-                return {name: values[name] for name in outputs}
+                return self._run(outputs, self._cuts, self._kept)
             except Exception:  # a shape the inputs do not decide: allocate every run
                 self._cut_key = None
-        values = self._run(outputs, {}, {})
-        self._cuts, self._kept = self._buffers(values, outputs)
+        self._cuts, self._kept = {}, {}
+        written: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        values = self._run(outputs, self._cuts, self._kept, written)
+        self._cuts, self._kept = self._buffers(written, outputs)
         self._cut_key = key
-        return {name: values[name] for name in outputs}
+        return values
 
     def _run(
         self,
         outputs: Mapping[str, ort.OrtValue | None],
         cuts: Mapping[str, tuple[np.ndarray, ort.OrtValue]],
         kept: Mapping[str, np.ndarray],
+        written: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None,
     ) -> dict[str, Any]:
+        """Run the steps, segments writing into ``cuts`` and kernels into ``kept`` where
+        those hold a value, and return the ``outputs``. With ``written``, record there the
+        type and shape of each value in host memory that a step writes into memory of its
+        own, and let go of each value after its last reader."""
         values: dict[str, Any] = dict(self._fed)
-        self._run_kernels(self._plan.first, values, outputs, kept)
-        for runner, segment, kernels in zip(
-            self._runners, self._plan.segments, self._plan.kernels
-        ):
-            if runner is not None:
+        for i, step in enumerate(self._steps):
+            if isinstance(step, tuple):
+                runner, segment = step
                 for name in segment.inputs:
                     runner.bind_input(name, values[name])
                 bound = {
@@ -693,97 +711,92 @@ class SegmentedRunner:
                     for o in segment.outputs
                 }  # fmt: skip
                 values.update(runner.run(bound))
-            self._run_kernels(kernels, values, outputs, kept)
-        return values
+            else:
+                self._run_kernel(step, values, outputs, kept)
+            if written is not None:
+                for name in _writes(step):
+                    value = values[name]
+                    if outputs.get(name) is None and isinstance(
+                        value, ort.OrtValue if isinstance(step, tuple) else np.ndarray
+                    ):
+                        array = _host(value)
+                        written[name] = (array.dtype, array.shape)
+                for name in self._done[i]:
+                    if name not in outputs:
+                        values.pop(name, None)
+        return {name: values[name] for name in outputs}
 
     def _host(self, name: str, value: Any) -> np.ndarray:
         cut = self._cuts.get(name)
         return cut[0] if cut is not None and cut[1] is value else _host(value)
 
-    def _steps(self) -> list[tuple[list[str], list[str]]]:
-        """What each segment run and kernel reads and writes, in the order they run."""
-        steps = [(list(k.inputs), list(k.outputs)) for k in self._plan.first]
-        for runner, segment, kernels in zip(
-            self._runners, self._plan.segments, self._plan.kernels
-        ):
-            if runner is not None:
-                steps.append((segment.inputs, segment.outputs))
-            steps += [(list(k.inputs), list(k.outputs)) for k in kernels]
-        return steps
-
     def _buffers(
-        self, values: Mapping[str, Any], outputs: Mapping[str, ort.OrtValue | None]
+        self,
+        written: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+        outputs: Mapping[str, ort.OrtValue | None],
     ) -> tuple[dict[str, tuple[np.ndarray, ort.OrtValue]], dict[str, np.ndarray]]:
-        """Buffers of the shapes ``values`` had for the values a segment or kernel writes
-        into memory of its own (not one of the caller's ``outputs`` buffers): for those
-        segments write, the array and its OrtValue; for those kernels write, the array.
+        """Buffers of the types and shapes in ``written``: for the values a segment writes
+        (not the caller's ``outputs``, which onnxruntime allocates), the array and its
+        OrtValue; for those a kernel writes, the array.
 
-        A value lives from the segment or kernel that writes it to the last that reads it
-        (to the end of the run where the caller asked for it); values that do not live at
-        the same time share memory, so that the step's working set stays small and in cache.
+        A value lives from the step that writes it to the last that reads it (to the end of
+        the run where the caller asked for it); values that do not live at the same time share
+        memory, so that the step's working set stays small and in cache.
         """
-        steps = self._steps()
-        written_by_segment = {o for s in self._plan.segments for o in s.outputs}
-        last: dict[str, int] = {}
-        for i, (reads, _) in enumerate(steps):
-            for name in reads:
-                last[name] = i
-        wanted: list[tuple[int, int, str, np.dtype, tuple[int, ...]]] = []  # in write order
-        for i, (_, writes) in enumerate(steps):
-            for name in writes:
-                value = values.get(name)
-                if outputs.get(name) is not None:
-                    continue  # written into the caller's buffer
-                if name in written_by_segment:
-                    if name in outputs or not isinstance(value, ort.OrtValue):
-                        continue  # onnxruntime allocates what the caller gets, or on a device
-                elif not isinstance(value, np.ndarray):
-                    continue
-                array = _host(value)
-                end = len(steps) if name in outputs else max(last.get(name, i), i)
-                wanted.append((i, end, name, array.dtype, array.shape))
+        last = {name: i for i, names in enumerate(self._done) for name in names}
         free: list[np.ndarray] = []
         live: list[tuple[int, np.ndarray]] = []  # the last step that reads each, its memory
-        placed: dict[str, np.ndarray] = {}
-        for start, end, name, dtype, shape in wanted:
+        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
+        kept: dict[str, np.ndarray] = {}
+        for start, step in enumerate(self._steps):
             free += [memory for read, memory in live if read < start]
             live = [(read, memory) for read, memory in live if read >= start]
-            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            fits = [k for k, memory in enumerate(free) if memory.nbytes >= size]
-            best = min(fits, key=lambda k: free[k].nbytes, default=None)  # the smallest
-            memory = free.pop(best) if best is not None else _aligned(size)
-            live.append((end, memory))
-            placed[name] = memory[:size].view(dtype).reshape(shape)
-        cuts = {
-            name: (array, ort.OrtValue.ortvalue_from_numpy(array))
-            for name, array in placed.items()
-            if name in written_by_segment
-        }
-        kept = {name: a for name, a in placed.items() if name not in written_by_segment}
+            for name in _writes(step):
+                if name not in written or (isinstance(step, tuple) and name in outputs):
+                    continue
+                dtype, shape = written[name]
+                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                fits = [k for k, memory in enumerate(free) if memory.nbytes >= size]
+                best = min(fits, key=lambda k: free[k].nbytes, default=None)  # the smallest
+                memory = free.pop(best) if best is not None else _aligned(size)
+                end = len(self._steps) if name in outputs else max(last.get(name, start), start)
+                live.append((end, memory))
+                array = memory[:size].view(dtype).reshape(shape)
+                if isinstance(step, tuple):
+                    cuts[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
+                else:
+                    kept[name] = array
         return cuts, kept
 
-    def _run_kernels(
+    def _run_kernel(
         self,
-        kernels: Sequence[Kernel],
+        kernel: Kernel,
         values: dict[str, Any],
         outputs: Mapping[str, ort.OrtValue | None],
         kept: Mapping[str, np.ndarray],
     ) -> None:
-        """Run ``kernels`` on ``values``, adding what they write to it: into the buffers of
+        """Run ``kernel`` on ``values``, adding what it writes to them: into the buffers of
         ``outputs`` where given, else into the ``kept`` arrays where there, else into new
         ones."""
-        for kernel in kernels:
-            arrays = {name: self._host(name, values[name]) for name in kernel.inputs}
-            out: dict[str, np.ndarray] = {}
-            for o in kernel.outputs:
-                buffer = outputs.get(o)
-                if buffer is not None:
-                    out[o] = buffer.numpy()  # written in place
-                elif o in kept:
-                    out[o] = kept[o]
-            kernel.compute(arrays, out, self._threads)
-            for o in kernel.outputs:
-                values[o] = out[o]
+        arrays = {name: self._host(name, values[name]) for name in kernel.inputs}
+        out: dict[str, np.ndarray] = {}
+        for o in kernel.outputs:
+            buffer = outputs.get(o)
+            if buffer is not None:
+                out[o] = buffer.numpy()  # written in place
+            elif o in kept:
+                out[o] = kept[o]
+        kernel.compute(arrays, out, self._threads)
+        for o in kernel.outputs:
+            values[o] = out[o]
+
+
+def _reads(step: tuple[BoundRunner, Segment] | Kernel) -> list[str]:
+    return step[1].inputs if isinstance(step, tuple) else list(step.inputs)
+
+
+def _writes(step: tuple[BoundRunner, Segment] | Kernel) -> list[str]:
+    return step[1].outputs if isinstance(step, tuple) else list(step.outputs)
 
 
 def runner(
