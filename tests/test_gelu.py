@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
-NO_GELUS = ("split_gelus", lambda model, taken: [])
+NO_GELUS = ("split_gelus", lambda model, *taken: [])
 
 
 def _torch_gelu(a: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,6 +44,33 @@ def test_kernel_matches_torch(shape, threads):
     want_y, want_da = _torch_gelu(a, g)
     np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=5e-7)
     np.testing.assert_allclose(da, want_da, rtol=2e-6, atol=5e-7)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_with_a_mask_matches_torch(threads):
+    # GELU's output times a Dropout's mask, and the gradient for the product's gradient
+    rng = np.random.default_rng(1)
+    a = (rng.standard_normal((4, 64, 301)) * 3).astype(np.float32)
+    mask = ((rng.random(a.shape) > 0.3) / 0.7).astype(np.float32)
+    g = rng.standard_normal(a.shape).astype(np.float32)
+    at = torch.from_numpy(a).double().requires_grad_()
+    product = nn.functional.gelu(at) * torch.from_numpy(mask).double()
+    product.backward(torch.from_numpy(g).double())
+    y, da = np.full_like(a, np.nan), np.full_like(a, np.nan)
+    conv_grads._native.gelu(a, None, y, threads, mask)
+    conv_grads._native.gelu(a, g, da, threads, mask)
+    np.testing.assert_allclose(y, product.detach().numpy(), rtol=2e-6, atol=5e-7)
+    np.testing.assert_allclose(da, at.grad.numpy(), rtol=2e-6, atol=5e-7)
+    with pytest.raises(ValueError, match="mask has 7 elements"):
+        conv_grads._native.gelu(a[0, 0, :8], None, y[0, 0, :8], 1, mask[0, 0, :7])
+    # a factor that broadcasts is multiplied after the kernel
+    row = mask[:1, :1]
+    kernel = gelu.Gelu("a", "g", "out", "mask")
+    out: dict[str, np.ndarray] = {}
+    kernel.compute({"a": a, "g": g, "mask": row}, out, threads)
+    plain = np.empty_like(a)
+    conv_grads._native.gelu(a, g, plain, threads)
+    np.testing.assert_allclose(out["out"], plain * row, rtol=1e-6)
 
 
 def test_kernel_is_within_the_erf_bound_everywhere():
@@ -158,6 +186,49 @@ def test_module_trains_as_the_graph_and_torch_do(tmp_path, monkeypatch, net):
     np.testing.assert_allclose(got[0], losses, rtol=1e-5)
     for name, value in reference.state_dict().items():
         np.testing.assert_allclose(got[2][name], value.numpy(), rtol=1e-4, atol=1e-6)
+
+
+class DroppedFeedForward(FeedForward):
+    """Linear, GELU, Dropout, Linear: a Transformer's feed-forward block in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.drop(self.act(self.up(x))))
+
+
+def test_the_dropout_after_gelu_is_taken_into_its_kernels(tmp_path, monkeypatch):
+    net = seeded(DroppedFeedForward)
+    directory = tmp_path
+    artifacts.generate_artifacts(
+        export(net, torch.zeros(2, 6), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.AdamW(lr=0.01),
+        artifact_directory=directory,
+    )
+    model = onnx.load(directory / "training_model.onnx")
+    _, found = segments.find_kernels(model, [])
+    masks = [k for k, _ in found if isinstance(k, segments.DropoutMask)]
+    gelus = [(k, nodes) for k, nodes in found if isinstance(k, gelu.Gelu)]
+    assert len(masks) == 1 and len(gelus) == 2
+    for kernel, nodes in gelus:  # the mask's Mul (or its gradient's) is the kernel's
+        assert kernel.mask == masks[0].mask
+        muls = [i for i in nodes if model.graph.node[i].op_type == "Mul"
+                and masks[0].mask in model.graph.node[i].input]  # fmt: skip
+        assert len(muls) == 1
+    # the steps are the graph's (the same seeds draw the same masks)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32) * 2, rng.integers(0, 3, n))
+        for n in (5, 5, 3)
+    ]
+    ort.set_seed(0)
+    got = artifact_steps(directory, batches, monkeypatch, gelu.Gelu)
+    ort.set_seed(0)
+    expected = artifact_steps(directory, batches, monkeypatch, gelu.Gelu, without=NO_GELUS)
+    assert_same_training(got, expected)
 
 
 def test_segments_place_the_gradient_after_its_input(tmp_path):

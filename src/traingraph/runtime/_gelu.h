@@ -8,6 +8,7 @@
 
 struct gelu {
     const float *a, *g; /* g: the output's gradient, or NULL for the forward */
+    const float *mask;  /* a factor of GELU's output (a Dropout's mask), or NULL */
     float *out;
     Py_ssize_t size;
 };
@@ -53,18 +54,22 @@ static inline __attribute__((always_inline)) void gelu_phi(v16 a, v16 *phi_cdf, 
 TARGETS static void gelu_range(const struct gelu *p, Py_ssize_t i0, Py_ssize_t i1)
 {
     for (Py_ssize_t i = i0; i < i1; i += 16) {
-        v16 a = {0}, g = {0};
+        v16 a = {0}, g = {0}, mask = {0};
         const Py_ssize_t count = i1 - i < 16 ? i1 - i : 16;
         if (count == 16) {
             a = *(const v16u *)(p->a + i);
             if (p->g != NULL) {
                 g = *(const v16u *)(p->g + i);
             }
+            if (p->mask != NULL) {
+                mask = *(const v16u *)(p->mask + i);
+            }
         }
         else {
             for (Py_ssize_t j = 0; j < count; j++) {
                 a[j] = p->a[i + j];
                 g[j] = p->g != NULL ? p->g[i + j] : 0.0f;
+                mask[j] = p->mask != NULL ? p->mask[i + j] : 0.0f;
             }
         }
         v16 cdf, gauss, out;
@@ -74,6 +79,9 @@ TARGETS static void gelu_range(const struct gelu *p, Py_ssize_t i0, Py_ssize_t i
         }
         else {
             out = g * (cdf + a * gauss * 0.39894228040143268f);
+        }
+        if (p->mask != NULL) {
+            out *= mask;
         }
         if (count == 16) {
             *(v16u *)(p->out + i) = out;
@@ -96,26 +104,29 @@ static int gelu_share(const void *arg, int t, int threads)
 }
 
 PyDoc_STRVAR(gelu_doc,
-"gelu(a, g, out, threads)\n--\n\n"
+"gelu(a, g, out, threads, mask=None)\n--\n\n"
 "Write into ``out`` (float32, C-contiguous, ``a``'s size) GELU(a) = a Phi(a) of the float32\n"
 "array ``a`` where ``g`` is None, else the gradient ``g * (Phi(a) + a phi(a))`` for the\n"
 "output's gradient ``g`` (``a``'s size), with Phi and phi the standard normal's distribution\n"
-"and density (erf within 1.5e-7). ``threads`` threads share the elements (one below 64K).");
+"and density (erf within 1.5e-7); times ``mask`` (``a``'s size) where given: GELU's output\n"
+"times a Dropout's mask, and its gradient for the product's. ``threads`` threads share the\n"
+"elements (one below 64K).");
 
 static PyObject *gelu(PyObject *self, PyObject *args)
 {
-    PyObject *objects[3];
+    PyObject *objects[4] = {NULL, NULL, NULL, Py_None};
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOi:gelu", &objects[0], &objects[1], &objects[2], &threads)) {
+    if (!PyArg_ParseTuple(args, "OOOi|O:gelu", &objects[0], &objects[1], &objects[2], &threads,
+                          &objects[3])) {
         return NULL;
     }
-    static const char *names[3] = {"a", "g", "out"};
-    Py_buffer views[3];
-    const float *bufs[3] = {NULL};
+    static const char *names[4] = {"a", "g", "out", "mask"};
+    Py_buffer views[4];
+    const float *bufs[4] = {NULL};
     Py_ssize_t held = 0;
     PyObject *result = NULL;
-    for (int k = 0; k < 3; k++) {
-        if (k == 1 && objects[k] == Py_None) {
+    for (int k = 0; k < 4; k++) {
+        if ((k == 1 || k == 3) && objects[k] == Py_None) {
             continue;
         }
         if (float32_array(objects[k], &views[held], -1, k == 2, "gelu: argument", k, names[k]) <
@@ -132,7 +143,8 @@ static PyObject *gelu(PyObject *self, PyObject *args)
         }
         held++;
     }
-    struct gelu p = {.a = bufs[0], .g = bufs[1], .out = (float *)bufs[2], .size = views[0].len / 4};
+    struct gelu p = {.a = bufs[0], .g = bufs[1], .mask = bufs[3], .out = (float *)bufs[2],
+                     .size = views[0].len / 4};
     if (p.size < ROUTE_PER_THREAD || threads < 1) {
         threads = 1;
     }

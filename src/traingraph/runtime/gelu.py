@@ -6,7 +6,9 @@ nodes (Div, Erf, Add, Mul, Mul), and the training graph's gradient of it as abou
 each a pass over the activation in onnxruntime: in a small Transformer's feed-forward layers
 about a tenth of the training step. :class:`Gelu` computes the forward in one pass and the
 gradient, ``g * (Phi(a) + a phi(a))``, in another (``_convc.gelu``), from ``a`` and the output's
-gradient ``g`` alone.
+gradient ``g`` alone. Where a Dropout follows (a Mul by its mask, which only it reads), the
+forward writes the masked output and the gradient reads the masked output's gradient: the two
+Muls by the mask go too.
 
 :func:`split_gelus` finds each Erf-based GELU and the gradient nodes that read its
 intermediate values; the nodes are replaced only where nothing else reads those values. Each
@@ -35,21 +37,24 @@ _MAX_GRAD_NODES = 24  # about ten for the gradient of one GELU
 @dataclass(frozen=True)
 class Gelu:
     """``out = GELU(a)``, or where ``g`` is given, ``out = g * GELU'(a)``: the gradient of
-    ``a`` for the gradient ``g`` of GELU's output.
+    ``a`` for the gradient ``g`` of GELU's output; times ``mask`` where given.
 
     Attributes:
         a: GELU's input.
         g: The gradient of its output, or None for the forward.
         out: The value the kernel writes.
+        mask: A factor of GELU's output (the Dropout mask after it), or None. With ``g``, the
+            gradient of ``a`` for the gradient ``g`` of the product.
     """
 
     a: str
     g: str | None
     out: str
+    mask: str | None = None
 
     @property
     def inputs(self) -> list[str]:
-        return [self.a] + ([self.g] if self.g else [])
+        return [self.a] + ([self.g] if self.g else []) + ([self.mask] if self.mask else [])
 
     @property
     def outputs(self) -> list[str]:
@@ -66,18 +71,25 @@ class Gelu:
                 f"gelu gradient {self.out!r}: the gradient {list(g.shape)} must have the input's"
                 f" shape {list(a.shape)}"
             )
-        target = conv_grads.output_array(out, self.out, a.shape)
         assert conv_grads._native is not None
-        conv_grads._native.gelu(a, g, target, threads)
+        mask = values[self.mask] if self.mask else None
+        if mask is not None and mask.shape != a.shape:  # a factor that broadcasts
+            plain = np.empty(a.shape, np.float32)
+            conv_grads._native.gelu(a, g, plain, threads)
+            product = plain * mask
+            conv_grads.output_array(out, self.out, product.shape)[...] = product
+            return
+        target = conv_grads.output_array(out, self.out, a.shape)
+        conv_grads._native.gelu(a, g, target, threads, mask)
 
 
 def split_gelus(
-    model: onnx.ModelProto, taken: Set[int] = frozenset()
+    model: onnx.ModelProto, taken: Set[int] = frozenset(), read: Set[str] = frozenset()
 ) -> list[tuple[Gelu, set[int]]]:
     """Each GELU of ``model`` (``Mul(Mul(a, Add(Erf(Div(a, sqrt 2)), 1)), 0.5)``, or with the
     half taken first) and the gradient that reads its values, as :class:`Gelu` kernels with
-    the indices of the nodes each replaces, none in ``taken``. ``[]`` where the extension is
-    missing or nothing matches."""
+    the indices of the nodes each replaces, none in ``taken`` (other kernels' nodes, which read
+    only the values in ``read``). ``[]`` where the extension is missing or nothing matches."""
     if not conv_grads.can_match(model, "gelu", "Erf"):
         return []
     graph = model.graph
@@ -89,7 +101,7 @@ def split_gelus(
     for i, node in enumerate(g.nodes):
         if i in claimed or node.op_type != "Erf" or node.domain not in _DEFAULT:
             continue
-        found = _match(g, i, constants, claimed)
+        found = _match(g, i, constants, claimed, shapes, read)
         if found is not None:
             for kernel, nodes in found:
                 claimed |= nodes
@@ -120,9 +132,12 @@ def _match(
     erf: int,
     constants: Mapping[str, np.ndarray],
     taken: Set[int],
+    shapes: Mapping[str, list[int | None]],
+    read: Set[str] = frozenset(),
 ) -> list[tuple[Gelu, set[int]]] | None:
     """The forward kernel (and the gradient kernel, where the graph has one) of the GELU
-    around the Erf node ``erf``, or None where the nodes are not a GELU's alone."""
+    around the Erf node ``erf``, with the Dropout mask after it where there is one (see
+    :func:`_masked`), or None where the nodes are not a GELU's alone."""
     d = g.nodes[erf].input[0]
     scaled = g.producer.get(d)
     if scaled is None or scaled in taken:
@@ -163,6 +178,7 @@ def _match(
             return None
         dy, da, nodes = backward
         kernels.append((Gelu(a, dy, da), nodes))
+    kernels = _masked(g, kernels, taken, shapes, read)
     inside = set().union(*(nodes for _, nodes in kernels))
     results = {y} | {k.out for k, _ in kernels}
     for i in inside:
@@ -172,6 +188,43 @@ def _match(
             ):
                 return None  # something else reads a value the kernels do not write
     return kernels
+
+
+def _masked(
+    g: conv_grads.GraphIndex,
+    kernels: list[tuple[Gelu, set[int]]],
+    taken: Set[int],
+    shapes: Mapping[str, list[int | None]],
+    read: Set[str],
+) -> list[tuple[Gelu, set[int]]]:
+    """``kernels`` with the Mul of GELU's output by a tensor of its shape (a Dropout's mask)
+    taken into the forward, where that Mul alone reads the output (besides nodes of other
+    kernels, in ``taken``, which read only values in ``read``: the mask's, which reads its
+    shape), and the Mul of the product's gradient by the same tensor (the gradient of GELU's
+    output) into the gradient, where only the gradient's nodes read it."""
+    (forward, front), *rest = kernels
+    readers = g.consumers.get(forward.out, set()) - taken
+    if forward.out in g.outputs or forward.out in read or len(readers) != 1:
+        return kernels
+    (reader,) = readers
+    mul = g.nodes[reader]
+    mask = _other(mul, forward.out) if mul.op_type == "Mul" and mul.domain in _DEFAULT else None
+    if mask is None or shapes.get(mask) is None or shapes.get(mask) != shapes.get(forward.out):
+        return kernels
+    masked = [(Gelu(forward.a, None, mul.output[0], mask), front | {reader})]
+    for backward, nodes in rest:
+        assert backward.g is not None
+        p = g.producer.get(backward.g, -1)
+        grad = g.nodes[p] if p >= 0 and p not in taken | nodes else None
+        product = _other(grad, mask) if grad is not None and grad.op_type == "Mul" else None
+        if (
+            grad is None or product is None or grad.domain not in _DEFAULT
+            or backward.g in g.outputs or not g.consumers.get(backward.g, set()) <= nodes
+        ):  # fmt: skip
+            masked.append((backward, nodes))
+        else:
+            masked.append((Gelu(backward.a, product, backward.out, mask), nodes | {p}))
+    return masked
 
 
 def _forward(

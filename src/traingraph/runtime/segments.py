@@ -438,7 +438,7 @@ def find_kernels(
     kernels += split_direct_convs(model, _taken(kernels))
     kernels += split_batch_norm_forwards(model, _taken(kernels))
     kernels += split_winograd_convs(model, _taken(kernels))
-    kernels += split_gelus(model, _taken(kernels))
+    kernels += split_gelus(model, _taken(kernels), {v for k, _ in kernels for v in k.inputs})
     model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
 
