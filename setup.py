@@ -29,6 +29,7 @@ setup(
                 "src/traingraph/runtime/_pool.h",
                 "src/traingraph/runtime/_winograd.h",
                 "src/traingraph/runtime/_gelu.h",
+                "src/traingraph/runtime/_layernorm.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

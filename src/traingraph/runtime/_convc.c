@@ -1831,6 +1831,7 @@ done:
 
 #include "_winograd.h"
 #include "_gelu.h"
+#include "_layernorm.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1842,6 +1843,7 @@ static PyMethodDef methods[] = {
     {"conv_direct", conv_direct, METH_VARARGS, conv_direct_doc},
     {"conv_winograd", conv_winograd, METH_VARARGS, conv_winograd_doc},
     {"gelu", gelu, METH_VARARGS, gelu_doc},
+    {"layer_norm_grad", layer_norm_grad, METH_VARARGS, layer_norm_grad_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1850,7 +1852,7 @@ static struct PyModuleDef module_def = {
     .m_name = "traingraph.runtime._convc",
     .m_doc = "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
              " convolutions' weight gradients, max-pool gradient routing, batch-norm gradients,"
-             " Dropout masks, column sums, Winograd convolutions and GELU.",
+             " Dropout masks, column sums, Winograd convolutions, GELU and layer-norm gradients.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -583,6 +583,68 @@ class GraphIndex:
             return None
         reader = next(iter(readers))
         return None if reader in taken else reader
+
+    def descendants_computed_from(
+        self, start: str, sources: set[str], allowed: Callable[[str], bool]
+    ) -> set[int]:
+        """The nodes that read ``start`` (transitively), are computed from ``sources`` and
+        constants alone, and write only ``allowed`` values."""
+        known = set(sources) | self.constants
+        reached = {start}
+        found: set[int] = set()
+        for i, node in enumerate(self.nodes):
+            reads = [v for v in node.input if v]
+            if not all(v in known for v in reads):
+                continue
+            outputs = [o for o in node.output if o]
+            known.update(outputs)
+            if any(v in reached for v in reads) and all(allowed(o) for o in outputs):
+                found.add(i)
+                reached.update(outputs)
+        return found
+
+    def leading_to(self, nodes: set[int], targets: set[str]) -> set[int]:
+        """The nodes of ``nodes`` from which one of ``targets`` is reached within ``nodes``."""
+        keep: set[int] = set()
+        wanted = set(targets)
+        for i in sorted(nodes, reverse=True):
+            if any(o in wanted for o in self.nodes[i].output):
+                keep.add(i)
+                wanted.update(v for v in self.nodes[i].input if v)
+        return keep
+
+    def external(self, nodes: set[int]) -> set[str]:
+        """The values ``nodes`` write that a model output is or another node reads."""
+        return {
+            o
+            for j in nodes
+            for o in self.nodes[j].output
+            if o and (o in self.outputs or not self.consumers.get(o, set()) <= nodes)
+        }
+
+    def helpers(self, nodes: set[int], sources: set[str]) -> set[int]:
+        """Nodes computed from ``sources`` and constants (recomputed statistics) that feed
+        only ``nodes`` and each other."""
+        found: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            around = set().union(*(self._producers(j) for j in nodes | found))
+            for i in sorted(around, reverse=True):
+                if i in nodes or i in found:
+                    continue
+                node = self.nodes[i]
+                if any(o in self.outputs for o in node.output):
+                    continue
+                if not all(self.derived_from(v, sources) for v in node.input if v):
+                    continue
+                if all(self.consumers.get(o, set()) <= nodes | found for o in node.output if o):
+                    found.add(i)
+                    changed = True
+        return found
+
+    def _producers(self, i: int) -> set[int]:
+        return {self.producer[v] for v in self.nodes[i].input if v in self.producer}
 
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
         """The nodes of ``cone`` computed from ``sources`` and constants alone."""

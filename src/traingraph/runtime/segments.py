@@ -23,7 +23,9 @@ middle of the step:
 - a 3 x 3 Conv of stride 1, forward or input gradient, by Winograd's transforms
   (:mod:`traingraph.runtime.winograd`);
 - a Conv's weight gradient (:class:`~traingraph.runtime.conv_grads.WeightGradKernel`), as
-  soon as its output gradient is written, while that is still in cache.
+  soon as its output gradient is written, while that is still in cache;
+- GELU and its gradient (:mod:`traingraph.runtime.gelu`), and a LayerNormalization's
+  gradient (:mod:`traingraph.runtime.layer_norm`).
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -54,6 +56,7 @@ from traingraph.runtime.col2im import Col2ImSum, split_col2ims
 from traingraph.runtime.device import Device
 from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
 from traingraph.runtime.gelu import Gelu, split_gelus
+from traingraph.runtime.layer_norm import LayerNormGrad, split_layer_norm_grads
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
 from traingraph.runtime.session import BoundRunner
 from traingraph.runtime.winograd import WinogradConv, split_winograd_convs
@@ -195,17 +198,17 @@ def _match(
         dims = [d for d in shape if d is not None]
         return len(dims) == len(shape) and math.prod(dims) in (1, channels)
 
-    nodes = _descendants_computed_from(g, dy, sources, normalization_value)
+    nodes = g.descendants_computed_from(dy, sources, normalization_value)
     # only what leads to this gradient's results: the bias gradient of a BatchNormalization
     # on a parallel branch (the sum of the same dy) stays with that one
     ours = {dbias, f"{scale}_grad"} | {
         o
-        for o in _external(g, nodes)
+        for o in g.external(nodes)
         if o not in g.param_grads and _like(shapes.get(o), x_shape, unknown=False)
     }
-    nodes = _leading_to(g, nodes, ours)
-    nodes |= _helpers(g, nodes, sources)
-    external = _external(g, nodes)
+    nodes = g.leading_to(nodes, ours)
+    nodes |= g.helpers(nodes, sources)
+    external = g.external(nodes)
     dscale = f"{scale}_grad" if f"{scale}_grad" in external else None
     rest = external - {dbias, dscale}
     if dbias not in external or len(rest) > 1:
@@ -226,72 +229,6 @@ def _like(
     if shape is None:
         return unknown
     return len(shape) == len(x_shape) and list(shape[1:]) == list(x_shape[1:])
-
-
-def _descendants_computed_from(
-    g: conv_grads.GraphIndex, start: str, sources: set[str], allowed: Callable[[str], bool]
-) -> set[int]:
-    """The nodes that read ``start`` (transitively), are computed from ``sources`` and
-    constants alone, and write only ``allowed`` values."""
-    known = set(sources) | g.constants
-    reached = {start}
-    found: set[int] = set()
-    for i, node in enumerate(g.nodes):
-        reads = [v for v in node.input if v]
-        if not all(v in known for v in reads):
-            continue
-        outputs = [o for o in node.output if o]
-        known.update(outputs)
-        if any(v in reached for v in reads) and all(allowed(o) for o in outputs):
-            found.add(i)
-            reached.update(outputs)
-    return found
-
-
-def _leading_to(g: conv_grads.GraphIndex, nodes: set[int], targets: set[str]) -> set[int]:
-    """The nodes of ``nodes`` from which one of ``targets`` is reached within ``nodes``."""
-    keep: set[int] = set()
-    wanted = set(targets)
-    for i in sorted(nodes, reverse=True):
-        if any(o in wanted for o in g.nodes[i].output):
-            keep.add(i)
-            wanted.update(v for v in g.nodes[i].input if v)
-    return keep
-
-
-def _external(g: conv_grads.GraphIndex, nodes: set[int]) -> set[str]:
-    """The values ``nodes`` write that a model output is or another node reads."""
-    return {
-        o
-        for j in nodes
-        for o in g.nodes[j].output
-        if o and (o in g.outputs or not g.consumers.get(o, set()) <= nodes)
-    }
-
-
-def _helpers(g: conv_grads.GraphIndex, nodes: set[int], sources: set[str]) -> set[int]:
-    """Nodes computed from ``sources`` and constants (the recomputed statistics) that feed
-    only ``nodes`` and each other."""
-    helpers: set[int] = set()
-    changed = True
-    while changed:
-        changed = False
-        for i in sorted(set().union(*(_producers(g, j) for j in nodes | helpers)), reverse=True):
-            if i in nodes or i in helpers:
-                continue
-            node = g.nodes[i]
-            if any(o in g.outputs for o in node.output):
-                continue
-            if not all(g.derived_from(v, sources) for v in node.input if v):
-                continue
-            if all(g.consumers.get(o, set()) <= nodes | helpers for o in node.output if o):
-                helpers.add(i)
-                changed = True
-    return helpers
-
-
-def _producers(g: conv_grads.GraphIndex, i: int) -> set[int]:
-    return {g.producer[v] for v in g.nodes[i].input if v in g.producer}
 
 
 def _verified(
@@ -412,7 +349,7 @@ def split_max_pool_grads(
 
 Kernel = (
     BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
-    | WinogradConv | Gelu | conv_grads.WeightGradKernel
+    | WinogradConv | Gelu | LayerNormGrad | conv_grads.WeightGradKernel
 )
 """A native kernel between two segments (or before the first)."""
 
@@ -427,7 +364,8 @@ def find_kernels(
     :func:`~traingraph.runtime.direct_conv.split_direct_convs`,
     :func:`~traingraph.runtime.bn_forward.split_batch_norm_forwards`,
     :func:`~traingraph.runtime.winograd.split_winograd_convs`,
-    :func:`~traingraph.runtime.gelu.split_gelus` and
+    :func:`~traingraph.runtime.gelu.split_gelus`,
+    :func:`~traingraph.runtime.layer_norm.split_layer_norm_grads` and
     :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
     the Col2Im kernels read written after its nodes."""
@@ -439,6 +377,7 @@ def find_kernels(
     kernels += split_batch_norm_forwards(model, _taken(kernels))
     kernels += split_winograd_convs(model, _taken(kernels))
     kernels += split_gelus(model, _taken(kernels), {v for k, _ in kernels for v in k.inputs})
+    kernels += split_layer_norm_grads(model, _taken(kernels))
     model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
 

@@ -1,0 +1,167 @@
+"""LayerNormalization gradients, run natively on the CPU between onnxruntime segments.
+
+onnxruntime runs a LayerNormalization's forward as one op, but the training graph writes its
+gradient as about twenty elementwise nodes and reductions (the row statistics recomputed, the
+two means of the scaled output gradient, dx from them, and the sums over the rows that give the
+scale's and bias's gradients), each a pass over the activation: in a small Transformer about a
+tenth of the step. :class:`LayerNormGrad` computes them in one pass over each row while it is in
+the cache (``_convc.layer_norm_grad``).
+
+:func:`split_layer_norm_grads` finds, for each LayerNormalization over the last axis whose bias
+gradient the graph returns, the nodes computed from the input, the scale and the output's
+gradient alone that lead to the gradients of the input, the scale and the bias; each match is
+checked against its nodes on random inputs.
+
+The artifacts on disk stay standard ONNX; this is how the CPU runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from traingraph.runtime import conv_grads
+
+
+@dataclass(frozen=True)
+class LayerNormGrad:
+    """The gradient of one LayerNormalization over the last axis.
+
+    Attributes:
+        x: Its input.
+        scale: Its scale.
+        dy: The gradient of its output.
+        epsilon: Its epsilon.
+        dx: The gradient of ``x`` the graph computes (None where nothing reads it).
+        dscale: The model output of the scale's gradient, or None.
+        dbias: The model output of the bias's gradient.
+    """
+
+    x: str
+    scale: str
+    dy: str
+    epsilon: float
+    dx: str | None
+    dscale: str | None
+    dbias: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.dy, self.scale]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [n for n in (self.dx, self.dscale, self.dbias) if n]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
+        place; missing ones are allocated) from ``values``."""
+        x = values[self.x]
+        features = x.shape[-1:] if x.ndim else (0,)
+        shapes = {self.dx: x.shape, self.dscale: features, self.dbias: features}
+        for name, shape in shapes.items():
+            if name:
+                conv_grads.output_array(out, name, shape)
+        assert conv_grads._native is not None
+        conv_grads._native.layer_norm_grad(
+            x,
+            values[self.dy],
+            values[self.scale],
+            out[self.dx] if self.dx else None,
+            out[self.dscale] if self.dscale else None,
+            out[self.dbias],
+            self.epsilon,
+            threads,
+        )
+
+
+def split_layer_norm_grads(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[LayerNormGrad, set[int]]]:
+    """Each LayerNormalization gradient of ``model`` the native kernel computes, with the
+    indices of the nodes it replaces (none in ``taken``); ``[]`` where the extension is missing
+    or nothing matches."""
+    if not conv_grads.can_match(model, "layer_norm_grad", "LayerNormalization"):
+        return []
+    g = conv_grads.GraphIndex.of(model.graph)
+    shapes = conv_grads._inferred_shapes(model)
+    found = []
+    for node in g.nodes:
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            match = _match(g, node, shapes)
+            if match is not None and not match[1] & taken:
+                found.append(match)
+    return conv_grads.verified_kernels(model, g, found, shapes)
+
+
+def _match(
+    g: conv_grads.GraphIndex, ln: onnx.NodeProto, shapes: Mapping[str, list[int | None]]
+) -> tuple[LayerNormGrad, set[int]] | None:
+    """The gradient of ``ln`` where the graph computes it from its input, scale and output
+    gradient alone."""
+    if len(ln.input) < 3 or not ln.input[2]:
+        return None
+    x, scale, bias = ln.input[:3]
+    x_shape = shapes.get(x)
+    attrs = {a.name: helper.get_attribute_value(a) for a in ln.attribute}
+    if not x_shape or x_shape[-1] is None or attrs.get("axis", -1) not in (-1, len(x_shape) - 1):
+        return None
+    if int(attrs.get("stash_type", 1)) != 1:
+        return None
+    dbias = f"{bias}_grad"
+    if dbias not in g.outputs or dbias not in g.producer:
+        return None
+    # dbias = ReduceSum(dy) over the leading axes, through shape ops
+    i = g.producer[dbias]
+    while g.nodes[i].op_type in conv_grads.SHAPE_OPS and g.nodes[i].input[0] in g.producer:
+        i = g.producer[g.nodes[i].input[0]]
+    if g.nodes[i].op_type != "ReduceSum":
+        return None
+    dy = g.nodes[i].input[0]
+    if not _like(shapes.get(dy), x_shape):
+        return None
+    features = int(x_shape[-1])
+
+    def row_value(name: str) -> bool:
+        """Of x's shape, per row (x's with a last axis of 1) or per feature: what the gradient
+        computes."""
+        shape = shapes.get(name)
+        if shape is None:
+            return False
+        if _like(shape, x_shape) or _like(shape, [*x_shape[:-1], 1]):
+            return True
+        return len(shape) <= len(x_shape) and list(shape[-1:]) == [features] and all(
+            d == 1 for d in shape[:-1]
+        )
+
+    sources = {x, scale, dy}
+    nodes = g.descendants_computed_from(dy, sources, row_value)
+    ours = {dbias, f"{scale}_grad"} | {
+        o for o in g.external(nodes) if o not in g.param_grads and _like(shapes.get(o), x_shape)
+    }
+    nodes = g.leading_to(nodes, ours)
+    nodes |= g.helpers(nodes, sources)
+    external = g.external(nodes)
+    dscale = f"{scale}_grad" if f"{scale}_grad" in external else None
+    rest = external - {dbias, dscale}
+    if dbias not in external or len(rest) > 1:
+        return None
+    dx = next(iter(rest), None)
+    if dx is not None and not _like(shapes.get(dx), x_shape):
+        return None
+    epsilon = float(attrs.get("epsilon", 1e-5))
+    return LayerNormGrad(x, scale, dy, epsilon, dx, dscale, dbias), nodes
+
+
+def _like(shape: Sequence[int | None] | None, x_shape: Sequence[int | None]) -> bool:
+    """Whether ``shape`` is ``x_shape``, an unknown dimension matching only an unknown one."""
+    return shape is not None and list(shape) == list(x_shape)
+
+
+__all__ = ["LayerNormGrad", "split_layer_norm_grads"]
