@@ -308,6 +308,45 @@ def train_steps(
     return losses, grads, {n: p.data.copy() for n, p in state.parameters.items()}
 
 
+def adamw_artifacts(directory: Any, model: onnx.ModelProto, lr: float = 0.01) -> Any:
+    """Training artifacts of ``model`` with a cross-entropy loss and AdamW at ``lr`` in
+    ``directory``, which it returns."""
+    from traingraph import artifacts, optim
+
+    artifacts.generate_artifacts(
+        model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.AdamW(lr=lr),
+        artifact_directory=directory,
+    )
+    return directory
+
+
+def assert_trains_as_torch_adamw(
+    got: tuple[Sequence[float], Any, Mapping[str, np.ndarray]],
+    reference: Any,
+    batches: Sequence[tuple[np.ndarray, np.ndarray]],
+    lr: float,
+) -> None:
+    """``got`` (as :func:`train_steps` returns it) is PyTorch's cross-entropy training of the
+    module ``reference`` with AdamW at ``lr`` on ``batches``: losses to 1e-5, parameters after
+    to 1e-4 relative and 1e-6 absolute."""
+    import torch
+
+    opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        logits = reference(torch.from_numpy(x))
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    np.testing.assert_allclose(got[0], losses, rtol=1e-5)
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(got[2][name], value.numpy(), rtol=1e-4, atol=1e-6)
+
+
 def artifact_steps(
     directory: Any,
     batches: Sequence[tuple[np.ndarray, np.ndarray]],

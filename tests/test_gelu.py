@@ -11,9 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from gradcheck import artifact_steps, assert_same_training
+from gradcheck import (
+    adamw_artifacts,
+    artifact_steps,
+    assert_same_training,
+    assert_trains_as_torch_adamw,
+)
 from torch_models import export, seeded
-from traingraph import artifacts, optim
 from traingraph.runtime import conv_grads, gelu, segments
 
 pytestmark = pytest.mark.skipif(
@@ -122,13 +126,7 @@ class HalfFirst(nn.Module):
 
 
 def _artifacts(tmp_path, net: nn.Module):
-    artifacts.generate_artifacts(
-        export(net, torch.zeros(2, 6)),
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.AdamW(lr=0.01),
-        artifact_directory=tmp_path,
-    )
-    return tmp_path
+    return adamw_artifacts(tmp_path, export(net, torch.zeros(2, 6)))
 
 
 @pytest.mark.parametrize("net", [FeedForward, HalfFirst], ids=["exporter", "half-first"])
@@ -174,18 +172,7 @@ def test_module_trains_as_the_graph_and_torch_do(tmp_path, monkeypatch, net):
     expected = artifact_steps(directory, batches, monkeypatch, gelu.Gelu, without=NO_GELUS)
     assert_same_training(got, expected)
     # and PyTorch's steps from the same weights
-    reference = seeded(net)
-    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    np.testing.assert_allclose(got[0], losses, rtol=1e-5)
-    for name, value in reference.state_dict().items():
-        np.testing.assert_allclose(got[2][name], value.numpy(), rtol=1e-4, atol=1e-6)
+    assert_trains_as_torch_adamw(got, seeded(net), batches, lr=0.01)
 
 
 class DroppedFeedForward(FeedForward):
@@ -201,13 +188,7 @@ class DroppedFeedForward(FeedForward):
 
 def test_the_dropout_after_gelu_is_taken_into_its_kernels(tmp_path, monkeypatch):
     net = seeded(DroppedFeedForward)
-    directory = tmp_path
-    artifacts.generate_artifacts(
-        export(net, torch.zeros(2, 6), training=True),
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.AdamW(lr=0.01),
-        artifact_directory=directory,
-    )
+    directory = adamw_artifacts(tmp_path, export(net, torch.zeros(2, 6), training=True))
     model = onnx.load(directory / "training_model.onnx")
     _, found = segments.find_kernels(model, [])
     masks = [k for k, _ in found if isinstance(k, segments.DropoutMask)]

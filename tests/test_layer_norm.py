@@ -10,9 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from gradcheck import artifact_steps, assert_same_training
+from gradcheck import (
+    adamw_artifacts,
+    artifact_steps,
+    assert_same_training,
+    assert_trains_as_torch_adamw,
+)
 from torch_models import export, seeded
-from traingraph import artifacts, optim
 from traingraph.runtime import conv_grads, layer_norm, segments
 
 pytestmark = pytest.mark.skipif(
@@ -89,13 +93,7 @@ class Normed(nn.Module):
 
 
 def _artifacts(tmp_path, net: nn.Module):
-    artifacts.generate_artifacts(
-        export(net, torch.zeros(2, 6)),
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.AdamW(lr=0.01),
-        artifact_directory=tmp_path,
-    )
-    return tmp_path
+    return adamw_artifacts(tmp_path, export(net, torch.zeros(2, 6)))
 
 
 def test_the_gradient_is_matched(tmp_path):
@@ -137,18 +135,8 @@ def test_module_trains_as_the_graph_and_torch_do(tmp_path, monkeypatch):
         directory, batches, monkeypatch, layer_norm.LayerNormGrad, without=NO_LAYER_NORMS
     )
     assert_same_training(got, expected)
-    reference = seeded(Normed)
-    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    np.testing.assert_allclose(got[0], losses, rtol=1e-5)
-    for name, value in reference.state_dict().items():
-        np.testing.assert_allclose(got[2][name], value.numpy(), rtol=1e-4, atol=1e-6)
+    # and PyTorch's steps from the same weights
+    assert_trains_as_torch_adamw(got, seeded(Normed), batches, lr=0.01)
 
 
 def test_the_plan_runs_the_gradient_between_segments(tmp_path):

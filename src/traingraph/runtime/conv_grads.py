@@ -643,6 +643,45 @@ class GraphIndex:
                     changed = True
         return found
 
+    def summed_into(self, grad: str) -> str | None:
+        """The value whose ReduceSum, through shape ops, is the model output ``grad`` (a bias's
+        gradient); None where it is none."""
+        if grad not in self.outputs or grad not in self.producer:
+            return None
+        i = self.producer[grad]
+        while self.nodes[i].op_type in SHAPE_OPS and self.nodes[i].input[0] in self.producer:
+            i = self.producer[self.nodes[i].input[0]]
+        return self.nodes[i].input[0] if self.nodes[i].op_type == "ReduceSum" else None
+
+    def normalization_grad(
+        self,
+        dy: str,
+        sources: set[str],
+        allowed: Callable[[str], bool],
+        like_x: Callable[[str], bool],
+        dbias: str,
+        dscale: str,
+    ) -> tuple[set[int], str | None, str | None] | None:
+        """The nodes of a normalization's gradient: those computed from ``sources`` (the
+        input, the scale, the output gradient ``dy``) that write only ``allowed`` values, lead
+        from ``dy`` to the bias gradient ``dbias``, the scale gradient ``dscale`` or a value
+        ``like_x`` (of the input's shape; not those of a normalization on a parallel branch
+        that sums the same ``dy``), with the statistics they recompute; and the input's
+        gradient and ``dscale`` where the nodes write them. None where they write other
+        values too or no ``dbias``."""
+        nodes = self.descendants_computed_from(dy, sources, allowed)
+        ours = {dbias, dscale} | {
+            o for o in self.external(nodes) if o not in self.param_grads and like_x(o)
+        }
+        nodes = self.leading_to(nodes, ours)
+        nodes |= self.helpers(nodes, sources)
+        external = self.external(nodes)
+        written = dscale if dscale in external else None
+        rest = external - {dbias, written}
+        if dbias not in external or len(rest) > 1:
+            return None
+        return nodes, next(iter(rest), None), written
+
     def _producers(self, i: int) -> set[int]:
         return {self.producer[v] for v in self.nodes[i].input if v in self.producer}
 
@@ -949,6 +988,28 @@ def random_feeds(
         full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
         feeds[name] = rng.standard_normal(full).astype(np.float32)
     return feeds
+
+
+class NormalizationGradOutputs:
+    """What a normalization's gradient kernel writes (``dx`` and ``dscale`` where not None,
+    ``dbias``); mixed into the kernels' dataclasses that have those fields."""
+
+    dx: str | None
+    dscale: str | None
+    dbias: str
+
+    @property
+    def outputs(self) -> list[str]:
+        return [n for n in (self.dx, self.dscale, self.dbias) if n]
+
+    def output_arrays(
+        self, out: dict[str, np.ndarray], x: tuple[int, ...], features: tuple[int, ...]
+    ) -> None:
+        """Arrays in ``out`` for the outputs: ``dx`` of ``x``'s shape, the others of the shape
+        of the ``features`` (channels, or the normalized axis)."""
+        for name, shape in ((self.dx, x), (self.dscale, features), (self.dbias, features)):
+            if name:
+                output_array(out, name, shape)
 
 
 def output_array(out: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:

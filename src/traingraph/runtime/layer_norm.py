@@ -28,7 +28,7 @@ from traingraph.runtime import conv_grads
 
 
 @dataclass(frozen=True)
-class LayerNormGrad:
+class LayerNormGrad(conv_grads.NormalizationGradOutputs):
     """The gradient of one LayerNormalization over the last axis.
 
     Attributes:
@@ -53,21 +53,13 @@ class LayerNormGrad:
     def inputs(self) -> list[str]:
         return [self.x, self.dy, self.scale]
 
-    @property
-    def outputs(self) -> list[str]:
-        return [n for n in (self.dx, self.dscale, self.dbias) if n]
-
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
     ) -> None:
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
-        features = x.shape[-1:] if x.ndim else (0,)
-        shapes = {self.dx: x.shape, self.dscale: features, self.dbias: features}
-        for name, shape in shapes.items():
-            if name:
-                conv_grads.output_array(out, name, shape)
+        self.output_arrays(out, x.shape, x.shape[-1:] if x.ndim else (0,))
         assert conv_grads._native is not None
         conv_grads._native.layer_norm_grad(
             x,
@@ -115,16 +107,8 @@ def _match(
     if int(attrs.get("stash_type", 1)) != 1:
         return None
     dbias = f"{bias}_grad"
-    if dbias not in g.outputs or dbias not in g.producer:
-        return None
-    # dbias = ReduceSum(dy) over the leading axes, through shape ops
-    i = g.producer[dbias]
-    while g.nodes[i].op_type in conv_grads.SHAPE_OPS and g.nodes[i].input[0] in g.producer:
-        i = g.producer[g.nodes[i].input[0]]
-    if g.nodes[i].op_type != "ReduceSum":
-        return None
-    dy = g.nodes[i].input[0]
-    if not _like(shapes.get(dy), x_shape):
+    dy = g.summed_into(dbias)  # dbias = ReduceSum(dy) over the leading axes
+    if dy is None or not _like(shapes.get(dy), x_shape):
         return None
     features = int(x_shape[-1])
 
@@ -140,20 +124,14 @@ def _match(
             d == 1 for d in shape[:-1]
         )
 
-    sources = {x, scale, dy}
-    nodes = g.descendants_computed_from(dy, sources, row_value)
-    ours = {dbias, f"{scale}_grad"} | {
-        o for o in g.external(nodes) if o not in g.param_grads and _like(shapes.get(o), x_shape)
-    }
-    nodes = g.leading_to(nodes, ours)
-    nodes |= g.helpers(nodes, sources)
-    external = g.external(nodes)
-    dscale = f"{scale}_grad" if f"{scale}_grad" in external else None
-    rest = external - {dbias, dscale}
-    if dbias not in external or len(rest) > 1:
+    def like_x(name: str) -> bool:
+        return _like(shapes.get(name), x_shape)
+
+    found = g.normalization_grad(dy, {x, scale, dy}, row_value, like_x, dbias, f"{scale}_grad")
+    if found is None:
         return None
-    dx = next(iter(rest), None)
-    if dx is not None and not _like(shapes.get(dx), x_shape):
+    nodes, dx, dscale = found
+    if dx is not None and not like_x(dx):
         return None
     epsilon = float(attrs.get("epsilon", 1e-5))
     return LayerNormGrad(x, scale, dy, epsilon, dx, dscale, dbias), nodes

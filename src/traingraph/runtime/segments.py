@@ -63,7 +63,7 @@ from traingraph.runtime.winograd import WinogradConv, split_winograd_convs
 
 
 @dataclass(frozen=True)
-class BatchNormGrad:
+class BatchNormGrad(conv_grads.NormalizationGradOutputs):
     """One training-mode BatchNormalization gradient that the native kernel computes.
 
     Attributes:
@@ -90,21 +90,13 @@ class BatchNormGrad:
     def inputs(self) -> list[str]:
         return [self.x, self.dy, self.scale] + ([self.y] if self.y else [])
 
-    @property
-    def outputs(self) -> list[str]:
-        return [n for n in (self.dx, self.dscale, self.dbias) if n]
-
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
     ) -> None:
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
-        channels = x.shape[1]
-        shapes = {self.dx: x.shape, self.dscale: (channels,), self.dbias: (channels,)}
-        for name, shape in shapes.items():
-            if name:
-                conv_grads.output_array(out, name, shape)
+        self.output_arrays(out, x.shape, x.shape[1:2])
         assert conv_grads._native is not None
         conv_grads._native.batch_norm_grad(
             x,
@@ -158,15 +150,10 @@ def _match(
     if x_shape is None or len(x_shape) < 2 or x_shape[1] is None:
         return None
     dbias = f"{bias}_grad"
-    if dbias not in g.outputs or dbias not in g.producer:
-        return None
     # dbias = ReduceSum(G) through shape ops; G = dy (behind a Relu: dy * mask(y))
-    i = g.producer[dbias]
-    while g.nodes[i].op_type in conv_grads.SHAPE_OPS and g.nodes[i].input[0] in g.producer:
-        i = g.producer[g.nodes[i].input[0]]
-    if g.nodes[i].op_type != "ReduceSum":
+    gated = g.summed_into(dbias)
+    if gated is None:
         return None
-    gated = g.nodes[i].input[0]
     # the forward graph (g itself, or the forward phase f) holds the Relu that reads bn
     home = g if bn.output[0] in g.producer else f
     readers = [home.nodes[j] for j in home.consumers.get(bn.output[0], ())]
@@ -198,22 +185,17 @@ def _match(
         dims = [d for d in shape if d is not None]
         return len(dims) == len(shape) and math.prod(dims) in (1, channels)
 
-    nodes = g.descendants_computed_from(dy, sources, normalization_value)
-    # only what leads to this gradient's results: the bias gradient of a BatchNormalization
-    # on a parallel branch (the sum of the same dy) stays with that one
-    ours = {dbias, f"{scale}_grad"} | {
-        o
-        for o in g.external(nodes)
-        if o not in g.param_grads and _like(shapes.get(o), x_shape, unknown=False)
-    }
-    nodes = g.leading_to(nodes, ours)
-    nodes |= g.helpers(nodes, sources)
-    external = g.external(nodes)
-    dscale = f"{scale}_grad" if f"{scale}_grad" in external else None
-    rest = external - {dbias, dscale}
-    if dbias not in external or len(rest) > 1:
+    found = g.normalization_grad(
+        dy,
+        sources,
+        normalization_value,
+        lambda name: _like(shapes.get(name), x_shape, unknown=False),
+        dbias,
+        f"{scale}_grad",
+    )
+    if found is None:
         return None
-    dx = next(iter(rest), None)
+    nodes, dx, dscale = found
     if dx is not None and not _like(shapes.get(dx), x_shape):
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
