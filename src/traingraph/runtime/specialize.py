@@ -20,6 +20,11 @@ On the CPU (:func:`for_cpu`):
   to floats one element at a time; Clip and Ceil run vectorized, and the mask costs less than
   half as much (see ``benchmarks/relu_mask_micro.py``). The two
   differ only where ``v`` is NaN (NaN instead of 0) or -0.0 (-0.0 instead of 0.0).
+- A float32 ``ReduceSum`` over the leading axes of a static shape (a bias's gradient, the sum of
+  the output gradient over the batch and positions) becomes ``MatMul(ones, X)`` between two
+  Reshapes, where the kept axes hold 64 elements or more: onnxruntime's MatMul (a GEMV) takes
+  about half the time of its ReduceSum over leading axes (0.023 against 0.046 ms for
+  ``[16, 64, 512] -> [512]``). The sums are the same, added in another order.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph
   (:mod:`traingraph.runtime.nchwc`): onnxruntime blocks only Convs with constant filters, and
@@ -87,12 +92,18 @@ def for_cuda(source: Source) -> Source:
 def for_cpu(source: Source) -> Source:
     """``source`` (a path or serialized model) rewritten for the CPU provider; ``source``
     itself where nothing applies."""
-    if not _mentions(source, (b"Conv", b"Greater")):
+    if not _mentions(source, (b"Conv", b"Greater", b"ReduceSum")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     changed = _default_opset(proto) >= _CLIP_INPUTS_OPSET and _positive_masks_as_ceil(
         proto.graph, _constants(proto.graph)
     )
+    if any(_leading_axes(n, _constants(proto.graph)) for n in proto.graph.node):
+        try:
+            inferred, types = _static_shapes(shape_inference.infer_shapes(proto).graph)
+            changed = _column_sums_as_matmul(proto.graph, inferred, types) or changed
+        except Exception:  # shape inference failed: the reductions stay
+            pass
     shapes: dict[str, list[int | None]] | None = None  # the Convs' inputs keep their shapes
     if any(_is_conv_transpose(n) for n in proto.graph.node):
         try:
@@ -455,6 +466,61 @@ def _reductions_over_runs(
     return _expand_nodes(graph, expand)
 
 
+_MIN_KEPT = 64  # below, a GEMV's call costs what it saves
+
+
+def _leading_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> int:
+    """How many leading axes ``node`` sums, where it is a ReduceSum over ``0 .. k-1`` (k >= 1)
+    given as constant non-negative axes; else 0."""
+    axes = _reduced_axes(node, constants, "ReduceSum")
+    return len(axes) if axes is not None and sorted(axes) == list(range(len(axes))) else 0
+
+
+def _column_sums_as_matmul(
+    graph: onnx.GraphProto, shapes: Mapping[str, list[int | None]], types: Mapping[str, int]
+) -> bool:
+    """Write each float32 ReduceSum over the leading axes of a static shape, keeping axes of
+    ``_MIN_KEPT`` elements or more, as a MatMul of ones with the rows; return whether any was
+    written."""
+    constants = _constants(graph)
+    ones: dict[int, str] = {}
+
+    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        k = _leading_axes(node, constants)
+        inferred = shapes.get(node.input[0]) if k else None
+        if inferred is None or None in inferred or k >= len(inferred):
+            return None
+        shape = [int(d or 0) for d in inferred]
+        if types.get(node.input[0]) != onnx.TensorProto.FLOAT:
+            return None
+        rows, kept = int(np.prod(shape[:k])), int(np.prod(shape[k:]))
+        if kept < _MIN_KEPT or rows < 2:
+            return None
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        out = [1] * k + list(shape[k:]) if keepdims else list(shape[k:])
+        base = _unused_name(graph, f"{node.output[0]}_columns")
+        if rows not in ones:
+            ones[rows] = _unused_name(graph, f"column_sum_ones_{rows}")
+            graph.initializer.append(
+                numpy_helper.from_array(np.ones((1, rows), np.float32), ones[rows])
+            )
+        graph.initializer.extend([
+            numpy_helper.from_array(np.array([rows, kept], np.int64), f"{base}_rows"),
+            numpy_helper.from_array(np.array(out, np.int64), f"{base}_shape"),
+        ])  # fmt: skip
+        name = node.name or node.output[0]
+        return [
+            helper.make_node("Reshape", [node.input[0], f"{base}_rows"], [f"{base}_matrix"],
+                             name=f"{name}_rows"),
+            helper.make_node("MatMul", [ones[rows], f"{base}_matrix"], [f"{base}_sums"],
+                             name=f"{name}_gemv"),
+            helper.make_node("Reshape", [f"{base}_sums", f"{base}_shape"], [node.output[0]],
+                             name=f"{name}_shape"),
+        ]  # fmt: skip
+
+    return _expand_nodes(graph, expand)
+
+
 def _expand_nodes(
     graph: onnx.GraphProto, expand: Callable[[onnx.NodeProto], list[onnx.NodeProto] | None]
 ) -> bool:
@@ -477,7 +543,24 @@ def _axis_runs(
 ) -> list[list[int]] | None:
     """The node's reduced axes as runs of neighbouring axes, when it is a ReduceSum or
     ReduceMean over constant, non-negative axes that form more than one run; else None."""
-    if node.op_type not in ("ReduceSum", "ReduceMean") or node.domain not in ("", "ai.onnx"):
+    axes = _reduced_axes(node, constants, "ReduceSum", "ReduceMean")
+    if axes is None:
+        return None
+    runs: list[list[int]] = []
+    for axis in sorted(axes):
+        if runs and runs[-1][-1] == axis - 1:
+            runs[-1].append(axis)
+        else:
+            runs.append([axis])
+    return runs if len(runs) > 1 else None
+
+
+def _reduced_axes(
+    node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto], *op_types: str
+) -> list[int] | None:
+    """The axes a reduction node of one of ``op_types`` reduces, where they are constant,
+    non-negative and distinct (and not an empty list that means no reduction); else None."""
+    if node.op_type not in op_types or node.domain not in ("", "ai.onnx"):
         return None
     attrs = {a.name: a for a in node.attribute}
     if "noop_with_empty_axes" in attrs and attrs["noop_with_empty_axes"].i:
@@ -493,13 +576,7 @@ def _axis_runs(
         return None
     if not axes or min(axes) < 0 or len(set(axes)) != len(axes):
         return None
-    runs: list[list[int]] = []
-    for axis in sorted(axes):
-        if runs and runs[-1][-1] == axis - 1:
-            runs[-1].append(axis)
-        else:
-            runs.append([axis])
-    return runs if len(runs) > 1 else None
+    return axes
 
 
 def _chain(
