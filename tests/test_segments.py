@@ -17,6 +17,7 @@ from torch_models import ResidualNet, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import conv_grads, segments
+from traingraph.runtime.col2im import Col2ImSum
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -315,6 +316,50 @@ def test_a_segment_onnxruntime_rejects_leaves_the_graph_whole(tmp_path, monkeypa
             want = param.grad
             got = state.parameters[name].grad
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_stage_whose_outputs_a_later_stage_reads_joins_it():
+    # nodes by stage: 0: a (read by a kernel of stage 2), 1: b (read by node c of stage 2),
+    # 2: c; 3: d (read by a kernel of stage 4, where no node runs); 5: e writes a graph output
+    nodes = [
+        helper.make_node("Neg", ["x"], ["a"]),
+        helper.make_node("Neg", ["x"], ["b"]),
+        helper.make_node("Neg", ["b"], ["c"]),
+        helper.make_node("Neg", ["x"], ["d"]),
+        helper.make_node("Neg", ["x"], ["e"]),
+    ]
+    placed = {0: 0, 1: 1, 2: 2, 3: 3, 4: 5}
+    merged = segments._merged(nodes, placed, {"e"}, {"a": 2, "c": 6, "d": 4, "e": 6})
+    # a and b join c's stage; d stays (stage 4 has no nodes, moving saves no run); e is pinned
+    assert merged == {0: 2, 1: 2, 2: 2, 3: 3, 4: 5}
+    # a stage its kernels read right after it stays
+    assert segments._merged(nodes[:1], {0: 2}, set(), {"a": 2}) == {0: 2}
+
+
+def test_the_columns_one_kernel_adds_are_written_in_one_run(tmp_path):
+    # the residual block's two strided Convs: the shortcut's MatMul, whose input gradient is
+    # ready first, waits for the other's segment
+    # (at 12 x 12 the block's 3 x 3 Conv, on 6 x 6, goes by Winograd's transforms, and the
+    # shortcut's MatMul is alone in its stage)
+    artifacts.generate_artifacts(
+        export(seeded(ResidualNet), torch.zeros(4, 3, 12, 12), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    plan = Module(tmp_path / "training_model.onnx", state)._train._plan
+    sums = [(s, k) for s, ks in enumerate(plan.kernels) for k in ks if isinstance(k, Col2ImSum)]
+    ((stage, kernel),) = sums
+    assert len(kernel.terms) == 2
+    assert {t.columns for t in kernel.terms} <= set(plan.segments[stage].outputs)
+    # without the merge, the step has one onnxruntime run more
+    runs = sum(bool(s.model.graph.node) for s in plan.segments)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(segments, "_merged", lambda nodes, placed, *rest: dict(placed))
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        unmerged = Module(tmp_path / "training_model.onnx", state)._train._plan
+    assert sum(bool(s.model.graph.node) for s in unmerged.segments) == runs + 1
 
 
 def test_models_with_subgraphs_are_not_cut():

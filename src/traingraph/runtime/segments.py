@@ -438,6 +438,11 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
             if kernel_stage[k] != s:
                 kernel_stage[k], changed = s, True
     placed = _sunk(kept, {i: node_stage(n) for i, n in enumerate(kept)}, outside)
+    kernel_reads: dict[str, int] = {}  # a value -> the first stage whose kernels read it
+    for k, (grad, _) in enumerate(grads):
+        for v in grad.inputs:
+            kernel_reads[v] = min(kernel_reads.get(v, kernel_stage[k]), kernel_stage[k])
+    placed = _merged(kept, placed, {o.name for o in graph.output}, kernel_reads)
     nodes_at: dict[int, list[onnx.NodeProto]] = {}
     for i, node in enumerate(kept):
         nodes_at.setdefault(placed[i], []).append(node)
@@ -489,11 +494,7 @@ def _sunk(
     as the Squeeze of a BatchNorm kernel's statistics joins its reader's segment instead of
     costing a run of its own. A node whose output a kernel reads or that is a graph output
     (``pinned``) stays."""
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(nodes):
-        for v in node.input:
-            if v:
-                readers.setdefault(v, []).append(i)
+    readers = _readers(nodes)
     placed = dict(earliest)
     for i in reversed(range(len(nodes))):  # readers come later, so theirs are final
         outs = [o for o in nodes[i].output if o]
@@ -503,6 +504,50 @@ def _sunk(
         if reading:
             placed[i] = max(placed[i], min(reading))
     return placed
+
+
+def _merged(
+    nodes: Sequence[onnx.NodeProto],
+    placed: Mapping[int, int],
+    pinned: Set[str],
+    kernel_reads: Mapping[str, int],
+) -> dict[int, int]:
+    """``placed`` (the stage of each of ``nodes``) with the nodes of a stage moved, all
+    together, into the first later stage that reads their outputs (through its nodes, or its
+    kernels: ``kernel_reads`` maps a value to the first stage whose kernels read it, a kernel
+    of stage s running after segment s) where that stage has nodes too: one onnxruntime run
+    fewer. Two MatMuls whose columns one kernel adds up then share a segment. The last stages
+    go first, so that a stage emptied is not a target. A stage that writes a graph output
+    (``pinned``) stays."""
+    readers = _readers(nodes)
+    stages: dict[int, set[int]] = {}
+    for i, stage in placed.items():
+        stages.setdefault(stage, set()).add(i)
+    moved = dict(placed)
+    for stage in sorted(stages, reverse=True):
+        group = stages[stage]
+        outs = [o for i in group for o in nodes[i].output if o]
+        if not group or any(o in pinned for o in outs):
+            continue
+        later = [moved[r] for o in outs for r in readers.get(o, ()) if r not in group]
+        later += [kernel_reads[o] for o in outs if o in kernel_reads]
+        target = min(later, default=stage)
+        if target > stage and stages.get(target):
+            for i in group:
+                moved[i] = target
+            stages[target] |= group
+            stages[stage] = set()
+    return moved
+
+
+def _readers(nodes: Sequence[onnx.NodeProto]) -> dict[str, list[int]]:
+    """The indices of the nodes that read each value."""
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for v in node.input:
+            if v:
+                readers.setdefault(v, []).append(i)
+    return readers
 
 
 def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
