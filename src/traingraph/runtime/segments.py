@@ -513,12 +513,12 @@ def _merged(
     kernel_reads: Mapping[str, int],
 ) -> dict[int, int]:
     """``placed`` (the stage of each of ``nodes``) with the nodes of a stage moved, all
-    together, into the first later stage that reads their outputs (through its nodes, or its
-    kernels: ``kernel_reads`` maps a value to the first stage whose kernels read it, a kernel
-    of stage s running after segment s) where that stage has nodes too: one onnxruntime run
-    fewer. Two MatMuls whose columns one kernel adds up then share a segment. The last stages
-    go first, so that a stage emptied is not a target. A stage that writes a graph output
-    (``pinned``) stays."""
+    together, into the last later stage that has nodes too and runs no later than the first
+    reader of their outputs (a stage's nodes, or its kernels: ``kernel_reads`` maps a value to
+    the first stage whose kernels read it, a kernel of stage s running after segment s): one
+    onnxruntime run fewer. Two MatMuls whose columns one kernel adds up then share a segment.
+    The last stages go first, so that a stage emptied is not a target. A stage that writes a
+    graph output (``pinned``) stays."""
     readers = _readers(nodes)
     stages: dict[int, set[int]] = {}
     for i, stage in placed.items():
@@ -531,8 +531,9 @@ def _merged(
             continue
         later = [moved[r] for o in outs for r in readers.get(o, ()) if r not in group]
         later += [kernel_reads[o] for o in outs if o in kernel_reads]
-        target = min(later, default=stage)
-        if target > stage and stages.get(target):
+        limit = min(later, default=stage)
+        target = max((t for t in stages if stage < t <= limit and stages[t]), default=stage)
+        if target > stage:
             for i in group:
                 moved[i] = target
             stages[target] |= group
