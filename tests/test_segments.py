@@ -85,6 +85,14 @@ def _directory(tmp_path):
     return model, tmp_path
 
 
+def _module(directory, native: bool = True):
+    """A Module of the artifacts in ``directory`` (with the native kernels, or without any),
+    and its state."""
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    config = SessionConfig(native_segments=native, native_conv_grads=native)
+    return Module(directory / "training_model.onnx", state, session_config=config), state
+
+
 def test_every_batch_norm_gradient_is_matched_and_planned(tmp_path):
     _, directory = _directory(tmp_path)
     model = onnx.load(directory / "training_model.onnx")
@@ -122,9 +130,7 @@ def test_models_without_a_training_batch_norm_have_nothing_to_split(tmp_path):
 
 
 def _run(directory, native: bool, batches):
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    config = SessionConfig(native_segments=native, native_conv_grads=native)
-    module = Module(directory / "training_model.onnx", state, session_config=config)
+    module, state = _module(directory, native)
     opt = Optimizer(directory / "optimizer_model.onnx", module)
     assert isinstance(module._train, segments.SegmentedRunner) == native
     losses, grads = [], []
@@ -165,9 +171,7 @@ def test_segmented_steps_match_the_graph_and_torch(tmp_path):
 
 
 def test_values_between_segments_are_kept_while_the_batch_keeps_its_shape(tmp_path):
-    _, directory = _directory(tmp_path)
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state)
+    module, _ = _module(_directory(tmp_path)[1])
     runner = module._train
     assert isinstance(runner, segments.SegmentedRunner)
     rng = np.random.default_rng(0)
@@ -195,9 +199,7 @@ def test_values_between_segments_are_kept_while_the_batch_keeps_its_shape(tmp_pa
 
 
 def test_values_that_are_not_read_at_once_share_memory(tmp_path):
-    _, directory = _directory(tmp_path)
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state)
+    module, _ = _module(_directory(tmp_path)[1])
     runner = module._train
     assert isinstance(runner, segments.SegmentedRunner)
     rng = np.random.default_rng(0)
@@ -224,9 +226,8 @@ def test_values_that_are_not_read_at_once_share_memory(tmp_path):
 
 
 def test_weight_gradients_are_computed_between_the_segments(tmp_path):
-    torch_model, directory = _directory(tmp_path)
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state)
+    _, directory = _directory(tmp_path)
+    module, _ = _module(directory)
     plan = module._train._plan
     weights = [k for k in plan.all_kernels if isinstance(k, conv_grads.WeightGradKernel)]
     assert {k.grad.param for k in weights} == {g.param for g in module._native_grads}
@@ -246,9 +247,7 @@ def test_weight_gradients_are_computed_between_the_segments(tmp_path):
     y = rng.integers(0, 5, 4)
     grads = []
     for native in (True, False):
-        state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        config = SessionConfig(native_conv_grads=native, native_segments=native)
-        m = Module(directory / "training_model.onnx", state, session_config=config)
+        m, state = _module(directory, native)
         m(x, y)
         grads.append({n: p.grad.copy() for n, p in state.parameters.items() if p.grad is not None})
     for name in (k.grad.param for k in weights):
@@ -307,9 +306,7 @@ def test_a_segment_onnxruntime_rejects_leaves_the_graph_whole(tmp_path, monkeypa
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4)
     assert np.isfinite(float(module(x, y)))
-    plain_state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    config = SessionConfig(native_conv_grads=False, native_segments=False)
-    plain = Module(directory / "training_model.onnx", plain_state, session_config=config)
+    plain, plain_state = _module(directory, native=False)
     plain(x, y)
     for name, param in plain_state.parameters.items():
         if param.grad is not None:

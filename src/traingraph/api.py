@@ -323,7 +323,6 @@ class Module:
         self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
         train_model, self._native_grads, kernels = self._split_native()
         self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
-        after_run = self._native_grads
         self._train: BoundRunner | segments.SegmentedRunner
         if kernels:
             assert isinstance(train_model, onnx.ModelProto)
@@ -335,16 +334,14 @@ class Module:
                 self._native_threads,
                 self._native_grads,
             )
-            if isinstance(self._train, segments.SegmentedRunner):
-                after_run = []  # its kernels compute them
         else:
             self._train = BoundRunner(
                 create_session(train_model, self._device, self._config), self._device
             )
         # the weight gradients computed after each run, from values the run returns
-        self._after_run = after_run
-        self._native_params = conv_grads.native_params(after_run)
-        self._native_values = conv_grads.run_outputs(after_run, inputs)
+        self._after_run = segments.after_run(self._train, self._native_grads)
+        self._native_params = conv_grads.native_params(self._after_run)
+        self._native_values = conv_grads.run_outputs(self._after_run, inputs)
         self._train_params = [n for n in inputs if n in params]
         self._eval: BoundRunner | None = None
         self._eval_inputs: list[str] = []

@@ -288,7 +288,6 @@ class TrainingGraph:
                 gradient, self._program.phases.forward
             )
         self._native_threads = conv_grads.default_threads(config.intra_op_threads)
-        after_run = self._native_grads
         kernels: list[tuple[segments.Kernel, set[int]]] = []
         if gradient is not None and self.device.kind == "cpu" and config.native_segments:
             forward = self._program.phases.forward
@@ -309,18 +308,19 @@ class TrainingGraph:
                     self._native_threads,
                     self._native_grads,
                 )
-                if isinstance(runners[phase], segments.SegmentedRunner):
-                    after_run = []  # its kernels compute them
             elif proto is not None:
                 runners[phase] = BoundRunner(
                     create_session(proto, self.device, config), self.device
                 )
         self._runners = runners
         # the weight gradients computed after each gradient run, from values the run returns
-        self._after_run = after_run
-        self._native_params = conv_grads.native_params(after_run)
+        gradient_runner = runners.get("gradient")
+        self._after_run = (
+            segments.after_run(gradient_runner, self._native_grads) if gradient_runner else []
+        )
+        self._native_params = conv_grads.native_params(self._after_run)
         self._native_values = conv_grads.run_outputs(
-            after_run, [i.name for i in gradient.graph.input] if gradient else []
+            self._after_run, [i.name for i in gradient.graph.input] if gradient else []
         )
         self._state = self._program.new_state(self.device, previous, owners)
         self._pending = None

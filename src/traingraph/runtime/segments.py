@@ -800,6 +800,15 @@ def runner(
     return BoundRunner(make_session(model), device)
 
 
+def after_run(
+    runner: BoundRunner | SegmentedRunner, grads: Sequence[conv_grads.WeightGrad]
+) -> list[conv_grads.WeightGrad]:
+    """The weight gradients of ``grads`` (given to :func:`runner`) that its caller computes
+    after each run: none where ``runner`` is a :class:`SegmentedRunner`, whose kernels
+    compute them."""
+    return [] if isinstance(runner, SegmentedRunner) else list(grads)
+
+
 def _without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the nodes whose outputs neither a graph output is nor a node reads."""
     wanted = {o.name for o in model.graph.output}

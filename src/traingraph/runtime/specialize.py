@@ -95,13 +95,14 @@ def for_cpu(source: Source) -> Source:
     if not _mentions(source, (b"Conv", b"Greater", b"ReduceSum")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
+    constants = _constants(proto.graph)
     changed = _default_opset(proto) >= _CLIP_INPUTS_OPSET and _positive_masks_as_ceil(
-        proto.graph, _constants(proto.graph)
+        proto.graph, constants
     )
-    if any(_leading_axes(n, _constants(proto.graph)) for n in proto.graph.node):
+    if any(_leading_axes(n, constants) for n in proto.graph.node):
         try:
             inferred, types = _static_shapes(shape_inference.infer_shapes(proto).graph)
-            changed = _column_sums_as_matmul(proto.graph, inferred, types) or changed
+            changed = _column_sums_as_matmul(proto.graph, constants, inferred, types) or changed
         except Exception:  # shape inference failed: the reductions stay
             pass
     shapes: dict[str, list[int | None]] | None = None  # the Convs' inputs keep their shapes
@@ -477,12 +478,14 @@ def _leading_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto
 
 
 def _column_sums_as_matmul(
-    graph: onnx.GraphProto, shapes: Mapping[str, list[int | None]], types: Mapping[str, int]
+    graph: onnx.GraphProto,
+    constants: Mapping[str, onnx.TensorProto],
+    shapes: Mapping[str, list[int | None]],
+    types: Mapping[str, int],
 ) -> bool:
     """Write each float32 ReduceSum over the leading axes of a static shape, keeping axes of
     ``_MIN_KEPT`` elements or more, as a MatMul of ones with the rows; return whether any was
     written."""
-    constants = _constants(graph)
     ones: dict[int, str] = {}
 
     def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
