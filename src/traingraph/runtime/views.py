@@ -22,7 +22,21 @@ import onnxruntime as ort
 # DLPack's device types, and its type codes by numpy kind.
 _DL_CPU, _DL_CUDA = 1, 2
 _DL_CODES = {"i": 0, "u": 1, "f": 2, "b": 1}
+_DL_BOOL = 6
 _CAPSULE_NAME = b"dltensor"
+
+
+def _takes_bool_flag() -> bool:
+    """Whether ``OrtValue.from_dlpack`` is the older ``(capsule, is_bool_tensor)`` form.
+
+    onnxruntime up to 1.31 reads a bool tensor as uint8 unless told; from 1.32 it takes only
+    the capsule and reads DLPack's own bool type code.
+    """
+    doc = ort.capi._pybind_state.OrtValue.from_dlpack.__doc__ or ""
+    return "is_bool_tensor" in doc or "arg1" in doc
+
+
+_BOOL_FLAG = _takes_bool_flag()
 
 
 class _DLDevice(ctypes.Structure):
@@ -106,12 +120,14 @@ def view(
     t.data = base.data_ptr() + offset * dtype.itemsize
     t.device = _DLDevice(_DL_CUDA if device == "cuda" else _DL_CPU, device_id)
     t.ndim = ndim
-    t.dtype = _DLDataType(_DL_CODES[dtype.kind], dtype.itemsize * 8, 1)
+    code = _DL_BOOL if dtype.kind == "b" and not _BOOL_FLAG else _DL_CODES[dtype.kind]
+    t.dtype = _DLDataType(code, dtype.itemsize * 8, 1)
     t.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
     t.strides = None
     t.byte_offset = 0
     managed.manager_ctx = None
     managed.deleter = _RAW_FREE
     capsule = _api.PyCapsule_New(block, _CAPSULE_NAME, None)
-    c_value = ort.capi._pybind_state.OrtValue.from_dlpack(capsule, dtype.kind == "b")
+    from_dlpack = ort.capi._pybind_state.OrtValue.from_dlpack
+    c_value = from_dlpack(capsule, dtype.kind == "b") if _BOOL_FLAG else from_dlpack(capsule)
     return ort.OrtValue(c_value, base)
