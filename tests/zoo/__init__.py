@@ -1,0 +1,1 @@
+"""The model zoo: real PyTorch models, exported and trained through traingraph."""
