@@ -13,6 +13,7 @@ __all__ = [
     "TraingraphError",
     "TrainingGraph",
     "__version__",
+    "from_torch",
     "layers",
     "losses",
     "optim",
@@ -23,12 +24,14 @@ _LAZY_ATTRIBUTES = {
     "TensorSpec": "traingraph.graph.graph",
     "TrainingGraph": "traingraph.graph.training",
     "InferenceGraph": "traingraph.graph.inference",
+    "from_torch": "traingraph.torch_export",
 }
 _LAZY_MODULES = {"layers", "losses", "optim"}
 
 
 def __getattr__(name: str) -> object:
-    """Import the graph API and the ``layers``, ``losses`` and ``optim`` modules on first use."""
+    """Import the graph API, ``from_torch`` and the ``layers``, ``losses`` and ``optim`` modules
+    on first use."""
     import importlib
 
     if name in _LAZY_ATTRIBUTES:

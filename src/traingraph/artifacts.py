@@ -11,13 +11,16 @@ Example:
     ... )
 
 It writes ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx`` and
-``checkpoint``: plain ONNX (default-domain ops only) that current onnxruntime runs.
+``checkpoint``: plain ONNX (default-domain ops only) that current onnxruntime runs. A
+``torch.nn.Module`` with ``example_inputs=`` goes through :func:`traingraph.from_torch` first.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,8 +82,37 @@ def _resolve(value: Any, kind: type, members: type[enum.Enum], what: str) -> Any
     )
 
 
+def _is_torch_module(model: object) -> bool:
+    """Whether ``model`` is a ``torch.nn.Module`` (never imports torch: a module exists only
+    where torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
+
+
+def _recorded_requires_grad(
+    model: ModelLike, frozen_params: Sequence[str] | None
+) -> list[str] | None:
+    """The trainable parameters that :func:`traingraph.from_torch` recorded in ``model``'s
+    metadata, less ``frozen_params``; None for a model without that record."""
+    from traingraph.torch_export import REQUIRES_GRAD_KEY
+
+    if isinstance(model, onnx.ModelProto):
+        props = {p.key: p.value for p in model.metadata_props}
+    elif isinstance(model, (str, os.PathLike)) and Path(model).is_file():
+        header = onnx.load(os.fspath(model), load_external_data=False)
+        props = {p.key: p.value for p in header.metadata_props}
+    elif hasattr(model, "metadata_props"):
+        props = dict(model.metadata_props)
+    else:
+        return None
+    if REQUIRES_GRAD_KEY not in props:
+        return None
+    frozen = set(frozen_params or ())
+    return [n for n in json.loads(props[REQUIRES_GRAD_KEY]) if n not in frozen]
+
+
 def generate_artifacts(
-    model: ModelLike,
+    model: ModelLike | Any,
     requires_grad: Sequence[str] | None = None,
     frozen_params: Sequence[str] | None = None,
     loss: LossType | losses.Loss | None = None,
@@ -95,13 +127,17 @@ def generate_artifacts(
     checkpoint_format: str = "native",
     custom_op_library: str | None = None,
     mixed_precision: str | None = None,
+    example_inputs: Any = None,
 ) -> TrainingProgram:
     """Generate the training, eval and optimizer models and the checkpoint.
 
     Args:
-        model: The inference model: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``.
-        requires_grad: Initializers to train (default: every float initializer that is not
-            frozen and not a BatchNorm running statistic).
+        model: The inference model: a path, an ``onnx.ModelProto`` or an ``onnx_ir.Model``; or
+            a ``torch.nn.Module``, exported with :func:`traingraph.from_torch` on
+            ``example_inputs``.
+        requires_grad: Initializers to train (default: the trainable parameters that
+            :func:`traingraph.from_torch` recorded in the model; for other models every float
+            initializer that is not frozen and not a BatchNorm running statistic).
         frozen_params: Initializers kept in the checkpoint but not trained.
         loss: A :class:`LossType`, a :class:`traingraph.losses.Loss` (including a custom one
             over several outputs), or None when the model's first output is the loss.
@@ -121,6 +157,8 @@ def generate_artifacts(
             parameters, and the training model takes a ``loss_scale`` input and returns a
             ``grads_finite`` flag, which :class:`traingraph.api.Module` drives with a dynamic
             loss scaler (see :mod:`traingraph.precision`). None: float32 throughout.
+        example_inputs: For a ``torch.nn.Module`` ``model``: a tensor or a tuple of tensors to
+            export it with (see :func:`traingraph.from_torch`, whose defaults apply).
 
     Returns:
         The :class:`~traingraph.program.TrainingProgram` that was written.
@@ -136,8 +174,24 @@ def generate_artifacts(
             "custom_op_library is not supported: traingraph graphs use default-domain ONNX ops"
             " only. Drop the argument."
         )
+    if _is_torch_module(model):
+        if example_inputs is None:
+            raise ModelError(
+                f"model is a torch.nn.Module ({type(model).__name__}) and example_inputs is"
+                " None; pass example_inputs= (a tensor or a tuple of tensors the module takes)"
+            )
+        from traingraph.torch_export import from_torch
+
+        model = from_torch(model, example_inputs)  # type: ignore[arg-type]
+    elif example_inputs is not None:
+        raise ModelError(
+            f"example_inputs is for a torch.nn.Module model, got a {type(model).__name__};"
+            " drop example_inputs"
+        )
     if isinstance(model, onnx.ModelProto) and not model.graph.node:
         raise ModelError("the model has no nodes; pass the inference model to train")
+    if requires_grad is None:
+        requires_grad = _recorded_requires_grad(model, frozen_params)
     program = build_program(
         model,
         requires_grad=requires_grad,

@@ -1,0 +1,671 @@
+"""A PyTorch module in, a training-ready ONNX model out: :func:`from_torch`.
+
+The module is exported in train mode, so BatchNormalization keeps its batch statistics and its
+running statistics (as initializers that training updates, not trains) and Dropout stays a
+training Dropout. Every parameter is an initializer named as in ``model.named_parameters()``,
+every buffer one named as in ``model.named_buffers()``; the data inputs and outputs get a
+dynamic batch axis. The result is checked against the module before it is returned.
+
+torch is imported here only; ``import traingraph`` never imports it.
+
+Example:
+    >>> import torch
+    >>> import traingraph
+    >>> from traingraph import artifacts
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> model = traingraph.from_torch(net, torch.zeros(2, 4), path="net.onnx")
+    >>> artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss,
+    ...                              optimizer=artifacts.OptimType.AdamW)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from traingraph.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["from_torch"]
+
+EXPORTERS = ("dynamo", "torchscript")
+TORCHSCRIPT_OPSET = 17
+BATCH_DIM = "batch"
+# Metadata key of the trainable parameters (a JSON list) that generate_artifacts reads.
+REQUIRES_GRAD_KEY = "traingraph.requires_grad"
+# The exported forward equals the module's within float32 rounding of a deep network.
+RTOL = 1e-3
+ATOL = 1e-4
+
+DynamicAxes = str | Mapping[str, Mapping[int, str] | Sequence[int]] | None
+
+
+@dataclass
+class _Reference:
+    """The module's train-mode forward on the example inputs (dropout off)."""
+
+    outputs: list[np.ndarray]
+    structure: Any
+    used: set[str]
+
+
+def from_torch(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    dynamic_axes: DynamicAxes = BATCH_DIM,
+    exporter: str | None = None,
+    opset: int | None = None,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+) -> onnx.ModelProto:
+    """Export ``model`` to an ONNX model that trains as the module does.
+
+    The module is put in train mode for the export (its own mode is restored after), so
+    BatchNorm exports as training-mode BatchNormalization whose running statistics are
+    initializers updated by training, and Dropout as a training Dropout. Every parameter is a
+    separate initializer named exactly as in ``model.named_parameters()`` and every buffer as
+    in ``model.named_buffers()``. A tied parameter (one tensor reached under several names) is
+    one initializer named by the name ``named_parameters()`` reports for it (its first); its
+    gradient sums over every use, as in torch. Constants that the exporter lifted out of the
+    forward become Constant nodes, so that only parameters and buffers are initializers. The
+    trainable parameters are recorded in the model's metadata (``traingraph.requires_grad``),
+    which :func:`traingraph.artifacts.generate_artifacts` reads when ``requires_grad`` is not
+    given.
+
+    Before returning, the exported graph runs on onnxruntime on ``example_inputs`` (and, with a
+    dynamic batch, on them twice over) and is compared with the module's train-mode forward
+    with dropout off (BatchNorm on batch statistics in both); the module's buffers are restored
+    after, so its running statistics do not move.
+
+    Args:
+        model: The ``torch.nn.Module`` to export.
+        example_inputs: A tensor or a tuple of tensors, passed to ``model`` positionally.
+        path: Where to also save the model (``onnx.save``); None saves nothing.
+        dynamic_axes: ``"batch"``: a dynamic first axis named ``batch`` on every input and
+            output; a dict as torch's ``dynamic_axes`` (``{"ids": {0: "batch", 1: "seq"}}``
+            or ``{"ids": [0, 1]}``); None: static shapes.
+        exporter: ``"dynamo"`` or ``"torchscript"`` forces that exporter; None tries the dynamo
+            exporter and falls back to the TorchScript exporter, with a warning naming why,
+            when dynamo fails or its result loses something.
+        opset: The default-domain opset; None: 17 for the TorchScript exporter, the dynamo
+            exporter's own default (18 or newer) for dynamo.
+        input_names: Names of the graph inputs (default: the names of ``forward``'s arguments).
+        output_names: Names of the graph outputs (default: the keys of a dict output,
+            ``output`` for one tensor, ``output_0``, ``output_1``, ... otherwise).
+
+    Returns:
+        The ONNX model, ready for :func:`traingraph.artifacts.generate_artifacts`.
+
+    Raises:
+        ModelError: When the arguments do not fit, or when the export (every exporter tried)
+            loses a parameter or computes another forward than the module: the message names
+            the lost parameters and the outputs that differ, by how much.
+    """
+    torch = _import_torch()
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(
+            f"from_torch expects a torch.nn.Module, got {type(model).__name__}; pass the module"
+            " (for an .onnx file, call generate_artifacts on the file directly)"
+        )
+    if exporter not in (None, *EXPORTERS):
+        raise ModelError(
+            f"exporter must be one of {EXPORTERS} or None (dynamo, falling back to TorchScript),"
+            f" got {exporter!r}"
+        )
+    args = _as_args(torch, example_inputs)
+    snapshot = _snapshot(model)
+    with _train_mode(model):
+        try:
+            reference = _reference(torch, model, args)
+            _restore(model, snapshot)
+            in_names = list(input_names or _default_input_names(model, len(args)))
+            out_names = list(output_names or _default_output_names(reference))
+            _check_names(in_names, len(args), "input_names", "example inputs")
+            _check_names(out_names, len(reference.outputs), "output_names", "forward outputs")
+            axes = _resolve_axes(dynamic_axes, in_names, out_names, args, reference.outputs)
+            result = _export_first(
+                torch, model, args, reference, in_names, out_names, axes, exporter, opset,
+                dynamic_axes == BATCH_DIM, snapshot,
+            )  # fmt: skip
+        finally:
+            _restore(model, snapshot)
+    if path is not None:
+        onnx.save(result, os.fspath(path))
+    return result
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ModelError(
+            "from_torch needs PyTorch, which is not installed; install it with"
+            " pip install 'traingraph[torch]'"
+        ) from None
+    return torch
+
+
+def _as_args(torch: Any, example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    if not isinstance(args, (tuple, list)) or not all(isinstance(a, torch.Tensor) for a in args):
+        raise ModelError(
+            "example_inputs must be a tensor or a tuple of tensors passed to the module"
+            f" positionally, got {type(example_inputs).__name__}"
+        )
+    return tuple(args)
+
+
+def _check_names(names: list[str], count: int, what: str, of: str) -> None:
+    if len(names) != count or len(set(names)) != count:
+        raise ModelError(
+            f"{what} must name each of the {count} {of} once, got {names}; pass {count} distinct"
+            " names"
+        )
+
+
+@contextlib.contextmanager
+def _train_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Every submodule in train mode; each one's own mode back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def _restore(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in snapshot:
+                buffer.copy_(snapshot[name])
+
+
+@contextlib.contextmanager
+def _no_dropout(torch: Any, model: torch.nn.Module) -> Iterator[None]:
+    """Every dropout of ``model`` off: Dropout modules' ``p`` and the float dropout
+    probabilities that modules keep as attributes (``MultiheadAttention.dropout``, Hugging Face
+    attention's ``attention_dropout``) set to 0, and the dropout functions that the forward
+    calls directly the identity; everything restored after."""
+    changed: list[tuple[Any, str, float]] = []
+    for module in model.modules():
+        for name, value in vars(module).items():
+            dropout = name == "p" and isinstance(module, torch.nn.modules.dropout._DropoutNd)
+            if (dropout or "dropout" in name) and isinstance(value, float) and value > 0:
+                changed.append((module, name, value))
+    try:
+        for module, name, _ in changed:
+            setattr(module, name, 0.0)
+        with _no_dropout_mode(torch):
+            yield
+    finally:
+        for module, name, value in changed:
+            setattr(module, name, value)
+
+
+def _no_dropout_mode(torch: Any) -> Any:
+    """A torch function mode under which the dropout functions called from Python (not those
+    called inside another torch function) are the identity."""
+    functional = torch.nn.functional
+    dropouts = {
+        functional.dropout, functional.dropout1d, functional.dropout2d, functional.dropout3d,
+        functional.alpha_dropout, functional.feature_alpha_dropout, torch.dropout,
+        torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+    }  # fmt: skip
+    attention = functional.scaled_dot_product_attention
+
+    class NoDropout(torch.overrides.TorchFunctionMode):  # type: ignore[misc]
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = dict(kwargs or {})
+            if func in dropouts:
+                return args[0] if args else kwargs["input"]
+            if func is attention:
+                if len(args) > 4:
+                    args = (*args[:4], 0.0, *args[5:])
+                if "dropout_p" in kwargs:
+                    kwargs["dropout_p"] = 0.0
+            return func(*args, **kwargs)
+
+    return NoDropout()
+
+
+def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
+    """Run the train-mode forward with dropout off; find the parameters the outputs depend on."""
+    with torch.enable_grad(), _no_dropout(torch, model):
+        out = model(*args)
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise ModelError(
+            f"{type(model).__name__}'s forward returned no tensor ({type(out).__name__}); a"
+            " model to train must return its outputs as tensors"
+        )
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    differentiable = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+    used: set[str] = set()
+    if named and differentiable:
+        total = sum(t.float().sum() for t in differentiable)
+        grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+        used = {n for (n, _), g in zip(named, grads) if g is not None}
+    outputs = [t.detach().cpu().numpy() for t in leaves]
+    return _Reference(outputs=outputs, structure=out, used=used)
+
+
+def _default_input_names(model: torch.nn.Module, count: int) -> list[str]:
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    positional = [
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(positional) >= count:
+        return positional[:count]
+    return [f"input_{i}" for i in range(count)]
+
+
+def _default_output_names(reference: _Reference) -> list[str]:
+    out = reference.structure
+    count = len(reference.outputs)
+    if isinstance(out, Mapping):
+        keys = [str(k) for k, v in out.items() if v is not None]
+        if len(keys) == count:
+            return keys
+    return ["output"] if count == 1 else [f"output_{i}" for i in range(count)]
+
+
+def _resolve_axes(
+    dynamic_axes: DynamicAxes,
+    input_names: list[str],
+    output_names: list[str],
+    args: tuple[torch.Tensor, ...],
+    outputs: list[np.ndarray],
+) -> dict[str, dict[int, str]]:
+    """Tensor name -> {axis: dimension name}."""
+    ranks = {n: a.dim() for n, a in zip(input_names, args)}
+    ranks.update({n: o.ndim for n, o in zip(output_names, outputs)})
+    if dynamic_axes is None:
+        return {}
+    if dynamic_axes == BATCH_DIM:
+        return {n: {0: BATCH_DIM} for n, r in ranks.items() if r >= 1}
+    if not isinstance(dynamic_axes, Mapping):
+        raise ModelError(
+            f"dynamic_axes must be 'batch', None or a dict like {{'x': {{0: 'batch'}}}}, got"
+            f" {dynamic_axes!r}"
+        )
+    axes: dict[str, dict[int, str]] = {}
+    for name, spec in dynamic_axes.items():
+        if name not in ranks:
+            raise ModelError(
+                f"dynamic_axes names {name!r}, which is not an input or output; expected one of"
+                f" {list(ranks)} (set them with input_names= and output_names=)"
+            )
+        given = dict(spec) if isinstance(spec, Mapping) else {a: f"{name}_dim{a}" for a in spec}
+        for axis in given:
+            if not -ranks[name] <= axis < ranks[name]:
+                raise ModelError(
+                    f"dynamic_axes[{name!r}] names axis {axis}, but {name!r} has rank"
+                    f" {ranks[name]}"
+                )
+        axes[name] = {a % ranks[name]: str(d) for a, d in given.items()}
+    return axes
+
+
+def _export_first(
+    torch: Any,
+    model: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    reference: _Reference,
+    input_names: list[str],
+    output_names: list[str],
+    axes: dict[str, dict[int, str]],
+    exporter: str | None,
+    opset: int | None,
+    batch_dynamic: bool,
+    snapshot: dict[str, torch.Tensor],
+) -> onnx.ModelProto:
+    """Export with ``exporter`` or, for None, with the first exporter whose result is right."""
+    reasons: list[str] = []
+    for name in [exporter] if exporter is not None else list(EXPORTERS):
+        try:
+            exported = _export(torch, name, model, args, input_names, output_names, axes, opset)
+        except ModelError:
+            raise
+        except Exception as exc:  # the exporters raise many kinds of errors
+            reasons.append(f"the {name} exporter failed: {type(exc).__name__}: {_first(exc)}")
+            if exporter is not None:
+                raise ModelError(f"{reasons[-1]}. Try exporter=None or the other exporter") from exc
+            continue
+        finally:
+            _restore(model, snapshot)
+        proto = _finish(exported, model, input_names, output_names, axes)
+        try:
+            _check(proto, model, args, reference, input_names, batch_dynamic)
+        except ModelError as exc:
+            reasons.append(f"the {name} exporter's model is wrong: {exc}")
+            if exporter is not None:
+                raise
+            continue
+        if reasons:
+            warnings.warn(
+                f"{reasons[0]}; exported {type(model).__name__} with the {name} exporter instead",
+                UserWarning,
+                stacklevel=3,
+            )
+        return proto
+    raise ModelError(
+        f"no exporter produced a correct model of {type(model).__name__}: "
+        + "; ".join(reasons)
+    )
+
+
+def _first(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else "(no message)"
+
+
+def _export(
+    torch: Any,
+    exporter: str,
+    model: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    input_names: list[str],
+    output_names: list[str],
+    axes: dict[str, dict[int, str]],
+    opset: int | None,
+) -> onnx.ModelProto:
+    """Run one exporter in train mode with every parameter kept."""
+    names = {"input_names": input_names, "output_names": output_names}
+    with warnings.catch_warnings():
+        # Train mode is what is asked for; the traced forward is checked afterwards.
+        warnings.filterwarnings("ignore", message=".*training mode.*")
+        warnings.filterwarnings("ignore", message=".*Removing mutation.*num_batches_tracked")
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        if exporter == "dynamo":
+            shapes = tuple(
+                {axis: torch.export.Dim.DYNAMIC for axis in axes.get(name, {})}
+                for name in input_names
+            )
+            with contextlib.redirect_stdout(_Discard()):
+                program = torch.onnx.export(
+                    model, args, dynamo=True, optimize=False, opset_version=opset,
+                    external_data=False, verbose=False, dynamic_shapes=shapes, **names,
+                )  # fmt: skip
+            return program.model_proto
+        import io
+
+        buffer = io.BytesIO()
+        torch.onnx.export(
+            model, args, buffer, dynamo=False, opset_version=opset or TORCHSCRIPT_OPSET,
+            training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
+            dynamic_axes={n: dict(a) for n, a in axes.items()} or None, **names,
+        )  # fmt: skip
+        return onnx.load_from_string(buffer.getvalue())
+
+
+class _Discard:
+    """A text stream that drops what is written (the dynamo exporter's progress lines)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        return None
+
+
+def _torch_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every parameter and buffer by its torch name (a tied one under its first name)."""
+    tensors = {n: p.detach().cpu().numpy() for n, p in model.named_parameters()}
+    tensors.update((n, b.detach().cpu().numpy()) for n, b in model.named_buffers())
+    return tensors
+
+
+def _finish(
+    proto: onnx.ModelProto,
+    model: torch.nn.Module,
+    input_names: list[str],
+    output_names: list[str],
+    axes: dict[str, dict[int, str]],
+) -> onnx.ModelProto:
+    """Name initializers as torch does, lift constants into nodes, set training-mode
+    BatchNorm, name the dynamic axes and record the trainable parameters."""
+    m = ir.from_proto(proto)
+    graph = m.graph
+    torch_tensors = _torch_tensors(model)
+    _rename_initializers(graph, torch_tensors)
+    # Tracing in train mode ran the forward, which moved the running statistics it exported.
+    for name, buffer in model.named_buffers():
+        value = graph.initializers.get(name)
+        if value is not None and value.const_value is not None:
+            value.const_value = ir.tensor(buffer.detach().cpu().numpy(), name=name)
+    _constants_to_nodes(graph, set(torch_tensors))
+    _training_batch_norm(graph)
+    for value in [*graph.inputs, *graph.outputs]:
+        if value.name in axes and value.shape is not None:
+            dims = list(value.shape.dims)
+            for axis, dim in axes[value.name].items():
+                if axis < len(dims):
+                    dims[axis] = ir.SymbolicDim(dim)
+            value.shape = ir.Shape(dims)
+    trainable = [
+        n for n, p in model.named_parameters() if p.requires_grad and n in graph.initializers
+    ]
+    m.metadata_props[REQUIRES_GRAD_KEY] = json.dumps(trainable)
+    return ir.to_proto(m)
+
+
+def _rename_initializers(graph: ir.Graph, torch_tensors: dict[str, np.ndarray]) -> None:
+    """Give initializers that the exporter named its own way (``p_fc1_weight``,
+    ``onnx::MatMul_12``) the torch name of the parameter or buffer with the same value."""
+    present = set(graph.initializers)
+    for name, value in list(graph.initializers.items()):
+        if name in torch_tensors or value.const_value is None:
+            continue
+        array = value.const_value.numpy()
+        match = next(
+            (
+                n
+                for n, t in torch_tensors.items()
+                if n not in present
+                and t.shape == array.shape
+                and t.dtype == array.dtype
+                and np.array_equal(t, array)
+            ),
+            None,
+        )
+        if match is not None:
+            graph.initializers.pop(name)
+            value.name = match
+            graph.register_initializer(value)
+            present.add(match)
+
+
+def _constants_to_nodes(graph: ir.Graph, torch_names: set[str]) -> None:
+    """Turn initializers that are neither parameters nor buffers (constants the exporter
+    lifted out of the forward) into Constant nodes, so that nothing trains them."""
+    first = next(iter(graph), None)
+    for name, value in list(graph.initializers.items()):
+        if name in torch_names or value.const_value is None or value in graph.inputs:
+            continue
+        tensor = value.const_value
+        graph.initializers.pop(name)
+        value.const_value = None
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", tensor)], num_outputs=1)
+        ir.convenience.replace_all_uses_with(value, node.outputs[0])
+        node.outputs[0].name = name
+        node.outputs[0].shape, node.outputs[0].type = value.shape, value.type
+        if first is None:
+            graph.append(node)
+        else:
+            graph.insert_before(first, node)
+        for i, output in enumerate(graph.outputs):
+            if output is value:
+                graph.outputs[i] = node.outputs[0]
+
+
+def _training_batch_norm(graph: ir.Graph) -> None:
+    """BatchNormalization over running statistics held in initializers computes batch
+    statistics (``training_mode=1``), as the module did in train mode."""
+    for node in graph:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        stats = node.inputs[3:5]
+        if len(stats) < 2 or any(v is None or v.name not in graph.initializers for v in stats):
+            continue
+        if (graph.opset_imports.get("", 0) or 0) < 14:
+            continue
+        node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+        if len(node.outputs) < 3:
+            node.resize_outputs(3)
+        for out, stat in zip(node.outputs[1:3], stats):
+            assert stat is not None
+            out.name = out.name or f"{stat.name}_batch_update"
+            out.shape, out.type = stat.shape, stat.type
+
+
+def _check(
+    proto: onnx.ModelProto,
+    model: torch.nn.Module,
+    args: tuple[torch.Tensor, ...],
+    reference: _Reference,
+    input_names: list[str],
+    batch_dynamic: bool,
+) -> None:
+    """Raise a ModelError naming what the export lost: parameters, or outputs that differ."""
+    shapes = {n: tuple(v.shape) for n, v in _torch_tensors(model).items()}
+    initializers = {i.name: tuple(i.dims) for i in proto.graph.initializer}
+    lost = sorted(n for n in reference.used if n not in initializers)
+    reshaped = sorted(
+        f"{n} {initializers[n]} (torch {shapes[n]})"
+        for n in reference.used
+        if n in initializers and initializers[n] != shapes[n]
+    )
+    if lost or reshaped:
+        generated = sorted(set(initializers) - set(shapes))
+        raise ModelError(
+            f"the export lost {len(lost)} of {len(reference.used)} trainable parameters"
+            f" ({_listed(lost)}), or changed their shapes ({_listed(reshaped)}); initializers"
+            f" that are no torch parameter or buffer: {_listed(generated)}"
+        )
+    run = _runner(proto)
+    feeds = [a.detach().cpu().numpy() for a in args]
+    _compare(run(dict(zip(input_names, feeds))), reference.outputs, proto, "")
+    batch = {a.shape[0] for a in feeds if a.ndim}
+    if batch_dynamic and len(batch) == 1:
+        (size,) = batch
+        doubled = {n: np.concatenate([a, a]) for n, a in zip(input_names, feeds)}
+        expected = [
+            np.concatenate([o, o]) if o.ndim and o.shape[0] == size else o
+            for o in reference.outputs
+        ]
+        _compare(
+            run(doubled), expected, proto, f" with the example batch repeated (batch {2 * size})"
+        )
+
+
+def _listed(names: Sequence[str], most: int = 12) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+    """An onnxruntime session over ``proto`` with Dropout off and training-mode BatchNorm
+    lowered to standard ops (as the training graph computes it)."""
+    import onnxruntime as ort
+
+    from traingraph.autodiff.lowering import lower_training_batch_norm
+    from traingraph.ir.model import default_opset, load_ir
+
+    try:
+        m = load_ir(proto)
+    except ModelError as exc:
+        raise ModelError(f"traingraph cannot read the exported model: {exc}") from None
+    graph = m.graph
+    zero = ir.Value(name="from_torch_check_dropout_ratio", const_value=ir.tensor(np.float32(0)))
+    zero.shape, zero.type = ir.Shape([]), ir.TensorType(ir.DataType.FLOAT)
+    dropouts = [n for n in graph if n.op_type == "Dropout" and n.domain in ("", "ai.onnx")]
+    if dropouts:
+        graph.register_initializer(zero)
+    for node in dropouts:
+        if len(node.inputs) < 2:
+            node.resize_inputs(2)
+        node.replace_input_with(1, zero)
+    lower_training_batch_norm(graph, default_opset(m))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(
+            ir.to_proto(m).SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:  # onnxruntime's errors have no common base class
+        raise ModelError(f"onnxruntime cannot load the exported model: {_first(exc)}") from None
+
+    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return [np.asarray(o) for o in session.run(None, feeds)]
+        except Exception as exc:  # onnxruntime's errors have no common base class
+            shapes = {n: a.shape for n, a in feeds.items()}
+            raise ModelError(
+                f"onnxruntime cannot run the exported model on inputs of shapes {shapes}:"
+                f" {_first(exc)}"
+            ) from None
+
+    return run
+
+
+def _compare(
+    got: list[np.ndarray], expected: list[np.ndarray], proto: onnx.ModelProto, where: str
+) -> None:
+    names = [o.name for o in proto.graph.output]
+    if len(got) != len(expected):
+        raise ModelError(
+            f"the exported model has {len(got)} outputs ({names}), the module's forward"
+            f" {len(expected)}"
+        )
+    wrong = []
+    for name, g, e in zip(names, got, expected):
+        if g.shape != e.shape:
+            wrong.append(f"{name}: shape {g.shape}, torch {e.shape}")
+            continue
+        if e.size == 0:
+            continue
+        if not np.issubdtype(e.dtype, np.floating):
+            if not np.array_equal(g, e):
+                wrong.append(f"{name}: {int(np.sum(g != e))} of {e.size} values differ")
+            continue
+        diff = float(np.nanmax(np.abs(g.astype(np.float64) - e))) if e.size else 0.0
+        scale = float(np.nanmax(np.abs(e))) if np.isfinite(e).any() else 0.0
+        nan_mismatch = bool(np.any(np.isnan(g) != np.isnan(e)))
+        if nan_mismatch or diff > ATOL + RTOL * scale:
+            wrong.append(f"{name}: max abs difference {diff:.3g} (largest |value| {scale:.3g})")
+    if wrong:
+        raise ModelError(
+            f"the exported forward differs from the module's train-mode forward{where}:"
+            f" {'; '.join(wrong)}"
+        )
