@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from traingraph.ir.fold import constant_value
+from traingraph.ir.fold import Dim, constant_value, partial_value
+from traingraph.ir.model import load_ir
 
 
 def _graph(shape):
@@ -50,3 +53,106 @@ def test_dynamic_dims_stay_unknown_unless_not_used():
     values = _graph([4, 6, "features"])
     assert constant_value(values["m"]) is None
     assert constant_value(values["c"]) is None
+
+
+CONSTANT_FORMS = [
+    ({"value": numpy_helper.from_array(np.array([[1.5, 2.0]], np.float32))}, [[1.5, 2.0]],
+     np.float32),
+    ({"value_float": 0.25}, 0.25, np.float32),
+    ({"value_floats": [1.0, -2.0]}, [1.0, -2.0], np.float32),
+    ({"value_int": 7}, 7, np.int64),
+    ({"value_ints": [-1, -2]}, [-1, -2], np.int64),
+    ({"value_string": "abc"}, "abc", object),
+    ({"value_strings": ["a", "bc"]}, ["a", "bc"], object),
+    ({"sparse_value": helper.make_sparse_tensor(
+        numpy_helper.from_array(np.array([5.0, 7.0], np.float32), "v"),
+        numpy_helper.from_array(np.array([1, 3], np.int64), "i"), [2, 2])},
+     [[0.0, 5.0], [0.0, 7.0]], np.float32),
+    ({"sparse_value": helper.make_sparse_tensor(
+        numpy_helper.from_array(np.array([4], np.int64), "v"),
+        numpy_helper.from_array(np.array([[1, 0]], np.int64), "i"), [2, 2])},
+     [[0, 0], [4, 0]], np.int64),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("attrs", "expected", "dtype"), CONSTANT_FORMS)
+def test_constant_in_every_attribute_form(attrs, expected, dtype):
+    """Each attribute form of Constant folds; sparse tensors are made dense when loaded."""
+    node = helper.make_node("Constant", [], ["c"], **attrs)
+    graph = helper.make_graph([node], "g", [], [onnx.ValueInfoProto(name="c")])
+    model = load_ir(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    value = constant_value(model.graph.outputs[0])
+    assert value is not None and value.dtype == dtype
+    assert value.tolist() == expected
+
+
+def _resize_sizes_graph():
+    """The sizes torch's ``interpolate(x, size=y.shape[-2:])`` exports with a dynamic batch:
+    ``Concat(Shape(x)[:2], Cast(Concat(Unsqueeze(Gather(Shape(y), 2)), ...)))``, and a few
+    values that read the batch dimension."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["sx"]),
+        helper.make_node("Slice", ["sx", "zero", "two", "zero"], ["head"]),
+        helper.make_node("Shape", ["y"], ["sy"]),
+        helper.make_node("Gather", ["sy", "i2"], ["h"], axis=0),
+        helper.make_node("Gather", ["sy", "i3"], ["w"], axis=0),
+        helper.make_node("Unsqueeze", ["h", "zero"], ["h1"]),
+        helper.make_node("Unsqueeze", ["w", "zero"], ["w1"]),
+        helper.make_node("Concat", ["h1", "w1"], ["hw"], axis=0),
+        helper.make_node("Cast", ["hw"], ["hw64"], to=TensorProto.INT64),
+        helper.make_node("Concat", ["head", "hw64"], ["sizes"], axis=0),
+        helper.make_node("Slice", ["sy", "two", "four"], ["tail"]),
+        helper.make_node("Mul", ["tail", "tail"], ["area"]),
+        helper.make_node("Mul", ["sizes", "two"], ["doubled"]),
+        helper.make_node("Gather", ["sx", "zero_scalar"], ["batch"], axis=0),
+        helper.make_node("Concat", ["area", "hw"], ["flat"], axis=0),
+        helper.make_node("Reshape", ["flat", "shape22"], ["square"]),
+        helper.make_node("Shape", ["x"], ["size_tail"], start=1),
+        helper.make_node("Reshape", ["size_tail", "minus_one"], ["reshaped"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(v, np.int64), n)
+        for n, v in (("zero", [0]), ("two", [2]), ("four", [4]), ("i2", 2), ("i3", 3),
+                     ("zero_scalar", 0), ("shape22", [2, 2]), ("minus_one", [-1]))
+    ]  # fmt: skip
+    outputs = ["sizes", "tail", "area", "doubled", "batch", "square", "reshaped"]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 5, 8, 6])],
+        [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in outputs], inits,
+    )  # fmt: skip
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    return model.graph, {v.name: v for v in model.graph.outputs}
+
+
+def test_shapes_fold_per_dimension():
+    """A Shape of a tensor with a dynamic batch still gives its static dimensions: what reads
+    only those is constant, what reads the batch is not, and never guessed."""
+    graph, values = _resize_sizes_graph()
+    x = graph.inputs[0]
+    sizes = partial_value(values["sizes"])
+    assert sizes is not None and sizes[1:] == [3, 8, 6]
+    assert isinstance(sizes[0], Dim) and sizes[0].is_dim_of(x, 0)
+    assert not sizes[0].is_dim_of(x, 1) and not sizes[0].is_dim_of(graph.inputs[1], 0)
+    assert constant_value(values["sizes"]) is None
+    assert constant_value(values["tail"]).tolist() == [8, 6]
+    assert constant_value(values["area"]).tolist() == [64, 36]
+    assert partial_value(values["doubled"]) == [None, 6, 16, 12]
+    assert constant_value(values["batch"]) is None
+    assert constant_value(values["square"]).tolist() == [[64, 36], [8, 6]]
+    assert constant_value(values["reshaped"]).tolist() == [3, 4, 4]
+
+
+def test_symbolic_dims_of_one_name_are_the_same_length():
+    """ONNX gives dimensions of one symbolic name one length, so a Dim read from another tensor
+    with the same batch name is that tensor's batch length too."""
+    _, values = _resize_sizes_graph()
+    other = ir.Value(name="z", shape=ir.Shape(["batch", 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    unnamed = ir.Value(name="u", shape=ir.Shape([None, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    sizes = partial_value(values["sizes"])
+    assert isinstance(sizes[0], Dim)
+    assert sizes[0].is_dim_of(other, 0)
+    assert not sizes[0].is_dim_of(unnamed, 0)
+    made_up = ir.Value(name="m", shape=ir.Shape(["unk__0", 2]))
+    assert not Dim(made_up, 0).is_dim_of(ir.Value(name="n", shape=ir.Shape(["unk__0"])), 0)

@@ -6,11 +6,16 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
 
-from gradcheck import add_weighted_sum_loss, make_op_model, session
+from gradcheck import add_weighted_sum_loss, check_model_gradient, make_op_model, session
 from torch_models import export
 from traingraph.autodiff import build_gradient_graph
-from traingraph.autodiff.lowering import is_training_batch_norm, lower_training_batch_norm
+from traingraph.autodiff.lowering import (
+    is_training_batch_norm,
+    lower_training_batch_norm,
+    split_sequences,
+)
 from traingraph.errors import ModelError
 from traingraph.losses import CrossEntropyLoss
 from traingraph.program import build_program
@@ -244,3 +249,56 @@ def test_running_statistics_of_one_momentum_update_as_one_vector():
     assert [o.name for o in result.graph.output] == [o.name for o in model.graph.output]
     for e, g in zip(expected, got):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+def _split_to_sequence_model(split, positions, keepdims=1):
+    """``SplitToSequence(x, split)`` along axis 1 read by ``SequenceAt`` at ``positions``,
+    each piece weighted into ``loss``; ``x`` has a dynamic batch."""
+    nodes = [helper.make_node(
+        "SplitToSequence", ["x"] + (["split"] if split is not None else []), ["seq"],
+        axis=1, keepdims=keepdims,
+    )]  # fmt: skip
+    terms = []
+    for k in range(len(positions)):
+        nodes += [
+            helper.make_node("SequenceAt", ["seq", f"p{k}"], [f"piece{k}"]),
+            helper.make_node("Mul", [f"piece{k}", f"piece{k}"], [f"sq{k}"]),
+            helper.make_node("ReduceSum", [f"sq{k}"], [f"s{k}"], keepdims=0),
+            helper.make_node("Mul", [f"s{k}", f"c{k}"], [f"t{k}"]),
+        ]
+        terms.append(f"t{k}")
+    nodes.append(helper.make_node("Sum", terms, ["loss"]))
+    inits = [
+        numpy_helper.from_array(np.array(p, np.int64), f"p{k}") for k, p in enumerate(positions)
+    ]
+    inits += [numpy_helper.from_array(np.array(k + 1.0), f"c{k}") for k in range(len(positions))]
+    if split is not None:
+        inits.append(numpy_helper.from_array(np.array(split, np.int64), "split"))
+    graph = helper.make_graph(
+        nodes, "split_to_sequence",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["batch", 5, 2])],
+        [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize(
+    ("split", "positions", "keepdims"),
+    [([2, 3], [0, -1], 1), (2, [0, 2, 1], 1), (None, [4, 0], 0), ([1, 4], [1], 1)],
+)
+def test_split_to_sequence_read_at_constant_positions_differentiates(split, positions, keepdims):
+    """The dynamo exporter's ``torch.split`` (SplitToSequence -> SequenceAt) becomes Split,
+    whose gradient equals finite differences; a piece read twice or never still works."""
+    model = _split_to_sequence_model(split, positions, keepdims)
+    grad_model = build_gradient_graph(model, wrt=["x"], loss="loss")
+    assert not any(n.op_type.startswith("Sequence") for n in grad_model.graph.node)
+    check_model_gradient(model, {"x": rng.standard_normal((3, 5, 2))}, ["x"])
+
+
+def test_split_to_sequence_with_run_time_positions_stays():
+    m = ir.from_proto(_split_to_sequence_model([2, 3], [0]))
+    position = m.graph.initializers.pop("p0")
+    position.const_value = None
+    m.graph.inputs.append(position)
+    assert not split_sequences(m.graph, 18)
+    assert any(n.op_type == "SplitToSequence" for n in m.graph)

@@ -1,10 +1,11 @@
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
-from gradcheck import check_op_gradient
+from gradcheck import check_model_gradient, check_op_gradient
 from traingraph.autodiff import build_gradient_graph
 from traingraph.errors import GradientNotImplementedError
 
@@ -533,3 +534,75 @@ def test_resize_run_time_scales_are_unsupported():
             "Resize", {"x": r32(1, 1, 4, 4), "roi": None, "scales": f32(1, 1, 2, 2)},
             {"mode": "linear"}, wrt=["x"], **RESIZE_TOL,
         )
+
+
+def _resize_from_shapes(sizes_from: str) -> onnx.ModelProto:
+    """``Resize(x)`` whose sizes or scales are computed from shapes, as torch exports
+    ``interpolate(x, size=y.shape[-2:])``, with a dynamic batch; ``loss`` weights the output.
+
+    ``sizes_from``: "constant" (``Concat(Shape(x)[:2], [7, 5])``), "shape" (``Concat(Shape(x)
+    [:2], Shape(y)[2:])``), "scales" (``Concat([1, 1], Shape(y)[2:] / Shape(x)[2:])`` as
+    floats) or "other batch" (the batch length of ``y``, another tensor).
+    """
+    head = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Shape", ["y"], ["sy"])]
+    if sizes_from == "scales":
+        body = [
+            helper.make_node("Slice", ["sx", "two", "four"], ["hw_x"]),
+            helper.make_node("Slice", ["sy", "two", "four"], ["hw_y"]),
+            helper.make_node("Cast", ["hw_x"], ["fx"], to=TensorProto.FLOAT),
+            helper.make_node("Cast", ["hw_y"], ["fy"], to=TensorProto.FLOAT),
+            helper.make_node("Div", ["fy", "fx"], ["ratio"]),
+            helper.make_node("Concat", ["ones", "ratio"], ["scales"], axis=0),
+            helper.make_node("Resize", ["x", "", "scales"], ["r"], mode="linear"),
+        ]
+    else:
+        source = "sy" if sizes_from == "other batch" else "sx"
+        tail = "hw" if sizes_from == "constant" else "hw_y"
+        body = [
+            helper.make_node("Slice", [source, "zero", "two"], ["lead"]),
+            helper.make_node("Slice", ["sy", "two", "four"], ["hw_y"]),
+            helper.make_node("Concat", ["lead", tail], ["sizes"], axis=0),
+            helper.make_node("Resize", ["x", "", "", "sizes"], ["r"], mode="linear"),
+        ]
+    tail_nodes = [
+        helper.make_node("Mul", ["r", "w"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(v, np.int64), n)
+        for n, v in (("zero", [0]), ("two", [2]), ("four", [4]), ("hw", [7, 5]))
+    ] + [numpy_helper.from_array(f32(1, 1), "ones")]
+    batch = "n" if sizes_from == "other batch" else "batch"
+    graph = helper.make_graph(
+        head + body + tail_nodes, "resize_from_shapes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 4, 3]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 1, 7, 5]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, ["batch", 2, 7, 5])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("sizes_from", ["constant", "shape", "scales"])
+def test_resize_sizes_from_shapes_with_dynamic_batch(sizes_from):
+    """Sizes (or scales) that read only static dimensions of shapes fold element by element;
+    the batch size is the input's own, so that axis is not resized. The gradient equals finite
+    differences and torch's."""
+    model = _resize_from_shapes(sizes_from)
+    x, y = r32(2, 2, 4, 3), r32(2, 1, 7, 5)
+    w = np.random.default_rng(1).uniform(0.5, 1.5, (2, 2, 7, 5)).astype(np.float32)
+    got = check_model_gradient(model, {"x": x, "y": y, "w": w}, ["x"], **RESIZE_TOL)
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    out = F.interpolate(t, size=(7, 5), mode="bilinear", align_corners=False)
+    if sizes_from == "scales":  # the scales torch's size=(7, 5) means
+        out = F.interpolate(t, scale_factor=(7 / 4, 5 / 3), mode="bilinear")
+    (out * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(got["x"], t.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_resize_sizes_from_another_batch_are_unsupported():
+    """A size read from the batch of another tensor is not known to equal the input's batch:
+    the rule refuses it (naming the axis) instead of guessing."""
+    model = _resize_from_shapes("other batch")
+    with pytest.raises(GradientNotImplementedError, match=r"Resize.*opset 18.*sizes of axes \[0\]"):
+        build_gradient_graph(model, wrt=["x"], loss="loss")

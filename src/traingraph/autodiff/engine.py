@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from traingraph.autodiff.context import GradContext
+from traingraph.autodiff.lowering import split_sequences
 from traingraph.autodiff.registry import get_rule, supported_ops
 from traingraph.errors import GradientNotImplementedError, ModelError
 from traingraph.ir.builder import OpBuilder, is_float
@@ -63,6 +64,9 @@ def differentiate(
 ) -> GradientResult:
     """Append the gradient of ``loss`` with respect to ``wrt`` to ``graph``.
 
+    ``SplitToSequence`` nodes read only by ``SequenceAt`` become ``Split`` first
+    (:func:`~traingraph.autodiff.lowering.split_sequences`).
+
     Args:
         graph: The forward graph; gradient nodes are appended to it.
         opset: The default-domain opset of the graph.
@@ -78,6 +82,7 @@ def differentiate(
     Returns:
         The gradients, keyed by the names of ``wrt``.
     """
+    split_sequences(graph, opset)
     b = OpBuilder(graph, opset, prefix=prefix)
     stop = set(stop_gradients)
     user_targets = list(user_gradients)

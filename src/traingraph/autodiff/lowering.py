@@ -26,11 +26,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import onnx_ir as ir
 
 from traingraph.autodiff.rules.normalization import batch_statistics
+from traingraph.autodiff.rules.shape import static_dim
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, rank, static_shape
+from traingraph.ir.fold import constant_value
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -140,6 +143,101 @@ def _running_update(
     like = like if like is not None else running
     kept = b.Mul(running, b.scalar(momentum, like))
     return b.Add(kept, b.Mul(batch, b.scalar(1.0 - momentum, like)))
+
+
+def split_sequences(graph: ir.Graph, opset: int) -> bool:
+    """Replace each ``SplitToSequence`` read only by ``SequenceAt`` at constant positions with
+    a ``Split`` whose pieces take the places of those ``SequenceAt`` outputs.
+
+    The dynamo exporter writes ``torch.split`` and ``chunk`` so; the pieces are the same
+    tensors, and a ``Split`` differentiates where a sequence does not. A split whose piece
+    sizes are not known before the run (a dynamic length on the split axis) stays.
+
+    Returns:
+        Whether any node was rewritten.
+    """
+    b = OpBuilder(graph, opset, prefix="split_sequence")
+    changed = False
+    stale: set[str | None] = set()  # dimension names of the sequences' shared element shapes
+    for node in [n for n in graph if n.op_type == "SplitToSequence"]:
+        if node.domain not in _DEFAULT_DOMAINS or node.outputs[0].is_graph_output():
+            continue
+        sizes = _sequence_sizes(node)
+        readers = [use.node for use in node.outputs[0].uses()]
+        positions = [
+            constant_value(r.inputs[1]) if r.op_type == "SequenceAt" and r.domain
+            in _DEFAULT_DOMAINS and use.idx == 0 else None
+            for r, use in zip(readers, node.outputs[0].uses())
+        ]  # fmt: skip
+        if sizes is None or any(p is None or p.size != 1 for p in positions):
+            continue
+        x, axis = node.inputs[0], node.attributes.get_int("axis", 0)
+        assert x is not None
+        pieces = b.split(x, sizes, axis=axis)
+        squeeze = not node.attributes.get_int("keepdims", 1) and not _has_split(node)
+        if squeeze:
+            pieces = tuple(b.squeeze(piece, [axis]) for piece in pieces)
+        for piece, size in zip(pieces, sizes):
+            piece.type = x.type
+            if x.shape is not None:
+                dims = list(x.shape.dims)
+                dims[axis : axis + 1] = [] if squeeze else [size]
+                piece.shape = ir.Shape(dims)
+        for reader, position in zip(readers, positions):
+            assert position is not None
+            out, piece = reader.outputs[0], pieces[int(position.reshape(()))]
+            if out.shape is not None:  # names the input has are true lengths
+                stale.update(d.value for d in out.shape.dims if isinstance(d, ir.SymbolicDim)
+                             and (x.shape is None or d not in x.shape.dims))  # fmt: skip
+            out.shape, out.type = piece.shape, piece.type
+            _replace(out, piece)
+            graph.remove(reader, safe=True)
+        graph.remove(node, safe=True)
+        changed = True
+    if changed:
+        _forget_dims(graph, stale - {None})
+        graph.sort()
+    return changed
+
+
+def _forget_dims(graph: ir.Graph, names: set[str | None]) -> None:
+    """Make the dimensions called ``names`` anonymous in the shapes of ``graph``'s values.
+
+    Shape inference gives every element of a sequence one shape, so the pieces of an uneven
+    split share a dimension name although their lengths differ; the pieces' readers would
+    carry that false equality on.
+    """
+    if not names:
+        return
+    for node in graph:
+        for value in node.outputs:
+            if value.shape is not None and any(
+                isinstance(d, ir.SymbolicDim) and d.value in names for d in value.shape.dims
+            ):
+                value.shape = ir.Shape([
+                    ir.SymbolicDim(None) if isinstance(d, ir.SymbolicDim) and d.value in names
+                    else d for d in value.shape.dims
+                ])  # fmt: skip
+
+
+def _has_split(node: ir.Node) -> bool:
+    return len(node.inputs) > 1 and node.inputs[1] is not None
+
+
+def _sequence_sizes(node: ir.Node) -> list[int] | None:
+    """The piece lengths of a ``SplitToSequence`` when they are known before the run."""
+    x = node.inputs[0]
+    axis = node.attributes.get_int("axis", 0)
+    length = static_dim(x, axis) if x is not None else None
+    split = constant_value(node.inputs[1]) if _has_split(node) else np.ones((), np.int64)
+    if split is None:
+        return None
+    if split.ndim == 1:
+        return [int(s) for s in split]
+    if length is None or int(split) <= 0:
+        return None
+    step = 1 if not _has_split(node) else int(split)
+    return [min(step, length - start) for start in range(0, length, step)]
 
 
 def _used(value: ir.Value) -> bool:

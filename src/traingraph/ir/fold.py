@@ -1,65 +1,252 @@
 """Values a graph computes from constants and static shapes, known before it runs.
 
-Exporters often compute slice bounds, reshape targets and split sizes from ``Shape`` of a
-tensor whose shape is static: ``Shape -> Gather -> Div -> Mul -> Slice``. :func:`constant_value`
+Exporters often compute slice bounds, reshape targets, resize sizes and split sizes from
+``Shape`` of a tensor: ``Shape -> Gather -> Div -> Mul -> Slice``. :func:`constant_value`
 evaluates such small integer subgraphs so that gradient rules can pick the formulation for
 constant arguments.
 
+Shapes are folded per element: ``Shape`` of a tensor whose batch dimension is dynamic still
+gives its static dimensions, so ``Gather(Shape(x), 2)``, ``Slice(Shape(x), 2, 4)`` and their
+``Concat`` with constants are known wherever they read static dimensions only.
+:func:`partial_value` gives such a value element by element: a number where it is known, a
+:class:`Dim` where it is the dynamic length of an axis of some tensor (so that a rule can tell
+that ``Resize`` keeps that axis), None where it is unknown. Nothing unknown is ever guessed.
+
 Example:
     >>> bounds = constant_value(slice_node.inputs[2])  # numpy array, or None
+    >>> sizes = partial_value(resize_node.inputs[3])  # e.g. [Dim(x, 0), 3, 64, 64]
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_ir as ir
+from onnx import numpy_helper
 
 _MAX_DEPTH = 16
 _MAX_ELEMENTS = 1024  # only small (shape-like) tensors are evaluated
 
 
+@dataclass(frozen=True, eq=False)
+class Dim:
+    """The dynamic length of axis ``axis`` of ``value``, an element of :func:`partial_value`.
+
+    Attributes:
+        value: The tensor whose shape the element was read from.
+        axis: The axis of ``value``.
+    """
+
+    value: ir.Value
+    axis: int
+
+    def is_dim_of(self, x: ir.Value, axis: int) -> bool:
+        """Whether this is the length of ``x``'s axis ``axis``: read from ``x`` itself, or a
+        dimension with the same symbolic name (ONNX gives equal names equal lengths)."""
+        if self.value is x and self.axis == axis:
+            return True
+        name = _dim_name(self.value, self.axis)
+        return name is not None and name == _dim_name(x, axis)
+
+
+def _dim_name(x: ir.Value, axis: int) -> str | None:
+    """The symbolic name of ``x``'s axis ``axis``; None where it has none or a name that
+    ONNX shape inference made up (``unk__<n>``, which it also gives lengths that differ)."""
+    if x.shape is None or not -len(x.shape) <= axis < len(x.shape):
+        return None
+    dim = x.shape.dims[axis]
+    if isinstance(dim, int) or dim.value is None or dim.value.startswith("unk__"):
+        return None
+    return dim.value
+
+
+_UNKNOWN = object()  # an unknown element with no identity
+
+
+@dataclass
+class _Partial:
+    """A value known element by element: ``values`` holds the known elements (1 elsewhere),
+    ``dims`` is None when every element is known, else an object array of the same shape
+    holding None at known elements and a :class:`Dim` or ``_UNKNOWN`` at the others."""
+
+    values: np.ndarray
+    dims: np.ndarray | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.dims is None or all(d is None for d in self.dims.flat)
+
+
 def constant_value(value: ir.Value | None, depth: int = _MAX_DEPTH) -> np.ndarray | None:
     """The value of ``value`` as numpy when it follows from constants and static shapes.
 
-    Covers initializers, ``Constant`` nodes, ``Shape`` / ``Size`` of statically shaped tensors
-    and small integer arithmetic on them (Gather, Concat, Unsqueeze, Squeeze, Cast, Identity,
-    Reshape, Slice, Add, Sub, Mul, Div, Neg). Returns None for anything else.
+    Covers initializers, ``Constant`` nodes in every attribute form (``value``,
+    ``value_float(s)``, ``value_int(s)``, ``value_string(s)`` as an object array), ``Shape`` /
+    ``Size`` and small integer arithmetic on them (Gather, Concat, Unsqueeze, Squeeze, Cast,
+    Identity, Reshape, Slice, Add, Sub, Mul, Div, Neg, Max, Min) where every element it reads
+    is static. Returns None for anything else.
     """
+    partial = _evaluate(value, depth)
+    return partial.values if partial is not None and partial.known else None
+
+
+def partial_value(value: ir.Value | None) -> list[int | float | Dim | None] | None:
+    """The elements of a scalar or 1-D ``value``, each known or not.
+
+    Returns:
+        None where ``value`` is not a small tensor computed from constants and shapes; else
+        one entry per element (row-major): its number where it is known, a :class:`Dim`
+        where it is the dynamic length of an axis, None where it is otherwise unknown.
+    """
+    partial = _evaluate(value, _MAX_DEPTH)
+    if partial is None or partial.values.ndim > 1:
+        return None
+    numbers = partial.values.reshape(-1).tolist()
+    if partial.dims is None:
+        return numbers
+    return [
+        n if d is None else (d if isinstance(d, Dim) else None)
+        for n, d in zip(numbers, partial.dims.reshape(-1))
+    ]
+
+
+def constant_attribute_value(node: ir.Node) -> np.ndarray | None:
+    """The tensor a ``Constant`` node holds, whichever attribute holds it (None if none)."""
+    for name, attr in node.attributes.items():
+        if name == "value":
+            return attr.value.numpy()
+        if name == "value_float":
+            return np.array(attr.value, dtype=np.float32)
+        if name == "value_floats":
+            return np.array(list(attr.value), dtype=np.float32)
+        if name == "value_int":
+            return np.array(attr.value, dtype=np.int64)
+        if name == "value_ints":
+            return np.array(list(attr.value), dtype=np.int64)
+        if name == "value_string":
+            return np.array(attr.value, dtype=object)
+        if name == "value_strings":
+            return np.array(list(attr.value), dtype=object)
+    return None
+
+
+def densify_sparse_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each ``Constant(sparse_value=...)`` holding the dense tensor instead.
+
+    onnx_ir does not read sparse tensors; their dense form is the same constant. Returns
+    ``model`` itself when it has none, else a copy.
+    """
+    found = [
+        node for graph in _graphs(model.graph) for node in graph.node
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+        and any(a.name == "sparse_value" for a in node.attribute)
+    ]  # fmt: skip
+    if not found:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for graph in _graphs(copy.graph):
+        for node in graph.node:
+            sparse = [a for a in node.attribute if a.name == "sparse_value"]
+            if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not sparse:
+                continue
+            dense = _densify(sparse[0].sparse_tensor)
+            del node.attribute[:]
+            node.attribute.append(onnx.helper.make_attribute("value", dense))
+    return copy
+
+
+def _densify(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:
+    values = numpy_helper.to_array(sparse.values)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    shape = tuple(sparse.dims)
+    dense = np.zeros(math.prod(shape), dtype=values.dtype)
+    if indices.ndim == 2:  # [nnz, rank] coordinates
+        indices = np.ravel_multi_index(tuple(indices.T), shape) if indices.size else indices[:, 0]
+    dense[indices.reshape(-1)] = values.reshape(-1)
+    return numpy_helper.from_array(dense.reshape(shape), sparse.values.name)
+
+
+def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    """``graph`` and every subgraph of its nodes, recursively."""
+    found = [graph]
+    for node in graph.node:
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.HasField("g") else list(attr.graphs)
+            for sub in subgraphs:
+                found.extend(_graphs(sub))
+    return found
+
+
+def _evaluate(value: ir.Value | None, depth: int) -> _Partial | None:
     if value is None or depth <= 0:
         return None
     if value.const_value is not None:
-        return value.const_value.numpy()
+        return _Partial(value.const_value.numpy())
     node = value.producer()
-    if node is None or node.domain not in ("", "ai.onnx"):
+    if node is None or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
         return None
     if node.op_type == "Constant":
-        attr = node.attributes.get("value")
-        return None if attr is None else attr.value.numpy()
+        constant = constant_attribute_value(node)
+        return None if constant is None else _Partial(constant)
     if node.op_type in ("Shape", "Size"):
         return _shape_of(node)
-    if node.op_type == "Gather":
-        picked = _gather_dims(node, depth)
-        if picked is not None:
-            return picked
     evaluate = _EVALUATORS.get(node.op_type)
     if evaluate is None:
         return None
-    args = [constant_value(v, depth - 1) if v is not None else None for v in node.inputs]
+    args = [_evaluate(v, depth - 1) if v is not None else None for v in node.inputs]
     if any(a is None for a, v in zip(args, node.inputs) if v is not None):
         return None
-    if any(a is not None and a.size > _MAX_ELEMENTS for a in args):
+    if any(a is not None and a.values.size > _MAX_ELEMENTS for a in args):
         return None
+    data = _DATA_ARGS.get(node.op_type, 0)
+    elementwise = not data and node.op_type in _ELEMENTWISE
+    if not elementwise and any(a is not None and not a.known for a in args[data:]):
+        return None  # indices, axes and target shapes must be known
     try:
-        result = evaluate(node, args)
+        values = evaluate(node, [None if a is None else a.values for a in args])
+        if values is None:
+            return None
+        values = np.asarray(values)
+        if all(a is None or a.dims is None for a in args):
+            return _Partial(values)
+        if node.op_type == "Cast":
+            assert args[0] is not None and args[0].dims is not None
+            dims = args[0].dims
+        elif data:  # the same selection of the data's elements
+            dims = np.asarray(evaluate(node, [
+                _dims_of(a) if i < data else None if a is None else a.values
+                for i, a in enumerate(args)
+            ]))  # fmt: skip
+        else:  # arithmetic: unknown where any operand is
+            masks = [_unknown(a.dims) for a in args if a is not None and a.dims is not None]
+            unknown = np.broadcast_to(functools.reduce(np.logical_or, masks), values.shape)
+            dims = np.full(values.shape, None, dtype=object)
+            dims[unknown] = _UNKNOWN
     except (ValueError, IndexError, TypeError, ZeroDivisionError):
         return None
-    return None if result is None else np.asarray(result)
+    return _Partial(np.where(_unknown(dims), np.ones_like(values), values), dims)
 
 
-def _shape_of(node: ir.Node) -> np.ndarray | None:
+def _unknown(dims: np.ndarray) -> np.ndarray:
+    """Where ``dims`` (a :class:`_Partial`'s) marks an element unknown."""
+    return np.vectorize(lambda d: d is not None, otypes=[bool])(dims)
+
+
+def _dims_of(partial: _Partial | None) -> np.ndarray | None:
+    if partial is None:
+        return None
+    if partial.dims is None:
+        return np.full(partial.values.shape, None, dtype=object)
+    return partial.dims
+
+
+def _shape_of(node: ir.Node) -> _Partial | None:
     x = node.inputs[0]
     if x is None or x.shape is None:
         return None
@@ -67,39 +254,19 @@ def _shape_of(node: ir.Node) -> np.ndarray | None:
     if node.op_type == "Size":
         sizes = [d for d in dims if isinstance(d, int)]
         if len(sizes) != len(dims):
-            return None
-        return np.array(math.prod(sizes), dtype=np.int64)
+            return _Partial(np.array(1, dtype=np.int64), np.array(_UNKNOWN, dtype=object))
+        return _Partial(np.array(math.prod(sizes), dtype=np.int64))
     r = len(dims)
     start = node.attributes.get_int("start", 0)
     end = node.attributes.get_int("end", r)
     start, end = (min(max(v + r if v < 0 else v, 0), r) for v in (start, end))
-    picked = dims[start:end]
-    if not all(isinstance(d, int) for d in picked):
-        return None
-    return np.array(picked, dtype=np.int64)
-
-
-def _gather_dims(node: ir.Node, depth: int) -> np.ndarray | None:
-    """``Gather(Shape(x), i)`` where just the gathered dimensions of ``x`` are static."""
-    source = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if source is None or source.op_type != "Shape" or source.inputs[0] is None:
-        return None
-    x = source.inputs[0]
-    index = constant_value(node.inputs[1], depth - 1)
-    if x.shape is None or index is None:
-        return None
-    r = len(x.shape)
-    start = source.attributes.get_int("start", 0)
-    end = source.attributes.get_int("end", r)
-    start, end = (min(max(v + r if v < 0 else v, 0), r) for v in (start, end))
-    dims = list(x.shape.dims)[start:end]
-    positions = index.astype(np.int64).reshape(-1).tolist()
-    if not all(-len(dims) <= i < len(dims) for i in positions):
-        return None
-    picked = [dims[i] for i in positions]
-    if not all(isinstance(d, int) for d in picked):
-        return None
-    return np.array(picked, dtype=np.int64).reshape(index.shape)
+    axes = range(start, end)
+    values = np.array([d if isinstance(d, int) else 1 for d in dims[start:end]], dtype=np.int64)
+    if all(isinstance(dims[a], int) for a in axes):
+        return _Partial(values)
+    unknown = np.empty(len(axes), dtype=object)
+    unknown[:] = [None if isinstance(dims[a], int) else Dim(x, a) for a in axes]
+    return _Partial(values, unknown)
 
 
 def _axes(node: ir.Node, args: list[np.ndarray | None]) -> list[int] | None:
@@ -145,6 +312,15 @@ def _slice(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray | None:
     return x[tuple(index)]
 
 
+def _reshape(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray | None:
+    x, shape = args[0], args[1]
+    assert x is not None and shape is not None
+    target = [int(d) for d in shape.reshape(-1)]
+    if not node.attributes.get_int("allowzero", 0):
+        target = [x.shape[i] if d == 0 and i < x.ndim else d for i, d in enumerate(target)]
+    return x.reshape(target)
+
+
 def _binary(op: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable:
     def evaluate(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray:
         a, b = args[0], args[1]
@@ -169,10 +345,7 @@ _EVALUATORS: dict[str, Callable[[ir.Node, list[np.ndarray | None]], np.ndarray |
         args,  # type: ignore[arg-type]
         axis=node.attributes.get_int("axis", 0),
     ),
-    "Reshape": lambda node, args: (
-        None if 0 in args[1] or -1 in args[1]  # type: ignore[operator]
-        else args[0].reshape(args[1])  # type: ignore[union-attr]
-    ),
+    "Reshape": _reshape,
     "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze,
     "Slice": _slice,
@@ -180,6 +353,21 @@ _EVALUATORS: dict[str, Callable[[ir.Node, list[np.ndarray | None]], np.ndarray |
     "Sub": _binary(np.subtract),
     "Mul": _binary(np.multiply),
     "Div": _div,
+    "Max": lambda node, args: functools.reduce(np.maximum, args),  # type: ignore[arg-type]
+    "Min": lambda node, args: functools.reduce(np.minimum, args),  # type: ignore[arg-type]
 }
+# Ops that select or rearrange the elements of their first n inputs (which may be partly
+# known) as their other inputs (which must be known) say.
+_DATA_ARGS = {
+    "Identity": 1, "Cast": 1, "Gather": 1, "Reshape": 1, "Unsqueeze": 1, "Squeeze": 1,
+    "Slice": 1, "Concat": _MAX_ELEMENTS,
+}  # fmt: skip
+_ELEMENTWISE = frozenset({"Neg", "Add", "Sub", "Mul", "Div", "Max", "Min"})
 
-__all__ = ["constant_value"]
+__all__ = [
+    "Dim",
+    "constant_attribute_value",
+    "constant_value",
+    "densify_sparse_constants",
+    "partial_value",
+]

@@ -13,6 +13,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.errors import ModelError
+from traingraph.ir.fold import densify_sparse_constants
 
 ModelLike: TypeAlias = "str | os.PathLike[str] | onnx.ModelProto | ir.Model"
 
@@ -51,7 +52,7 @@ def load_ir(model: ModelLike, *, copy: bool = True, infer_shapes: bool = True) -
         raise ModelError(
             f"expected a path, an onnx.ModelProto or an onnx_ir.Model, got {type(model).__name__}"
         )
-    m = ir.from_proto(proto)
+    m = ir.from_proto(densify_sparse_constants(proto))
     _prepare(m, infer_shapes=infer_shapes)
     return m
 

@@ -26,6 +26,7 @@ from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
 from traingraph.autodiff.rules.shape import static_dim
 from traingraph.ir.builder import OpBuilder, rank, static_shape
+from traingraph.ir.fold import Dim, partial_value
 
 Grads = Sequence[ir.Value | None]
 
@@ -471,15 +472,46 @@ def _resize_constant(ctx: GradContext, i: int, what: str) -> np.ndarray | None:
     return value.reshape(-1) if value.size else None
 
 
+def _resize_sizes(ctx: GradContext, axes: list[int]) -> list[int | None] | None:
+    """Resize's ``sizes``, one per axis of ``axes`` (None when absent or empty): each a
+    number, or None where it is the input's own (dynamic) length of that axis.
+
+    Sizes read from shapes are folded element by element, so ``Concat(Shape(x)[:2], [8, 8])``
+    is known for the resized axes although the batch length is not.
+    """
+    if not ctx.has_input(3):
+        return None
+    x, sizes = ctx.x(0), partial_value(ctx.x(3))
+    if sizes is None or len(sizes) not in (0, len(axes)):
+        ctx.unsupported(
+            "the sizes input is computed at run time; the gradient builds interpolation"
+            " matrices from static values, so make sizes a constant (or a Concat of constants"
+            " and Shape elements of static dimensions)"
+        )
+    if not sizes:
+        return None
+    unknown = [
+        a for a, s in zip(axes, sizes)
+        if not isinstance(s, int) and not (isinstance(s, Dim) and s.is_dim_of(x, a))
+    ]  # fmt: skip
+    if unknown:
+        ctx.unsupported(
+            f"the sizes of axes {unknown} are computed at run time; the gradient builds"
+            " interpolation matrices from static values, so make them constants (or the"
+            " input's own lengths, read with Shape)"
+        )
+    return [s if isinstance(s, int) else static_dim(x, a) for a, s in zip(axes, sizes)]
+
+
 def _resized_axes(ctx: GradContext, axes: list[int]) -> list[tuple[int, int, int, float]]:
     """``(axis, input length, output length, scale)`` of each of Resize's ``axes``.
 
-    An axis whose scale is exactly 1 may have a dynamic length (reported as -1 in and out);
-    every other axis needs a static input length.
+    An axis whose scale is exactly 1, or whose size is the input's own length, may have a
+    dynamic length (reported as -1 in and out); every other axis needs a static input length.
     """
     x = ctx.x(0)
     scales = _resize_constant(ctx, 2, "scales")
-    sizes = _resize_constant(ctx, 3, "sizes") if scales is None else None
+    sizes = _resize_sizes(ctx, axes) if scales is None else None
     if scales is None and sizes is None:
         ctx.unsupported("neither scales nor sizes is given")
     in_dims = [static_dim(x, a) for a in axes]
@@ -489,22 +521,27 @@ def _resized_axes(ctx: GradContext, axes: list[int]) -> list[tuple[int, int, int
             else (a, d, int(np.float32(d) * np.float32(s)), float(np.float32(s)))
             for a, d, s in zip(axes, in_dims, scales)
         ]
-    if sizes is None or None in in_dims:
+    policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
+    kept = [d is None and s is None for d, s in zip(in_dims, sizes or [])]
+    if sizes is None or any(d is None and not k for d, k in zip(in_dims, kept)) or (
+        any(kept) and policy != "stretch"
+    ):
         dynamic = [a for a, d in zip(axes, in_dims) if d is None]
         ctx.unsupported(
             f"axes {dynamic} of the input have dynamic lengths and are resized; the gradient"
-            " needs static lengths on resized axes (or scales of exactly 1 on dynamic ones)"
+            " needs static lengths on resized axes (or scales of exactly 1, or sizes equal to"
+            " the input's own lengths, on dynamic ones)"
         )
-    lengths = [int(d) for d in in_dims if d is not None]
-    targets = [int(s) for s in sizes]
-    policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
     if policy == "stretch":
         return [
-            (a, d, o, float(np.float32(o) / np.float32(d)))
-            for a, d, o in zip(axes, lengths, targets)
+            (a, -1, -1, 1.0) if d is None or o is None
+            else (a, d, o, float(np.float32(o) / np.float32(d)))
+            for a, d, o in zip(axes, in_dims, sizes)
         ]
     if policy not in ("not_larger", "not_smaller"):
         ctx.unsupported(f"keep_aspect_ratio_policy={policy!r} is not supported")
+    lengths = [int(d) for d in in_dims if d is not None]
+    targets = [int(s) for s in sizes if s is not None]
     ratios = [o / d for o, d in zip(targets, lengths)]
     common = min(ratios) if policy == "not_larger" else max(ratios)
     return [(a, d, int(np.floor(common * d + 0.5)), common) for a, d in zip(axes, lengths)]
