@@ -34,6 +34,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import heapq
 import importlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -278,7 +280,8 @@ def split_weight_grads(
     if _native is None:
         return model, []
     graph = model.graph
-    found = _verified(model, _candidates(model, forward))
+    g = GraphIndex.of(graph)
+    found = _verified(model, g, _candidates(model, g, forward))
     if not found:
         return model, []
     found = _routed(model, forward, found)
@@ -321,12 +324,13 @@ class _Match:
     w_shape: list[int]
 
 
-def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) -> list[_Match]:
+def _candidates(
+    model: onnx.ModelProto, g: GraphIndex, forward: onnx.ModelProto | None = None
+) -> list[_Match]:
     """The gradient outputs that look like one Conv's weight gradient (see the module
-    docstring), with the nodes that compute them; the Convs of ``forward`` count where
-    ``model`` reads their input."""
+    docstring), with the nodes that compute them (``g`` indexes ``model``'s graph); the Convs
+    of ``forward`` count where ``model`` reads their input."""
     graph = model.graph
-    g = GraphIndex.of(graph)
     nodes, producer, outputs = g.nodes, g.producer, g.outputs
     inputs = {i.name: i for i in graph.input}
     convs = list(nodes)
@@ -364,7 +368,7 @@ def _candidates(model: onnx.ModelProto, forward: onnx.ModelProto | None = None) 
             out_shape.append((padded - extent) // strides[axis] + 1)
         if g.consumers.get(output):
             continue  # read inside the graph as well (a finiteness check, a sum)
-        cone = _cone(nodes, producer[output], outputs, g.consumers)
+        cone = _cone(g, producer[output])
         if any(_has_subgraph(nodes[i]) for i in cone):
             continue
         # The gradient of the Conv's output: a value the cone reads, of the output's shape,
@@ -462,20 +466,26 @@ def _pair(values: Sequence[int] | None) -> tuple[int, int]:
 
 
 def _cone(
-    nodes: list[onnx.NodeProto],
+    g: GraphIndex,
     root: int,
-    outputs: set[str],
-    consumers: dict[str, set[int]],
     within: set[int] | None = None,
 ) -> set[int]:
     """The nodes whose results reach only ``root``'s output: ``root`` and, walking back in
     topological order, every node (of ``within``, where given) all of whose used outputs feed
-    only nodes already in."""
+    only nodes already in.
+
+    Only the producers of what the nodes already in read can join, so the walk visits those
+    (latest first) rather than every earlier node."""
+    nodes, producer, consumers, outputs = g.nodes, g.producer, g.consumers, g.outputs
     cone = {root}
-    earlier = range(root - 1, -1, -1) if within is None else sorted(within, reverse=True)
-    for i in earlier:
-        if i >= root:
+    pending = [-j for j in _producers_of(nodes[root], producer)]
+    heapq.heapify(pending)
+    position = root  # the walk goes down from here; a node above it was passed already
+    while pending:
+        i = -heapq.heappop(pending)
+        if i >= position or i in cone or (within is not None and i not in within):
             continue
+        position = i
         used = [name for name in nodes[i].output if name and consumers.get(name)]
         if (
             used
@@ -483,7 +493,13 @@ def _cone(
             and all(consumers[name] <= cone for name in used)
         ):
             cone.add(i)
+            for j in _producers_of(nodes[i], producer):
+                heapq.heappush(pending, -j)
     return cone
+
+
+def _producers_of(node: onnx.NodeProto, producer: Mapping[str, int]) -> set[int]:
+    return {producer[name] for name in node.input if name in producer}
 
 
 def can_match(model: onnx.ModelProto, function: str, op_type: str) -> bool:
@@ -523,6 +539,8 @@ class GraphIndex:
     outputs: set[str]
     constants: set[str]
     param_grads: set[str]  # the outputs "<input>_grad"
+    initializers: Mapping[str, onnx.TensorProto] = dataclasses.field(default_factory=dict)
+    _digests: dict[str, bytes] = dataclasses.field(default_factory=dict, compare=False)
 
     @staticmethod
     def of(graph: onnx.GraphProto) -> GraphIndex:
@@ -545,6 +563,7 @@ class GraphIndex:
             outputs,
             constants,
             {f"{name}_grad" for name in _graph_reads(graph)} & outputs,
+            {t.name: t for t in graph.initializer},
         )
 
     def derived_from(
@@ -566,12 +585,16 @@ class GraphIndex:
             elif node is None or not node.input:
                 memo[v] = False
             else:
+                # one input known not to be derived settles it; else look at the next unknown
                 reads = [r for r in node.input if r]
-                pending = [r for r in reads if r not in memo]
-                if pending:
-                    stack.extend(pending)
-                    continue
-                memo[v] = all(memo[r] for r in reads)
+                if any(memo.get(r) is False for r in reads):
+                    memo[v] = False
+                else:
+                    pending = next((r for r in reads if r not in memo), None)
+                    if pending is not None:
+                        stack.append(pending)
+                        continue
+                    memo[v] = True
             stack.pop()
         return memo[value]
 
@@ -588,20 +611,63 @@ class GraphIndex:
         self, start: str, sources: set[str], allowed: Callable[[str], bool]
     ) -> set[int]:
         """The nodes that read ``start`` (transitively), are computed from ``sources`` and
-        constants alone, and write only ``allowed`` values."""
-        known = set(sources) | self.constants
+        constants alone, and write only ``allowed`` values.
+
+        The walk goes forward from the readers of ``start`` (in the nodes' order), not over
+        every node."""
+        computable: dict[int, bool] = {}  # a node's inputs come from sources and constants
         reached = {start}
         found: set[int] = set()
-        for i, node in enumerate(self.nodes):
-            reads = [v for v in node.input if v]
-            if not all(v in known for v in reads):
+        pending = sorted(self.consumers.get(start, ()))
+        position = -1  # the walk goes up from here; a node below it was passed already
+        while pending:
+            i = heapq.heappop(pending)
+            if i <= position:
+                continue
+            position = i
+            node = self.nodes[i]
+            if not any(v in reached for v in node.input if v):
+                continue
+            if not self._computable(i, sources, computable):
                 continue
             outputs = [o for o in node.output if o]
-            known.update(outputs)
-            if any(v in reached for v in reads) and all(allowed(o) for o in outputs):
+            if all(allowed(o) for o in outputs):
                 found.add(i)
                 reached.update(outputs)
+                for o in outputs:
+                    for j in self.consumers.get(o, ()):
+                        heapq.heappush(pending, j)
         return found
+
+    def _computable(self, i: int, sources: set[str], memo: dict[int, bool]) -> bool:
+        """Whether every input of node ``i`` is one of ``sources``, a constant, or written by
+        an earlier node whose inputs are so too (``memo`` keeps the answers by node)."""
+        stack = [i]
+        while stack:
+            j = stack[-1]
+            if j in memo:
+                stack.pop()
+                continue
+            verdict: bool | None = True
+            for v in self.nodes[j].input:
+                if not v or v in sources or v in self.constants:
+                    continue
+                p = self.producer.get(v)
+                if p is None or p >= j or memo.get(p) is False:
+                    verdict = False
+                    break
+                if p not in memo:
+                    verdict = None  # known once p is
+            if verdict is None:
+                stack.append(next(
+                    p for v in self.nodes[j].input
+                    if (p := self.producer.get(v, -1)) >= 0 and p not in memo
+                    and v not in sources and v not in self.constants
+                ))  # fmt: skip
+                continue
+            memo[j] = verdict
+            stack.pop()
+        return memo[i]
 
     def leading_to(self, nodes: set[int], targets: set[str]) -> set[int]:
         """The nodes of ``nodes`` from which one of ``targets`` is reached within ``nodes``."""
@@ -626,6 +692,7 @@ class GraphIndex:
         """Nodes computed from ``sources`` and constants (recomputed statistics) that feed
         only ``nodes`` and each other."""
         found: set[int] = set()
+        derived: dict[str, bool] = {}  # derived_from's answers for these sources
         changed = True
         while changed:
             changed = False
@@ -636,7 +703,7 @@ class GraphIndex:
                 node = self.nodes[i]
                 if any(o in self.outputs for o in node.output):
                     continue
-                if not all(self.derived_from(v, sources) for v in node.input if v):
+                if not all(self.derived_from(v, sources, derived) for v in node.input if v):
                     continue
                 if all(self.consumers.get(o, set()) <= nodes | found for o in node.output if o):
                     found.add(i)
@@ -685,12 +752,57 @@ class GraphIndex:
     def _producers(self, i: int) -> set[int]:
         return {self.producer[v] for v in self.nodes[i].input if v in self.producer}
 
+    def form(self, nodes: Collection[int], roles: Mapping[str, str]) -> tuple[object, ...]:
+        """What ``nodes`` compute, without the names of their values: each node's op,
+        attributes and inputs, an input named by the node and output that write it within,
+        by its role in ``roles`` (a kernel's inputs and outputs: "x", "dy", ...), by the
+        contents of the constant it is, or else by its own name. Two matches of one form whose
+        inputs have the same shapes compute the same function of their inputs, so one numeric
+        check decides both."""
+        order = sorted(nodes)
+        at = {
+            name: (k, j) for k, i in enumerate(order) for j, name in enumerate(self.nodes[i].output)
+        }
+        form: list[object] = []
+        for i in order:
+            node = self.nodes[i]
+            inputs = tuple(
+                at[v] if v in at
+                else ("role", roles[v]) if v in roles
+                else ("constant", self._constant_digest(v)) if v in self.constants
+                else ("value", v)
+                for v in node.input
+            )  # fmt: skip
+            form.append((
+                node.domain or "ai.onnx",
+                node.op_type,
+                tuple(a.SerializeToString(deterministic=True) for a in node.attribute),
+                inputs,
+                tuple(roles.get(o, "") for o in node.output),
+            ))  # fmt: skip
+        return tuple(form)
+
+    def _constant_digest(self, name: str) -> bytes:
+        """A digest of the contents (type, shape, values) of the constant ``name``."""
+        digests = self._digests
+        if name not in digests:
+            if name in self.producer:  # a Constant node: its attribute holds the value
+                node = self.nodes[self.producer[name]]
+                content = b"".join(a.SerializeToString(deterministic=True) for a in node.attribute)
+            else:
+                tensor = onnx.TensorProto()
+                tensor.CopyFrom(self.initializers[name])
+                tensor.ClearField("name")
+                content = tensor.SerializeToString(deterministic=True)
+            digests[name] = hashlib.blake2b(content, digest_size=16).digest()
+        return digests[name]
+
     def computed_from(self, cone: set[int], sources: set[str]) -> set[int]:
         """The nodes of ``cone`` computed from ``sources`` and constants alone."""
-        known = set(sources) | self.constants
+        known = set(sources)
         found: set[int] = set()
         for i in sorted(cone):
-            if all(name in known for name in self.nodes[i].input if name):
+            if all(v in known or v in self.constants for v in self.nodes[i].input if v):
                 found.add(i)
                 known.update(name for name in self.nodes[i].output if name)
         return found
@@ -809,7 +921,7 @@ def _route(
         root = g.producer.get(f"{bias}_grad")
         if root is None:
             return None
-        bias_cone = _cone(g.nodes, root, g.outputs, g.consumers)
+        bias_cone = _cone(g, root)
         bias_nodes = g.computed_from(bias_cone, {grad.dy})
         if root not in bias_nodes:
             return None
@@ -817,7 +929,7 @@ def _route(
         bias = None  # frozen: no gradient asked for
     if exclusive and not g.consumers.get(grad.dy, set()) <= cone | bias_nodes:
         return None  # dy is read elsewhere (the Conv's input gradient)
-    dy_cone = _cone(g.nodes, g.producer[grad.dy], g.outputs, g.consumers)
+    dy_cone = _cone(g, g.producer[grad.dy])
     for dp in sorted(
         {name for i in dy_cone for name in g.nodes[i].input if name},
         key=lambda name: g.producer.get(name, -1),
@@ -986,7 +1098,7 @@ def random_feeds(
         if shape is None or None in shape[1:]:
             return None
         full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
-        feeds[name] = rng.standard_normal(full).astype(np.float32)
+        feeds[name] = rng.standard_normal(full, dtype=np.float32)
     return feeds
 
 
@@ -1040,20 +1152,34 @@ def kernel_agrees(
     return True
 
 
-def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightGrad, set[int]]]:
+def _verified(
+    model: onnx.ModelProto, g: GraphIndex, found: list[_Match]
+) -> list[tuple[WeightGrad, set[int]]]:
     """The candidates whose subgraph computes what the kernel computes, on random inputs of
-    batch 2 (all in one onnxruntime session)."""
-    graph = model.graph
-    nodes = list(graph.node)
+    batch 2 (all in one onnxruntime session); a candidate of the same form (the nodes and the
+    Conv's attributes, :meth:`GraphIndex.form`) and shapes as one checked takes its verdict."""
+    nodes = g.nodes
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
-    checks: list[tuple[WeightGrad, set[int], np.ndarray]] = []
-    for match in found:
+    checks: list[tuple[int, WeightGrad, set[int], np.ndarray]] = []
+    decides: dict[tuple[object, ...], int] = {}  # a form -> the candidate checked for it
+    checked_as: dict[int, int] = {}  # a candidate -> the one whose check decides it
+    for index, match in enumerate(found):
         grad = match.grad
         if min(match.dy_shape) < 1:
             continue
-        x = feeds.setdefault(grad.x, rng.standard_normal(match.x_shape).astype(np.float32))
-        dy = feeds.setdefault(grad.dy, rng.standard_normal(match.dy_shape).astype(np.float32))
+        form = (
+            g.form(match.cone, {grad.x: "x", grad.dy: "dy", grad.output: "output"}),
+            dataclasses.replace(grad, output="", param="", x="", dy=""),
+            tuple(match.x_shape),
+            tuple(match.dy_shape),
+            tuple(match.w_shape),
+        )
+        if form in decides:
+            checked_as[index] = decides[form]
+            continue
+        x = feeds.setdefault(grad.x, rng.standard_normal(match.x_shape, dtype=np.float32))
+        dy = feeds.setdefault(grad.dy, rng.standard_normal(match.dy_shape, dtype=np.float32))
         if list(x.shape) != match.x_shape or list(dy.shape) != match.dy_shape:
             continue
         expected = np.zeros(match.w_shape, np.float32)
@@ -1061,19 +1187,22 @@ def _verified(model: onnx.ModelProto, found: list[_Match]) -> list[tuple[WeightG
             compute([grad], feeds, {grad.output: expected}, 1)
         except ValueError:
             continue
-        checks.append((grad, match.cone, expected))
+        checks.append((index, grad, match.cone, expected))
+        decides[form] = checked_as[index] = index
     if not checks:
         return []
-    keep = sorted(set().union(*(cone for _, cone, _ in checks)))
+    keep = sorted(set().union(*(cone for _, _, cone, _ in checks)))
     try:
         results = _run_subgraph(
-            model, [nodes[i] for i in keep], feeds, [g.output for g, _, _ in checks]
+            model, [nodes[i] for i in keep], feeds, [grad.output for _, grad, _, _ in checks]
         )
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
-    verified = []
-    for (grad, cone, expected), got in zip(checks, results):
+    passed = set()
+    for (index, _, _, expected), got in zip(checks, results):
         scale = float(np.abs(expected).max()) or 1.0
         if got.shape == expected.shape and np.abs(got - expected).max() <= _CHECK_RTOL * scale:
-            verified.append((grad, cone))
-    return verified
+            passed.add(index)
+    return [
+        (match.grad, match.cone) for i, match in enumerate(found) if checked_as.get(i) in passed
+    ]

@@ -161,7 +161,7 @@ def _match(
     if any(not shapes.get(v) or None in shapes[v] for v in shaped):
         return None
     # the nodes whose results something else reads too (and what they read) stay
-    kept = conv_grads._cone(g.nodes, chain[-1], g.outputs, g.consumers, nodes | set(chain))
+    kept = conv_grads._cone(g, chain[-1], nodes | set(chain))
     if not set(chain) <= kept:
         return None
     mask = DropoutMask(seed, value, tuple(dims), int(threshold.reshape(())), scale)

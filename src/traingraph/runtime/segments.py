@@ -225,46 +225,55 @@ def _verified(
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
     checks = []
-    for grad, nodes in found:
+    # a match of the same form and shapes as one checked (the same layer repeated) takes its
+    # verdict: the check of the first decides for all
+    decides: dict[tuple[object, ...], int] = {}  # a form -> the match checked for it
+    checked_as: dict[int, int] = {}  # a match -> the match whose check decides it
+    for index, (grad, nodes) in enumerate(found):
         # the model's batch where it is static (the graph may hold 1 / M as a constant), else
         # 16 (with as few values per channel as 2, dx is all cancellation)
         batch = shapes[grad.x][0] or 16
         x_shape = [int(batch), *(int(d or 0) for d in shapes[grad.x][1:])]
         if min(x_shape) < 1 or any(d is None for d in shapes[grad.x][1:]):
             continue
+        roles = {getattr(grad, f): f for f in ("x", "scale", "dy", "y", "dx", "dscale", "dbias")}
+        form = (
+            g.form(nodes, {name: role for name, role in roles.items() if name}),
+            tuple(x_shape),
+            grad.epsilon,
+            tuple(sorted(role for name, role in roles.items() if name)),
+        )
+        if form in decides:
+            checked_as[index] = decides[form]
+            continue
         # a value two matches read (one gradient into two branches) gets one array
         values = {
-            grad.x: feeds.setdefault(
-                grad.x, rng.standard_normal(x_shape).astype(np.float32) * 2 + 1
-            ),
-            grad.dy: feeds.setdefault(grad.dy, rng.standard_normal(x_shape).astype(np.float32)),
-            grad.scale: feeds.setdefault(
-                grad.scale, rng.standard_normal(x_shape[1]).astype(np.float32)
-            ),
+            grad.x: feeds.setdefault(grad.x, _normal(rng, x_shape) * 2 + 1),
+            grad.dy: feeds.setdefault(grad.dy, _normal(rng, x_shape)),
+            grad.scale: feeds.setdefault(grad.scale, _normal(rng, [x_shape[1]])),
         }
         if grad.y:
-            values[grad.y] = feeds.setdefault(
-                grad.y, np.maximum(rng.standard_normal(x_shape), 0).astype(np.float32)
-            )
+            values[grad.y] = feeds.setdefault(grad.y, np.maximum(_normal(rng, x_shape), 0))
         if any(list(v.shape) != list(want) for v, want in (
             (values[grad.x], x_shape), (values[grad.dy], x_shape)
         )):
             continue
         expected: dict[str, np.ndarray] = {}
         grad.compute(values, expected, 1)
-        checks.append((grad, nodes, expected))
+        checks.append((index, grad, nodes, expected))
+        decides[form] = checked_as[index] = index
     if not checks:
         return []
-    keep = sorted(set().union(*(nodes for _, nodes, _ in checks)))
-    names = [name for grad, _, _ in checks for name in grad.outputs]
+    keep = sorted(set().union(*(nodes for _, _, nodes, _ in checks)))
+    names = [name for _, grad, _, _ in checks for name in grad.outputs]
     try:
         results = dict(
             zip(names, conv_grads._run_subgraph(model, [g.nodes[i] for i in keep], feeds, names))
         )
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
-    verified = []
-    for grad, nodes, expected in checks:
+    passed = set()
+    for index, grad, _, expected in checks:
         ok = True
         for name in grad.outputs:
             want, got = expected[name], results[name]
@@ -274,8 +283,13 @@ def _verified(
             ok = ok and got.shape == want.shape
             ok = ok and bool(np.abs(got - want).max() <= conv_grads._CHECK_RTOL * scale)
         if ok:
-            verified.append((grad, nodes))
-    return verified
+            passed.add(index)
+    return [match for i, match in enumerate(found) if checked_as.get(i) in passed]
+
+
+def _normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
+    """Standard-normal float32 values of ``shape``."""
+    return rng.standard_normal(shape, dtype=np.float32)
 
 
 @dataclass(frozen=True)

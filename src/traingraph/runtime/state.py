@@ -129,13 +129,13 @@ class TrainingState:
 
     def slot_owner(self, slot: str) -> tuple[str, str]:
         """``"fc.weight.exp_avg"`` -> ``("fc.weight", "exp_avg")`` (longest parameter prefix)."""
-        best = ""
-        for name in self.names:
-            if slot.startswith(name + ".") and len(name) > len(best):
-                best = name
-        if not best:
+        names = set(self.names)
+        cut = slot.rfind(".")
+        while cut > 0 and slot[:cut] not in names:  # the longest prefix first
+            cut = slot.rfind(".", 0, cut)
+        if cut <= 0:
             return slot.rsplit(".", 1)[0], slot.rsplit(".", 1)[-1]
-        return best, slot[len(best) + 1 :]
+        return slot[:cut], slot[cut + 1 :]
 
 
 def _pick(values: Mapping[str, np.ndarray], names: Mapping[str, object]) -> dict[str, np.ndarray]:
