@@ -1,0 +1,500 @@
+"""What every zoo model goes through: export, artifacts, gradients, a loss curve, inference.
+
+A :class:`ZooCase` says how to build a PyTorch model and a batch for it, which loss and which
+optimizer train it. :func:`run_case` exports it through :func:`traingraph.from_torch` with one
+exporter, writes its artifacts, runs traingraph's training graph and compares with PyTorch:
+
+- gradients: the parameter gradients of one train step against a float64 torch reference
+  (``copy.deepcopy(model).double()``, same batch, train mode). A parameter passes when its
+  gradient is within ``grad_rtol`` of the reference, relative to the reference gradient's norm,
+  or within twice the distance of torch's own float32 gradient from float64 (BatchNorm over few
+  values makes float32 itself that far off);
+- the loss curve: ``steps`` optimizer steps on the same batches as ``torch.optim`` in float64
+  (see :func:`curve_tolerance`);
+- the inference model: ``Module.export_model_for_inferencing`` after training computes the eval
+  graph's output on a batch.
+
+Every Dropout's (and StochasticDepth's) probability is set to 0 before the model is exported,
+so that PyTorch and traingraph draw no random masks and their loss curves can be compared.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from traingraph import losses, optim
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.artifacts import generate_artifacts
+
+EXPORTERS = ("dynamo", "torchscript")
+"""The exporters every case runs with."""
+OPSETS: dict[str, int | None] = {"dynamo": None, "torchscript": 17}
+"""The opset each exporter is asked for (None: ``from_torch``'s default)."""
+OUTPUT = "output"
+"""The name of every zoo model's output."""
+BATCHES = 4
+"""Distinct batches the loss curve cycles through."""
+
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooLoss:
+    """A loss on both sides: traingraph's loss block and the torch function it equals."""
+
+    name: str
+    traingraph: Callable[[], losses.Loss]
+    torch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+CROSS_ENTROPY = ZooLoss("cross_entropy", losses.CrossEntropyLoss, nn.functional.cross_entropy)
+"""Mean cross-entropy of logits (N, C, ...) against int64 class indices (N, ...)."""
+MSE = ZooLoss("mse", losses.MSELoss, nn.functional.mse_loss)
+"""Mean squared error."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooOptimizer:
+    """An optimizer on both sides: traingraph's and ``torch.optim``'s, same hyperparameters."""
+
+    kind: str
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def traingraph(self) -> optim.Optimizer:
+        if self.kind == "sgd":
+            return optim.SGD(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+        if self.kind == "adamw":
+            return optim.AdamW(lr=self.lr, weight_decay=self.weight_decay)
+        raise ValueError(f"unknown optimizer kind {self.kind!r}; expected 'sgd' or 'adamw'")
+
+    def torch(self, params: Any) -> torch.optim.Optimizer:
+        if self.kind == "sgd":
+            return torch.optim.SGD(
+                params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
+        if self.kind == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        raise ValueError(f"unknown optimizer kind {self.kind!r}; expected 'sgd' or 'adamw'")
+
+
+SGD_MOMENTUM = ZooOptimizer("sgd", lr=0.01, momentum=0.9)
+"""SGD with momentum, for the CNNs."""
+ADAMW = ZooOptimizer("adamw", lr=1e-3, weight_decay=0.01)
+"""AdamW, for the transformers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooCase:
+    """One model of the zoo.
+
+    Attributes:
+        name: The test id.
+        build: A fresh model (called after ``torch.manual_seed(0)``); its output is one tensor.
+        example_inputs: A batch of model inputs drawn with the given generator.
+        labels: The labels for a batch of inputs, drawn with the given generator.
+        loss: The loss applied to the model's output.
+        optimizer: The optimizer of the loss curve.
+        slow: Whether the case runs only with ``-m slow``.
+        xfail: Exporter name -> the reason it fails (an exporter bug outside traingraph).
+        input_names: The ONNX names of the model's inputs.
+        steps: Optimizer steps of the loss curve.
+        grad_rtol: Gradient tolerance relative to the reference gradient's norm.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    example_inputs: Callable[[torch.Generator], tuple[torch.Tensor, ...]]
+    labels: Callable[[tuple[torch.Tensor, ...], torch.Generator], torch.Tensor]
+    loss: ZooLoss = CROSS_ENTROPY
+    optimizer: ZooOptimizer = SGD_MOMENTUM
+    slow: bool = False
+    xfail: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    input_names: tuple[str, ...] = ("input",)
+    steps: int = 20
+    grad_rtol: float = 1e-3
+
+
+@dataclasses.dataclass
+class GradientReport:
+    """Per parameter: traingraph's and torch float32's distance from float64 (relative to the
+    float64 gradient's norm) and traingraph's distance from torch float32."""
+
+    traingraph: dict[str, float]
+    torch32: dict[str, float]
+    traingraph_vs_torch32: dict[str, float]
+    rtol: float
+
+    def failures(self) -> dict[str, tuple[float, float]]:
+        """The parameters over tolerance: name -> (traingraph error, torch float32 error)."""
+        return {
+            n: (e, self.torch32[n])
+            for n, e in self.traingraph.items()
+            if not e <= max(self.rtol, 2 * self.torch32[n])
+        }
+
+    def worst(self) -> tuple[float, float, float]:
+        """The largest of each of the three errors."""
+        return (
+            max(self.traingraph.values()),
+            max(self.torch32.values()),
+            max(self.traingraph_vs_torch32.values()),
+        )
+
+
+@dataclasses.dataclass
+class CurveReport:
+    """The loss at each step: traingraph's, torch float64's and torch float32's."""
+
+    traingraph: list[float]
+    torch64: list[float]
+    torch32: list[float]
+
+    def errors(self) -> list[float]:
+        """traingraph's relative distance from torch float64 at each step."""
+        return [abs(a - b) / abs(b) for a, b in zip(self.traingraph, self.torch64)]
+
+    def torch32_errors(self) -> list[float]:
+        return [abs(a - b) / abs(b) for a, b in zip(self.torch32, self.torch64)]
+
+    def failures(self) -> list[tuple[int, float, float]]:
+        """The steps over tolerance: (step, traingraph error, allowed)."""
+        out = []
+        for k, (e, e32) in enumerate(zip(self.errors(), self.torch32_errors())):
+            allowed = max(curve_tolerance(k), 3 * e32)
+            if not e <= allowed:
+                out.append((k, e, allowed))
+        return out
+
+
+@dataclasses.dataclass
+class CaseReport:
+    """What :func:`run_case` measured."""
+
+    case: str
+    exporter: str
+    gradients: GradientReport
+    curve: CurveReport
+    inference_error: float
+    export_s: float
+    artifacts_s: float
+    load_s: float
+
+
+def curve_tolerance(step: int) -> float:
+    """The allowed relative distance of traingraph's loss from torch float64's at ``step``.
+
+    1e-3 at the first step, whose loss is one float32 forward pass; each step then adds 1e-3,
+    up to 1e-2 from step 9 on. A float32 update differs from the float64 one by the gradient's
+    rounding (up to ~1e-3 relative, more under BatchNorm over few values), and those differences
+    add up over the steps. A step that computes the wrong thing (a parameter not trained, the
+    wrong momentum or weight decay, BatchNorm on running statistics) moves the loss by more
+    than 1e-2 within a few steps at the zoo's learning rates. Where torch's own float32 curve is
+    further from float64, three times its distance is allowed instead.
+    """
+    return min(1e-3 * (1 + step), 1e-2)
+
+
+# ------------------------------------------------------------------ torch side
+def zero_dropout(model: nn.Module) -> nn.Module:
+    """Set every Dropout's and StochasticDepth's probability, and every attention dropout, to 0."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) or type(module).__name__ in (
+            "StochasticDepth",
+        ):
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):
+            module.dropout = 0.0
+    return model
+
+
+def build_model(case: ZooCase) -> nn.Module:
+    """The case's model in train mode with seed 0 and its dropout probabilities at 0."""
+    torch.manual_seed(0)
+    return zero_dropout(case.build()).train()
+
+
+def make_batches(case: ZooCase, count: int = BATCHES) -> list[Batch]:
+    """``count`` batches of the case, each from its own seed."""
+    batches = []
+    for seed in range(count):
+        g = torch.Generator().manual_seed(1000 + seed)
+        inputs = case.example_inputs(g)
+        batches.append((inputs, case.labels(inputs, g)))
+    return batches
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def torch_run(
+    model: nn.Module, case: ZooCase, batches: Sequence[Batch], dtype: torch.dtype
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Train a copy of ``model`` in ``dtype``: the first step's gradients and each step's loss."""
+    model = copy.deepcopy(model).to(dtype).train()
+    opt = case.optimizer.torch(model.parameters())
+    grads: dict[str, np.ndarray] = {}
+    curve = []
+    for step in range(case.steps):
+        inputs, labels = batches[step % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        out = model(*(_cast(t, dtype) for t in inputs))
+        loss = case.loss.torch(out, _cast(labels, dtype))
+        loss.backward()
+        if step == 0:
+            grads = {
+                n: p.grad.detach().double().numpy()
+                for n, p in model.named_parameters()
+                if p.requires_grad and p.grad is not None
+            }
+        opt.step()
+        curve.append(float(loss))
+    return grads, curve
+
+
+# ------------------------------------------------------------- traingraph side
+def export(model: nn.Module, case: ZooCase, exporter: str, batch: Batch) -> onnx.ModelProto:
+    """The case exported through :func:`traingraph.from_torch` with ``exporter``."""
+    return from_torch(
+        copy.deepcopy(model),
+        batch[0],
+        exporter=exporter,
+        opset=OPSETS[exporter],
+        input_names=list(case.input_names),
+        output_names=[OUTPUT],
+    )
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def artifacts(model: nn.Module, case: ZooCase, proto: onnx.ModelProto, directory: Path) -> None:
+    """Write the case's artifacts, training exactly the model's ``named_parameters()``."""
+    names = trainable_names(model)
+    initializers = {i.name for i in proto.graph.initializer}
+    missing = [n for n in names if n not in initializers]
+    if missing:
+        raise AssertionError(
+            f"the export lacks the parameters {missing[:8]} ({len(missing)} of {len(names)})"
+        )
+    generate_artifacts(
+        proto,
+        requires_grad=names,
+        loss=case.loss.traingraph(),
+        optimizer=case.optimizer.traingraph(),
+        artifact_directory=directory,
+        additional_output_names=[OUTPUT],
+    )
+
+
+def load(directory: Path) -> tuple[CheckpointState, Module, Optimizer]:
+    """The checkpoint, Module and Optimizer of the artifacts in ``directory``."""
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+    return state, module, Optimizer(directory / "optimizer_model.onnx", module)
+
+
+def feeds(module: Module, batch: Batch) -> dict[str, np.ndarray]:
+    inputs, labels = batch
+    arrays = [t.detach().numpy() for t in (*inputs, labels)]
+    return dict(zip(module.input_names(), arrays))
+
+
+def traingraph_run(
+    state: CheckpointState,
+    module: Module,
+    optimizer: Optimizer,
+    case: ZooCase,
+    batches: Sequence[Batch],
+    names: Sequence[str],
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """Train with traingraph: the first step's gradients and each step's loss."""
+    module.train()
+    grads: dict[str, np.ndarray] = {}
+    curve = []
+    for step in range(case.steps):
+        module.lazy_reset_grad()
+        loss = module(feeds(module, batches[step % len(batches)]))[0]
+        if step == 0:
+            for n in names:
+                g = state.parameters[n].grad
+                assert g is not None, f"traingraph computed no gradient for {n!r}"
+                grads[n] = g.astype(np.float64)
+        optimizer.step()
+        curve.append(float(loss))
+    return grads, curve
+
+
+def _relative(a: np.ndarray, b: np.ndarray, scale: float) -> float:
+    return float(np.linalg.norm(a - b) / scale)
+
+
+def compare_gradients(
+    tg: Mapping[str, np.ndarray],
+    t64: Mapping[str, np.ndarray],
+    t32: Mapping[str, np.ndarray],
+    rtol: float,
+) -> GradientReport:
+    """Each parameter's gradient errors, relative to the float64 gradient's norm (floored at
+    1e-6 of the largest gradient norm, for gradients that are zero up to rounding)."""
+    floor = 1e-6 * max(float(np.linalg.norm(g)) for g in t64.values())
+    report = GradientReport({}, {}, {}, rtol)
+    for name, ref in t64.items():
+        scale = max(float(np.linalg.norm(ref)), floor, np.finfo(np.float64).tiny)
+        got = tg[name].reshape(ref.shape)
+        report.traingraph[name] = _relative(got, ref, scale)
+        report.torch32[name] = _relative(t32[name], ref, scale)
+        report.traingraph_vs_torch32[name] = _relative(got, t32[name], scale)
+    return report
+
+
+def inference_error(module: Module, batch: Batch, directory: Path) -> float:
+    """The exported inference model's largest distance from the eval graph's output on
+    ``batch``, relative to the output's largest magnitude."""
+    module.eval()
+    expected = module(feeds(module, batch))[1]
+    path = directory / "inference.onnx"
+    module.export_model_for_inferencing(path, [OUTPUT])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    got = session.run([OUTPUT], dict(zip(names, (t.numpy() for t in batch[0]))))[0]
+    module.train()
+    scale = max(float(np.abs(expected).max()), 1e-30)
+    return float(np.abs(got - expected).max() / scale)
+
+
+def run_case(case: ZooCase, exporter: str, directory: Path) -> CaseReport:
+    """Export, generate artifacts, train and compare one case with one exporter."""
+    model = build_model(case)
+    batches = make_batches(case)
+    start = time.perf_counter()
+    proto = export(model, case, exporter, batches[0])
+    exported = time.perf_counter()
+    artifacts(model, case, proto, directory)
+    generated = time.perf_counter()
+    state, module, optimizer = load(directory)
+    loaded = time.perf_counter()
+    names = trainable_names(model)
+    tg_grads, tg_curve = traingraph_run(state, module, optimizer, case, batches, names)
+    g64, c64 = torch_run(model, case, batches, torch.float64)
+    g32, c32 = torch_run(model, case, batches, torch.float32)
+    return CaseReport(
+        case=case.name,
+        exporter=exporter,
+        gradients=compare_gradients(tg_grads, g64, g32, case.grad_rtol),
+        curve=CurveReport(tg_curve, c64, c32),
+        inference_error=inference_error(module, batches[0], directory),
+        export_s=exported - start,
+        artifacts_s=generated - exported,
+        load_s=loaded - generated,
+    )
+
+
+# ------------------------------------------------------------------- timing
+def step_times(
+    case: ZooCase, exporter: str, repeats: int = 5, steps: int = 5
+) -> tuple[float, float, float]:
+    """Median milliseconds per train step (forward, backward, optimizer update) of traingraph
+    and of torch eager in float32, measured in alternating runs of ``steps`` steps each, and
+    the Module's load time in seconds."""
+    model = build_model(case)
+    batch = make_batches(case, 1)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        artifacts(model, case, export(model, case, exporter, batch), directory)
+        start = time.perf_counter()
+        _, module, optimizer = load(directory)
+        load_s = time.perf_counter() - start
+        fed = feeds(module, batch)
+        eager = copy.deepcopy(model).train()
+        opt = case.optimizer.torch(eager.parameters())
+
+        def traingraph_steps() -> None:
+            for _ in range(steps):
+                module.lazy_reset_grad()
+                module(fed)
+                optimizer.step()
+
+        def torch_steps() -> None:
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                case.loss.torch(eager(*batch[0]), batch[1]).backward()
+                opt.step()
+
+        traingraph_steps()  # warm-up
+        torch_steps()
+        tg, te = [], []
+        for _ in range(repeats):
+            for run, times in ((traingraph_steps, tg), (torch_steps, te)):
+                start = time.perf_counter()
+                run()
+                times.append((time.perf_counter() - start) * 1e3 / steps)
+        return statistics.median(tg), statistics.median(te), load_s
+
+
+# Until traingraph.from_torch lands: the same call over torch.onnx.export.
+try:
+    from traingraph import from_torch  # type: ignore[attr-defined]
+except ImportError:
+
+    def from_torch(  # type: ignore[misc]
+        model: nn.Module,
+        example_inputs: tuple[torch.Tensor, ...],
+        *,
+        exporter: str | None = None,
+        opset: int | None = None,
+        input_names: list[str] | None = None,
+        output_names: list[str] | None = None,
+    ) -> onnx.ModelProto:
+        import io
+        import warnings
+
+        model.train()
+        names = input_names or [f"input_{i}" for i in range(len(example_inputs))]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if exporter == "torchscript":
+                f = io.BytesIO()
+                axes = {n: {0: "batch"} for n in [*names, *(output_names or [])]}
+                torch.onnx.export(
+                    model,
+                    example_inputs,
+                    f,
+                    dynamo=False,
+                    training=torch.onnx.TrainingMode.TRAINING,
+                    do_constant_folding=False,
+                    opset_version=opset or 17,
+                    input_names=names,
+                    output_names=output_names,
+                    dynamic_axes=axes,
+                )
+                return onnx.load_from_string(f.getvalue())
+            batch = torch.export.Dim("batch")
+            program = torch.onnx.export(
+                model,
+                example_inputs,
+                dynamo=True,
+                optimize=False,
+                opset_version=opset or 18,
+                input_names=names,
+                output_names=output_names,
+                dynamic_shapes=tuple({0: batch} for _ in example_inputs),
+            )
+            assert program is not None
+            return program.model_proto
