@@ -32,6 +32,8 @@ from traingraph import losses, optim
 from traingraph.checkpoint import CheckpointData, save_checkpoint_data
 from traingraph.errors import ModelError
 from traingraph.ir.model import ModelLike, save
+from traingraph.onnxblock._artifacts import block_arguments
+from traingraph.onnxblock.blocks import Block
 from traingraph.program import TrainingProgram, build_program
 
 __all__ = ["LossType", "OptimType", "generate_artifacts"]
@@ -111,12 +113,35 @@ def _recorded_requires_grad(
     return [n for n in json.loads(props[REQUIRES_GRAD_KEY]) if n not in frozen]
 
 
+def _to_ort_format(paths: Sequence[Path], custom_op_library: str | None) -> None:
+    """Write ``<model>.ort`` beside each model with onnxruntime's converter."""
+    try:
+        from onnxruntime.tools.convert_onnx_models_to_ort import (
+            OptimizationStyle,
+            convert_onnx_models_to_ort,
+        )
+    except ImportError as error:
+        raise ModelError(
+            f"ort_format=True needs onnxruntime.tools.convert_onnx_models_to_ort, which the"
+            f" installed onnxruntime lacks ({error}); install the full onnxruntime package or"
+            " drop ort_format"
+        ) from None
+    library = Path(custom_op_library) if custom_op_library is not None else None
+    for path in paths:
+        convert_onnx_models_to_ort(
+            path,
+            output_dir=path.parent,
+            optimization_styles=[OptimizationStyle.Fixed],
+            custom_op_library_path=library,
+        )
+
+
 def generate_artifacts(
     model: ModelLike | Any,
     requires_grad: Sequence[str] | None = None,
     frozen_params: Sequence[str] | None = None,
-    loss: LossType | losses.Loss | None = None,
-    optimizer: OptimType | optim.Optimizer | None = None,
+    loss: LossType | losses.Loss | Block | None = None,
+    optimizer: OptimType | optim.Optimizer | Block | None = None,
     artifact_directory: str | os.PathLike | None = None,
     prefix: str = "",
     additional_output_names: Sequence[str] | None = None,
@@ -140,19 +165,24 @@ def generate_artifacts(
             initializer that is not frozen and not a BatchNorm running statistic).
         frozen_params: Initializers kept in the checkpoint but not trained.
         loss: A :class:`LossType`, a :class:`traingraph.losses.Loss` (including a custom one
-            over several outputs), or None when the model's first output is the loss.
-        optimizer: An :class:`OptimType` or a :class:`traingraph.optim.Optimizer`; None writes
-            no optimizer model.
+            over several outputs), an onnxblock block that returns the loss's name (see
+            :mod:`traingraph.onnxblock`), or None when the model's first output is the loss.
+        optimizer: An :class:`OptimType`, a :class:`traingraph.optim.Optimizer` or an
+            :mod:`traingraph.onnxblock.optim` optimizer; None writes no optimizer model.
         artifact_directory: Where to write (default: the current directory).
         prefix: Prefix of every file name.
         additional_output_names: Extra outputs returned by the train and eval models.
         nominal_checkpoint: Also write ``{prefix}nominal_checkpoint``: shapes and dtypes only,
             for shipping to a device that receives the weights later.
         loss_input_names: Model outputs fed to the loss (default: all outputs).
-        ort_format: Not supported (ORT's flatbuffer model format is specific to onnxruntime's
-            minimal build); raises when True.
+        ort_format: Also write each model in onnxruntime's ORT format (``.ort`` beside the
+            ``.onnx``), converted by onnxruntime's own ``convert_onnx_models_to_ort``, for
+            onnxruntime's minimal builds.
         checkpoint_format: "native" (safetensors) or "ort" (onnxruntime-training's format).
-        custom_op_library: Not supported: traingraph's graphs hold standard ops only.
+        custom_op_library: Path of the shared library of the custom ops the model uses,
+            for the ORT-format conversion. Custom ops must lie off the gradient path (traingraph
+            differentiates default-domain ops); to run the models, register the library in an
+            ``onnxruntime.SessionOptions`` passed to :class:`traingraph.api.Module`.
         mixed_precision: "fp16" or "bf16": MatMul/Gemm/Conv compute in that type with float32
             parameters, and the training model takes a ``loss_scale`` input and returns a
             ``grads_finite`` flag, which :class:`traingraph.api.Module` drives with a dynamic
@@ -163,16 +193,10 @@ def generate_artifacts(
     Returns:
         The :class:`~traingraph.program.TrainingProgram` that was written.
     """
-    if ort_format:
+    if custom_op_library is not None and not Path(custom_op_library).is_file():
         raise ModelError(
-            "ort_format=True asks for ORT's minimal-build model format, which traingraph does"
-            " not write; its artifacts are standard .onnx files that every onnxruntime build"
-            " loads. Drop ort_format."
-        )
-    if custom_op_library is not None:
-        raise ModelError(
-            "custom_op_library is not supported: traingraph graphs use default-domain ONNX ops"
-            " only. Drop the argument."
+            f"custom_op_library {os.fspath(custom_op_library)!r} does not exist; pass the path"
+            " of the custom ops' shared library"
         )
     if _is_torch_module(model):
         if example_inputs is None:
@@ -192,6 +216,9 @@ def generate_artifacts(
         raise ModelError("the model has no nodes; pass the inference model to train")
     if requires_grad is None:
         requires_grad = _recorded_requires_grad(model, frozen_params)
+    model, loss, optimizer, loss_input_names = block_arguments(
+        model, loss, optimizer, loss_input_names
+    )
     program = build_program(
         model,
         requires_grad=requires_grad,
@@ -208,6 +235,9 @@ def generate_artifacts(
     save(program.eval_model, directory / f"{prefix}eval_model.onnx")
     if program.optimizer_model is not None:
         save(program.optimizer_model, directory / f"{prefix}optimizer_model.onnx")
+    if ort_format:
+        names = ["training", "eval"] + (["optimizer"] if program.optimizer_model else [])
+        _to_ort_format([directory / f"{prefix}{n}_model.onnx" for n in names], custom_op_library)
     data = CheckpointData(
         parameters=dict(program.parameters),
         requires_grad=dict(program.requires_grad),

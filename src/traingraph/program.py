@@ -324,7 +324,7 @@ def to_inference_mode(graph: ir.Graph) -> None:
                 )
             node.resize_outputs(1)
         elif node.op_type == "Dropout" and len(node.inputs) > 2:
-            node.resize_inputs(2)
+            node.replace_input_with(2, None)  # no training_mode: inference
 
 
 def _attach_loss(

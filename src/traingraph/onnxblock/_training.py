@@ -1,0 +1,232 @@
+"""``ForwardBlock`` and ``TrainingBlock``: blocks that turn the edited model into a forward model,
+or into training and eval models whose gradients traingraph's autodiff builds."""
+
+from __future__ import annotations
+
+import copy
+from abc import abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+
+from traingraph.autodiff.engine import differentiate, name_output, values_by_name
+from traingraph.autodiff.lowering import lower_training_batch_norm
+from traingraph.errors import ModelError
+from traingraph.ir.builder import OpBuilder, is_float
+from traingraph.ir.model import default_opset, load_ir, to_proto
+from traingraph.onnxblock import _graph, model_accessor
+from traingraph.onnxblock.blocks import Block
+from traingraph.program import _lift_parameters, to_inference_mode, to_training_mode
+
+__all__ = ["ForwardBlock", "TrainingBlock", "build_training_models"]
+
+LAZY_RESET_GRAD = "lazy_reset_grad"
+"""The training model's bool input: True makes each gradient output the step's own gradient,
+False adds it to the gradient buffer's value."""
+
+
+def _output_names(output: Any) -> list[str]:
+    return [output] if isinstance(output, str) else [str(name) for name in output]
+
+
+def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the types onnx shape inference finds (a copy)."""
+    try:
+        return onnx.shape_inference.infer_shapes(model)
+    except Exception:  # types are a help, not a requirement
+        return copy.deepcopy(model)
+
+
+class ForwardBlock(Block):
+    """A block whose call leaves a forward model with ``build``'s outputs as graph outputs.
+
+    Example:
+        >>> class WithLoss(ForwardBlock):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.loss = onnxblock.loss.MSELoss()
+        ...
+        ...     def build(self, output_name):
+        ...         return self.loss(output_name)
+        >>> block = WithLoss()
+        >>> with onnxblock.base(model):
+        ...     block("output-0")
+        >>> forward = block.to_model_proto()
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._model: onnx.ModelProto | None = None
+
+    @abstractmethod
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """Stack blocks on the inputs; return the name(s) of the graph output(s)."""
+
+    def to_model_proto(self) -> onnx.ModelProto:
+        """The forward model.
+
+        Raises:
+            RuntimeError: The block has not been called yet.
+        """
+        if self._model is None:
+            raise RuntimeError(
+                "Please build the forward models first before trying to retrieve it."
+            )
+        return self._model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        accessor = model_accessor.current()
+        self.base = accessor.model
+        output = self.build(*args, **kwargs)
+        model = _with_shapes(accessor.model)
+        _graph.register_graph_outputs(model, _output_names(output))
+        accessor.model.CopyFrom(model)
+        self._model = model
+        return output
+
+
+class TrainingBlock(Block):
+    """A block whose call builds training and eval models from the edited model.
+
+    ``build`` returns the name of the loss (or several names: the first is the loss, the
+    others further outputs). The training model takes the model's inputs, then every parameter
+    (the initializers named in :meth:`requires_grad`, trainable or frozen), then a buffer
+    ``<name>_grad.accumulation.buffer`` per trainable tensor and the bool ``lazy_reset_grad``;
+    it returns ``build``'s outputs, then ``<name>_grad.accumulation.out``: the loss's gradient,
+    plus the buffer's value where ``lazy_reset_grad`` is False. The eval model computes the
+    outputs in inference mode (Dropout off, BatchNormalization on running statistics).
+
+    Example:
+        >>> block = MyTrainingBlock()
+        >>> for name in ("fc1.weight", "fc1.bias"):
+        ...     block.requires_grad(name)
+        >>> with onnxblock.base(model):
+        ...     block("output-0")
+        >>> training_model, eval_model = block.to_model_proto()
+        >>> trainable, frozen = block.parameters()
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._requires_grad: set[str] = set()
+        self._frozen_params: set[str] = set()
+        self._parameters: tuple[list[onnx.TensorProto], list[onnx.TensorProto]] | None = None
+        self._training_model: onnx.ModelProto | None = None
+        self._eval_model: onnx.ModelProto | None = None
+
+    @abstractmethod
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """Stack blocks on the inputs; return the name of the loss (first) and other outputs."""
+
+    def requires_grad(self, argument_name: str, value: bool = True) -> None:
+        """Train (``value`` True) or freeze (False) the initializer or graph input
+        ``argument_name``. Nothing is trained by default."""
+        if value:
+            self._requires_grad.add(argument_name)
+            self._frozen_params.discard(argument_name)
+        else:
+            self._requires_grad.discard(argument_name)
+            self._frozen_params.add(argument_name)
+
+    def parameters(self) -> tuple[list[onnx.TensorProto], list[onnx.TensorProto]]:
+        """The trainable and the frozen parameters' initial values, in the model's order.
+
+        Raises:
+            RuntimeError: The block has not been called yet.
+        """
+        if self._parameters is None:
+            raise RuntimeError(
+                "Please build the training model first before trying to retrieve the parameters."
+            )
+        return self._parameters
+
+    def to_model_proto(self) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+        """The training and eval models.
+
+        Raises:
+            RuntimeError: The block has not been called yet.
+        """
+        if self._training_model is None or self._eval_model is None:
+            raise RuntimeError(
+                "Please build the training and eval models first before trying to retrieve them."
+            )
+        return self._training_model, self._eval_model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        accessor = model_accessor.current()
+        self.base = accessor.model
+        output = self.build(*args, **kwargs)
+        model = _with_shapes(accessor.model)
+        _graph.register_graph_outputs(model, _output_names(output))
+        trainable = [t for t in model.graph.initializer if t.name in self._requires_grad]
+        frozen = [t for t in model.graph.initializer if t.name in self._frozen_params]
+        self._parameters = (copy.deepcopy(trainable), copy.deepcopy(frozen))
+        self._training_model, self._eval_model = build_training_models(
+            model, self._requires_grad, self._frozen_params
+        )
+        accessor.model.CopyFrom(self._training_model)
+        return output
+
+
+def build_training_models(
+    model: onnx.ModelProto, requires_grad: Iterable[str], frozen_params: Iterable[str] = ()
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The training and eval models of :class:`TrainingBlock` for ``model``, whose first graph
+    output is the loss.
+
+    Raises:
+        ModelError: A name is neither an initializer nor a graph input, or a trainable one is not
+            floating-point.
+    """
+    trained, frozen = set(requires_grad), set(frozen_params)
+    base = load_ir(model, copy=True)
+    opset = default_opset(base)
+    graph = base.graph
+    inputs = [v.name for v in graph.inputs]
+    unknown = sorted((trained | frozen) - set(graph.initializers) - set(inputs))
+    if unknown:
+        raise ModelError(
+            f"requires_grad names {unknown}, which are neither initializers nor graph inputs of"
+            f" the model; its initializers are {list(graph.initializers)[:10]} and its inputs"
+            f" {inputs}"
+        )
+    params = {n: n in trained for n in graph.initializers if n in trained or n in frozen}
+    proto = to_proto(base)
+
+    train = ir.from_proto(proto)
+    buffer_updates = to_training_mode(train.graph, params, opset)
+    values = values_by_name(train.graph)
+    wrt = [values[n] for n, r in params.items() if r]
+    wrt += [v for v in train.graph.inputs if v.name in trained]
+    not_float = [v.name for v in wrt if not is_float(v)]
+    if not_float:
+        raise ModelError(
+            f"requires_grad names {not_float}, which are not floating-point tensors; only"
+            " float tensors have gradients. Call requires_grad(name, False) for them."
+        )
+    outputs = list(train.graph.outputs)
+    result = differentiate(train.graph, opset, wrt, loss=outputs[0], prefix="grad")
+    b = OpBuilder(train.graph, opset, prefix="accumulate")
+    reset = ir.Value(
+        name=LAZY_RESET_GRAD, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1])
+    )
+    buffers, grads = [], []
+    for v in wrt:
+        grad = result.grads.get(v.name or "") or b.zeros_like(v)
+        buffer = ir.Value(name=f"{v.name}_grad.accumulation.buffer", type=v.type, shape=v.shape)
+        total = b.Where(reset, grad, b.Add(buffer, grad))
+        buffers.append(buffer)
+        grads.append(name_output(b, total, f"{v.name}_grad.accumulation.out", v, rename=True))
+    updates = [name_output(b, v, name, v, rename=True) for name, v in buffer_updates.items()]
+    lower_training_batch_norm(train.graph, opset)
+    train.graph.outputs.clear()
+    train.graph.outputs.extend([*outputs, *grads, *updates])
+    _lift_parameters(train.graph, params)
+    train.graph.inputs.extend([*buffers, reset] if wrt else [])
+
+    evaluation = ir.from_proto(proto)
+    to_inference_mode(evaluation.graph)
+    _lift_parameters(evaluation.graph, params)
+    return to_proto(train), to_proto(evaluation)
