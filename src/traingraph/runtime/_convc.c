@@ -714,10 +714,9 @@ static double route_plane(const struct route *r, const float *yp, const float *g
                     }
                 }
             }
-            if (!r->relu || best > 0.0f) {
-                d[at] = g[i * r->ow + j];
-                sum += g[i * r->ow + j];
-            }
+            const float v = g[i * r->ow + j] * (float)(!r->relu | (best > 0.0f));
+            d[at] = v;
+            sum += v;
         }
     }
     return sum;
@@ -828,10 +827,34 @@ struct bn {
 typedef int v16i __attribute__((vector_size(64)));
 #endif
 
+/* The graph's Relu gradient, dy * Cast(y > 0): dy where y > 0, else dy * 0 (0, -0 for a
+ * negative dy, NaN for an infinite or NaN one), y NaN included. */
 static inline v16 relu_gate(v16 dy, v16 y)
 {
+    const v16 zero = {0}, one = zero + 1.0f;
+    return dy * (v16)((v16i)one & (y > zero));
+}
+
+static inline float relu_gate1(float dy, float y)
+{
+    return dy * (float)(y > 0.0f);
+}
+
+/* onnxruntime's Relu, max(v, 0) with NaN kept. */
+static inline v16 relu_max(v16 v)
+{
     const v16 zero = {0};
-    return (v16)((v16i)dy & (y > zero));
+    return (v16)((v16i)v & ((v > zero) | (v != v)));
+}
+
+static inline float relu_max1(float v)
+{
+    return v > 0.0f || v != v ? v : 0.0f;
+}
+
+static inline float finite_or_zero(float v)
+{
+    return v - v == 0.0f ? v : 0.0f;
 }
 
 TARGETS static void bn_sums(const struct bn *b, Py_ssize_t c, float x0, double sums[4])
@@ -855,7 +878,7 @@ TARGETS static void bn_sums(const struct bn *b, Py_ssize_t c, float x0, double s
         }
         float tail[4] = {0};
         for (; i < b->s; i++) {
-            const float d = x[i] - x0, g = y != NULL && !(y[i] > 0.0f) ? 0.0f : dy[i];
+            const float d = x[i] - x0, g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
             tail[0] += d;
             tail[1] += d * d;
             tail[2] += g;
@@ -885,7 +908,7 @@ TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k,
             *(v16u *)(dx + i) = av * g - kv * *(const v16u *)(x + i) + bv;
         }
         for (; i < b->s; i++) {
-            const float g = y != NULL && !(y[i] > 0.0f) ? 0.0f : dy[i];
+            const float g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
             dx[i] = a * g - k * x[i] + bias;
         }
     }
@@ -896,12 +919,12 @@ static int bn_share(const void *arg, int t, int threads)
     const struct bn *b = arg;
     const double count = (double)b->n * (double)b->s;
     for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
-        const float x0 = b->x[c * b->s];
+        const float x0 = finite_or_zero(b->x[c * b->s]); /* an Inf shift would make NaN */
         double sums[4] = {0, 0, 0, 0};
         bn_sums(b, c, x0, sums);
         const double shifted_mean = sums[0] / count;
         double var = sums[1] / count - shifted_mean * shifted_mean;
-        var = var > 0.0 ? var : 0.0;
+        var = var < 0.0 ? 0.0 : var; /* NaN stays NaN */
         const double mean = x0 + shifted_mean, rstd = 1.0 / sqrt(var + b->eps);
         const double sum_g = sums[2], sum_gc = sums[3] - shifted_mean * sums[2];
         const double dscale = rstd * sum_gc, a = b->scale[c] * rstd;
@@ -1045,11 +1068,11 @@ TARGETS static void bnf_apply(const struct bnf *b, Py_ssize_t c, float a, float 
             if (r != NULL) {
                 v += *(const v16u *)(r + i);
             }
-            *(v16u *)(y + i) = b->relu ? relu_gate(v, v) : v;
+            *(v16u *)(y + i) = b->relu ? relu_max(v) : v;
         }
         for (; i < b->s; i++) {
             float v = a * x[i] + shift + (r != NULL ? r[i] : 0.0f);
-            y[i] = b->relu && !(v > 0.0f) ? 0.0f : v;
+            y[i] = b->relu ? relu_max1(v) : v;
         }
     }
 }
@@ -1059,12 +1082,12 @@ static int bnf_share(const void *arg, int t, int threads)
     const struct bnf *b = arg;
     const double count = (double)b->n * (double)b->s;
     for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
-        const float x0 = b->x[c * b->s];
+        const float x0 = finite_or_zero(b->x[c * b->s]); /* an Inf shift would make NaN */
         double sums[2] = {0, 0};
         bnf_sums(b, c, x0, sums);
         const double shifted_mean = sums[0] / count;
         double var = sums[1] / count - shifted_mean * shifted_mean;
-        var = var > 0.0 ? var : 0.0;
+        var = var < 0.0 ? 0.0 : var; /* NaN stays NaN */
         const double mean = x0 + shifted_mean, a = b->scale[c] / sqrt(var + b->eps);
         b->mean[c] = (float)mean;
         b->var[c] = (float)var;
@@ -1409,7 +1432,7 @@ TARGETS static void interleave_add(const struct col2im_term *t, float *plane,
 TARGETS static void gate_plane(float *plane, const float *gate, Py_ssize_t size)
 {
     for (Py_ssize_t x = 0; x < size; x++) {
-        plane[x] = gate[x] > 0.0f ? plane[x] : 0.0f;
+        plane[x] *= (float)(gate[x] > 0.0f);
     }
 }
 
@@ -1654,7 +1677,7 @@ static inline __attribute__((always_inline)) void direct_block(
         for (int v = 0; v < vb; v++) {
             v16 r = acc[f][v] + bias;
             if (d->relu) {
-                r = relu_gate(r, r);
+                r = relu_max(r);
             }
             const Py_ssize_t left = valid - 16 * v;
             if (left >= 16) {

@@ -15,11 +15,9 @@ On the CPU (:func:`for_cpu`):
   opset is first converted with ``onnx.version_converter``; where that fails, or a shape the
   rewrite needs is not static, the node stays as it is. Col2Im has no kernel in onnxruntime's
   CUDA provider and in several other runtimes, which is why artifacts keep ConvTranspose.
-- A float32 mask ``Cast(Greater(v, 0))`` (the gradient of Relu multiplies by one) becomes
-  ``Ceil(Clip(v, 0, 1))``: 1 where ``v > 0``, 0 where ``v <= 0``. onnxruntime casts booleans
-  to floats one element at a time; Clip and Ceil run vectorized, and the mask costs less than
-  half as much (see ``benchmarks/relu_mask_micro.py``). The two
-  differ only where ``v`` is NaN (NaN instead of 0) or -0.0 (-0.0 instead of 0.0).
+- The Relu gradient's float32 mask ``Cast(Greater(v, 0))`` stays as written: its vectorized
+  forms (``Ceil(Clip(v, 0, 1))``) give NaN where ``v`` is NaN, where the mask is 0, and
+  onnxruntime 1.32 casts the booleans as fast (see ``benchmarks/relu_mask_micro.py``).
 - A float32 ``ReduceSum`` over the leading axes of a static shape (a bias's gradient, the sum of
   the output gradient over the batch and positions) becomes ``MatMul(ones, X)`` between two
   Reshapes, where the kept axes hold 64 elements or more: onnxruntime's MatMul (a GEMV) takes
@@ -92,13 +90,11 @@ def for_cuda(source: Source) -> Source:
 def for_cpu(source: Source) -> Source:
     """``source`` (a path or serialized model) rewritten for the CPU provider; ``source``
     itself where nothing applies."""
-    if not _mentions(source, (b"Conv", b"Greater", b"ReduceSum")):
+    if not _mentions(source, (b"Conv", b"ReduceSum")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = _constants(proto.graph)
-    changed = _default_opset(proto) >= _CLIP_INPUTS_OPSET and _positive_masks_as_ceil(
-        proto.graph, constants
-    )
+    changed = False
     if any(_leading_axes(n, constants) for n in proto.graph.node):
         try:
             inferred, types = _static_shapes(shape_inference.infer_shapes(proto).graph)
@@ -138,7 +134,6 @@ def _mentions(source: Source, texts: tuple[bytes, ...]) -> bool:
 
 
 _COL2IM_OPSET = 18
-_CLIP_INPUTS_OPSET = 11  # Clip's bounds are inputs from opset 11 on
 
 
 def _is_conv_transpose(node: onnx.NodeProto) -> bool:
@@ -256,42 +251,6 @@ def _dataflow(
         for name in node.input:
             uses[name] = uses.get(name, 0) + 1
     return producers, uses, {o.name for o in graph.output}
-
-
-def _positive_masks_as_ceil(
-    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
-) -> bool:
-    """Write each float32 ``Cast(Greater(v, 0))`` as ``Ceil(Clip(v, 0, 1))`` (see the module
-    docstring); return whether any was. The Greater goes where the Cast was its only use."""
-    producers, uses, outputs = _dataflow(graph)
-    one = None
-
-    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        nonlocal one
-        if node.op_type == "Greater" and node.output[0] in dropped:
-            return []
-        source = _positive_test(node, producers, constants)
-        if source is None:
-            return None
-        value, zero = source.input
-        if one is None:
-            one = _unused_name(graph, "positive_mask_one")
-            graph.initializer.append(numpy_helper.from_array(np.ones((), np.float32), one))
-        clipped = f"{node.output[0]}_clipped"
-        base = node.name or node.output[0]
-        return [
-            helper.make_node("Clip", [value, zero, one], [clipped], name=f"{base}_clip"),
-            helper.make_node("Ceil", [clipped], [node.output[0]], name=f"{base}_ceil"),
-        ]
-
-    dropped = {
-        source.output[0]
-        for node in graph.node
-        if (source := _positive_test(node, producers, constants)) is not None
-        and uses.get(source.output[0]) == 1
-        and source.output[0] not in outputs
-    }
-    return _expand_nodes(graph, expand)
 
 
 def _unused_name(graph: onnx.GraphProto, name: str) -> str:

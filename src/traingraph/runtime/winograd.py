@@ -14,7 +14,9 @@ paths of a residual block meeting) is added as the outputs are written.
 It replaces a Conv wherever it sits: it runs between the segments, after the values it reads
 are written. Each match is checked against the nodes it replaces on random inputs; the
 transforms' rounding differs from a direct convolution's by a few units in the last place of
-the largest terms (F(4 x 4, 3 x 3) about twice F(2 x 2, 3 x 3)'s).
+the largest terms (F(4 x 4, 3 x 3) about twice F(2 x 2, 3 x 3)'s). Where the output holds a
+NaN or an Inf (read from the input, the filters or the addend, or an overflow), the Conv is
+computed again as the direct sums, which propagate them as the Conv's do.
 
 The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 """
@@ -73,15 +75,17 @@ class WinogradConv:
             )
         shape = (x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
         target = conv_grads.output_array(out, self.out, shape)
-        assert conv_grads._native is not None
-        conv_grads._native.conv_winograd(
-            x,
-            weight,
-            values[self.bias] if self.bias else None,
-            values[self.addend] if self.addend else None,
-            target,
-            threads,
-        )
+        native = conv_grads._native
+        assert native is not None
+        bias = values[self.bias] if self.bias else None
+        addend = values[self.addend] if self.addend else None
+        native.conv_winograd(x, weight, bias, addend, target, threads)
+        if not np.isfinite(target).all():
+            # A NaN or Inf read: the transforms spread it over whole tiles (and make NaN of
+            # an Inf), where the Conv's sums keep it to the outputs whose windows read it.
+            native.conv_direct(x, weight, bias, target, (1, 1), False, threads)
+            if addend is not None:
+                np.add(target, addend, out=target)
 
 
 def split_winograd_convs(
