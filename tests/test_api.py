@@ -111,7 +111,7 @@ def _parameters_after(
         module(x[step * BATCH : (step + 1) * BATCH], y[step * BATCH : (step + 1) * BATCH])
         opt.step()
         module.lazy_reset_grad()
-    return opt, {n: state.parameters[n].data for n in state.parameters}
+    return opt, {n: p.data for n, p in state.parameters}
 
 
 def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
@@ -160,7 +160,7 @@ def test_resume_is_bit_identical(tmp_path):
 
     state, module, opt = _open(directory)
     run(module, opt, range(20))
-    uninterrupted = {n: state.parameters[n].data for n in state.parameters}
+    uninterrupted = {n: p.data for n, p in state.parameters}
 
     state, module, opt = _open(directory)
     run(module, opt, range(10))
@@ -255,7 +255,8 @@ def test_inputs_may_be_ortvalues(tmp_path):
     as_numpy = module(x, y)
     module.lazy_reset_grad()
     as_ortvalues = module(ort.OrtValue.ortvalue_from_numpy(x), ort.OrtValue.ortvalue_from_numpy(y))
-    assert float(as_numpy) == float(as_ortvalues)
+    assert isinstance(as_ortvalues, ort.OrtValue)  # OrtValues in, OrtValues out
+    assert float(as_numpy) == float(as_ortvalues.numpy())
 
 
 def test_misuse_raises_clear_errors(tmp_path):
@@ -266,7 +267,7 @@ def test_misuse_raises_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="nominal"):
         module(x, y)
     real = CheckpointState.load_checkpoint(directory / "checkpoint")
-    flat = np.concatenate([real.parameters[n].data.reshape(-1) for n in real.parameters])
+    flat = np.concatenate([p.data.reshape(-1) for _, p in real.parameters])
     module.copy_buffer_to_parameters(flat, trainable_only=False)
     assert np.isfinite(module(x, y))
 

@@ -193,7 +193,7 @@ def test_ort_format_checkpoint_round_trip_through_the_api(tmp_path):
         state, tmp_path / "ort.ckpt", include_optimizer_state=True, format="ort"
     )
     again = CheckpointState.load_checkpoint(tmp_path / "ort.ckpt")
-    for name in state.parameters:
+    for name, _ in state.parameters:
         np.testing.assert_array_equal(again.parameters[name].data, state.parameters[name].data)
 
 

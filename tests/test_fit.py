@@ -132,7 +132,7 @@ def test_interrupt_then_resume_matches_an_uninterrupted_run(artifact_dir, data, 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     resumed, state = _run(artifact_dir, data, tmp_path / "ckpt", resume=True)
     assert state.global_step == 30 and not state.interrupted
-    for name in reference.state.parameters:
+    for name, _ in reference.state.parameters:
         np.testing.assert_array_equal(
             resumed.state.parameters[name].data, reference.state.parameters[name].data
         )

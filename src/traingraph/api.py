@@ -17,9 +17,10 @@ stay in device buffers bound with IOBinding between steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,10 @@ _NATIVE_SPLIT_MAX_BYTES = 1 << 30
 PropertyValue = int | float | str
 
 
+NOT_LOADED = "Please load the model parameters first."
+"""How the errors raised for a nominal checkpoint's missing values begin (onnxruntime's words)."""
+
+
 class Parameter:
     """One parameter of a :class:`CheckpointState`: ``.data``, ``.grad``, ``.requires_grad``."""
 
@@ -103,9 +108,16 @@ class Parameter:
 
     @property
     def grad(self) -> np.ndarray | None:
-        """The accumulated gradient (None before a train step, or for frozen parameters)."""
+        """The accumulated gradient: zeros before the first train step; None for a frozen
+        parameter."""
+        if not self.requires_grad:
+            return None
         runtime = self._state._runtime
-        return None if runtime is None else runtime.read_grad(self.name)
+        grad = None if runtime is None else runtime.read_grad(self.name)
+        if grad is None:
+            spec = self._state._data.parameters[self.name]
+            return np.zeros(spec.shape, spec.dtype)
+        return grad
 
     @property
     def requires_grad(self) -> bool:
@@ -116,29 +128,75 @@ class Parameter:
         return f"Parameter({self.name!r}, shape={shape}, requires_grad={self.requires_grad})"
 
 
-class Parameters(Mapping[str, Parameter]):
-    """The parameters of a :class:`CheckpointState`, by name."""
+class Parameters:
+    """The parameters of a :class:`CheckpointState`, as in onnxruntime-training.
+
+    ``params[name]`` is a :class:`Parameter`; ``params[name] = array`` sets its value;
+    ``name in params`` and ``len(params)`` work by name; iterating yields ``(name, Parameter)``
+    pairs (as onnxruntime does); ``keys()``, ``values()`` and ``items()`` as a dict's.
+
+    Reading a parameter of a nominal checkpoint before its value is loaded raises, and so does
+    setting one while any is missing: load all values at once with
+    :meth:`Module.copy_buffer_to_parameters` (``trainable_only=False``).
+    """
 
     def __init__(self, state: CheckpointState) -> None:
         self._state = state
 
-    def __getitem__(self, name: str) -> Parameter:
+    def _check(self, name: str) -> None:
         if name not in self._state._data.parameters:
             raise KeyError(
                 f"no parameter {name!r}; the checkpoint has"
                 f" {list(self._state._data.parameters)[:10]}"
             )
+
+    def __getitem__(self, name: str) -> Parameter:
+        self._check(name)
+        if name in self._state._unloaded():
+            raise CheckpointError(
+                f"Please load the parameter states first: parameter {name!r} of this nominal"
+                " checkpoint has no value yet. Load the values with"
+                " Module.copy_buffer_to_parameters(buffer, trainable_only=False)."
+            )
         return Parameter(self._state, name)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state._data.parameters)
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._check(name)
+        unloaded = self._state._unloaded()
+        if unloaded:
+            raise CheckpointError(
+                f"Please load all the parameter states first: this nominal checkpoint has no"
+                f" values for {sorted(unloaded)[:5]} yet. Load them all with"
+                " Module.copy_buffer_to_parameters(buffer, trainable_only=False)."
+            )
+        self._state._write(name, np.asarray(value))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._state._data.parameters
+
+    def __iter__(self) -> Iterator[tuple[str, Parameter]]:
+        return iter(self.items())
 
     def __len__(self) -> int:
         return len(self._state._data.parameters)
 
+    def keys(self) -> list[str]:
+        return list(self._state._data.parameters)
 
-class Properties(MutableMapping[str, PropertyValue]):
-    """The property bag: int, float and str values saved with the checkpoint."""
+    def values(self) -> list[Parameter]:
+        return [self[name] for name in self._state._data.parameters]
+
+    def items(self) -> list[tuple[str, Parameter]]:
+        return [(name, self[name]) for name in self._state._data.parameters]
+
+
+class Properties:
+    """The property bag: int, float and str values saved with the checkpoint.
+
+    ``props[key]`` reads, ``props[key] = value`` sets, ``del props[key]`` removes; ``key in
+    props`` and ``len(props)`` work by key; iterating yields ``(key, value)`` pairs (as
+    onnxruntime does); ``get``, ``keys()``, ``values()`` and ``items()`` as a dict's.
+    """
 
     def __init__(self, values: dict[str, PropertyValue]) -> None:
         self._values = values
@@ -157,11 +215,26 @@ class Properties(MutableMapping[str, PropertyValue]):
     def __delitem__(self, key: str) -> None:
         del self._values[key]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __iter__(self) -> Iterator[tuple[str, PropertyValue]]:
+        return iter(list(self._values.items()))
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._values.get(key, default)
+
+    def keys(self) -> list[str]:
+        return list(self._values)
+
+    def values(self) -> list[PropertyValue]:
+        return list(self._values.values())
+
+    def items(self) -> list[tuple[str, PropertyValue]]:
+        return list(self._values.items())
 
 
 class CheckpointState:
@@ -222,6 +295,12 @@ class CheckpointState:
             )
         return self._runtime.to_checkpoint_data(dict(self.properties), include_optimizer_state)
 
+    def _unloaded(self) -> set[str]:
+        """The parameters of a nominal checkpoint that have no value yet."""
+        if self._runtime is not None:
+            return set(self._runtime.unloaded)
+        return set(self._data.parameters) if self._data.nominal else set()
+
     def _read(self, name: str) -> np.ndarray:
         if name not in self._data.parameters:
             raise KeyError(name)
@@ -264,6 +343,10 @@ class Module:
         state: The :class:`CheckpointState` holding the parameters.
         eval_model_uri: Path of ``eval_model.onnx`` (needed for :meth:`eval` mode).
         device: "cpu", "cuda" or "cuda:N".
+        session_options: An ``onnxruntime.SessionOptions`` that every session of this Module
+            (and of its :class:`Optimizer`) is created with, in place of the options
+            ``session_config`` makes; e.g. one with ``register_custom_ops_library(path)`` for
+            a model with custom ops.
         session_config: onnxruntime session settings (threads, optimization level, spinning).
 
     Attributes:
@@ -280,6 +363,7 @@ class Module:
         state: CheckpointState,
         eval_model_uri: str | os.PathLike | None = None,
         device: str | Device = "cpu",
+        session_options: ort.SessionOptions | None = None,
         session_config: SessionConfig | None = None,
     ) -> None:
         if not isinstance(state, CheckpointState):
@@ -289,6 +373,8 @@ class Module:
             )
         self._device = parse_device(device)
         self._config = session_config or SessionConfig()
+        if session_options is not None:
+            self._config = _WithSessionOptions.of(self._config, session_options)
         self._state = state
         self._train_uri = Path(train_model_uri)
         self._eval_uri = Path(eval_model_uri) if eval_model_uri is not None else None
@@ -421,14 +507,10 @@ class Module:
         """Run one train step (forward + gradients) or, in eval mode, a forward pass.
 
         Inputs are numpy arrays or OrtValues, positionally in :meth:`input_names` order or by
-        name. Returns the outputs as numpy arrays: one array, or a list when there are several.
+        name. Returns the outputs, one value or a list when there are several: OrtValues on the
+        Module's device when every input is an OrtValue, else numpy arrays.
         """
-        if self._runtime.unloaded:
-            raise CheckpointError(
-                f"the checkpoint is nominal: parameters {sorted(self._runtime.unloaded)[:5]} have"
-                " no values yet. Load them with copy_buffer_to_parameters(buffer, False) or by"
-                " setting state.parameters[name].data"
-            )
+        _require_loaded(self._runtime)
         names = self.input_names()
         if user_inputs and named_inputs:
             raise ModelError("pass the inputs either positionally or by name, not both")
@@ -444,17 +526,31 @@ class Module:
                     f" model takes {len(names)}: {names}"
                 )
             feeds = dict(zip(names, user_inputs))
+        as_ortvalues = bool(feeds) and all(isinstance(v, ort.OrtValue) for v in feeds.values())
         feeds = {k: _as_feed(v) for k, v in feeds.items()}
         if self.training:
             outputs = self._train_step(feeds)
             fixed = self._fixed_outputs
         else:
             outputs, fixed = self._eval_step(feeds), {}
-        values = [
-            outputs[n].numpy().copy() if n in fixed else outputs[n].numpy()
-            for n in self.output_names()
-        ]
+        values: list[Any]
+        if as_ortvalues:  # the fixed outputs' buffers are written again by the next call
+            values = [
+                self._device_copy(outputs[n]) if n in fixed else outputs[n]
+                for n in self.output_names()
+            ]
+        else:
+            values = [
+                outputs[n].numpy().copy() if n in fixed else outputs[n].numpy()
+                for n in self.output_names()
+            ]
         return values[0] if len(values) == 1 else values
+
+    def _device_copy(self, value: ort.OrtValue) -> ort.OrtValue:
+        device = self._device
+        return ort.OrtValue.ortvalue_from_numpy(
+            value.numpy().copy(), device.ort_device_type, device.index
+        )
 
     def _check_feeds(
         self,
@@ -561,7 +657,9 @@ class Module:
     # ---------------------------------------------------------- parameters
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """All parameters (or the trainable ones) as one flat OrtValue, in checkpoint order."""
-        flat = self._runtime.contiguous(trainable_only)
+        runtime = self._runtime
+        _require_loaded(runtime, runtime.trainable.cur if trainable_only else runtime.names)
+        flat = runtime.contiguous(trainable_only)
         # An OrtValue that owns its memory: ortvalue_from_numpy would only borrow ``flat``.
         value = ort.OrtValue.ortvalue_from_shape_and_type(list(flat.shape), flat.dtype, "cpu", 0)
         value.update_inplace(flat)
@@ -593,6 +691,39 @@ class Module:
             graph_output_names,
             inference_model_uri,
         )
+
+
+def _require_loaded(runtime: TrainingState, names: Any = None) -> None:
+    """Raise where a nominal checkpoint's parameters (among ``names``; default: all) have no
+    values yet."""
+    missing = runtime.unloaded if names is None else runtime.unloaded & set(names)
+    if missing:
+        raise CheckpointError(
+            f"{NOT_LOADED} The checkpoint is nominal and parameters {sorted(missing)[:5]} have no"
+            " values yet; load them with Module.copy_buffer_to_parameters(buffer,"
+            " trainable_only=False)."
+        )
+
+
+@dataclasses.dataclass
+class _WithSessionOptions(SessionConfig):
+    """A :class:`SessionConfig` whose sessions use the caller's ``onnxruntime.SessionOptions``."""
+
+    options: ort.SessionOptions | None = None
+
+    @classmethod
+    def of(cls, config: SessionConfig, options: ort.SessionOptions) -> _WithSessionOptions:
+        if not isinstance(options, ort.SessionOptions):
+            raise TypeError(
+                f"session_options must be an onnxruntime.SessionOptions, got"
+                f" {type(options).__name__}; use session_config= for traingraph's SessionConfig"
+            )
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(SessionConfig)}
+        return cls(**fields, options=options)
+
+    def session_options(self) -> ort.SessionOptions:
+        assert self.options is not None
+        return self.options
 
 
 def export_inference_model(
@@ -818,6 +949,7 @@ class Optimizer:
         gradient is inf or NaN the update is skipped (parameters, slots and the step count stay
         as they are) and the loss scale shrinks.
         """
+        _require_loaded(self._state)
         scaler = self._module.loss_scaler
         if scaler is not None and not scaler.update(self._module._grads_finite):
             return

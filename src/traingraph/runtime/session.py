@@ -188,7 +188,9 @@ class BoundRunner:
 
     Per-step inputs are bound on each call; an input or output bound to the same OrtValue as
     in the previous run is not bound again. Outputs not bound to a buffer are allocated by
-    onnxruntime on ``device`` and returned as OrtValues.
+    onnxruntime on ``device`` and returned as OrtValues. String tensors, which IOBinding
+    refuses, are fed to ``session.run`` instead: a run with a string input passes every input
+    that way and copies the outputs into their buffers.
     """
 
     def __init__(self, session: ort.InferenceSession, device: Device) -> None:
@@ -202,6 +204,7 @@ class BoundRunner:
         self._bound_outputs: dict[str, ort.OrtValue | None] = {}
         self._order: list[str] = []
         self._host = device.kind == "cpu"
+        self._strings: set[str] = set()  # inputs bound to string arrays
 
     def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
         """Bind ``name`` to ``value``; the runner keeps ``value`` alive until it is rebound
@@ -209,6 +212,10 @@ class BoundRunner:
         if self._alive.get(name) is value:
             return
         self._alive[name] = value
+        if isinstance(value, np.ndarray) and value.dtype.kind in "OSU":
+            self._strings.add(name)
+            return
+        self._strings.discard(name)
         if isinstance(value, ort.OrtValue):
             self.binding.bind_ortvalue_input(name, value)
         else:
@@ -217,6 +224,8 @@ class BoundRunner:
     def run(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, ort.OrtValue]:
         """Run with ``outputs`` bound: name -> a buffer to write, or None for a fresh allocation
         on the device. Returns those outputs by name."""
+        if self._strings:
+            return self._run_fed(outputs)
         binding, bound = self.binding, self._bound_outputs
         if bound.keys() != outputs.keys():
             order = [name for name in self.outputs if name in outputs]
@@ -241,6 +250,25 @@ class BoundRunner:
         if all(outputs[name] is not None for name in self._order):
             return dict(outputs)  # type: ignore[arg-type]
         return dict(zip(self._order, binding.get_outputs()))
+
+    def _run_fed(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, ort.OrtValue]:
+        """:meth:`run` through ``session.run`` with every bound input as a feed."""
+        order = [name for name in self.outputs if name in outputs]
+        if len(order) != len(outputs):
+            unknown = sorted(set(outputs) - set(order))
+            raise ModelError(f"outputs {unknown} are not outputs of the model ({self.outputs})")
+        results: dict[str, ort.OrtValue] = {}
+        for name, array in zip(order, self.session.run(order, dict(self._alive))):
+            buffer = outputs[name]
+            if buffer is None:
+                device = self.device
+                buffer = ort.OrtValue.ortvalue_from_numpy(
+                    np.ascontiguousarray(array), device.ort_device_type, device.index
+                )
+            else:
+                buffer.update_inplace(np.ascontiguousarray(array))
+            results[name] = buffer
+        return results
 
 
 def check_feeds(
