@@ -18,19 +18,21 @@ It writes ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``
 from __future__ import annotations
 
 import enum
-import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 
 from traingraph import losses, optim
 from traingraph.checkpoint import CheckpointData, save_checkpoint_data
 from traingraph.errors import ModelError
+from traingraph.ir.export_checks import export_warnings, recorded_requires_grad
 from traingraph.ir.model import ModelLike, save
 from traingraph.onnxblock._artifacts import block_arguments
 from traingraph.onnxblock.blocks import Block
@@ -91,26 +93,19 @@ def _is_torch_module(model: object) -> bool:
     return torch is not None and isinstance(model, torch.nn.Module)
 
 
-def _recorded_requires_grad(
-    model: ModelLike, frozen_params: Sequence[str] | None
-) -> list[str] | None:
-    """The trainable parameters that :func:`traingraph.from_torch` recorded in ``model``'s
-    metadata, less ``frozen_params``; None for a model without that record."""
-    from traingraph.torch_export import REQUIRES_GRAD_KEY
-
+def _header(model: ModelLike) -> onnx.ModelProto | None:
+    """``model`` as a ModelProto whose initializers may lack their external data; None for
+    what is no readable model (build_program then says so)."""
     if isinstance(model, onnx.ModelProto):
-        props = {p.key: p.value for p in model.metadata_props}
-    elif isinstance(model, (str, os.PathLike)) and Path(model).is_file():
-        header = onnx.load(os.fspath(model), load_external_data=False)
-        props = {p.key: p.value for p in header.metadata_props}
-    elif hasattr(model, "metadata_props"):
-        props = dict(model.metadata_props)
-    else:
-        return None
-    if REQUIRES_GRAD_KEY not in props:
-        return None
-    frozen = set(frozen_params or ())
-    return [n for n in json.loads(props[REQUIRES_GRAD_KEY]) if n not in frozen]
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        if not Path(model).is_file():
+            return None
+        try:
+            return onnx.load(os.fspath(model), load_external_data=False)
+        except Exception:  # build_program reports an unreadable file
+            return None
+    return ir.to_proto(model) if isinstance(model, ir.Model) else None
 
 
 def _to_ort_format(paths: Sequence[Path], custom_op_library: str | None) -> None:
@@ -214,8 +209,15 @@ def generate_artifacts(
         )
     if isinstance(model, onnx.ModelProto) and not model.graph.node:
         raise ModelError("the model has no nodes; pass the inference model to train")
-    if requires_grad is None:
-        requires_grad = _recorded_requires_grad(model, frozen_params)
+    header = _header(model)
+    if header is not None:
+        if requires_grad is None:
+            recorded = recorded_requires_grad(header)
+            if recorded is not None:
+                frozen = set(frozen_params or ())
+                requires_grad = [n for n in recorded if n not in frozen]
+        for message in export_warnings(header, requires_grad, frozen_params or ()):
+            warnings.warn(message, UserWarning, stacklevel=2)
     model, loss, optimizer, loss_input_names = block_arguments(
         model, loss, optimizer, loss_input_names
     )

@@ -679,7 +679,8 @@ def info_command(path: str) -> None:
     """Describe a model or a checkpoint.
 
     For a model (.onnx): inputs, outputs, parameters and sizes, op types, opset, and whether
-    every op has a gradient rule (naming the op and node when one lacks it). For a checkpoint:
+    every op has a gradient rule (naming the op and node when one lacks it), and a warning
+    where it looks like an eval-mode export of a training model. For a checkpoint:
     parameters, trainable flags, optimizer state and properties. For a run folder or an
     artifacts directory: its checkpoint.
 
@@ -694,20 +695,28 @@ def info_command(path: str) -> None:
         if found is None:
             raise click.UsageError(f"{path!r} is a folder without a checkpoint; pass a file")
         target = found
+    model: Path | None = None
     if target.suffix == ".onnx":
-        lines = _describe_model(target)
+        lines, model = _describe_model(target), target
     else:
         try:
             lines = _describe_checkpoint(target)
         except CheckpointError as exc:
             try:
-                lines = _describe_model(target)
+                lines, model = _describe_model(target), target
             except click.ClickException:
                 raise _error(
                     f"{path!r} is neither a checkpoint nor an ONNX model ({exc}); pass a"
                     " checkpoint, an .onnx file, a run folder or an artifacts directory"
                 ) from None
     click.echo("\n".join(lines))
+    if model is not None:
+        import onnx
+
+        from traingraph.ir.export_checks import export_warnings
+
+        for message in export_warnings(onnx.load(str(model), load_external_data=False)):
+            click.echo(f"warning: {message}", err=True)
 
 
 @cli.command(

@@ -34,6 +34,7 @@ import onnx
 import onnx_ir as ir
 
 from traingraph.errors import ModelError
+from traingraph.ir.export_checks import REQUIRES_GRAD_KEY
 
 if TYPE_CHECKING:
     import torch
@@ -43,8 +44,6 @@ __all__ = ["from_torch"]
 EXPORTERS = ("dynamo", "torchscript")
 TORCHSCRIPT_OPSET = 17
 BATCH_DIM = "batch"
-# Metadata key of the trainable parameters (a JSON list) that generate_artifacts reads.
-REQUIRES_GRAD_KEY = "traingraph.requires_grad"
 # The exported forward equals the module's within float32 rounding of a deep network.
 RTOL = 1e-3
 ATOL = 1e-4
@@ -179,14 +178,27 @@ def _check_names(names: list[str], count: int, what: str, of: str) -> None:
 
 @contextlib.contextmanager
 def _train_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Every submodule in train mode; each one's own mode back after."""
+    """Every submodule in train mode and every Dropout module out of place (the dynamo
+    exporter writes an in-place dropout as random ops instead of a Dropout node); each one's
+    own settings back after."""
+    import torch
+
     modes = [(m, m.training) for m in model.modules()]
+    in_place = [
+        d
+        for d in model.modules()
+        if isinstance(d, torch.nn.modules.dropout._DropoutNd) and d.inplace
+    ]
     model.train()
+    for dropout in in_place:
+        dropout.inplace = False
     try:
         yield
     finally:
         for module, training in modes:
             module.training = training
+        for dropout in in_place:
+            dropout.inplace = True
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
