@@ -39,6 +39,7 @@ The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -58,7 +59,7 @@ from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
 from traingraph.runtime.gelu import Gelu, split_gelus
 from traingraph.runtime.layer_norm import LayerNormGrad, split_layer_norm_grads
 from traingraph.runtime.masks import DropoutMask, split_dropout_masks
-from traingraph.runtime.session import BoundRunner
+from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
 from traingraph.runtime.winograd import WinogradConv, split_winograd_convs
 
 
@@ -213,6 +214,11 @@ def _like(
     return len(shape) == len(x_shape) and list(shape[1:]) == list(x_shape[1:])
 
 
+_CHECK_VALUES = 1024
+"""Values per channel in the numeric check of a BatchNormalization gradient (see
+:func:`_verified`)."""
+
+
 def _verified(
     model: onnx.ModelProto,
     g: conv_grads.GraphIndex,
@@ -220,8 +226,11 @@ def _verified(
     shapes: Mapping[str, Sequence[int | None]],
 ) -> list[tuple[BatchNormGrad, set[int]]]:
     """The matches whose nodes compute what the kernel computes, on random inputs (a Relu
-    output with zeros) of the model's batch, or 16 where it is not static, all in one
-    single-threaded session."""
+    output with zeros) of the model's batch, all in one single-threaded session. Where the
+    batch is not static, the check takes as many images as give each channel
+    ``_CHECK_VALUES`` values, 2 to 16: any batch is one the graph runs, and what decides
+    the check is the count of values a channel's statistics are over (with as few as 2, dx is
+    all cancellation), not the count of images."""
     rng = np.random.default_rng(0)
     feeds: dict[str, np.ndarray] = {}
     checks = []
@@ -230,11 +239,13 @@ def _verified(
     decides: dict[tuple[object, ...], int] = {}  # a form -> the match checked for it
     checked_as: dict[int, int] = {}  # a match -> the match whose check decides it
     for index, (grad, nodes) in enumerate(found):
-        # the model's batch where it is static (the graph may hold 1 / M as a constant), else
-        # 16 (with as few values per channel as 2, dx is all cancellation)
-        batch = shapes[grad.x][0] or 16
+        # the model's batch where it is static (the graph may hold 1 / M as a constant)
+        if any(d is None for d in shapes[grad.x][1:]):
+            continue
+        pixels = math.prod(int(d or 0) for d in shapes[grad.x][2:])
+        batch = shapes[grad.x][0] or min(16, max(2, -(-_CHECK_VALUES // max(pixels, 1))))
         x_shape = [int(batch), *(int(d or 0) for d in shapes[grad.x][1:])]
-        if min(x_shape) < 1 or any(d is None for d in shapes[grad.x][1:]):
+        if min(x_shape) < 1:
             continue
         roles = {getattr(grad, f): f for f in ("x", "scale", "dy", "y", "dx", "dscale", "dbias")}
         form = (
@@ -600,7 +611,7 @@ class SegmentedRunner:
         self._plan = plan
         self._threads = threads
         self._runners = [
-            BoundRunner(make_session(s.model), device) if s.model.graph.node else None
+            BoundRunner(_idle(make_session(s.model)), device) if s.model.graph.node else None
             for s in plan.segments
         ]
         produced = {o for s in plan.segments for o in s.outputs}
@@ -725,6 +736,9 @@ class SegmentedRunner:
         memory, so that the step's working set stays small and in cache.
         """
         last = {name: i for i, names in enumerate(self._done) for name in names}
+        for i, step in enumerate(self._steps):  # a value that several steps write (a
+            for name in _writes(step):  # constant each segment computes) lives to the last
+                last[name] = max(last.get(name, i), i)
         free: list[np.ndarray] = []
         live: list[tuple[int, np.ndarray]] = []  # the last step that reads each, its memory
         cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
@@ -735,6 +749,8 @@ class SegmentedRunner:
             for name in _writes(step):
                 if name not in written or (isinstance(step, tuple) and name in outputs):
                     continue
+                if name in cuts or name in kept:
+                    continue  # written again, into the memory its first writer got
                 dtype, shape = written[name]
                 size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
                 fits = [k for k, memory in enumerate(free) if memory.nbytes >= size]
@@ -770,6 +786,28 @@ class SegmentedRunner:
         kernel.compute(arrays, out, self._threads)
         for o in kernel.outputs:
             values[o] = out[o]
+
+
+def _idle(session: ort.InferenceSession) -> ort.InferenceSession:
+    """``session``, its worker threads told to stop spinning.
+
+    onnxruntime's CPU workers spin from the session's creation until the end of its first
+    run (``session.force_spinning_stop`` stops them after each run): a step's hundred
+    segments, created one after the other, would each keep a core busy until the first step
+    reaches them, and slow down the creation of the rest. A run that the run options
+    terminate at once, on empty inputs, ends the same way and computes nothing."""
+    feeds = {}
+    for info in session.get_inputs():
+        dtype = ort_type_to_numpy(info.type)
+        if dtype is None or not isinstance(info.shape, list):
+            return session
+        shape = [d if isinstance(d, int) and d >= 0 else 0 for d in info.shape]
+        feeds[info.name] = np.empty(shape, dtype)
+    options = ort.RunOptions()
+    options.terminate = True
+    with contextlib.suppress(Exception):  # the terminated run's error, as intended
+        session.run(None, feeds, options)
+    return session
 
 
 def _reads(step: tuple[BoundRunner, Segment] | Kernel) -> list[str]:
