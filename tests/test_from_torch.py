@@ -350,3 +350,21 @@ def test_mobilenet_v3_small_exported_as_the_readme_shows_learns(tmp_path):
         opt.step()
         module.lazy_reset_grad()
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_readme_snippet_runs(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Bring your own PyTorch model") :]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S)
+    assert snippet is not None, "the README's bring-your-own section has no python block"
+    result = subprocess.run([sys.executable, "-c", snippet.group(1)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    accuracy = [float(a) for a in re.findall(r"val_accuracy (\d\.\d+)", result.stdout)]
+    assert accuracy and accuracy[-1] > 0.9, result.stdout
+    assert (tmp_path / "model_trained.onnx").is_file()
