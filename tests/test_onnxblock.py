@@ -210,6 +210,7 @@ def _run_optimizer_block(block, params, grads, step=1, lr=0.01):
     with onnxblock.empty_base() as accessor:
         flag = block(training.parameters())
         optimizer_model = accessor.model
+    assert block.to_model_proto() is optimizer_model
     onnx.checker.check_model(optimizer_model, full_check=True)
     session = ort.InferenceSession(optimizer_model.SerializeToString())
     names = [i.name for i in session.get_inputs()]

@@ -107,6 +107,20 @@ class _OptimizerBlock(Block):
 
     optimizer: optim.Optimizer
     takes_step = True
+    _model: onnx.ModelProto | None = None
+
+    def to_model_proto(self) -> onnx.ModelProto:
+        """The optimizer model this block built (as ``accessor.model`` holds it).
+
+        Raises:
+            RuntimeError: The block has not been called yet.
+        """
+        if self._model is None:
+            raise RuntimeError(
+                "Please build the optimizer model first: call the block on the training block's"
+                " parameters() inside onnxblock.empty_base()"
+            )
+        return self._model
 
     def build(
         self, parameters: tuple[Sequence[onnx.TensorProto], Sequence[onnx.TensorProto]]
@@ -177,6 +191,7 @@ class _OptimizerBlock(Block):
         model.graph.output.extend(
             onnx.helper.make_tensor_sequence_value_info(n, element, None) for n in updated
         )
+        self._model = model
         return flag_name
 
 
