@@ -440,29 +440,41 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     }  # fmt: skip
     kept = [node for node in kept if not node.output or node.output[0] not in constants]
     by_output = {o: k for k, (grad, _) in enumerate(grads) for o in grad.outputs}
-    stage = {o: 0 for node in kept for o in node.output if o}
-    kernel_stage = [-1] * len(grads)  # -1: before the first segment
+    by_node = {o: i for i, node in enumerate(kept) for o in node.output if o}
+    stages: dict[tuple[bool, int], int] = {}  # (a kernel?, its index) -> its stage
 
     def value_stage(name: str) -> int:
         k = by_output.get(name)
-        return kernel_stage[k] + 1 if k is not None else stage.get(name, -1)
+        if k is not None:
+            return stages[True, k] + 1
+        i = by_node.get(name)
+        return stages[False, i] if i is not None else -1
 
-    def node_stage(node: onnx.NodeProto) -> int:
-        return max([0, *(value_stage(v) for v in node.input if v)])
+    def writer(name: str) -> tuple[bool, int] | None:
+        k = by_output.get(name)
+        i = by_node.get(name)
+        return (True, k) if k is not None else (False, i) if i is not None else None
 
-    changed = True
-    while changed:  # stages only grow; in order, the second pass changes nothing
-        changed = False
-        for node in kept:
-            s = node_stage(node)
-            for o in node.output:
-                if o and stage[o] != s:
-                    stage[o], changed = s, True
-        for k, (grad, _) in enumerate(grads):
-            s = max((value_stage(v) for v in grad.inputs), default=-1)
-            if kernel_stage[k] != s:
-                kernel_stage[k], changed = s, True
-    placed = _sunk(kept, {i: node_stage(n) for i, n in enumerate(kept)}, outside)
+    # a node's stage: that of its latest input, at least 0; a kernel's: that of its latest
+    # input (-1 where it reads only model inputs); each after those of what it reads
+    for start in [(False, i) for i in range(len(kept))] + [(True, k) for k in range(len(grads))]:
+        pending = [start]
+        while pending:
+            item = pending[-1]
+            if item in stages:
+                pending.pop()
+                continue
+            kernel, index = item
+            reads = [v for v in (grads[index][0].inputs if kernel else kept[index].input) if v]
+            unsettled = [w for v in reads if (w := writer(v)) is not None and w not in stages]
+            if unsettled:
+                pending += unsettled
+                continue
+            latest = max((value_stage(v) for v in reads), default=-1)
+            stages[item] = latest if kernel else max(0, latest)
+            pending.pop()
+    kernel_stage = [stages[True, k] for k in range(len(grads))]  # -1: before the first segment
+    placed = _sunk(kept, {i: stages[False, i] for i in range(len(kept))}, outside)
     kernel_reads: dict[str, int] = {}  # a value -> the first stage whose kernels read it
     for k, (grad, _) in enumerate(grads):
         for v in grad.inputs:
