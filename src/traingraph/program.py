@@ -19,7 +19,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
-from traingraph.autodiff.lowering import lower_training_batch_norm
+from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
@@ -79,6 +79,7 @@ def build_program(
     additional_output_names: Sequence[str] | None = None,
     loss_input_names: Sequence[str] | None = None,
     mixed_precision: str | None = None,
+    running_stats: str | None = None,
 ) -> TrainingProgram:
     """Turn ``model`` into a :class:`TrainingProgram`.
 
@@ -97,6 +98,11 @@ def build_program(
             (:mod:`traingraph.precision`): the train graph then takes a float32 scalar input
             ``loss_scale``, returns gradients of the unscaled loss and a boolean output
             ``grads_finite``. None: float32.
+        running_stats: How training-mode BatchNormalization updates its running variance:
+            ``"torch"`` with the unbiased batch variance (as ``torch.nn.BatchNorm*d``),
+            ``"onnx"`` with the biased one (the ONNX specification). None: ``"torch"`` for a
+            model PyTorch exported (``producer_name == "pytorch"``), else each node's
+            choice (:func:`~traingraph.autodiff.lowering.lower_training_batch_norm`).
     """
     base = load_ir(model, copy=True)
     opset = default_opset(base)
@@ -143,7 +149,9 @@ def build_program(
     ]
     train.graph.outputs.clear()
     train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs, *finite])
-    lower_training_batch_norm(train.graph, opset)
+    if running_stats is None:
+        running_stats = running_stats_default(base)
+    lower_training_batch_norm(train.graph, opset, running_stats)
     _lift_parameters(train.graph, params)
 
     evaluation = ir.from_proto(proto)

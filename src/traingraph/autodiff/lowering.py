@@ -3,12 +3,19 @@
 BatchNormalization in training mode (``training_mode=1``) is refused by onnxruntime's CUDA
 kernel from opset 14 on and missing from many other ONNX runtimes, while its inference mode and
 the reductions it is made of run everywhere. :func:`lower_training_batch_norm` rewrites it as
-exactly what the ONNX specification defines:
+what the ONNX specification defines:
 
     mean = ReduceMean(X),   var = ReduceMean((X - mean)^2)     (over every axis but 1)
     Y = BatchNormalization(X, scale, B, mean, var)              (inference mode)
     running_mean = momentum * input_mean + (1 - momentum) * mean
     running_var = momentum * input_var + (1 - momentum) * var
+
+with one choice, ``running_stats``: ``"onnx"`` is the above; ``"torch"`` updates
+``running_var`` with the unbiased batch variance ``var * n / (n - 1)`` (``n`` the values per
+channel), as ``torch.nn.BatchNorm*d`` does, so that a model that came from PyTorch ends with
+PyTorch's statistics. The normalization uses the biased ``var`` either way, as torch does.
+(PyTorch's exporters write ``momentum = 1 - m`` for torch's ``m``, so ``running = (1 - m) *
+running + m * batch`` is the formula above.)
 
 The running statistics of all the nodes with one momentum are updated together, as one vector
 (``Concat`` -> ``Mul``/``Mul``/``Add`` -> ``Split``), so a model with many BatchNorm layers
@@ -19,17 +26,21 @@ training graph the forward and backward statistics are the same nodes to a runti
 common subexpressions.
 
 Example:
-    >>> lowered = lower_training_batch_norm(model.graph, opset=17)  # doctest: +SKIP
+    >>> lower_training_batch_norm(model.graph, opset=17)  # doctest: +SKIP
+    True
+    >>> lower_training_batch_norm(torch_model.graph, 17, "torch")  # doctest: +SKIP
+    True
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
 
-from traingraph.autodiff.rules.normalization import batch_statistics
+from traingraph.autodiff.rules.normalization import batch_statistics, inverse_channel_count
 from traingraph.autodiff.rules.shape import static_dim
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, rank, static_shape
@@ -46,7 +57,22 @@ def is_training_batch_norm(node: ir.Node) -> bool:
     return attr is not None and bool(attr.value)
 
 
-def lower_training_batch_norm(graph: ir.Graph, opset: int) -> bool:
+RUNNING_STATS = ("torch", "onnx")
+# Node metadata that sets ``running_stats`` for one BatchNormalization (the graph API's
+# torch-like BatchNorm layers write "torch") where the lowering is not given one.
+RUNNING_STATS_KEY = "traingraph.running_stats"
+
+
+def running_stats_default(m: ir.Model) -> str | None:
+    """``"torch"`` for a model that PyTorch exported (``producer_name == "pytorch"``, as both
+    of its exporters write), else None: each node's :data:`RUNNING_STATS_KEY` metadata, or
+    the ONNX specification's update."""
+    return "torch" if m.producer_name == "pytorch" else None
+
+
+def lower_training_batch_norm(
+    graph: ir.Graph, opset: int, running_stats: str | None = None
+) -> bool:
     """Replace every training-mode BatchNormalization of ``graph`` with standard ops.
 
     Each node's outputs keep their names (and graph-output places); the node is removed.
@@ -54,18 +80,23 @@ def lower_training_batch_norm(graph: ir.Graph, opset: int) -> bool:
     Args:
         graph: The graph, changed in place.
         opset: The graph's default-domain opset (14 or later where training mode exists).
+        running_stats: ``"torch"``: the running variance is updated with the unbiased batch
+            variance, as ``torch.nn.BatchNorm*d`` does; ``"onnx"``: with the biased one, as
+            the ONNX specification says. None: each node's :data:`RUNNING_STATS_KEY`
+            metadata, ``"onnx"`` where it has none.
 
     Returns:
         Whether any node was rewritten.
 
     Raises:
-        ModelError: When the rank of a node's input is unknown.
+        ModelError: When the rank of a node's input is unknown, or ``running_stats`` (or a
+            node's metadata) is not one of :data:`RUNNING_STATS`.
     """
     b = OpBuilder(graph, opset, prefix="bn_lowered")
     nodes = [node for node in graph if is_training_batch_norm(node)]
     updates: list[_RunningUpdate] = []
     for node in nodes:
-        updates += _lower_one(b, node)
+        updates += _lower_one(b, node, _running_stats(node, running_stats) == "torch")
     _update_running_statistics(b, updates)
     for node in nodes:
         graph.remove(node, safe=True)
@@ -74,9 +105,21 @@ def lower_training_batch_norm(graph: ir.Graph, opset: int) -> bool:
     return bool(nodes)
 
 
-def _lower_one(b: OpBuilder, node: ir.Node) -> list[_RunningUpdate]:
+def _running_stats(node: ir.Node, running_stats: str | None) -> str:
+    choice = running_stats or node.metadata_props.get(RUNNING_STATS_KEY, "onnx")
+    if choice not in RUNNING_STATS:
+        where = "running_stats" if running_stats else f"node {node.name!r}'s {RUNNING_STATS_KEY}"
+        raise ModelError(
+            f"{where} is {choice!r}; expected one of {RUNNING_STATS}: 'torch' updates the"
+            " running variance with the unbiased batch variance, 'onnx' with the biased one"
+        )
+    return choice
+
+
+def _lower_one(b: OpBuilder, node: ir.Node, unbiased: bool) -> list[_RunningUpdate]:
     """Append the standard-op form of one training-mode BatchNormalization ``node`` but its
-    running-statistics updates, which it returns."""
+    running-statistics updates, which it returns (with the unbiased batch variance where
+    ``unbiased``)."""
     x, scale, bias, mean_in, var_in = (node.inputs[i] for i in range(5))
     assert x is not None and scale is not None and bias is not None
     assert mean_in is not None and var_in is not None
@@ -100,12 +143,29 @@ def _lower_one(b: OpBuilder, node: ir.Node) -> list[_RunningUpdate]:
         epsilon=1e-5 if eps is None else float(eps.value),
     )
     _replace(node.outputs[0], y)
-    pairs = ((mean_in, batch_mean), (var_in, batch_var))
+    running_var = batch_var
+    if unbiased:
+        running_var = b.Mul(batch_var, _bessel_factor(b, x, scale, batch_var))
+    pairs = ((mean_in, batch_mean), (var_in, running_var))
     return [
         _RunningUpdate(old, running, batch, momentum)
         for old, (running, batch) in zip(node.outputs[1:], pairs)
         if _used(old)
     ]
+
+
+def _bessel_factor(b: OpBuilder, x: ir.Value, scale: ir.Value, like: ir.Value) -> ir.Value:
+    """``n / (n - 1)``, ``n`` the values of ``x`` per channel (``scale`` holds one per
+    channel), typed like ``like``: a constant where the shapes are static. It reads ``x`` and
+    ``scale``, not the statistics' ReduceMeans, which a runtime kernel may write itself (only
+    their Squeezes read them)."""
+    dims, c_dims = static_shape(x), static_shape(scale)
+    if dims is not None and c_dims is not None:
+        n = math.prod(dims) // math.prod(c_dims)
+        return b.scalar(n / (n - 1) if n > 1 else math.inf, like)
+    inverse = b.cast_like(inverse_channel_count(b, x, scale), like)
+    one = b.scalar(1.0, like)
+    return b.Div(one, b.Sub(one, inverse))
 
 
 class _RunningUpdate(NamedTuple):

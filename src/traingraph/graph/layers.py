@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from traingraph.autodiff.lowering import RUNNING_STATS_KEY
 from traingraph.graph import init
 from traingraph.graph.data import WeightSource
 from traingraph.graph.graph import Graph, Tensor
@@ -337,17 +338,23 @@ class _BatchNorm(Layer):
         self._param("running_var", c, init.ones(), trainable=False)
 
     def forward(self, g: Graph, w: dict[str, ir.Value], *x: ir.Value) -> ir.Value:
-        return g.builder.op(
+        y = g.builder.op(
             "BatchNormalization", x[0], w["weight"], w["bias"], w["running_mean"],
             w["running_var"], epsilon=self.eps, momentum=1.0 - self.momentum,
         )  # fmt: skip
+        node = y.producer()
+        assert node is not None
+        node.metadata_props[RUNNING_STATS_KEY] = "torch"
+        return y
 
 
 class BatchNorm1d(_BatchNorm):
     """Batch normalization over (N, C) or (N, C, L), as ``torch.nn.BatchNorm1d``.
 
-    Training uses batch statistics and updates the running statistics (ONNX momentum =
-    1 - torch momentum); inference uses the running statistics.
+    Training uses batch statistics and updates the running statistics as torch does:
+    ``running = (1 - momentum) * running + momentum * batch`` (ONNX momentum = 1 - torch
+    momentum), with the unbiased batch variance for ``running_var`` (the node's
+    ``traingraph.running_stats`` metadata says "torch"); inference uses the running statistics.
     """
 
     kind = "batchnorm1d"
