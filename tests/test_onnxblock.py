@@ -11,7 +11,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from traingraph import artifacts, onnxblock
-from traingraph.api import CheckpointState, Module
+from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.errors import ModelError
 
 N, D, H = 5, 4, 3
@@ -368,3 +368,62 @@ def test_string_input_through_cast_and_linear():
     np.testing.assert_allclose(
         out[0], np.arange(1, 5, dtype=np.float32) @ weight.T + bias, rtol=1e-6
     )
+
+
+def test_training_block_artifacts_train_with_the_api_as_torch(tmp_path):
+    """The onnxblock flow without generate_artifacts: TrainingBlock, onnxblock.optim.AdamW and
+    save_checkpoint, then traingraph.api's Module and Optimizer, against torch over two steps."""
+    rng = np.random.default_rng(8)
+    model, params = _two_head_model(rng)
+
+    class Training(onnxblock.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = _WeightedLosses()
+
+        def build(self, out1, out2):
+            return self.loss(out1, out2)
+
+    block = Training()
+    for name in params:
+        block.requires_grad(name)
+    with onnxblock.base(model):
+        block("out1", "out2")
+    training, evaluation = block.to_model_proto()
+    optimizer_block = onnxblock.optim.AdamW(weight_decay=0.1)
+    with onnxblock.empty_base():
+        optimizer_block(block.parameters())
+    for name, proto in (("training", training), ("eval", evaluation)):
+        onnx.save(proto, tmp_path / f"{name}.onnx")
+    onnx.save(optimizer_block.to_model_proto(), tmp_path / "optimizer.onnx")
+    onnxblock.save_checkpoint(block.parameters(), tmp_path / "checkpoint")
+
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training.onnx", state, tmp_path / "eval.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer.onnx", module)
+    optimizer.set_learning_rate(0.05)
+    assert module.input_names() == ["x", "t1", "t2"]
+
+    tensors = {
+        n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in params.items()
+    }
+    reference = torch.optim.AdamW(tensors.values(), lr=0.05, eps=1e-6, weight_decay=0.1)
+    for _ in range(2):
+        x, t1, t2 = _data(rng)
+        loss = module(x, t1, t2)
+        optimizer.step()
+        module.lazy_reset_grad()
+        reference.zero_grad()
+        x64 = torch.tensor(x, dtype=torch.float64)
+        expected = 0.3 * torch.nn.functional.mse_loss(
+            x64 @ tensors["w1"].T + tensors["b1"], torch.tensor(t1, dtype=torch.float64)
+        ) + torch.nn.functional.binary_cross_entropy_with_logits(
+            x64 @ tensors["w2"].T, torch.tensor(t2, dtype=torch.float64)
+        )
+        expected.backward()
+        reference.step()
+        np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    for name, tensor in tensors.items():
+        np.testing.assert_allclose(
+            state.parameters[name].data, tensor.detach().numpy(), rtol=1e-5, atol=1e-6
+        )

@@ -35,6 +35,11 @@ from traingraph.checkpoint import CheckpointData, load_checkpoint_data, save_che
 from traingraph.errors import CheckpointError, ModelError
 from traingraph.ir.model import max_ir_version, to_proto
 from traingraph.ir.model import save as save_model
+from traingraph.onnxblock._training import (
+    ACCUMULATION_BUFFER,
+    ACCUMULATION_OUT,
+    LAZY_RESET_GRAD,
+)
 from traingraph.optim import (
     ParamInfo,
     build_flat_optimizer_model,
@@ -391,13 +396,22 @@ class Module:
                 f" {str(self._train_uri)!r}; the checkpoint and the model do not belong together"
             )
         self._trainable = [n for n in state._data.parameters if state._data.requires_grad.get(n)]
-        grad_outputs = {f"{n}_grad" for n in self._trainable}
+        # A training model of onnxblock.TrainingBlock names its gradients
+        # "<name>_grad.accumulation.out" and takes gradient buffers and lazy_reset_grad; the
+        # Module accumulates on its own, so it feeds zeros and True (each run's own gradient).
+        self._grad_names = {n: _grad_output(n, outputs) for n in self._trainable}
+        self._accumulation_feeds = _accumulation_feeds(inputs, state._data.parameters)
+        grad_outputs = set(self._grad_names.values())
         self._buffer_outputs = {
             o: o[: -len(BUFFER_UPDATE_SUFFIX)]
             for o in outputs
             if o.endswith(BUFFER_UPDATE_SUFFIX) and o[: -len(BUFFER_UPDATE_SUFFIX)] in params
         }
-        self._train_inputs = [n for n in inputs if n not in params and n != LOSS_SCALE]
+        self._train_inputs = [
+            n
+            for n in inputs
+            if n not in params and n != LOSS_SCALE and n not in self._accumulation_feeds
+        ]
         self._train_outputs = [
             o
             for o in outputs
@@ -578,6 +592,8 @@ class Module:
             runner.bind_input(name, value)
         for name in self._train_params:
             runner.bind_input(name, state.ortvalue(name))
+        for name, value in self._accumulation_feeds.items():
+            runner.bind_input(name, value)
         if self.loss_scaler is not None:
             runner.bind_input(LOSS_SCALE, np.array(self.loss_scaler.scale, np.float32))
         accumulate = not state.reset_grads_pending and state.grads_valid
@@ -586,7 +602,7 @@ class Module:
         target = state.grad_scratch if accumulate else state.grads
         assert target is not None
         outs: dict[str, ort.OrtValue | None] = {
-            f"{name}_grad": target.ortvalue(name)
+            self._grad_names[name]: target.ortvalue(name)
             for name in self._trainable
             if name not in self._native_params
         }
@@ -691,6 +707,52 @@ class Module:
             graph_output_names,
             inference_model_uri,
         )
+
+
+def _grad_output(param: str, outputs: Sequence[str]) -> str:
+    """The training model's output holding ``param``'s gradient: ``<param>_grad``, or
+    onnxblock.TrainingBlock's ``<param>_grad.accumulation.out``."""
+    accumulated = f"{param}_grad{ACCUMULATION_OUT}"
+    return accumulated if accumulated in outputs else f"{param}_grad"
+
+
+def _accumulation_feeds(
+    inputs: Sequence[str], parameters: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Values for the gradient-buffer inputs and ``lazy_reset_grad`` of an
+    onnxblock.TrainingBlock training model (none for other models): zeros and True."""
+    feeds: dict[str, np.ndarray] = {}
+    for name in inputs:
+        param = name[: -len(ACCUMULATION_BUFFER)] if name.endswith(ACCUMULATION_BUFFER) else None
+        if param is not None and param.endswith("_grad") and param[:-5] in parameters:
+            value = parameters[param[:-5]]
+            feeds[name] = np.zeros(value.shape, value.dtype)
+        elif name == LAZY_RESET_GRAD:
+            feeds[name] = np.ones(1, np.bool_)
+    return feeds if LAZY_RESET_GRAD in feeds else {}
+
+
+def _per_tensor_optimizer(proto: onnx.ModelProto, module: Module) -> onnx.ModelProto:
+    """``proto``, or for an onnxblock.optim model (tensor sequences ``params``, ``gradients``,
+    ...) the per-tensor optimizer model of the optimizer its metadata names."""
+    sequences = {i.name for i in proto.graph.input if i.type.HasField("sequence_type")}
+    if "params" not in sequences:
+        return proto
+    meta = {p.key: p.value for p in proto.metadata_props}
+    name = meta.get("traingraph.optimizer", "")
+    optimizer = from_hyperparameters(name, json.loads(meta.get("traingraph.hyperparameters", "{}")))
+    if optimizer is None:
+        raise ModelError(
+            "the optimizer model takes tensor sequences (onnxruntime-training's layout) and does"
+            " not name a traingraph optimizer in its metadata; build it with"
+            " traingraph.onnxblock.optim or generate it with traingraph.artifacts"
+        )
+    specs = module._runtime.trainable.cur.specs
+    infos = [ParamInfo(n, tuple(specs[n][0]), np.dtype(specs[n][1])) for n in module._trainable]
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    model = build_optimizer_model(optimizer, infos, opset)
+    model.metadata_props.extend(proto.metadata_props)
+    return model
 
 
 def _require_loaded(runtime: TrainingState, names: Any = None) -> None:
@@ -880,7 +942,7 @@ class Optimizer:
         self._module = module
         state = module._runtime
         self._state = state
-        proto = onnx.load(os.fspath(path))
+        proto = _per_tensor_optimizer(onnx.load(os.fspath(path)), module)
         meta = {p.key: p.value for p in proto.metadata_props}
         inputs = [i.name for i in proto.graph.input]
         trainable = module._trainable

@@ -25,6 +25,9 @@ __all__ = ["ForwardBlock", "TrainingBlock", "build_training_models"]
 LAZY_RESET_GRAD = "lazy_reset_grad"
 """The training model's bool input: True makes each gradient output the step's own gradient,
 False adds it to the gradient buffer's value."""
+ACCUMULATION_BUFFER = ".accumulation.buffer"
+ACCUMULATION_OUT = ".accumulation.out"
+"""Suffixes of ``<name>_grad``: the gradient buffer input and the accumulated gradient output."""
 
 
 def _output_names(output: Any) -> list[str]:
@@ -215,10 +218,10 @@ def build_training_models(
     buffers, grads = [], []
     for v in wrt:
         grad = result.grads.get(v.name or "") or b.zeros_like(v)
-        buffer = ir.Value(name=f"{v.name}_grad.accumulation.buffer", type=v.type, shape=v.shape)
+        buffer = ir.Value(name=f"{v.name}_grad{ACCUMULATION_BUFFER}", type=v.type, shape=v.shape)
         total = b.Where(reset, grad, b.Add(buffer, grad))
         buffers.append(buffer)
-        grads.append(name_output(b, total, f"{v.name}_grad.accumulation.out", v, rename=True))
+        grads.append(name_output(b, total, f"{v.name}_grad{ACCUMULATION_OUT}", v, rename=True))
     updates = [name_output(b, v, name, v, rename=True) for name, v in buffer_updates.items()]
     lower_training_batch_norm(train.graph, opset)
     train.graph.outputs.clear()

@@ -9,7 +9,8 @@ the 1-based number of the step being taken; :class:`AdamW` only), the tensor seq
 ``params`` and state sequences. The update is the chain of the :mod:`traingraph.optim`
 optimizer in :attr:`AdamW.optimizer` (torch's arithmetic), built from default-domain ops; the
 same object passed to :func:`traingraph.artifacts.generate_artifacts` gives traingraph's
-optimizer model for :class:`traingraph.api.Optimizer`.
+optimizer model for :class:`traingraph.api.Optimizer`, which also runs the model these blocks
+build (its metadata names the optimizer).
 
 Example:
     >>> optimizer = onnxblock.optim.AdamW(weight_decay=0.01, clip_grad=ClipGradNorm(1.0))
@@ -31,6 +32,7 @@ from traingraph.ir.builder import OpBuilder
 from traingraph.onnxblock import _graph
 from traingraph.onnxblock.blocks import Block
 from traingraph.optim.transforms import ParamInfo, UpdateContext, _clip_coefficient
+from traingraph.program import _describe_optimizer
 
 __all__ = ["SGD", "AdamW", "ClipGradNorm"]
 
@@ -191,6 +193,8 @@ class _OptimizerBlock(Block):
         model.graph.output.extend(
             onnx.helper.make_tensor_sequence_value_info(n, element, None) for n in updated
         )
+        # What traingraph.api.Optimizer needs to run this optimizer on a Module's buffers.
+        _describe_optimizer(model, self.optimizer, infos)
         self._model = model
         return flag_name
 
