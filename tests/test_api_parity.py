@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from traingraph import artifacts, onnxblock
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.errors import CheckpointError
+from traingraph.errors import CheckpointError, ModelError
 
 N, D, H, C = 6, 4, 5, 3
 
@@ -213,3 +213,17 @@ def test_ort_format_artifacts_load_in_onnxruntime(tmp_path):
         onnx_inputs = [i.name for i in onnx.load(tmp_path / f"{name}.onnx").graph.input]
         session = ort.InferenceSession(tmp_path / f"{name}.ort")
         assert [i.name for i in session.get_inputs()] == onnx_inputs
+
+
+def test_custom_op_library_must_exist(tmp_path):
+    model, _ = _mlp(np.random.default_rng(2))
+    with pytest.raises(ModelError, match="custom_op_library .* does not exist"):
+        artifacts.generate_artifacts(
+            model,
+            loss=artifacts.LossType.CrossEntropyLoss,
+            artifact_directory=tmp_path,
+            custom_op_library=str(tmp_path / "missing.so"),
+        )
+    library = onnxblock.custom_op_library(tmp_path / "missing.so")
+    with pytest.raises(FileNotFoundError, match="does not exist"), library:
+        pass
