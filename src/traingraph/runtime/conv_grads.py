@@ -840,10 +840,18 @@ def find_routes(
     separate gradient phase."""
     g = GraphIndex.of(model.graph)
     forward_nodes = g.nodes + (list(forward.graph.node) if forward is not None else [])
+    # the first Conv of each (input, weight), and the Relus and MaxPools reading each value
+    convs: dict[tuple[str, ...], onnx.NodeProto] = {}
+    readers: dict[tuple[str, str], list[onnx.NodeProto]] = {}
+    for n in forward_nodes:
+        if n.op_type == "Conv" and len(n.input) >= 2:
+            convs.setdefault(tuple(n.input[:2]), n)
+        if n.op_type in ("Relu", "MaxPool") and n.domain in ("", "ai.onnx") and n.input:
+            readers.setdefault((n.input[0], n.op_type), []).append(n)
     shapes: dict[str, list[int | None]] | None = None
     routes: dict[int, tuple[MaxPoolRoute, set[int]]] = {}
     for i, (grad, cone) in enumerate(grads):
-        pool = _pooling(forward_nodes, grad) if grad.route is None else None
+        pool = _pooling(convs, readers, grad) if grad.route is None else None
         if pool is None:
             continue
         if shapes is None:
@@ -855,26 +863,20 @@ def find_routes(
 
 
 def _pooling(
-    nodes: list[onnx.NodeProto], grad: WeightGrad
+    convs: Mapping[tuple[str, ...], onnx.NodeProto],
+    readers: Mapping[tuple[str, str], list[onnx.NodeProto]],
+    grad: WeightGrad,
 ) -> tuple[onnx.NodeProto, onnx.NodeProto | None, onnx.NodeProto] | None:
     """``(Conv, Relu or None, MaxPool)`` when the Conv of ``grad`` feeds (through a Relu) one
     MaxPool whose 2-D windows tile its input: kernel equal to the strides, no padding or
-    dilation, ``ceil_mode`` 0; else None."""
-    conv = next(
-        (n for n in nodes if n.op_type == "Conv" and n.input[:2] == [grad.x, grad.param]), None
-    )
+    dilation, ``ceil_mode`` 0; else None. ``convs``: the first Conv of each (input, weight);
+    ``readers``: the Relus and MaxPools whose first input is a value, by (value, op type)."""
+    conv = convs.get((grad.x, grad.param))
     if conv is None:
         return None
-
-    def readers(name: str, op_type: str) -> list[onnx.NodeProto]:
-        return [
-            n for n in nodes
-            if n.op_type == op_type and n.domain in ("", "ai.onnx") and n.input[0] == name
-        ]  # fmt: skip
-
-    relus = readers(conv.output[0], "Relu")
+    relus = readers.get((conv.output[0], "Relu"), [])
     relu = relus[0] if len(relus) == 1 else None
-    pools = readers(relu.output[0] if relu else conv.output[0], "MaxPool")
+    pools = readers.get((relu.output[0] if relu else conv.output[0], "MaxPool"), [])
     if len(pools) != 1:
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in pools[0].attribute}

@@ -230,14 +230,16 @@ def _verified(
     batch is not static, the check takes as many images as give each channel
     ``_CHECK_VALUES`` values, 2 to 16: any batch is one the graph runs, and what decides
     the check is the count of values a channel's statistics are over (with as few as 2, dx is
-    all cancellation), not the count of images."""
-    rng = np.random.default_rng(0)
-    feeds: dict[str, np.ndarray] = {}
-    checks = []
+    all cancellation), not the count of images.
+
+    The inputs of one check are independent standard-normal values: windows of one draw,
+    one window per input (x, dy, y, scale), so that another check may see the same values,
+    which weakens neither."""
     # a match of the same form and shapes as one checked (the same layer repeated) takes its
     # verdict: the check of the first decides for all
     decides: dict[tuple[object, ...], int] = {}  # a form -> the match checked for it
     checked_as: dict[int, int] = {}  # a match -> the match whose check decides it
+    planned = []
     for index, (grad, nodes) in enumerate(found):
         # the model's batch where it is static (the graph may hold 1 / M as a constant)
         if any(d is None for d in shapes[grad.x][1:]):
@@ -257,14 +259,36 @@ def _verified(
         if form in decides:
             checked_as[index] = decides[form]
             continue
-        # a value two matches read (one gradient into two branches) gets one array
-        values = {
-            grad.x: feeds.setdefault(grad.x, _normal(rng, x_shape) * 2 + 1),
-            grad.dy: feeds.setdefault(grad.dy, _normal(rng, x_shape)),
-            grad.scale: feeds.setdefault(grad.scale, _normal(rng, [x_shape[1]])),
-        }
-        if grad.y:
-            values[grad.y] = feeds.setdefault(grad.y, np.maximum(_normal(rng, x_shape), 0))
+        decides[form] = index
+        planned.append((index, grad, nodes, x_shape))
+    if not planned:
+        return []
+    rng = np.random.default_rng(0)
+    window = max(math.prod(x_shape) for *_, x_shape in planned)
+    draw = rng.standard_normal((4, window), dtype=np.float32)
+    feeds: dict[str, np.ndarray] = {}
+    sources: dict[str, int] = {}  # a feed -> the window it came from (< 0: a draw of its own)
+    checks = []
+    for index, grad, nodes, x_shape in planned:
+        inputs = [
+            (grad.x, 0, x_shape, lambda a: a * 2 + 1),
+            (grad.dy, 1, x_shape, None),
+            (grad.scale, 3, x_shape[1:2], None),
+        ] + ([(grad.y, 2, x_shape, lambda a: np.maximum(a, 0))] if grad.y else [])
+        # a value two matches read (one gradient into two branches) gets one array; the
+        # inputs of one check come from different windows, else from draws of their own
+        used = {sources[name] for name, *_ in inputs if name in feeds}
+        for name, slot, shape, shift in inputs:
+            if name in feeds:
+                continue
+            if slot in used:
+                raw, slot = rng.standard_normal(shape, dtype=np.float32), -1 - len(sources)
+            else:
+                raw = draw[slot, : math.prod(shape)].reshape(shape).copy()
+            used.add(slot)
+            sources[name] = slot
+            feeds[name] = shift(raw) if shift is not None else raw
+        values = {name: feeds[name] for name, *_ in inputs}
         if any(list(v.shape) != list(want) for v, want in (
             (values[grad.x], x_shape), (values[grad.dy], x_shape)
         )):
@@ -272,7 +296,7 @@ def _verified(
         expected: dict[str, np.ndarray] = {}
         grad.compute(values, expected, 1)
         checks.append((index, grad, nodes, expected))
-        decides[form] = checked_as[index] = index
+        checked_as[index] = index
     if not checks:
         return []
     keep = sorted(set().union(*(nodes for _, _, nodes, _ in checks)))
@@ -296,11 +320,6 @@ def _verified(
         if ok:
             passed.add(index)
     return [match for i, match in enumerate(found) if checked_as.get(i) in passed]
-
-
-def _normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
-    """Standard-normal float32 values of ``shape``."""
-    return rng.standard_normal(shape, dtype=np.float32)
 
 
 @dataclass(frozen=True)
