@@ -334,6 +334,14 @@ def test_parameters_checkpoint_and_errors(tmp_path):
     np.testing.assert_array_equal(loaded["w1"], params["w1"])
     np.testing.assert_array_equal(loaded["w2"], 0)
 
+    onnx.save(model, tmp_path / "model.onnx")
+    from_path = Training()
+    from_path.requires_grad("w1")
+    from_path.requires_grad("b1")
+    with onnxblock.base(tmp_path / "model.onnx"):
+        from_path("out1")
+    assert from_path.to_model_proto()[0] == block.to_model_proto()[0]
+
     bad = Training()
     bad.requires_grad("nope")
     with (

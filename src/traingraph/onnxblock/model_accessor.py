@@ -67,11 +67,11 @@ def _registered(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
 
 
 @contextmanager
-def base(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
+def base(model: onnx.ModelProto | str | os.PathLike) -> Iterator[ModelAccessor]:
     """Let blocks edit a copy of ``model`` (the given model is left as it is).
 
     Args:
-        model: The base model, e.g. an exported inference model.
+        model: The base model, e.g. an exported inference model, or the path of one.
 
     Yields:
         The :class:`ModelAccessor` whose ``model`` holds the edited copy.
@@ -81,10 +81,11 @@ def base(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
             "the base model is None; pass an onnx.ModelProto, or use onnxblock.empty_base() to"
             " build a model from scratch"
         )
+    if isinstance(model, (str, os.PathLike)):
+        model = onnx.load(os.fspath(model))
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(
-            f"onnxblock.base takes an onnx.ModelProto, got {type(model).__name__}; load the"
-            " model with onnx.load(path) first"
+            f"onnxblock.base takes an onnx.ModelProto or a model path, got {type(model).__name__}"
         )
     with _registered(copy.deepcopy(model)) as accessor:
         yield accessor
