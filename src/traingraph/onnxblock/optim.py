@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -70,12 +70,12 @@ class ClipGradNorm(Block):
             element = grads.type.elem_type.dtype or element  # type: ignore[attr-defined]
         count = b.SequenceLength(grads)
 
-        def total_of_squares(body: OpBuilder, i: ir.Value, carried: ir.Value) -> ir.Value:
+        def add_square(body: OpBuilder, i: ir.Value, carried: list[ir.Value]) -> list[ir.Value]:
             square = body.reduce("ReduceSumSquare", body.SequenceAt(grads, i), keepdims=False)
-            return body.Add(carried, square)
+            return [body.Add(carried[0], square)]
 
         zero = b.const(0.0, element, name="zero")
-        [total] = _loop(b, count, [zero], lambda body, i, c: [total_of_squares(body, i, c[0])])
+        [total] = _loop(b, count, [zero], add_square)
         total.dtype, total.shape = element, ir.Shape([])
         coefficient = _clip_coefficient(b, b.Sqrt(total), self.max_norm, total)
 
@@ -88,7 +88,12 @@ class ClipGradNorm(Block):
         return [clipped]
 
 
-def _loop(b: OpBuilder, count: ir.Value, initial: list[ir.Value], body_fn) -> list[ir.Value]:  # type: ignore[no-untyped-def]
+LoopBody = Callable[[OpBuilder, ir.Value, list[ir.Value]], list[ir.Value]]
+
+
+def _loop(
+    b: OpBuilder, count: ir.Value, initial: list[ir.Value], body_fn: LoopBody
+) -> list[ir.Value]:
     """A ``Loop`` of ``count`` iterations whose body ``body_fn(body, i, carried)`` returns the
     new values of the carried ``initial`` values; returns their final values."""
     i = ir.Value(name=b.fresh_name("i"), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
