@@ -131,9 +131,6 @@ def _ir_type(info: onnx.ValueInfoProto | None) -> tuple[ir.TypeProtocol | None, 
     return None, None
 
 
-Built = ir.Value | Sequence[ir.Value]
-
-
 def splice(
     model: onnx.ModelProto,
     input_names: Sequence[str],
