@@ -1000,9 +1000,11 @@ class Optimizer:
             flat = _flat_equivalent(proto, name, hyperparameters, layout, size)
             if flat is not None:
                 self.graph_model, self._flat = flat
-        self._runner = BoundRunner(
-            create_session(self.graph_model, state.device, module._config), state.device
-        )
+        # a session runs the update where no fused update replaces it
+        self._runner: BoundRunner | None = None
+        if self._fused is None:
+            session = create_session(self.graph_model, state.device, module._config)
+            self._runner = BoundRunner(session, state.device)
 
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients.
@@ -1016,6 +1018,7 @@ class Optimizer:
         if scaler is not None and not scaler.update(self._module._grads_finite):
             return
         if self._fused is None:
+            assert self._runner is not None
             optimizer_step(self._runner, self._state, self._flat)
             return
         state = self._state
