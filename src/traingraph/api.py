@@ -672,12 +672,16 @@ class Module:
 
     # ---------------------------------------------------------- parameters
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
-        """All parameters (or the trainable ones) as one flat OrtValue, in checkpoint order."""
+        """All parameters (or the trainable ones) as one flat OrtValue on the Module's device,
+        in checkpoint order."""
         runtime = self._runtime
         _require_loaded(runtime, runtime.trainable.cur if trainable_only else runtime.names)
         flat = runtime.contiguous(trainable_only)
+        device = self._device
         # An OrtValue that owns its memory: ortvalue_from_numpy would only borrow ``flat``.
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(flat.shape), flat.dtype, "cpu", 0)
+        value = ort.OrtValue.ortvalue_from_shape_and_type(
+            list(flat.shape), flat.dtype, device.ort_device_type, device.index
+        )
         value.update_inplace(flat)
         return value
 

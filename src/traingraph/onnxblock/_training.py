@@ -15,7 +15,7 @@ from traingraph.autodiff.engine import differentiate, name_output, values_by_nam
 from traingraph.autodiff.lowering import lower_training_batch_norm
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
-from traingraph.ir.model import default_opset, load_ir, to_proto
+from traingraph.ir.model import default_opset, load_ir, max_ir_version, to_proto
 from traingraph.onnxblock import _graph, model_accessor
 from traingraph.onnxblock.blocks import Block
 from traingraph.program import _lift_parameters, to_inference_mode, to_training_mode
@@ -85,6 +85,8 @@ class ForwardBlock(Block):
         output = self.build(*args, **kwargs)
         model = _with_shapes(accessor.model)
         _graph.register_graph_outputs(model, _output_names(output))
+        # No newer IR version than the installed onnxruntime loads (as traingraph writes them).
+        model.ir_version = min(model.ir_version, max_ir_version())
         accessor.model.CopyFrom(model)
         self._model = model
         return output
