@@ -33,11 +33,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import heapq
 import importlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -280,11 +281,12 @@ def split_weight_grads(
     if _native is None:
         return model, []
     graph = model.graph
-    g = GraphIndex.of(graph)
-    found = _verified(model, g, _candidates(model, g, forward))
-    if not found:
-        return model, []
-    found = _routed(model, forward, found)
+    with shared_analyses():  # one shape inference and one index of the model
+        g = GraphIndex.of(graph)
+        found = _verified(model, g, _candidates(model, g, forward))
+        if not found:
+            return model, []
+        found = _routed(model, forward, found)
     removed: set[int] = set()
     for _, cone in found:
         removed |= cone
@@ -430,18 +432,50 @@ def _dims(value: onnx.ValueInfoProto, symbols: bool = False) -> list[Any]:
     ]
 
 
+_shared: dict[tuple[object, ...], Any] | None = None
+"""Within :func:`shared_analyses`: the shapes and indexes computed so far, by the content of
+the model or graph they are of."""
+
+
+@contextlib.contextmanager
+def shared_analyses() -> Iterator[None]:
+    """Within this context :func:`_inferred_shapes` and :meth:`GraphIndex.of` compute their
+    result once for each model (or graph) content and give it again for the same content: the
+    matchers of the kernels each ask for the model's shapes and index, and on a large graph
+    shape inference takes a good part of a second. Left, the results are dropped."""
+    global _shared
+    outer = _shared
+    if outer is None:
+        _shared = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _shared = None
+
+
+def _content(message: onnx.ModelProto | onnx.GraphProto) -> bytes:
+    return hashlib.blake2b(message.SerializeToString(deterministic=True)).digest()
+
+
 def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """The shapes onnx's shape inference gives each float value; {} where it fails."""
+    key = ("shapes", _content(model)) if _shared is not None else None
+    if key is not None and _shared is not None and key in _shared:
+        return {name: list(dims) for name, dims in _shared[key].items()}
     try:
         inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # without shapes nothing is matched
         return {}
     graph = inferred.graph
-    return {
+    shapes = {
         v.name: _dims(v)
         for v in list(graph.value_info) + list(graph.input) + list(graph.output)
         if _elem_type(v) == FLOAT and v.type.tensor_type.HasField("shape")
     }
+    if key is not None and _shared is not None:
+        _shared[key] = {name: list(dims) for name, dims in shapes.items()}
+    return shapes
 
 
 def _has_subgraph(node: onnx.NodeProto) -> bool:
@@ -544,6 +578,18 @@ class GraphIndex:
 
     @staticmethod
     def of(graph: onnx.GraphProto) -> GraphIndex:
+        """The index of ``graph`` (the same one again for the same graph, unchanged, within
+        :func:`shared_analyses`)."""
+        if _shared is None:
+            return GraphIndex._of(graph)
+        # the graph itself is kept too: the index holds its nodes, and its id stays its own
+        key = ("index", id(graph), _content(graph))
+        if key not in _shared:
+            _shared[key] = (graph, GraphIndex._of(graph))
+        return _shared[key][1]
+
+    @staticmethod
+    def _of(graph: onnx.GraphProto) -> GraphIndex:
         nodes = list(graph.node)
         consumers: dict[str, set[int]] = {}
         for i, n in enumerate(nodes):

@@ -396,15 +396,16 @@ def find_kernels(
     ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
     the Col2Im kernels read written after its nodes."""
     kernels: list[tuple[Kernel, set[int]]] = []
-    kernels += split_batch_norm_grads(model, forward)
-    kernels += split_max_pool_grads(model, weight_grads, forward)
-    kernels += split_dropout_masks(model)
-    kernels += split_direct_convs(model, _taken(kernels))
-    kernels += split_batch_norm_forwards(model, _taken(kernels))
-    kernels += split_winograd_convs(model, _taken(kernels))
-    kernels += split_gelus(model, _taken(kernels), {v for k, _ in kernels for v in k.inputs})
-    kernels += split_layer_norm_grads(model, _taken(kernels))
-    model, found = split_col2ims(model, _taken(kernels))
+    with conv_grads.shared_analyses():  # one shape inference and one index of the model
+        kernels += split_batch_norm_grads(model, forward)
+        kernels += split_max_pool_grads(model, weight_grads, forward)
+        kernels += split_dropout_masks(model)
+        kernels += split_direct_convs(model, _taken(kernels))
+        kernels += split_batch_norm_forwards(model, _taken(kernels))
+        kernels += split_winograd_convs(model, _taken(kernels))
+        kernels += split_gelus(model, _taken(kernels), {v for k, _ in kernels for v in k.inputs})
+        kernels += split_layer_norm_grads(model, _taken(kernels))
+        model, found = split_col2ims(model, _taken(kernels))
     return model, kernels + list(found)
 
 
