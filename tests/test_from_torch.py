@@ -368,3 +368,64 @@ def test_readme_snippet_runs(tmp_path):
     accuracy = [float(a) for a in re.findall(r"val_accuracy (\d\.\d+)", result.stdout)]
     assert accuracy and accuracy[-1] > 0.9, result.stdout
     assert (tmp_path / "model_trained.onnx").is_file()
+
+
+class TiedLM(nn.Module):
+    """An output projection that shares the token embedding's weight."""
+
+    def __init__(self, vocab: int = 30, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.mix(self.embed(ids).mean(dim=1))))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_tied_parameter_is_one_initializer_that_trains_as_in_torch(exporter, tmp_path):
+    net = _seeded(TiedLM)
+    reference = copy.deepcopy(net)
+    model = traingraph.from_torch(net, torch.randint(0, 30, (4, 6)), exporter=exporter)
+    assert sorted(i.name for i in model.graph.initializer) == sorted(
+        ["embed.weight", "mix.weight", "mix.bias"]
+    )
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.MSELoss, optimizer=optim.SGD(lr=0.5),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ids = rng.integers(0, 30, (5, 6)).astype(np.int64)
+        target = rng.standard_normal((5, 30)).astype(np.float32)
+        loss = module(ids, target)
+        opt.step()
+        module.lazy_reset_grad()
+        torch_opt.zero_grad()
+        expected = nn.functional.mse_loss(reference(torch.tensor(ids)), torch.tensor(target))
+        expected.backward()
+        torch_opt.step()
+        np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    np.testing.assert_allclose(
+        state.parameters["embed.weight"].data, reference.embed.weight.detach().numpy(), atol=1e-6
+    )
+
+
+class ReturnsAnObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+        return self.fc(x), object()
+
+
+def test_non_tensor_outputs_are_an_error_naming_their_type():
+    with pytest.raises(ModelError, match="returns object beside its tensors"):
+        traingraph.from_torch(ReturnsAnObject(), torch.randn(2, 4))

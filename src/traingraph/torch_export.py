@@ -24,6 +24,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -262,11 +263,23 @@ def _no_dropout_mode(torch: Any) -> Any:
     return NoDropout()
 
 
+_PLAIN_LEAVES: tuple[type, ...] = (int, float, bool, str, type(None))
+
+
 def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
     """Run the train-mode forward with dropout off; find the parameters the outputs depend on."""
     with torch.enable_grad(), _no_dropout(torch, model):
         out = model(*args)
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    leaves = torch.utils._pytree.tree_leaves(out)
+    plain = (torch.Tensor, *_PLAIN_LEAVES)
+    others = sorted({type(t).__name__ for t in leaves if not isinstance(t, plain)})
+    if others:
+        raise ModelError(
+            f"{type(model).__name__}'s forward returns {', '.join(others)} beside its tensors,"
+            " which no exporter writes to ONNX; return tensors only (a Hugging Face model:"
+            " set use_cache=False in its config)"
+        )
+    leaves = [t for t in leaves if isinstance(t, torch.Tensor)]
     if not leaves:
         raise ModelError(
             f"{type(model).__name__}'s forward returned no tensor ({type(out).__name__}); a"
@@ -366,7 +379,7 @@ def _export_first(
         except ModelError:
             raise
         except Exception as exc:  # the exporters raise many kinds of errors
-            reasons.append(f"the {name} exporter failed: {type(exc).__name__}: {_first(exc)}")
+            reasons.append(f"the {name} exporter failed: {_first(exc)}")
             if exporter is not None:
                 raise ModelError(f"{reasons[-1]}. Try exporter=None or the other exporter") from exc
             continue
@@ -394,8 +407,12 @@ def _export_first(
 
 
 def _first(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0][:300] if lines else "(no message)"
+    """The first line of the innermost cause of ``exc`` (the exporters wrap the reason)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else '(no message)'}"
 
 
 def _export(
@@ -468,7 +485,7 @@ def _finish(
     m = ir.from_proto(proto)
     graph = m.graph
     torch_tensors = _torch_tensors(model)
-    _rename_initializers(graph, torch_tensors)
+    _rename_initializers(graph, torch_tensors, _aliases(model))
     # Tracing in train mode ran the forward, which moved the running statistics it exported.
     for name, buffer in model.named_buffers():
         value = graph.initializers.get(name)
@@ -490,30 +507,59 @@ def _finish(
     return ir.to_proto(m)
 
 
-def _rename_initializers(graph: ir.Graph, torch_tensors: dict[str, np.ndarray]) -> None:
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Every further name of a parameter or buffer reached under several module paths (a
+    tied weight) -> the name ``named_parameters()`` / ``named_buffers()`` report for it."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    named: list[tuple[str, torch.Tensor]] = [*model.named_parameters(remove_duplicate=False)]
+    named += model.named_buffers(remove_duplicate=False)
+    for name, tensor in named:
+        canonical = first.setdefault(id(tensor), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def _rename_initializers(
+    graph: ir.Graph, torch_tensors: dict[str, np.ndarray], aliases: dict[str, str]
+) -> None:
     """Give initializers that the exporter named its own way (``p_fc1_weight``,
-    ``onnx::MatMul_12``) the torch name of the parameter or buffer with the same value."""
-    present = set(graph.initializers)
+    ``onnx::MatMul_12``) the torch name of the parameter or buffer with the same value; an
+    initializer of a tied parameter that is there under its torch name already is replaced by
+    that one, so that the tied uses share one initializer."""
     for name, value in list(graph.initializers.items()):
         if name in torch_tensors or value.const_value is None:
             continue
-        array = value.const_value.numpy()
-        match = next(
-            (
-                n
-                for n, t in torch_tensors.items()
-                if n not in present
-                and t.shape == array.shape
-                and t.dtype == array.dtype
-                and np.array_equal(t, array)
-            ),
-            None,
-        )
-        if match is not None:
-            graph.initializers.pop(name)
-            value.name = match
+        target = aliases.get(name) or _same_value(value.const_value.numpy(), torch_tensors, graph)
+        if target is None:
+            continue
+        graph.initializers.pop(name)
+        if target in graph.initializers:
+            ir.convenience.replace_all_uses_with(value, graph.initializers[target])
+            for i, output in enumerate(graph.outputs):
+                if output is value:
+                    graph.outputs[i] = graph.initializers[target]
+        else:
+            value.name = target
             graph.register_initializer(value)
-            present.add(match)
+
+
+def _same_value(
+    array: np.ndarray, torch_tensors: dict[str, np.ndarray], graph: ir.Graph
+) -> str | None:
+    """The torch name of a tensor equal to ``array``: one not among the initializers yet."""
+    return next(
+        (
+            n
+            for n, t in torch_tensors.items()
+            if n not in graph.initializers
+            and t.shape == array.shape
+            and t.dtype == array.dtype
+            and np.array_equal(t, array)
+        ),
+        None,
+    )
 
 
 def _constants_to_nodes(graph: ir.Graph, torch_names: set[str]) -> None:
@@ -609,15 +655,20 @@ def _listed(names: Sequence[str], most: int = 12) -> str:
 def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """An onnxruntime session over ``proto`` with Dropout off and training-mode BatchNorm
     lowered to standard ops (as the training graph computes it)."""
+    import onnx_ir.passes.common as common_passes
     import onnxruntime as ort
 
     from traingraph.autodiff.lowering import lower_training_batch_norm
-    from traingraph.ir.model import default_opset, load_ir
+    from traingraph.ir.model import default_opset
 
-    try:
-        m = load_ir(proto)
-    except ModelError as exc:
-        raise ModelError(f"traingraph cannot read the exported model: {exc}") from None
+    # onnx's shape inference (onnx_ir's pass types sequence values as tensors) gives training
+    # BatchNorm's lowering the ranks it needs.
+    with contextlib.suppress(Exception):
+        proto = onnx.shape_inference.infer_shapes(proto)
+    m = ir.from_proto(proto)
+    if m.functions:
+        common_passes.InlinePass()(m)
+        common_passes.RemoveUnusedFunctionsPass()(m)
     graph = m.graph
     zero = ir.Value(name="from_torch_check_dropout_ratio", const_value=ir.tensor(np.float32(0)))
     zero.shape, zero.type = ir.Shape([]), ir.TensorType(ir.DataType.FLOAT)
