@@ -156,3 +156,50 @@ def test_symbolic_dims_of_one_name_are_the_same_length():
     assert not sizes[0].is_dim_of(unnamed, 0)
     made_up = ir.Value(name="m", shape=ir.Shape(["unk__0", 2]))
     assert not Dim(made_up, 0).is_dim_of(ir.Value(name="n", shape=ir.Shape(["unk__0"])), 0)
+
+
+def _chunk_model() -> onnx.ModelProto:
+    """``x[:, :Shape(x)[1] // 2 * 1]`` as torch's TorchScript exporter writes ``chunk``, then
+    ``Mul(bias, Cast(Shape(x)[2]))``: the first is a shape computation, the second reads a
+    float initializer (a parameter) and must stay."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "one"], ["c"], axis=0),
+        helper.make_node("Add", ["c", "one1"], ["c1"]),
+        helper.make_node("Div", ["c1", "two"], ["half"]),
+        helper.make_node("Mul", ["half", "one1"], ["end"]),
+        helper.make_node("Slice", ["x", "zero1", "end", "one1"], ["piece"]),
+        helper.make_node("Gather", ["s", "last"], ["n"], axis=0),
+        helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["bias", "nf"], ["scaled"]),
+        helper.make_node("Add", ["piece", "scaled"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(v, np.int64), n)
+        for n, v in (("one", 1), ("one1", [1]), ("two", [2]), ("zero1", [0]), ("last", 2))
+    ] + [numpy_helper.from_array(np.array([0.5, -1.0, 2.0, 0.25], np.float32), "bias")]
+    graph = helper.make_graph(
+        nodes, "chunk", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_shape_computations_fold_so_that_shapes_infer():
+    """Loading folds the chunk's bounds (read from static dims) into a Constant, so shape
+    inference gives the Slice's output shape; the parameter's product stays a computation, and
+    the model computes the same at every batch size."""
+    import onnxruntime as ort
+
+    proto = _chunk_model()
+    m = load_ir(proto)
+    values = {o.name: o for node in m.graph for o in node.outputs}
+    assert values["piece"].shape == ir.Shape(["batch", 3, 4])
+    assert values["end"].producer().op_type == "Constant"
+    assert values["scaled"].producer().op_type == "Mul" and "bias" in m.graph.initializers
+    folded = ort.InferenceSession(ir.to_proto(m).SerializeToString())
+    original = ort.InferenceSession(proto.SerializeToString())
+    for batch in (1, 5):
+        x = np.random.default_rng(batch).standard_normal((batch, 6, 4)).astype(np.float32)
+        expected = original.run(None, {"x": x})[0]
+        np.testing.assert_array_equal(folded.run(None, {"x": x})[0], expected)

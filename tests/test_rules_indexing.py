@@ -536,13 +536,16 @@ def test_resize_run_time_scales_are_unsupported():
         )
 
 
+_RESIZED = {True: (7, 5), False: (8, 6)}  # the constant sizes, and y's shape (scales of 2)
+
+
 def _resize_from_shapes(sizes_from: str) -> onnx.ModelProto:
     """``Resize(x)`` whose sizes or scales are computed from shapes, as torch exports
     ``interpolate(x, size=y.shape[-2:])``, with a dynamic batch; ``loss`` weights the output.
 
     ``sizes_from``: "constant" (``Concat(Shape(x)[:2], [7, 5])``), "shape" (``Concat(Shape(x)
-    [:2], Shape(y)[2:])``), "scales" (``Concat([1, 1], Shape(y)[2:] / Shape(x)[2:])`` as
-    floats) or "other batch" (the batch length of ``y``, another tensor).
+    [:2], Shape(y)[2:])``, ``y`` 8x6), "scales" (``Concat([1, 1], Shape(y)[2:] / Shape(x)[2:])``
+    as floats) or "other batch" (the batch length of ``y``, another tensor).
     """
     head = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Shape", ["y"], ["sy"])]
     if sizes_from == "scales":
@@ -573,11 +576,12 @@ def _resize_from_shapes(sizes_from: str) -> onnx.ModelProto:
         for n, v in (("zero", [0]), ("two", [2]), ("four", [4]), ("hw", [7, 5]))
     ] + [numpy_helper.from_array(f32(1, 1), "ones")]
     batch = "n" if sizes_from == "other batch" else "batch"
+    h, w = _RESIZED[sizes_from == "constant"]
     graph = helper.make_graph(
         head + body + tail_nodes, "resize_from_shapes",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 4, 3]),
-         helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 1, 7, 5]),
-         helper.make_tensor_value_info("w", TensorProto.FLOAT, ["batch", 2, 7, 5])],
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 1, 8, 6]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, ["batch", 2, h, w])],
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits,
     )  # fmt: skip
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -589,13 +593,12 @@ def test_resize_sizes_from_shapes_with_dynamic_batch(sizes_from):
     the batch size is the input's own, so that axis is not resized. The gradient equals finite
     differences and torch's."""
     model = _resize_from_shapes(sizes_from)
-    x, y = r32(2, 2, 4, 3), r32(2, 1, 7, 5)
-    w = np.random.default_rng(1).uniform(0.5, 1.5, (2, 2, 7, 5)).astype(np.float32)
+    size = _RESIZED[sizes_from == "constant"]
+    x, y = r32(2, 2, 4, 3), r32(2, 1, 8, 6)
+    w = np.random.default_rng(1).uniform(0.5, 1.5, (2, 2, *size)).astype(np.float32)
     got = check_model_gradient(model, {"x": x, "y": y, "w": w}, ["x"], **RESIZE_TOL)
     t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    out = F.interpolate(t, size=(7, 5), mode="bilinear", align_corners=False)
-    if sizes_from == "scales":  # the scales torch's size=(7, 5) means
-        out = F.interpolate(t, scale_factor=(7 / 4, 5 / 3), mode="bilinear")
+    out = F.interpolate(t, size=size, mode="bilinear", align_corners=False)
     (out * torch.tensor(w, dtype=torch.float64)).sum().backward()
     np.testing.assert_allclose(got["x"], t.grad.numpy(), rtol=1e-4, atol=1e-5)
 

@@ -183,6 +183,96 @@ def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
     return found
 
 
+def fold_shape_computations(graph: ir.Graph) -> bool:
+    """Replace each value ``graph`` computes from static dimensions and constants (``Shape ->
+    Gather -> Div -> Slice`` bounds, resize sizes, reshape targets) with a ``Constant``.
+
+    ONNX shape inference does not see through such arithmetic, so a ``Slice`` whose bounds are
+    computed (torch's ``chunk``) gets an output of unknown shape, and so does everything after
+    it. With the computations folded, inferring shapes again gives them. Only values that read
+    a ``Shape`` or ``Size`` and no floating-point initializer are folded (a parameter is never
+    made a constant), so the model computes the same for every batch size. The nodes left
+    without readers are removed.
+
+    Returns:
+        Whether any value was folded.
+    """
+    shape_based: dict[ir.Value, bool] = {}
+    nodes = [
+        node for node in graph
+        if node.op_type not in ("Constant", "Shape", "Size") and node.op_type in _EVALUATORS
+        and node.domain in ("", "ai.onnx") and len(node.outputs) == 1
+        and _reads_shapes(node.outputs[0], shape_based)
+    ]  # fmt: skip
+    folded = False
+    for node in nodes:  # the last values of each computation: those read by other nodes
+        out = node.outputs[0]
+        if out.is_graph_output() or all(shape_based.get(o, False)
+                                        for use in out.uses() for o in use.node.outputs):
+            continue  # fmt: skip
+        value = constant_value(out)
+        if value is None or value.dtype == object or value.size > _MAX_ELEMENTS:
+            continue
+        constant = ir.Node(
+            "", "Constant", [], [ir.AttrTensor("value", ir.tensor(value))],
+            name=f"{node.name or out.name}/folded",
+        )  # fmt: skip
+        graph.insert_before(node, constant)
+        replacement = constant.outputs[0]
+        replacement.name, replacement.type, replacement.shape = out.name, out.type, out.shape
+        out.name = None
+        out.replace_all_uses_with(replacement)
+        folded = True
+    if not folded:
+        return False
+    for node in reversed(list(graph)):
+        foldable = node.op_type in _EVALUATORS or node.op_type in ("Constant", "Shape", "Size")
+        if foldable and node.domain in ("", "ai.onnx") and not any(
+            o.uses() or o.is_graph_output() for o in node.outputs
+        ):
+            graph.remove(node, safe=True)
+    for node in graph:  # shapes inference made up without the folded values: infer them again
+        for output in node.outputs:
+            if output.shape is not None and any(
+                not isinstance(d, int) and (d.value is None or d.value.startswith("unk__"))
+                for d in output.shape.dims
+            ):
+                output.shape = None
+    return True
+
+
+def _reads_shapes(value: ir.Value, memo: dict[ir.Value, bool]) -> bool:
+    """Whether ``value`` is computed from a ``Shape`` or ``Size`` with nothing but constants,
+    integer initializers and the evaluable ops besides (no floating-point initializer)."""
+    if value in memo:
+        return memo[value]
+    node = value.producer()
+    if node is None:  # a graph input or an initializer
+        return False
+    memo[value] = False  # until known, guards against cycles
+    if node.op_type in ("Shape", "Size"):
+        result = True
+    elif node.op_type == "Constant" or node.op_type not in _EVALUATORS:
+        result = False
+    else:
+        inputs = [v for v in node.inputs if v is not None]
+        result = any(_reads_shapes(v, memo) for v in inputs) and all(
+            _reads_shapes(v, memo) or _is_constant(v) for v in inputs
+        )
+    memo[value] = result
+    return result
+
+
+def _is_constant(value: ir.Value) -> bool:
+    """A Constant node's output, or an initializer that is not floating-point."""
+    node = value.producer()
+    if node is not None:
+        return node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+    return value.const_value is not None and value.dtype is not None and (
+        not value.dtype.is_floating_point()
+    )
+
+
 def _evaluate(value: ir.Value | None, depth: int) -> _Partial | None:
     if value is None or depth <= 0:
         return None
@@ -369,5 +459,6 @@ __all__ = [
     "constant_attribute_value",
     "constant_value",
     "densify_sparse_constants",
+    "fold_shape_computations",
     "partial_value",
 ]

@@ -13,7 +13,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.errors import ModelError
-from traingraph.ir.fold import densify_sparse_constants
+from traingraph.ir.fold import densify_sparse_constants, fold_shape_computations
 
 ModelLike: TypeAlias = "str | os.PathLike[str] | onnx.ModelProto | ir.Model"
 
@@ -72,6 +72,9 @@ def _prepare(m: ir.Model, *, infer_shapes: bool) -> None:
         # Shape inference is a help, not a requirement: rules that need a shape say so.
         with contextlib.suppress(Exception):
             common_passes.ShapeInferencePass()(m)
+        if fold_shape_computations(m.graph):  # shapes behind computed Slice bounds, Resize sizes
+            with contextlib.suppress(Exception):
+                common_passes.ShapeInferencePass()(m)
 
 
 def default_opset(m: ir.Model) -> int:
