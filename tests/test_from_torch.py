@@ -352,7 +352,10 @@ def test_mobilenet_v3_small_exported_as_the_readme_shows_learns(tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_readme_snippet_runs(tmp_path):
+    """The README's bring-your-own snippet as a new user copies it (slow: 8 epochs in a fresh
+    interpreter; examples/bring_your_own_pytorch_model.py runs the same steps by default)."""
     import re
     import subprocess
     import sys
