@@ -432,3 +432,49 @@ class ReturnsAnObject(nn.Module):
 def test_non_tensor_outputs_are_an_error_naming_their_type():
     with pytest.raises(ModelError, match="returns object beside its tensors"):
         traingraph.from_torch(ReturnsAnObject(), torch.randn(2, 4))
+
+
+def _conv_model(nodes, initializers, producer="pytorch"):
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "conv.weight"], ["c"], name="/conv/Conv"), *nodes],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.ones((1, 1, 1, 1), np.float32), "conv.weight")]
+        + [numpy_helper.from_array(np.ones(1, np.float32), n) for n in initializers],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.producer_name = producer
+    return model
+
+
+def test_export_checks_name_what_they_find_and_nothing_else():
+    from onnx import helper
+
+    from traingraph.ir.export_checks import export_warnings
+
+    folded = _conv_model([helper.make_node("Add", ["c", "onnx::Add_7"], ["y"], name="/bn1/Add")],
+                         ["onnx::Add_7"])  # fmt: skip
+    (lost, generated) = export_warnings(folded)
+    assert "'bn1'" in lost and "'onnx::Add_7'" in generated
+    # Another producer's names, a LayerNorm model's "norm" and explicit requires_grad say nothing.
+    assert export_warnings(folded, requires_grad=["conv.weight"])[1:] == []
+    other = _conv_model([helper.make_node("Add", ["c", "bn1_bias"], ["y"], name="bn1")],
+                        ["bn1_bias"], producer="traingraph")  # fmt: skip
+    assert export_warnings(other) == []
+    layer_norm = _conv_model(
+        [helper.make_node("LayerNormalization", ["c", "norm.weight"], ["y"], name="/norm/LN")],
+        ["norm.weight"],
+    )
+    assert export_warnings(layer_norm) == []
+    batch_norm = [
+        helper.make_node("BatchNormalization", ["c", "bn.weight", "bn.bias", "bn.mean", "bn.var"],
+                         ["y", "m", "v"], name="/bn/BN", training_mode=mode)
+        for mode in (0, 1)
+    ]  # fmt: skip
+    stats = ["bn.weight", "bn.bias", "bn.mean", "bn.var"]
+    (inference,) = export_warnings(_conv_model([batch_norm[0]], stats))
+    assert "'/bn/BN'" in inference and "training_mode=0" in inference
+    assert export_warnings(_conv_model([batch_norm[1]], stats)) == []
