@@ -36,7 +36,7 @@ BATCH = 4
 LR = 0.1
 # Few values per channel (64 and 16), where the unbiased variance is 1.6% and 6.7% larger.
 BUFFERS = ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var")
-RTOL, ATOL = 2e-5, 1e-6  # float32 rounding over 20 steps of training
+RTOL, ATOL = 5e-5, 1e-6  # float32 rounding over 20 steps; the biased update is 1e-3 or more off
 
 
 class Net(nn.Module):
