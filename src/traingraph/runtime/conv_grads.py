@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import heapq
 import importlib
+import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -1150,6 +1151,51 @@ def random_feeds(
     return feeds
 
 
+class WindowedDraws:
+    """Standard-normal float32 inputs for the numeric checks of many matches at once, drawn
+    once: input k of a check (its x, its dy, ...) is a copy of the start of window k of one
+    draw, so the inputs of one check are independent of each other, while another check may
+    see the same values, which weakens neither. An input another check made already keeps its
+    array (a value two matches read gets one); where its window is one this check's other
+    inputs take too, a new input gets a draw of its own.
+
+    Args:
+        rng: The generator.
+        windows: Windows (inputs per check).
+        size: Elements per window: the largest input.
+    """
+
+    def __init__(self, rng: np.random.Generator, windows: int, size: int) -> None:
+        self._rng = rng
+        self._draw = rng.standard_normal((windows, size), dtype=np.float32)
+        self._sources: dict[str, int] = {}  # a feed -> its window (< 0: a draw of its own)
+        self.feeds: dict[str, np.ndarray] = {}
+        """Every input made so far, by name."""
+
+    def inputs(
+        self,
+        wanted: Sequence[
+            tuple[str, int, Sequence[int], Callable[[np.ndarray], np.ndarray] | None]
+        ],
+    ) -> dict[str, np.ndarray]:
+        """The inputs of one check: for each ``(name, window, shape, transform)`` the array
+        of ``name``, made from ``window`` (then passed through ``transform``, where given)
+        unless another check made it already."""
+        used = {self._sources[name] for name, *_ in wanted if name in self.feeds}
+        for name, window, shape, transform in wanted:
+            if name in self.feeds:
+                continue
+            if window in used:
+                window = -1 - len(self._sources)
+                raw = self._rng.standard_normal(shape, dtype=np.float32)
+            else:
+                raw = self._draw[window, : math.prod(shape)].reshape(shape).copy()
+            used.add(window)
+            self._sources[name] = window
+            self.feeds[name] = transform(raw) if transform is not None else raw
+        return {name: self.feeds[name] for name, *_ in wanted}
+
+
 class NormalizationGradOutputs:
     """What a normalization's gradient kernel writes (``dx`` and ``dscale`` where not None,
     ``dbias``); mixed into the kernels' dataclasses that have those fields."""
@@ -1207,8 +1253,9 @@ def _verified(
     batch 2 (all in one onnxruntime session); a candidate of the same form (the nodes and the
     Conv's attributes, :meth:`GraphIndex.form`) and shapes as one checked takes its verdict."""
     nodes = g.nodes
-    rng = np.random.default_rng(0)
-    feeds: dict[str, np.ndarray] = {}
+    size = max((max(math.prod(m.x_shape), math.prod(m.dy_shape)) for m in found), default=0)
+    draws = WindowedDraws(np.random.default_rng(0), 2, size)
+    feeds = draws.feeds
     checks: list[tuple[int, WeightGrad, set[int], np.ndarray]] = []
     decides: dict[tuple[object, ...], int] = {}  # a form -> the candidate checked for it
     checked_as: dict[int, int] = {}  # a candidate -> the one whose check decides it
@@ -1226,8 +1273,10 @@ def _verified(
         if form in decides:
             checked_as[index] = decides[form]
             continue
-        x = feeds.setdefault(grad.x, rng.standard_normal(match.x_shape, dtype=np.float32))
-        dy = feeds.setdefault(grad.dy, rng.standard_normal(match.dy_shape, dtype=np.float32))
+        values = draws.inputs(
+            [(grad.x, 0, match.x_shape, None), (grad.dy, 1, match.dy_shape, None)]
+        )
+        x, dy = values[grad.x], values[grad.dy]
         if list(x.shape) != match.x_shape or list(dy.shape) != match.dy_shape:
             continue
         expected = np.zeros(match.w_shape, np.float32)

@@ -263,32 +263,20 @@ def _verified(
         planned.append((index, grad, nodes, x_shape))
     if not planned:
         return []
-    rng = np.random.default_rng(0)
     window = max(math.prod(x_shape) for *_, x_shape in planned)
-    draw = rng.standard_normal((4, window), dtype=np.float32)
-    feeds: dict[str, np.ndarray] = {}
-    sources: dict[str, int] = {}  # a feed -> the window it came from (< 0: a draw of its own)
+    draws = conv_grads.WindowedDraws(np.random.default_rng(0), 4, window)
+    feeds = draws.feeds
     checks = []
     for index, grad, nodes, x_shape in planned:
-        inputs = [
-            (grad.x, 0, x_shape, lambda a: a * 2 + 1),
-            (grad.dy, 1, x_shape, None),
-            (grad.scale, 3, x_shape[1:2], None),
-        ] + ([(grad.y, 2, x_shape, lambda a: np.maximum(a, 0))] if grad.y else [])
-        # a value two matches read (one gradient into two branches) gets one array; the
-        # inputs of one check come from different windows, else from draws of their own
-        used = {sources[name] for name, *_ in inputs if name in feeds}
-        for name, slot, shape, shift in inputs:
-            if name in feeds:
-                continue
-            if slot in used:
-                raw, slot = rng.standard_normal(shape, dtype=np.float32), -1 - len(sources)
-            else:
-                raw = draw[slot, : math.prod(shape)].reshape(shape).copy()
-            used.add(slot)
-            sources[name] = slot
-            feeds[name] = shift(raw) if shift is not None else raw
-        values = {name: feeds[name] for name, *_ in inputs}
+        # a value two matches read (one gradient into two branches) gets one array
+        values = draws.inputs(
+            [
+                (grad.x, 0, x_shape, lambda a: a * 2 + 1),
+                (grad.dy, 1, x_shape, None),
+                (grad.scale, 3, x_shape[1:2], None),
+            ]
+            + ([(grad.y, 2, x_shape, lambda a: np.maximum(a, 0))] if grad.y else [])
+        )
         if any(list(v.shape) != list(want) for v, want in (
             (values[grad.x], x_shape), (values[grad.dy], x_shape)
         )):
