@@ -142,7 +142,7 @@ def test_native_file_is_plain_safetensors_with_checksum(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not iterable)
     assert meta["format"] == native.FORMAT_NAME
     assert meta["version"] == native.FORMAT_VERSION
-    assert meta["sha256"] == native.payload_sha256(tensors)
+    assert meta["sha256"] == native.checksum(meta, tensors)
     assert set(tensors) == {f"param/{n}" for n in data.parameters} | {
         f"optim/{n}/{s}" for n, slots in data.optimizer_state.items() for s in slots
     }

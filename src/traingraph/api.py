@@ -32,9 +32,17 @@ import onnxruntime as ort
 from onnx import helper
 
 from traingraph.checkpoint import CheckpointData, load_checkpoint_data, save_checkpoint_data
-from traingraph.errors import CheckpointError, ModelError
+from traingraph.checkpoint.state import PropertyTypeError, check_matches_model
+from traingraph.errors import (
+    ArgumentTypeError,
+    CheckpointError,
+    ModelError,
+    UsageError,
+    reports_load_errors,
+)
 from traingraph.ir.model import max_ir_version, to_proto
 from traingraph.ir.model import save as save_model
+from traingraph.limits import check_model_proto
 from traingraph.onnxblock._training import (
     ACCUMULATION_BUFFER,
     ACCUMULATION_OUT,
@@ -211,7 +219,7 @@ class Properties:
 
     def __setitem__(self, key: str, value: PropertyValue) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise TypeError(
+            raise PropertyTypeError(
                 f"property {key!r} must be an int, float or str, got {type(value).__name__};"
                 " convert it (e.g. str(value)) before storing it"
             )
@@ -335,8 +343,15 @@ class CheckpointState:
         return self._runtime
 
 
-def _model_input_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+def _model_input_names(
+    path: str | os.PathLike, state: CheckpointData | None = None
+) -> tuple[list[str], list[str]]:
+    """The model's input and output names, once its declared sizes (and, given ``state``, the
+    checkpoint's parameters) are checked against it."""
     model = onnx.load(os.fspath(path), load_external_data=False)
+    check_model_proto(model, f"model {os.fspath(path)!r}")
+    if state is not None:
+        check_matches_model(state, model.graph.input, os.fspath(path), "(the CheckpointState)")
     return [i.name for i in model.graph.input], [o.name for o in model.graph.output]
 
 
@@ -362,6 +377,7 @@ class Module:
 
     training: bool
 
+    @reports_load_errors("train_model_uri", "training model")
     def __init__(
         self,
         train_model_uri: str | os.PathLike,
@@ -372,7 +388,7 @@ class Module:
         session_config: SessionConfig | None = None,
     ) -> None:
         if not isinstance(state, CheckpointState):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"state must be a CheckpointState, got {type(state).__name__}; load one with"
                 " CheckpointState.load_checkpoint(path)"
             )
@@ -388,7 +404,7 @@ class Module:
         if self._eval_uri is not None and not self._eval_uri.is_file():
             raise ModelError(f"eval model {str(self._eval_uri)!r} does not exist")
         params = set(state._data.parameters)
-        inputs, outputs = _model_input_names(self._train_uri)
+        inputs, outputs = _model_input_names(self._train_uri, state._data)
         missing = [n for n, r in state._data.requires_grad.items() if r and n not in inputs]
         if missing:
             raise CheckpointError(
@@ -935,11 +951,14 @@ class Optimizer:
             optimizer graph's. False runs the optimizer model as the file holds it.
     """
 
+    @reports_load_errors("optimizer_uri", "optimizer model")
     def __init__(
         self, optimizer_uri: str | os.PathLike, module: Module, *, fused: bool = True
     ) -> None:
         if not isinstance(module, Module):
-            raise TypeError(f"module must be a traingraph.api.Module, got {type(module).__name__}")
+            raise ArgumentTypeError(
+                f"module must be a traingraph.api.Module, got {type(module).__name__}"
+            )
         path = Path(optimizer_uri)
         if not path.is_file():
             raise ModelError(f"optimizer model {str(path)!r} does not exist")
@@ -1018,6 +1037,11 @@ class Optimizer:
         as they are) and the loss scale shrinks.
         """
         _require_loaded(self._state)
+        if not self._state.grads_valid:
+            raise UsageError(
+                "Optimizer.step() was called before any train step computed gradients; call"
+                " the Module on a batch (in training mode) first, then optimizer.step()"
+            )
         scaler = self._module.loss_scaler
         if scaler is not None and not scaler.update(self._module._grads_finite):
             return
@@ -1049,7 +1073,7 @@ class Optimizer:
         """Set the learning rate used by the next :meth:`step`."""
         lr = float(learning_rate)
         if not np.isfinite(lr) or lr < 0:
-            raise ValueError(f"learning rate must be a finite number >= 0, got {learning_rate!r}")
+            raise ModelError(f"learning rate must be a finite number >= 0, got {learning_rate!r}")
         self._state.learning_rate = lr
 
     def get_learning_rate(self) -> float:

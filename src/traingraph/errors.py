@@ -5,6 +5,13 @@ Every error says what was received, what was expected and how to fix it.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 
 class TraingraphError(Exception):
     """Base class of every error that traingraph raises on purpose."""
@@ -49,3 +56,70 @@ class CheckpointError(TraingraphError):
 
 class DeviceError(TraingraphError, RuntimeError):
     """A requested device or execution provider is not available."""
+
+
+class SizeLimitError(ModelError):
+    """A model, checkpoint or data file declares a tensor larger than traingraph's size limit."""
+
+
+class DataError(TraingraphError, ValueError):
+    """A data file or batch does not fit what the model expects."""
+
+
+class NonFiniteLossError(TraingraphError, FloatingPointError):
+    """A training step computed a loss that is NaN or infinite."""
+
+
+class UsageError(TraingraphError, RuntimeError):
+    """An API object is used in an order or from several threads in a way it does not support."""
+
+
+class ArgumentTypeError(TraingraphError, TypeError):
+    """An argument has a type that traingraph does not accept."""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def reports_load_errors(path_argument: str, what: str) -> Callable[[_F], _F]:
+    """Decorates a function that loads files so that whatever goes wrong is a TraingraphError.
+
+    A file that onnx, protobuf or onnxruntime cannot read (DecodeError, InvalidArgument, Fail,
+    InvalidGraph, UnicodeDecodeError, ...) or that makes a later step fail becomes a
+    :class:`ModelError` naming the file and the original error (chained as its cause); running
+    out of memory becomes a :class:`SizeLimitError`. traingraph's own errors pass unchanged.
+
+    Args:
+        path_argument: The decorated function's parameter that holds the file's path.
+        what: What the file is, for the message (e.g. ``"training model"``).
+    """
+
+    def decorate(function: _F) -> _F:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except TraingraphError:
+                raise
+            except MemoryError as exc:
+                path = signature.bind_partial(*args, **kwargs).arguments.get(path_argument)
+                raise SizeLimitError(
+                    f"{what} {str(path)!r} needs more memory than this machine has"
+                    f" ({_first_line(exc)}); check that the file is not corrupt, or use a"
+                    " machine with more memory"
+                ) from exc
+            except Exception as exc:
+                path = signature.bind_partial(*args, **kwargs).arguments.get(path_argument)
+                raise ModelError(
+                    f"cannot load {what} {str(path)!r}: {_first_line(exc)}. Check that the file"
+                    " is a complete ONNX model that traingraph.artifacts.generate_artifacts wrote"
+                    " for this checkpoint, and generate the artifacts again if it is not"
+                ) from exc
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

@@ -8,8 +8,8 @@ own persistent buffers; their initial values travel in the checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,10 +20,11 @@ import onnx_ir.passes.common as common_passes
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
-from traingraph.errors import ModelError
+from traingraph.errors import ModelError, SizeLimitError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
 from traingraph.ir.random import lower_dropout
+from traingraph.limits import MAX_ELEMENTS_VARIABLE, check_ir_model, max_tensor_elements
 from traingraph.losses import Loss
 from traingraph.optim.alias import Optimizer
 from traingraph.optim.model import build_optimizer_model, state_slots
@@ -104,7 +105,9 @@ def build_program(
             model PyTorch exported (``producer_name == "pytorch"``), else each node's
             choice (:func:`~traingraph.autodiff.lowering.lower_training_batch_norm`).
     """
-    base = load_ir(model, copy=True)
+    base = load_ir(model, copy=True, infer_shapes=False)
+    check_ir_model(base, _describe_source(model))  # before shape inference allocates from them
+    base = load_ir(base, copy=False)
     opset = default_opset(base)
     graph = base.graph
     _make_batch_dynamic(graph)
@@ -192,11 +195,32 @@ def _grad_or_zeros(b: OpBuilder, grad: ir.Value | None, param: ir.Value) -> ir.V
     return b.zeros_like(param) if grad is None else grad
 
 
+def _describe_source(model: ModelLike) -> str:
+    """The model's file for messages, or what kind of object it is."""
+    if isinstance(model, (str, os.PathLike)):
+        return f"model {os.fspath(model)!r}"
+    return f"the {type(model).__name__} given as model"
+
+
 def _infer_shapes(m: ir.Model) -> None:
-    """Annotate the loss block's values with shapes, which some gradient rules need."""
-    # Shape inference is a help, not a requirement: rules that need a shape say so.
-    with contextlib.suppress(Exception):
+    """Annotate the loss block's values with shapes, which some gradient rules need.
+
+    Shape inference is a help, not a requirement: rules that need a shape say so. The sizes
+    were checked against :func:`traingraph.limits.max_tensor_elements` on loading; running out
+    of memory here still is an error, never a silently skipped inference.
+    """
+    check_ir_model(m)
+    try:
         common_passes.ShapeInferencePass()(m)
+    except MemoryError as exc:
+        raise SizeLimitError(
+            "shape inference of the training graph ran out of memory; the model declares"
+            f" tensors too large for this machine (limit {max_tensor_elements()} elements per"
+            f" tensor, set with {MAX_ELEMENTS_VARIABLE}). Lower the limit, or export the"
+            " model with smaller static dimensions"
+        ) from exc
+    except Exception:  # inference is optional, see the docstring
+        pass
 
 
 def _describe_optimizer(

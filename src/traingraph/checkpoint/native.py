@@ -7,7 +7,11 @@ Layout of the file:
 - tensor ``optim/<param>/<slot>`` for each optimizer slot;
 - metadata entry ``traingraph``: a JSON object with the format name and version, the parameter
   order, ``requires_grad``, the optimizer slots, step and learning rate, the typed property bag,
-  the nominal flag and the SHA-256 checksum of the tensor payload (see :func:`payload_sha256`).
+  the nominal flag and a SHA-256 checksum (see :func:`checksum`). Version 2 files checksum the
+  metadata and the tensor payload; version 1 files, still read, only the payload.
+
+Declared sizes (tensor shapes, nominal parameter specs) are checked against
+:func:`traingraph.limits.max_tensor_elements` before anything is allocated.
 
 Files are written atomically (see :func:`traingraph.checkpoint.state.atomic_write`).
 """
@@ -32,12 +36,14 @@ from traingraph.checkpoint.state import (
     check_checkpoint_data,
     validate_property,
 )
-from traingraph.errors import CheckpointError, ModelError
+from traingraph.errors import CheckpointError, ModelError, TraingraphError
+from traingraph.limits import check_elements
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "load", "payload_sha256", "save"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "checksum", "load", "payload_sha256", "save"]
 
 FORMAT_NAME = "traingraph-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _METADATA_KEY = "traingraph"
 _HEADER_LENGTH_BYTES = 8
 # dtypes that every supported safetensors version stores (safetensors has no complex or string).
@@ -73,6 +79,22 @@ def payload_sha256(tensors: Mapping[str, np.ndarray]) -> str:
         array = np.ascontiguousarray(tensors[key])
         digest.update(f"{key}\0{array.dtype.str}\0{list(array.shape)}\0".encode())
         digest.update(array.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def checksum(meta: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 of the metadata (every entry but ``sha256``, as sorted JSON) and the tensors.
+
+    Args:
+        meta: The checkpoint's metadata object.
+        tensors: Tensor key -> little-endian array.
+
+    Returns:
+        The hex digest that a version 2 file records.
+    """
+    header = {key: value for key, value in meta.items() if key != "sha256"}
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    digest.update(payload_sha256(tensors).encode())
     return digest.hexdigest()
 
 
@@ -135,7 +157,7 @@ def save(
         meta["optimizer_state"] = {}
         meta["optimizer_step"] = 0
         meta["learning_rate"] = None
-    meta["sha256"] = payload_sha256(tensors)
+    meta["sha256"] = checksum(meta, tensors)
     metadata = {_METADATA_KEY: json.dumps(meta)}
     atomic_write(path, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata=metadata))
 
@@ -169,11 +191,19 @@ def _check_complete(path: Path) -> None:
             raise _fail(path, problem, _REWRITE) from exc
     if not isinstance(header, dict):
         raise _fail(path, "its safetensors header is not a JSON object", _REWRITE)
+    for key, entry in header.items():
+        if key != "__metadata__" and isinstance(entry, dict):
+            shape = entry.get("shape")
+            if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+                raise _fail(path, f"tensor {key!r} has shape {shape!r}", _REWRITE)
+            check_elements(f"checkpoint {str(path)!r}", f"tensor {key!r}", shape)
     ends = [
         entry["data_offsets"][1]
         for key, entry in header.items()
         if key != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
-    ]
+        and isinstance(entry["data_offsets"], list) and len(entry["data_offsets"]) == 2
+        and type(entry["data_offsets"][1]) is int
+    ]  # fmt: skip
     needed = _HEADER_LENGTH_BYTES + header_length + max(ends, default=0)
     if size < needed:
         raise _fail(
@@ -198,10 +228,11 @@ def _read_metadata(path: Path, metadata: Mapping[str, str] | None) -> dict[str, 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise _fail(path, f"its metadata does not describe a {FORMAT_NAME} file", _REWRITE)
     version = meta.get("version")
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise _fail(
             path,
-            f"it has format version {version!r}; this traingraph reads version {FORMAT_VERSION}",
+            f"it has format version {version!r}; this traingraph reads versions"
+            f" {', '.join(map(str, _READABLE_VERSIONS))}",
             "Load it with the traingraph version that wrote it, or upgrade traingraph.",
         )
     return meta
@@ -230,27 +261,52 @@ def load(path: str | os.PathLike[str]) -> CheckpointData:
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     except SafetensorError as exc:
         raise _fail(file, f"it is not a valid safetensors file ({exc})", _REWRITE) from exc
-    actual = payload_sha256(tensors)
+    actual = payload_sha256(tensors) if meta["version"] == 1 else checksum(meta, tensors)
     if actual != meta.get("sha256"):
+        covered = "tensor data" if meta["version"] == 1 else "metadata and tensor data"
         raise _fail(
             file,
-            f"checksum mismatch: the tensor data hashes to {actual}, the file records"
+            f"checksum mismatch: the {covered} hash to {actual}, the file records"
             f" {meta.get('sha256')}; the file is corrupt",
             _REWRITE,
         )
     try:
-        return _to_checkpoint_data(meta, tensors)
-    except (KeyError, TypeError, ValueError) as exc:
+        return _to_checkpoint_data(meta, tensors, f"checkpoint {str(file)!r}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        if isinstance(exc, TraingraphError):
+            raise
         raise _fail(file, f"its metadata is inconsistent ({exc!r})", _REWRITE) from exc
 
 
-def _to_checkpoint_data(meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> CheckpointData:
+def _nominal_parameter(source: str, name: str, spec: Mapping[str, Any]) -> np.ndarray:
+    """A zero-filled placeholder for a nominal parameter, its dtype and size checked first."""
+    try:
+        dtype = np.dtype(spec["dtype"]).newbyteorder("=")
+    except TypeError as exc:
+        raise ValueError(f"parameter {name!r} has dtype {spec['dtype']!r}") from exc
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ModelError(
+            f"{source}: parameter {name!r} has dtype {spec['dtype']!r}; expected one of"
+            f" {', '.join(str(d) for d in _SUPPORTED_DTYPES)}. The file is corrupt: write the"
+            " checkpoint again"
+        )
+    shape = spec["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int for d in shape):
+        raise ValueError(f"parameter {name!r} has shape {shape!r}")
+    check_elements(source, f"parameter {name!r}", shape)
+    return np.zeros(shape, dtype=dtype)
+
+
+def _to_checkpoint_data(
+    meta: dict[str, Any], tensors: dict[str, np.ndarray], source: str
+) -> CheckpointData:
     nominal = bool(meta["nominal"])
+    if not all(isinstance(name, str) for name in meta["parameters"]):
+        raise ValueError(f"parameter names {meta['parameters']!r} are not all strings")
     if nominal:
         specs = meta["parameter_specs"]
         parameters = {
-            name: np.zeros(specs[name]["shape"], dtype=np.dtype(specs[name]["dtype"]))
-            for name in meta["parameters"]
+            name: _nominal_parameter(source, name, specs[name]) for name in meta["parameters"]
         }
     else:
         parameters = {name: tensors[_param_key(name)] for name in meta["parameters"]}
@@ -259,6 +315,8 @@ def _to_checkpoint_data(meta: dict[str, Any], tensors: dict[str, np.ndarray]) ->
         for name, entry in meta["properties"].items()
     }
     learning_rate = meta["learning_rate"]
+    if learning_rate is not None and not np.isfinite(float(learning_rate)):
+        raise ValueError(f"learning rate {learning_rate!r} is not finite")
     return CheckpointData(
         parameters=parameters,
         requires_grad={name: bool(meta["requires_grad"][name]) for name in parameters},
@@ -266,8 +324,14 @@ def _to_checkpoint_data(meta: dict[str, Any], tensors: dict[str, np.ndarray]) ->
             name: {slot: tensors[_optim_key(name, slot)] for slot in slots}
             for name, slots in meta["optimizer_state"].items()
         },
-        optimizer_step=int(meta["optimizer_step"]),
+        optimizer_step=_step(meta["optimizer_step"]),
         learning_rate=None if learning_rate is None else float(learning_rate),
         properties=properties,
         nominal=nominal,
     )
+
+
+def _step(value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"optimizer step {value!r} is not an integer >= 0")
+    return value

@@ -48,6 +48,7 @@ from traingraph.checkpoint.state import (
     validate_property,
 )
 from traingraph.errors import CheckpointError, ModelError
+from traingraph.limits import check_elements
 
 __all__ = ["CHECKPOINT_VERSION", "FILE_IDENTIFIER", "load", "loads", "save", "to_bytes"]
 
@@ -334,6 +335,10 @@ def _read_tensor(t: _Reader, nominal: bool) -> tuple[str, np.ndarray]:
     if t.has(_T_STRING_DATA) or t.scalar(_T_EXTERNAL_OFFSET, fb_types.Int64Flags, -1) != -1:
         raise _CorruptError(f"tensor {name!r} keeps its data as strings or in an external file")
     dims = [int(d) for d in t.numbers(_T_DIMS, fb_types.Int64Flags)]
+    try:
+        check_elements("the file", f"tensor {name!r}", dims)  # before anything is allocated
+    except ModelError as exc:
+        raise _CorruptError(str(exc)) from exc
     raw = t.numbers(_T_RAW_DATA, fb_types.Uint8Flags)
     if nominal and raw.size == 0:
         return name, np.zeros(dims, dtype=dtype.newbyteorder("="))
@@ -396,6 +401,8 @@ def _read_checkpoint(buf: bytes) -> CheckpointData:
     step, learning_rate = 0, None
     for group in groups:
         step = int(group.scalar(_GROUP_STEP, fb_types.Int64Flags, 0))
+        if step < 0:
+            raise _CorruptError(f"its optimizer step is {step}; expected an integer >= 0")
         learning_rate = _float32_value(group.scalar(_GROUP_LR, fb_types.Float32Flags, 0.0))
         for state in group.tables(_GROUP_STATES) or []:
             param = state.string(_POS_PARAM_NAME, "an optimizer state's parameter name")
@@ -443,7 +450,7 @@ def loads(buf: bytes, source: str = "<bytes>") -> CheckpointData:
         return _read_checkpoint(buf)
     except _CorruptError as exc:
         problem = str(exc)
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError) as exc:
+    except (struct.error, IndexError, ValueError, TypeError, OverflowError) as exc:
         problem = f"it is truncated or corrupt ({type(exc).__name__}: {exc})"
     raise CheckpointError(
         f"cannot load onnxruntime-training checkpoint {source!r}: {problem}. Check that the file"

@@ -8,13 +8,17 @@ any one format.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from traingraph.errors import CheckpointError, ModelError
 
@@ -24,10 +28,14 @@ __all__ = [
     "PropertyValue",
     "atomic_write",
     "check_checkpoint_data",
+    "check_matches_model",
     "validate_property",
 ]
 
 PropertyValue = int | float | str
+
+
+_TMP_SUFFIX = ".tmp"
 
 
 class PropertyTypeError(ModelError, TypeError):
@@ -103,7 +111,8 @@ def check_checkpoint_data(data: CheckpointData) -> None:
 
     Raises:
         ModelError: A parameter has no ``requires_grad`` entry (or the other way round), an
-            optimizer state names an unknown parameter, or a value is not a NumPy array.
+            optimizer state names an unknown parameter, a value is not a NumPy array, or the
+            optimizer step is negative.
         PropertyTypeError: A property has an unsupported type.
     """
     missing = [name for name in data.parameters if name not in data.requires_grad]
@@ -126,6 +135,59 @@ def check_checkpoint_data(data: CheckpointData) -> None:
             _check_array(f"optimizer state {slot!r} of parameter {name!r}", array)
     for name, value in data.properties.items():
         validate_property(name, value)
+    step = data.optimizer_step
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ModelError(
+            f"checkpoint optimizer_step is {step!r}; expected an integer >= 0 (the number of"
+            " optimizer steps taken)."
+        )
+
+
+def check_matches_model(
+    data: CheckpointData, inputs: Sequence[onnx.ValueInfoProto], model: str, checkpoint: str
+) -> None:
+    """Checks that the checkpoint's parameters fit the model's inputs of the same names.
+
+    Shapes are compared dimension by dimension where the model's are static; a nominal
+    checkpoint's shapes are not compared (onnxruntime-training's record none).
+
+    Args:
+        data: The checkpoint content.
+        inputs: The model's graph inputs.
+        model: The model file, for the message.
+        checkpoint: The checkpoint, for the message.
+
+    Raises:
+        CheckpointError: Some parameters differ in dtype or shape; every mismatch is listed.
+    """
+    mismatches = []
+    for value in inputs:
+        array = data.parameters.get(value.name)
+        if array is None or not value.type.HasField("tensor_type"):
+            continue
+        tensor_type = value.type.tensor_type
+        if tensor_type.elem_type in onnx.helper.get_all_tensor_dtypes():
+            expected = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+            if expected != array.dtype.newbyteorder("="):
+                mismatches.append(f"{value.name!r} is {array.dtype}, the model takes {expected}")
+                continue
+        if data.nominal or not tensor_type.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+        if len(dims) != array.ndim or any(
+            d is not None and d != n for d, n in zip(dims, array.shape, strict=False)
+        ):
+            shape = ["?" if d is None else d for d in dims]
+            mismatches.append(
+                f"{value.name!r} has shape {list(array.shape)}, the model takes {shape}"
+            )
+    if mismatches:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} does not fit model {model!r}: {len(mismatches)}"
+            f" parameter(s) differ: {'; '.join(mismatches[:10])}"
+            f"{'; ...' if len(mismatches) > 10 else ''}. Load the checkpoint that"
+            " generate_artifacts wrote with this model, or generate the artifacts again"
+        )
 
 
 def _check_array(what: str, array: object) -> None:
@@ -157,11 +219,15 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
             f"cannot write checkpoint {str(target)!r}: directory {str(directory)!r} does not exist."
             " Create it first."
         )
-    tmp = directory / f".{target.name}.{uuid.uuid4().hex}.tmp"
-    # Created with mode 0o666 so that the umask decides the final permissions, as for open().
+    _remove_stale_temporaries(target)
+    tmp = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+    # Created with mode 0o666 so that the umask decides the final permissions, as for open();
+    # the mode is set again after ``write``, which may replace the file (safetensors does).
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    mode = stat.S_IMODE(os.stat(tmp).st_mode)
     try:
         write(str(tmp))
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())
@@ -170,6 +236,33 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
         tmp.unlink(missing_ok=True)
         raise
     _fsync_directory(directory)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Removes the temporary files of saves of ``target`` whose process no longer runs.
+
+    A save killed before its rename leaves ``.<name>.<pid>.<hex>.tmp`` behind; the next save
+    removes it. Temporaries of processes still running (saving at the same time) are kept.
+    """
+    pattern = re.compile(
+        re.escape(f".{target.name}.") + r"(?:(\d+)\.)?[0-9a-f]{32}" + re.escape(_TMP_SUFFIX)
+    )
+    for entry in target.parent.glob(f".{glob.escape(target.name)}.*{_TMP_SUFFIX}"):
+        match = pattern.fullmatch(entry.name)
+        if match and (match.group(1) is None or not _process_runs(int(match.group(1)))):
+            entry.unlink(missing_ok=True)
+
+
+def _process_runs(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # the process exists but belongs to another user
+        return True
+    return True
 
 
 def _fsync_directory(directory: Path) -> None:
