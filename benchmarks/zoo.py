@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=5, help="alternating timing runs per model (5 steps each)"
     )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="threads of traingraph and torch (0: defaults)"
+    )
     args = parser.parse_args(argv)
     cases = [
         c
@@ -79,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):
-                        report = run_case(case, exporter, Path(tmp), time_repeats=args.repeats)
+                        report = run_case(
+                            case, exporter, Path(tmp), args.threads, args.repeats
+                        )
                 except Exception as error:  # a failing model is a row, not the end of the table
                     failed = True
                     message = str(error).splitlines()[0][:120] if str(error) else ""

@@ -37,6 +37,7 @@ from torch import nn
 from traingraph import from_torch, losses, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.artifacts import generate_artifacts
+from traingraph.runtime.session import SessionConfig
 
 EXPORTERS = ("dynamo", "torchscript")
 """The exporters every case runs with."""
@@ -94,7 +95,7 @@ class ZooOptimizer:
         raise ValueError(f"unknown optimizer kind {self.kind!r}; expected 'sgd' or 'adamw'")
 
 
-SGD_MOMENTUM = ZooOptimizer("sgd", lr=0.01, momentum=0.9)
+SGD_MOMENTUM = ZooOptimizer("sgd", lr=1e-3, momentum=0.9)
 """SGD with momentum, for the CNNs."""
 ADAMW = ZooOptimizer("adamw", lr=1e-3, weight_decay=0.01)
 """AdamW, for the transformers."""
@@ -333,10 +334,16 @@ def artifacts(model: nn.Module, case: ZooCase, proto: onnx.ModelProto, directory
     )
 
 
-def load(directory: Path) -> tuple[CheckpointState, Module, Optimizer]:
-    """The checkpoint, Module and Optimizer of the artifacts in ``directory``."""
+def load(directory: Path, threads: int = 0) -> tuple[CheckpointState, Module, Optimizer]:
+    """The checkpoint, Module and Optimizer of the artifacts in ``directory``, running on
+    ``threads`` threads (0: onnxruntime's default)."""
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state, directory / "eval_model.onnx")
+    module = Module(
+        directory / "training_model.onnx",
+        state,
+        directory / "eval_model.onnx",
+        session_config=SessionConfig(intra_op_threads=threads),
+    )
     return state, module, Optimizer(directory / "optimizer_model.onnx", module)
 
 
@@ -410,10 +417,13 @@ def inference_error(module: Module, batch: Batch, directory: Path) -> float:
 
 
 def run_case(
-    case: ZooCase, exporter: str, directory: Path, time_repeats: int = 0
+    case: ZooCase, exporter: str, directory: Path, threads: int = 0, time_repeats: int = 0
 ) -> CaseReport:
-    """Export, generate artifacts, train and compare one case with one exporter; with
-    ``time_repeats``, also time its train step against torch eager (:func:`step_times`)."""
+    """Export, generate artifacts, train and compare one case with one exporter, traingraph and
+    torch each on ``threads`` threads (0: their defaults); with ``time_repeats``, also time its
+    train step against torch eager (:func:`step_times`)."""
+    if threads:
+        torch.set_num_threads(threads)
     model = build_model(case)
     batches = make_batches(case)
     start = time.perf_counter()
@@ -421,7 +431,7 @@ def run_case(
     exported = time.perf_counter()
     artifacts(model, case, proto, directory)
     generated = time.perf_counter()
-    state, module, optimizer = load(directory)
+    state, module, optimizer = load(directory, threads)
     loaded = time.perf_counter()
     names = trainable_names(model)
     tg_grads, tg_curve = traingraph_run(state, module, optimizer, case, batches, names)

@@ -4,6 +4,8 @@ For each case and exporter (the dynamo exporter, and the TorchScript exporter at
 the artifacts build; the parameter gradients of one step match a float64 torch reference; 20
 optimizer steps follow torch's loss curve; the exported inference model computes what the eval
 graph computes. The large models are marked ``slow``: ``python -m pytest -q -m slow tests/zoo``.
+Each test runs traingraph and torch on one thread, as ``pytest -n 2`` runs two tests at once
+on two cores.
 """
 
 from __future__ import annotations
@@ -31,5 +33,5 @@ def _params() -> list[object]:
 
 @pytest.mark.parametrize(("case", "exporter"), _params())
 def test_trains_like_torch(case: ZooCase, exporter: str, tmp_path: Path) -> None:
-    problems = run_case(case, exporter, tmp_path).problems()
+    problems = run_case(case, exporter, tmp_path, threads=1).problems()
     assert not problems, "\n".join(problems)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zoo.harness import ADAMW, ZooCase, ZooOptimizer
+from zoo.harness import ADAMW, ZooCase
 from zoo.torchvision_import import torchvision_models
 
 CLASSES = 10
@@ -126,12 +126,9 @@ def _seg_case(name: str, build: Callable[[], nn.Module], size: int, **kw: object
     return ZooCase(name, build, _images(size), _pixel_classes, **kw)  # type: ignore[arg-type]
 
 
-SLOW_SGD = ZooOptimizer("sgd", lr=1e-3, momentum=0.9)
-"""For the ResNets, which memorize the few batches within 20 steps at a larger rate."""
-
 VISION_CASES = [
-    _case("resnet18", _classifier("resnet18"), optimizer=SLOW_SGD),
-    _case("resnet50", _classifier("resnet50"), optimizer=SLOW_SGD, slow=True),
+    _case("resnet18", _classifier("resnet18")),
+    _case("resnet50", _classifier("resnet50"), slow=True),
     _case("mobilenet_v2", _classifier("mobilenet_v2")),
     _case("mobilenet_v3_small", _classifier("mobilenet_v3_small")),
     _case("efficientnet_b0", _classifier("efficientnet_b0")),
@@ -145,7 +142,7 @@ VISION_CASES = [
     _seg_case(
         "deeplabv3_mobilenet_v3_large", _segmentation("deeplabv3_mobilenet_v3_large"), 64
     ),
-    _seg_case("fcn_resnet50", _segmentation("fcn_resnet50"), 64, optimizer=SLOW_SGD, slow=True),
+    _seg_case("fcn_resnet50", _segmentation("fcn_resnet50"), 64, slow=True),
     _seg_case("unet", UNet, 64),
 ]
 """The vision models; the ones at a real width (ResNet-50, ConvNeXt-T, ViT-B/16, FCN on
