@@ -422,34 +422,38 @@ def run_case(
     """Export, generate artifacts, train and compare one case with one exporter, traingraph and
     torch each on ``threads`` threads (0: their defaults); with ``time_repeats``, also time its
     train step against torch eager (:func:`step_times`)."""
+    previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    model = build_model(case)
-    batches = make_batches(case)
-    start = time.perf_counter()
-    proto = export(model, case, exporter, batches[0])
-    exported = time.perf_counter()
-    artifacts(model, case, proto, directory)
-    generated = time.perf_counter()
-    state, module, optimizer = load(directory, threads)
-    loaded = time.perf_counter()
-    names = trainable_names(model)
-    tg_grads, tg_curve = traingraph_run(state, module, optimizer, case, batches, names)
-    g64, c64 = torch_run(model, case, batches, torch.float64)
-    g32, c32 = torch_run(model, case, batches, torch.float32)
-    report = CaseReport(
-        case=case.name,
-        exporter=exporter,
-        gradients=compare_gradients(tg_grads, g64, g32, case.grad_rtol),
-        curve=CurveReport(tg_curve, c64, c32),
-        inference_error=inference_error(module, batches[0], directory),
-        export_s=exported - start,
-        artifacts_s=generated - exported,
-        load_s=loaded - generated,
-    )
-    if time_repeats:
-        report.step_ms = step_times(module, optimizer, model, case, batches[0], time_repeats)
-    return report
+    try:
+        model = build_model(case)
+        batches = make_batches(case)
+        start = time.perf_counter()
+        proto = export(model, case, exporter, batches[0])
+        exported = time.perf_counter()
+        artifacts(model, case, proto, directory)
+        generated = time.perf_counter()
+        state, module, optimizer = load(directory, threads)
+        loaded = time.perf_counter()
+        names = trainable_names(model)
+        tg_grads, tg_curve = traingraph_run(state, module, optimizer, case, batches, names)
+        g64, c64 = torch_run(model, case, batches, torch.float64)
+        g32, c32 = torch_run(model, case, batches, torch.float32)
+        report = CaseReport(
+            case=case.name,
+            exporter=exporter,
+            gradients=compare_gradients(tg_grads, g64, g32, case.grad_rtol),
+            curve=CurveReport(tg_curve, c64, c32),
+            inference_error=inference_error(module, batches[0], directory),
+            export_s=exported - start,
+            artifacts_s=generated - exported,
+            load_s=loaded - generated,
+        )
+        if time_repeats:
+            report.step_ms = step_times(module, optimizer, model, case, batches[0], time_repeats)
+        return report
+    finally:
+        torch.set_num_threads(previous)
 
 
 # ------------------------------------------------------------------- timing
