@@ -17,9 +17,11 @@ stay in device buffers bound with IOBinding between steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,8 @@ from traingraph.errors import (
     ArgumentTypeError,
     CheckpointError,
     ModelError,
+    NonFiniteLossError,
+    TraingraphError,
     UsageError,
     reports_load_errors,
 )
@@ -474,6 +478,8 @@ class Module:
         self._fixed_outputs = _preallocated_outputs(self._train, self._train_outputs)
         self._checked: set[tuple[object, ...]] = set()  # input signatures already validated
         self.training = True
+        self._lock = threading.Lock()  # one step at a time: calls from threads are serialized
+        self._loss_finite = True  # every train step since the gradients were reset
 
     def _split_native(
         self,
@@ -558,11 +564,16 @@ class Module:
             feeds = dict(zip(names, user_inputs))
         as_ortvalues = bool(feeds) and all(isinstance(v, ort.OrtValue) for v in feeds.values())
         feeds = {k: _as_feed(v) for k, v in feeds.items()}
-        if self.training:
-            outputs = self._train_step(feeds)
-            fixed = self._fixed_outputs
-        else:
-            outputs, fixed = self._eval_step(feeds), {}
+        with self._lock, _run_errors(feeds, self.training):
+            if self.training:
+                runtime = self._runtime
+                accumulating = not runtime.reset_grads_pending and runtime.grads_valid
+                outputs = self._train_step(feeds)
+                fixed = self._fixed_outputs
+                finite = _finite_loss(outputs[self.output_names()[0]])
+                self._loss_finite = finite and (self._loss_finite or not accumulating)
+            else:
+                outputs, fixed = self._eval_step(feeds), {}
         values: list[Any]
         if as_ortvalues:  # the fixed outputs' buffers are written again by the next call
             values = [
@@ -729,6 +740,43 @@ class Module:
         )
 
 
+def _finite_loss(value: ort.OrtValue) -> bool:
+    """Whether a scalar loss on the host is finite; True for other outputs and device values."""
+    if value.device_name().lower() != "cpu" or int(np.prod(value.shape())) != 1:
+        return True
+    return bool(np.isfinite(value.numpy()).all())
+
+
+@contextlib.contextmanager
+def _run_errors(feeds: Mapping[str, Any], training: bool) -> Iterator[None]:
+    """Turns a failure of onnxruntime on valid-looking inputs into a ModelError naming the
+    inputs' shapes and the range of their integer values (labels out of range are the most
+    common cause)."""
+    try:
+        yield
+    except TraingraphError:
+        raise
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "onnxruntime" and not isinstance(
+            exc, RuntimeError
+        ):
+            raise
+        described = []
+        for name, value in feeds.items():
+            array = value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
+            text = f"{name!r} {array.dtype} {list(array.shape)}"
+            if array.dtype.kind in "iu" and array.size:
+                text += f" with values {array.min()}..{array.max()}"
+            described.append(text)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(
+            f"the {'training' if training else 'eval'} model failed on the inputs"
+            f" {', '.join(described)}: {message}. Check that class labels lie in [0, number of"
+            " classes), that every input has the model's batch size and that the values are"
+            " finite"
+        ) from exc
+
+
 def _grad_output(param: str, outputs: Sequence[str]) -> str:
     """The training model's output holding ``param``'s gradient: ``<param>_grad``, or
     onnxblock.TrainingBlock's ``<param>_grad.accumulation.out``."""
@@ -796,7 +844,7 @@ class _WithSessionOptions(SessionConfig):
     @classmethod
     def of(cls, config: SessionConfig, options: ort.SessionOptions) -> _WithSessionOptions:
         if not isinstance(options, ort.SessionOptions):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"session_options must be an onnxruntime.SessionOptions, got"
                 f" {type(options).__name__}; use session_config= for traingraph's SessionConfig"
             )
@@ -937,6 +985,9 @@ def _flat_equivalent(
     return model, FlatLayout(flat.name, size, dict(layout))
 
 
+NONFINITE_POLICIES = ("raise", "skip", "apply")
+
+
 class Optimizer:
     """Runs the optimizer graph over the module's parameters and gradients.
 
@@ -949,12 +1000,31 @@ class Optimizer:
             concatenated (:func:`~traingraph.optim.model.build_flat_optimizer_model`: a few
             kernels instead of a few per parameter, which a GPU step needs). The numbers are the
             optimizer graph's. False runs the optimizer model as the file holds it.
+        nonfinite: What :meth:`step` does when the loss of a train step since the last update
+            was NaN or infinite (checked on the loss, a scalar, where it is on the host):
+            ``"raise"`` a :class:`~traingraph.errors.NonFiniteLossError` without updating,
+            ``"skip"`` the update silently, or ``"apply"`` it as onnxruntime-training does.
+            Either way but ``"apply"``, the gradients are dropped. A mixed-precision model's
+            loss scaler handles non-finite gradients on its own.
+
+    Example:
+        >>> optimizer = Optimizer("artifacts/optimizer_model.onnx", module, nonfinite="skip")
     """
 
     @reports_load_errors("optimizer_uri", "optimizer model")
     def __init__(
-        self, optimizer_uri: str | os.PathLike, module: Module, *, fused: bool = True
+        self,
+        optimizer_uri: str | os.PathLike,
+        module: Module,
+        *,
+        fused: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ModelError(
+                f"nonfinite={nonfinite!r} is not a policy; expected one of {NONFINITE_POLICIES}"
+            )
+        self._nonfinite = nonfinite
         if not isinstance(module, Module):
             raise ArgumentTypeError(
                 f"module must be a traingraph.api.Module, got {type(module).__name__}"
@@ -974,6 +1044,14 @@ class Optimizer:
             raise ModelError(
                 f"the optimizer model {str(path)!r} does not update parameters {unknown[:5]};"
                 " it was generated for another model"
+            )
+        no_grads = [n for n in trainable if f"{n}_grad" not in inputs]
+        if no_grads:
+            raise ModelError(
+                f"{str(path)!r} is not an optimizer model: it takes no gradient inputs for"
+                f" {no_grads[:5]} (expected inputs named '<parameter>_grad'); pass the"
+                " optimizer_model.onnx that generate_artifacts wrote, not the training or eval"
+                " model"
             )
         known = {"learning_rate", "step", *trainable, *(f"{n}_grad" for n in trainable)}
         self._params = [n for n in inputs if n in trainable]
@@ -1036,11 +1114,27 @@ class Optimizer:
         gradient is inf or NaN the update is skipped (parameters, slots and the step count stay
         as they are) and the loss scale shrinks.
         """
+        with self._module._lock:
+            self._step()
+
+    def _step(self) -> None:
         _require_loaded(self._state)
         if not self._state.grads_valid:
             raise UsageError(
                 "Optimizer.step() was called before any train step computed gradients; call"
                 " the Module on a batch (in training mode) first, then optimizer.step()"
+            )
+        module = self._module
+        if module.loss_scaler is None and not module._loss_finite and self._nonfinite != "apply":
+            self._state.reset_grads_pending = True  # the next train step starts afresh
+            self._module._loss_finite = True
+            if self._nonfinite == "skip":
+                return
+            raise NonFiniteLossError(
+                "the loss of a train step since the last update is NaN or infinite, so its"
+                " gradients are too; the update was not applied and the gradients are dropped."
+                " Check the batch for NaN/Inf values, lower the learning rate, or pass"
+                " Optimizer(..., nonfinite='skip') to skip such updates"
             )
         scaler = self._module.loss_scaler
         if scaler is not None and not scaler.update(self._module._grads_finite):

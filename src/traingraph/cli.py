@@ -60,7 +60,13 @@ class RunFolder:
             while root.exists():
                 suffix += 1
                 root = Path("runs") / f"{name}-{stamp}-{suffix}"
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.UsageError(
+                f"cannot create the run folder {str(root)!r} ({exc.strerror}); pass --out a"
+                " folder in a writable place"
+            ) from None
         return cls(root)
 
     @classmethod
@@ -86,15 +92,24 @@ def _error(message: str) -> click.ClickException:
 
 # ---------------------------------------------------------------------------------------- data
 def _load_onnx(path: Path, load_external_data: bool = True) -> Any:
+    """The model in ``path``, its declared sizes checked (:mod:`traingraph.limits`)."""
     import onnx
 
+    from traingraph.limits import check_model_proto
+
+    fix = "pass an .onnx file saved by onnx.save or torch.onnx.export"
+    if path.is_file() and path.stat().st_size == 0:
+        raise _error(f"{str(path)!r} is empty (0 bytes), not an ONNX model; {fix}")
     try:
-        return onnx.load(os.fspath(path), load_external_data=load_external_data)
+        model = onnx.load(os.fspath(path), load_external_data=load_external_data)
     except Exception as exc:
         raise _error(
-            f"{str(path)!r} is not a readable ONNX model ({type(exc).__name__}); pass an .onnx"
-            " file saved by onnx.save or torch.onnx.export"
+            f"{str(path)!r} is not a readable ONNX model ({type(exc).__name__}); {fix}"
         ) from None
+    if not model.graph.node and not model.opset_import:
+        raise _error(f"{str(path)!r} holds no ONNX graph (no nodes, no opset); {fix}")
+    check_model_proto(model, f"model {str(path)!r}")
+    return model
 
 
 def _model_io(path: Path) -> tuple[dict[str, np.dtype], list[str]]:
@@ -102,11 +117,33 @@ def _model_io(path: Path) -> tuple[dict[str, np.dtype], list[str]]:
     import onnx
 
     model = _load_onnx(path, load_external_data=False)
-    inputs = {
-        i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
-        for i in model.graph.input
-    }
+    try:
+        inputs = {
+            i.name: np.dtype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+            for i in model.graph.input
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _error(
+            f"{str(path)!r} declares an input of an unknown element type ({exc}); generate the"
+            " artifacts again with `traingraph artifacts MODEL.onnx`"
+        ) from None
     return inputs, [o.name for o in model.graph.output]
+
+
+def _cast(arrays: Sequence[Any], dtypes: dict[str, np.dtype], source: str) -> list[np.ndarray]:
+    """The arrays converted to the model's input dtypes; an error names the one that cannot be."""
+    cast = []
+    for name, array in zip(dtypes, arrays):
+        array = np.asarray(array)
+        dtype = dtypes[name]
+        if array.dtype.kind not in "biuf":
+            raise _error(
+                f"{source}: array for input {name!r} has dtype {array.dtype}; the model takes"
+                f" {dtype}. Save it as {dtype} (e.g. numpy.savez(..., {name}=a.astype("
+                f"numpy.{dtype.name})))"
+            )
+        cast.append(array.astype(dtype, copy=False))
+    return cast
 
 
 def _pick(arrays: dict[str, np.ndarray], names: Sequence[str], prefix: str) -> list[Any] | None:
@@ -152,10 +189,8 @@ def _datasets(
             split = split_arrays(train, settings["val_fraction"], settings["seed"])
             train, val = list(split[0]), list(split[1])
 
-    def cast(arrays: list[Any]) -> list[np.ndarray]:
-        return [np.asarray(a).astype(dtypes[n], copy=False) for n, a in zip(names, arrays)]
-
-    return cast(train), cast(val) if val is not None else None
+    source = "the demo data" if settings["source"] == DEMO else repr(settings["data"])
+    return _cast(train, dtypes, source), _cast(val, dtypes, source) if val is not None else None
 
 
 def _metrics(dtypes: dict[str, np.dtype], outputs: Sequence[str]) -> dict[str, Any]:
@@ -334,6 +369,7 @@ def train_command(ctx: click.Context, source: str | None, resume: str | None, ou
         settings.update({k: options[k] for k in given})
         if not run.checkpoint.is_file():
             raise _error(f"{resume!r} has no checkpoint to resume from; start a new run instead")
+        _check_unfinished(resume, run, settings["epochs"])
     else:
         if source is None and options["data"] is not None:
             raise click.UsageError("--data needs a SOURCE (a model or an artifacts directory)")
@@ -406,6 +442,20 @@ def _scheduler(settings: dict[str, Any], optimizer: Any, total: int) -> Any:
     if settings["scheduler"] == "cosine":
         return CosineLRScheduler(optimizer, warmup, total, lr)
     return ConstantLRScheduler(optimizer, lr)
+
+
+def _check_unfinished(resume: str, run: RunFolder, epochs: int) -> None:
+    """Raises if the run's checkpoint already holds all ``epochs`` epochs."""
+    from traingraph.checkpoint import load_checkpoint_data
+    from traingraph.fit import BATCH, EPOCH
+
+    properties = load_checkpoint_data(run.checkpoint).properties
+    done, batch = int(properties.get(EPOCH, 0)), int(properties.get(BATCH, 0))
+    if done >= epochs and batch == 0:
+        raise _error(
+            f"{resume!r} has already finished its {done} epochs, so there is nothing to resume;"
+            f" pass --epochs with more than {done} to train it further"
+        )
 
 
 def _train(run: RunFolder, settings: dict[str, Any], resume: bool) -> int:
@@ -495,6 +545,13 @@ def _open_trainer(path: str, checkpoint: str | None, device: str) -> tuple[Any, 
             ckpt = run.artifacts / "checkpoint"
         trainer = Trainer.from_artifacts(run.artifacts, checkpoint=ckpt, device=device)
         return trainer, run.settings(), run.artifacts
+    missing = [f for f in ARTIFACT_FILES if not (root / f).is_file()]
+    if missing:
+        raise click.UsageError(
+            f"{path!r} is not a run folder (it has no {RUN_SETTINGS}) and not a complete"
+            f" artifacts directory (it lacks {missing}); pass a folder that `traingraph train`"
+            " or `traingraph artifacts` wrote"
+        )
     trainer = Trainer.from_artifacts(root, checkpoint=checkpoint, device=device)
     return trainer, None, root
 
@@ -522,7 +579,7 @@ def eval_command(
     dtypes = {n: dtypes_all[n] for n in trainer.input_names}
     if data is not None:
         arrays = _load_arrays(data, list(dtypes)) or []
-        arrays = [np.asarray(a).astype(dtypes[n], copy=False) for n, a in zip(dtypes, arrays)]
+        arrays = _cast(arrays, dtypes, repr(data))
     elif settings is not None:
         _, val = _datasets(settings, dtypes)
         if val is None:
@@ -615,9 +672,19 @@ def _lacking_rules(model: Any) -> list[Any]:
 
 
 def _describe_model(path: Path) -> list[str]:
+    model = _load_onnx(path)
+    try:
+        return _model_lines(path, model)
+    except Exception as exc:
+        raise _error(
+            f"{str(path)!r} is a malformed ONNX model ({type(exc).__name__}: {exc}); check it"
+            " with onnx.checker.check_model and export it again"
+        ) from None
+
+
+def _model_lines(path: Path, model: Any) -> list[str]:
     import onnx
 
-    model = _load_onnx(path)
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
 
     def tensor(v: onnx.ValueInfoProto) -> str:

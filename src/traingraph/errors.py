@@ -62,7 +62,7 @@ class SizeLimitError(ModelError):
     """A model, checkpoint or data file declares a tensor larger than traingraph's size limit."""
 
 
-class DataError(TraingraphError, ValueError):
+class DataError(ModelError):
     """A data file or batch does not fit what the model expects."""
 
 

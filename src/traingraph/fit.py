@@ -46,7 +46,7 @@ import numpy as np
 
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.data import Batches
-from traingraph.errors import ModelError
+from traingraph.errors import ModelError, NonFiniteLossError
 from traingraph.optim.schedulers import LRScheduler
 from traingraph.runtime.device import Device
 from traingraph.runtime.session import SessionConfig
@@ -583,6 +583,11 @@ def fit(
 
     Returns:
         The final :class:`FitState`, with the per-epoch metrics in ``history``.
+
+    Raises:
+        NonFiniteLossError: A batch's loss was NaN or infinite (with the trainer's optimizer
+            on its default ``nonfinite="raise"``): the run stops before updating, so the
+            parameters and the checkpoints saved so far hold the last finite state.
     """
     if not isinstance(epochs, int) or epochs < 1:
         raise ModelError(f"epochs must be a positive int, got {epochs!r}")
@@ -614,7 +619,14 @@ def fit(
             started, samples = time.perf_counter(), 0
             for batch in _epoch_batches(train_data, state.epoch, state.batch):
                 arrays = trainer._arrays(batch)
-                outputs = trainer.train_step(arrays)
+                try:
+                    outputs = trainer.train_step(arrays)
+                except NonFiniteLossError as exc:
+                    raise NonFiniteLossError(
+                        f"training stopped at epoch {state.epoch + 1}, batch {state.batch + 1}:"
+                        f" {exc}. The parameters and the last checkpoint saved are those before"
+                        " this batch; fix the data or the learning rate, then resume"
+                    ) from None
                 if scheduler is not None:
                     scheduler.step()
                 size = _batch_size(arrays)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from traingraph.errors import ArgumentTypeError, ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -62,7 +63,7 @@ class Loss:
 # ----------------------------------------------------------------------------- helpers
 def _check_reduction(loss: Loss, reduction: str) -> None:
     if reduction not in REDUCTIONS:
-        raise ValueError(
+        raise ModelError(
             f"{type(loss).__name__}: reduction={reduction!r} is not supported; expected one of"
             f" {', '.join(repr(r) for r in REDUCTIONS)}"
         )
@@ -70,10 +71,10 @@ def _check_reduction(loss: Loss, reduction: str) -> None:
 
 def _first_output(loss: Loss, outputs: Sequence[ir.Value]) -> ir.Value:
     if not outputs:
-        raise ValueError(f"{type(loss).__name__} needs a model output to apply to; got none")
+        raise ModelError(f"{type(loss).__name__} needs a model output to apply to; got none")
     x = outputs[0]
     if not is_float(x):
-        raise ValueError(
+        raise ModelError(
             f"{type(loss).__name__} applies to a floating-point output; output {x.name!r} has"
             f" dtype {x.dtype}. Apply the loss to float logits or predictions."
         )
@@ -82,7 +83,7 @@ def _first_output(loss: Loss, outputs: Sequence[ir.Value]) -> ir.Value:
 
 def _check_labels(loss: Loss, labels: Sequence[ir.Value], count: int) -> None:
     if len(labels) != count:
-        raise ValueError(
+        raise ModelError(
             f"{type(loss).__name__} takes {count} label input(s); got {len(labels)}"
             f" ({[v.name for v in labels]}). Pass one value per entry of label_specs()."
         )
@@ -131,7 +132,7 @@ def _as_tuples(value: Any) -> Any:
 def _as_class_weights(loss: Loss, value: Any) -> tuple[float, ...] | None:
     """``value`` (a list or 1-D numpy array, or None) as a tuple of per-class floats."""
     if value is not None and np.ndim(value) != 1:
-        raise ValueError(
+        raise ModelError(
             f"{type(loss).__name__}: weight must be a 1-D list or array of one weight per class;"
             f" got shape {np.shape(value)}"
         )
@@ -144,7 +145,7 @@ def _class_weights(
     """The class weights as a constant of ``x``'s dtype, checked against ``x``'s class count."""
     classes = _static_dim(x, axis)
     if classes is not None and len(weight) != classes:
-        raise ValueError(
+        raise ModelError(
             f"{type(loss).__name__}: weight has {len(weight)} entries but output {x.name!r} has"
             f" {classes} classes (dimension {axis} of shape {x.shape}); pass one weight per class"
         )
@@ -176,7 +177,7 @@ def _class_dims(x: ir.Value) -> ir.Shape | None:
 
 def _check_class_rank(loss: Loss, x: ir.Value) -> None:
     if x.shape is not None and len(x.shape) < 2:
-        raise ValueError(
+        raise ModelError(
             f"{type(loss).__name__} expects an output of shape (N, C) or (N, C, d1, ...); output"
             f" {x.name!r} has shape {x.shape}. Reshape it to put the batch first and the classes"
             " second."
@@ -186,7 +187,7 @@ def _check_class_rank(loss: Loss, x: ir.Value) -> None:
 def _weights_along_classes(b: OpBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
     """Reshape the class weights ``w`` (C,) to broadcast along dimension 1 of ``x``."""
     if x.shape is None:
-        raise ValueError(
+        raise ModelError(
             f"class weights need the rank of output {x.name!r}, which is unknown; give the output"
             " a shape"
         )
@@ -313,7 +314,7 @@ class HuberLoss(Loss):
     def __post_init__(self) -> None:
         _check_reduction(self, self.reduction)
         if not self.delta > 0:
-            raise ValueError(f"HuberLoss: delta must be positive; got {self.delta}")
+            raise ModelError(f"HuberLoss: delta must be positive; got {self.delta}")
 
     def label_specs(self, outputs: Values) -> list[LabelSpec]:
         return _same_spec(_first_output(self, outputs))
@@ -347,7 +348,7 @@ class SmoothL1Loss(Loss):
     def __post_init__(self) -> None:
         _check_reduction(self, self.reduction)
         if not self.beta >= 0:
-            raise ValueError(f"SmoothL1Loss: beta must be non-negative; got {self.beta}")
+            raise ModelError(f"SmoothL1Loss: beta must be non-negative; got {self.beta}")
 
     def label_specs(self, outputs: Values) -> list[LabelSpec]:
         return _same_spec(_first_output(self, outputs))
@@ -398,7 +399,7 @@ class CrossEntropyLoss(Loss):
         _check_reduction(self, self.reduction)
         object.__setattr__(self, "weight", _as_class_weights(self, self.weight))
         if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(
+            raise ModelError(
                 f"CrossEntropyLoss: label_smoothing must be in [0, 1]; got {self.label_smoothing}"
             )
 
@@ -418,7 +419,7 @@ class CrossEntropyLoss(Loss):
         if target.dtype is not None and is_float(target):
             return self._probabilities(b, x, logp, target)
         if target.dtype not in (None, ir.DataType.INT64):
-            raise ValueError(
+            raise ModelError(
                 f"CrossEntropyLoss: label {target.name!r} has dtype {target.dtype}; expected int64"
                 " class indices or float class probabilities. Cast the labels to int64."
             )
@@ -573,7 +574,7 @@ class CustomLoss(Loss):
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"CustomLoss: fn must be callable as fn(b, outputs, labels); got"
                 f" {type(self.fn).__name__}"
             )
@@ -586,7 +587,7 @@ class CustomLoss(Loss):
         _check_labels(self, labels, len(self.labels))
         value = self.fn(b, outputs, labels)
         if not isinstance(value, ir.Value):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"CustomLoss: fn returned {type(value).__name__}; it must return the loss as an"
                 " onnx_ir.Value built with the builder it receives"
             )

@@ -281,10 +281,20 @@ def check_feeds(
     for name in names:
         if name not in feeds:
             raise ModelError(f"missing input {name!r}; the model expects inputs {names}")
+    symbols: dict[str, tuple[str, int]] = {}  # a named dimension (batch) -> first input, size
     for name, value in feeds.items():
         info = session_inputs[name]
         shape = tuple(value.shape() if isinstance(value, ort.OrtValue) else np.shape(value))
         expected = info.shape
+        for got, want in zip(shape, expected or ()):
+            if isinstance(want, str) and want:
+                first, size = symbols.setdefault(want, (name, got))
+                if size != got:
+                    raise ModelError(
+                        f"input {name!r} has {want!r} dimension {got}, but input {first!r} has"
+                        f" {size}; the model takes the same {want!r} for both. Pass inputs and"
+                        " labels with the same number of samples"
+                    )
         if expected is not None and len(shape) != len(expected):
             raise ModelError(
                 f"input {name!r} has shape {list(shape)}, but the model expects rank"
