@@ -9,11 +9,13 @@ process and says what happened; :func:`serve` is the loop of a worker process (s
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import json
 import os
 import resource
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -404,6 +406,7 @@ def run_case(kind: str, seed: int, seeds: Seeds) -> dict[str, Any]:
 
 def serve(memory_bytes: int) -> None:
     """Worker loop: reads ``kind seed`` lines on stdin, answers one JSON line per case."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr)  # the harness asks on a hang
     if memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -11,8 +11,10 @@ import collections
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +35,7 @@ class Worker:
     def __init__(self, memory_bytes: int) -> None:
         self.memory_bytes = memory_bytes
         self.process: subprocess.Popen[str] | None = None
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close())
 
     def _start(self) -> subprocess.Popen[str]:
         code = (
@@ -44,7 +47,7 @@ class Worker:
             [sys.executable, "-c", code],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             text=True,
             env=env,
         )
@@ -76,6 +79,16 @@ class Worker:
             result: dict[str, Any] = json.loads(line)
         else:
             hung = process.poll() is None
+            where = ""
+            if hung:  # the worker's stacks, written by faulthandler on SIGUSR1
+                self.stderr.seek(0, os.SEEK_END)
+                end = self.stderr.tell()
+                process.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                self.stderr.seek(end)
+                where = " | ".join(
+                    line.strip() for line in self.stderr.read().splitlines() if "File" in line
+                )[:2000]
             process.kill()
             process.wait()
             self.process = None
@@ -83,7 +96,9 @@ class Worker:
                 "kind": kind,
                 "seed": seed,
                 "outcome": "hang" if hung else "crash",
-                "error": f"no answer in {timeout:.0f} s" if hung else f"exit {process.returncode}",
+                "error": f"no answer in {timeout:.0f} s: {where}"
+                if hung
+                else f"exit {process.returncode}",
             }
         result["seconds"] = round(seconds, 3)
         return result
@@ -92,6 +107,7 @@ class Worker:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self.stderr.close()
 
 
 def run_cases(

@@ -1,0 +1,487 @@
+"""Bad input gets a traingraph error naming the file and the fix; nothing hangs; nothing is lost.
+
+One test (or more) per kind of bad input: huge declared sizes, unreadable models, checkpoints
+that do not fit the model or were edited, corrupt ``.npz`` data, misuse of the API (NaN losses,
+an update before any step, bad labels, threads) and interrupted saves.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from fuzz.cases import CLASSES, Seeds, seed_data, seed_model
+from traingraph import data as tg_data
+from traingraph import losses
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.artifacts import generate_artifacts
+from traingraph.checkpoint import (
+    load_checkpoint_data,
+    native,
+    save_checkpoint_data,
+)
+from traingraph.cli import main as cli_main
+from traingraph.errors import (
+    CheckpointError,
+    DataError,
+    ModelError,
+    NonFiniteLossError,
+    SizeLimitError,
+    TraingraphError,
+    UsageError,
+)
+from traingraph.fit import ModelCheckpoint, Trainer, fit
+from traingraph.limits import MAX_ELEMENTS_VARIABLE
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory: pytest.TempPathFactory) -> Seeds:
+    return Seeds(tmp_path_factory.mktemp("seeds"))
+
+
+def _module(seeds: Seeds, checkpoint: Path | None = None, **optimizer_options):
+    state = CheckpointState.load_checkpoint(checkpoint or seeds.artifacts / "checkpoint")
+    artifacts = seeds.artifacts
+    module = Module(artifacts / "training_model.onnx", state, artifacts / "eval_model.onnx")
+    optimizer = Optimizer(artifacts / "optimizer_model.onnx", module, **optimizer_options)
+    return state, module, optimizer
+
+
+def _batch(n: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    d = seed_data()
+    return d["x"][:n].copy(), d["y"][:n].copy()
+
+
+# ------------------------------------------------------------------ 1. huge declared sizes
+@pytest.mark.parametrize("where", ["initializer", "input"])
+def test_huge_declared_dimension_is_refused_before_shape_inference(tmp_path, where):
+    model = seed_model()
+    if where == "initializer":
+        model.graph.initializer[0].dims[0] = 2**40
+    else:
+        dims = model.graph.input[0].type.tensor_type.shape.dim
+        dims[1].dim_value = 2**40
+    path = tmp_path / "huge.onnx"
+    onnx.save(model, path)
+    with pytest.raises(SizeLimitError, match=MAX_ELEMENTS_VARIABLE) as info:
+        generate_artifacts(str(path), loss="CrossEntropyLoss", optimizer="AdamW",
+                           artifact_directory=str(tmp_path / "out"))  # fmt: skip
+    assert "huge.onnx" in str(info.value)
+
+
+def test_initializer_holding_less_data_than_its_shape_is_a_model_error(tmp_path):
+    model = seed_model()
+    model.graph.initializer[0].dims[0] = 2**20  # 4 Mi elements declared, 32 held
+    path = tmp_path / "short.onnx"
+    onnx.save(model, path)
+    with pytest.raises(ModelError, match="holds 128 bytes"):
+        generate_artifacts(str(path), loss="CrossEntropyLoss", artifact_directory=str(tmp_path))
+
+
+def test_the_size_limit_is_raised_by_an_environment_variable(tmp_path, monkeypatch):
+    path = tmp_path / "m.onnx"
+    onnx.save(seed_model(), path)
+    monkeypatch.setenv(MAX_ELEMENTS_VARIABLE, "16")
+    with pytest.raises(SizeLimitError, match="fc1.weight"):
+        generate_artifacts(str(path), loss="CrossEntropyLoss", artifact_directory=str(tmp_path))
+    monkeypatch.setenv(MAX_ELEMENTS_VARIABLE, "64")
+    generate_artifacts(str(path), loss="CrossEntropyLoss", artifact_directory=str(tmp_path))
+
+
+def test_memory_error_in_shape_inference_is_not_hidden(tmp_path, monkeypatch):
+    import onnx_ir.passes.common as common_passes
+
+    def out_of_memory(self, model):
+        raise MemoryError
+
+    path = tmp_path / "m.onnx"
+    onnx.save(seed_model(), path)
+    monkeypatch.setattr(common_passes.ShapeInferencePass, "__call__", out_of_memory)
+    with pytest.raises(SizeLimitError, match="ran out of memory"):
+        generate_artifacts(str(path), loss="CrossEntropyLoss", artifact_directory=str(tmp_path))
+
+
+# ---------------------------------------------------------------- 2. unreadable models
+@pytest.mark.parametrize("content", [b"\xff\xfe not protobuf \x00" * 5, "ünï".encode("latin-1")])
+def test_module_reports_an_unreadable_training_model_naming_the_file(seeds, tmp_path, content):
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(seeds.artifacts, artifacts)
+    (artifacts / "training_model.onnx").write_bytes(content)
+    state = CheckpointState.load_checkpoint(artifacts / "checkpoint")
+    with pytest.raises(ModelError, match="training_model.onnx") as info:
+        Module(artifacts / "training_model.onnx", state)
+    assert "generate the artifacts again" in str(info.value)
+
+
+def test_module_reports_an_onnxruntime_failure_as_a_model_error(seeds, tmp_path):
+    model = onnx.load(seeds.artifacts / "training_model.onnx")
+    model.graph.node[0].op_type = "NoSuchOp"
+    path = tmp_path / "training_model.onnx"
+    onnx.save(model, path)
+    with pytest.raises(ModelError, match="training_model.onnx"):
+        Module(path, CheckpointState.load_checkpoint(seeds.artifacts / "checkpoint"))
+
+
+# --------------------------------------------------------- 3. checkpoints against the model
+def _edited_checkpoint(seeds: Seeds, tmp_path: Path, edit) -> Path:
+    data = load_checkpoint_data(seeds.artifacts / "checkpoint")
+    edit(data)
+    path = tmp_path / "edited.ckpt"
+    save_checkpoint_data(data, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: d.parameters.update({"fc1.weight": np.zeros((8, 5), np.float32)}),
+         ["'fc1.weight' has shape [8, 5], the model takes [8, 4]"]),
+        (lambda d: d.parameters.update({"fc2.bias": np.zeros(3, np.float64)}),
+         ["'fc2.bias' is float64, the model takes float32"]),
+    ],
+)  # fmt: skip
+def test_checkpoint_that_does_not_fit_the_model_lists_the_mismatches(seeds, tmp_path, edit, words):
+    path = _edited_checkpoint(seeds, tmp_path, edit)
+    with pytest.raises(CheckpointError, match="does not fit model") as info:
+        _module(seeds, path)
+    for word in words:
+        assert word in str(info.value)
+
+
+def _rewrite_native(path: Path, edit, *, fix_checksum: bool) -> None:
+    """Edits a native checkpoint's metadata in place, recomputing its checksum or not."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    meta = json.loads(header["__metadata__"]["traingraph"])
+    edit(meta)
+    if fix_checksum:
+        with native.safe_open(str(path), framework="numpy") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not iterable)
+        meta["sha256"] = native.checksum(meta, tensors)
+    header["__metadata__"]["traingraph"] = json.dumps(meta)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + length :])
+
+
+def test_negative_step_is_refused(seeds, tmp_path):
+    path = tmp_path / "c.ckpt"
+    shutil.copy(seeds.native, path)
+    _rewrite_native(path, lambda m: m.update(optimizer_step=-1), fix_checksum=True)
+    with pytest.raises(CheckpointError, match="optimizer step -1"):
+        CheckpointState.load_checkpoint(path)
+    data = load_checkpoint_data(seeds.native)
+    data.optimizer_step = -1
+    with pytest.raises(ModelError, match="optimizer_step"):
+        save_checkpoint_data(data, tmp_path / "d.ckpt", format="ort")
+
+
+# ------------------------------------------------------------ 4. the native checksum covers all
+def test_native_checksum_covers_the_metadata(seeds, tmp_path):
+    path = tmp_path / "c.ckpt"
+    shutil.copy(seeds.native, path)
+    _rewrite_native(path, lambda m: m.update(learning_rate=123.0), fix_checksum=False)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_checkpoint_data(path)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "words"),
+    [
+        ({"dtype": "<f4", "shape": [2**40, 2**10]}, SizeLimitError, MAX_ELEMENTS_VARIABLE),
+        ({"dtype": "|O", "shape": [2]}, ModelError, "dtype '|O'"),
+    ],
+)
+def test_nominal_specs_are_checked_before_allocation(seeds, tmp_path, spec, error, words):
+    path = tmp_path / "c.ckpt"
+    shutil.copy(seeds.native, path)
+
+    def nominal(meta):
+        meta["nominal"] = True
+        meta["parameter_specs"] = {name: spec for name in meta["parameters"]}
+
+    _rewrite_native(path, nominal, fix_checksum=True)  # checksum right: a crafted file
+    with pytest.raises(error, match=words.replace("|", r"\|")):
+        load_checkpoint_data(path)
+
+
+def test_version_1_native_checkpoints_still_load(seeds, tmp_path):
+    path = tmp_path / "v1.ckpt"
+    shutil.copy(seeds.native, path)
+    with native.safe_open(str(path), framework="numpy") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not iterable)
+
+    def version_1(meta):
+        meta["version"] = 1
+        meta["sha256"] = native.payload_sha256(tensors)
+
+    _rewrite_native(path, version_1, fix_checksum=False)
+    old, new = load_checkpoint_data(path), load_checkpoint_data(seeds.native)
+    for name, array in new.parameters.items():
+        np.testing.assert_array_equal(old.parameters[name], array)
+
+
+# -------------------------------------------------------------------------------- 5. .npz
+def test_npz_of_random_bytes_is_a_data_error_that_does_not_suggest_pickle(tmp_path):
+    path = tmp_path / "d.npz"
+    path.write_bytes(np.random.default_rng(0).bytes(300))
+    with pytest.raises(DataError, match="d.npz") as info:
+        tg_data.load_npz(path)
+    assert "pickle" not in str(info.value)
+
+
+def _npz_with_header(path: Path, shape: tuple[int, ...], dtype: str) -> None:
+    head = io.BytesIO()
+    np.lib.format.write_array_header_2_0(
+        head, {"descr": dtype, "fortran_order": False, "shape": shape}
+    )
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("x.npy", head.getvalue() + b"\0" * 64)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "error", "words"),
+    [
+        ((2**40, 2**10), "<f4", SizeLimitError, MAX_ELEMENTS_VARIABLE),
+        ((4,), "|O", DataError, "Python objects"),
+        ((1000,), "<f4", DataError, "4000 bytes"),
+    ],
+)
+def test_npz_headers_are_checked_before_reading(tmp_path, shape, dtype, error, words):
+    path = tmp_path / "d.npz"
+    _npz_with_header(path, shape, dtype)
+    with pytest.raises(error, match=words):
+        tg_data.load_npz(path)
+
+
+@pytest.mark.parametrize(
+    "arrays", [(np.zeros((5, 2)), np.array(3)), (np.zeros((5, 2)), np.zeros(4))]
+)
+def test_split_arrays_refuses_arrays_without_a_shared_sample_dimension(arrays):
+    with pytest.raises(DataError, match="share their first"):
+        tg_data.split_arrays(arrays, 0.2)
+
+
+# ---------------------------------------------------------------------------- 6. misuse
+def test_nan_in_a_batch_raises_and_leaves_the_parameters_finite(seeds):
+    state, module, optimizer = _module(seeds)
+    x, y = _batch()
+    x[0, 0] = np.nan
+    module(x, y)
+    with pytest.raises(NonFiniteLossError, match="nonfinite='skip'"):
+        optimizer.step()
+    module(*_batch())  # the next step starts afresh: its gradients are finite
+    optimizer.step()
+    for _, parameter in state.parameters:
+        assert np.isfinite(parameter.data).all()
+
+
+def test_nonfinite_skip_skips_the_update(seeds):
+    state, module, optimizer = _module(seeds, nonfinite="skip")
+    before = {n: p.data.copy() for n, p in state.parameters}
+    x, y = _batch()
+    x[1] = np.inf
+    module(x, y)
+    optimizer.step()
+    for name, parameter in state.parameters:
+        np.testing.assert_array_equal(parameter.data, before[name])
+
+
+def test_optimizer_step_before_any_train_step_raises(seeds):
+    state, _, optimizer = _module(seeds)
+    before = {n: p.data.copy() for n, p in state.parameters}
+    with pytest.raises(UsageError, match="before any train step"):
+        optimizer.step()
+    for name, parameter in state.parameters:
+        np.testing.assert_array_equal(parameter.data, before[name])
+
+
+def test_labels_out_of_range_are_named(seeds):
+    _, module, _ = _module(seeds)
+    x, y = _batch()
+    y[2] = CLASSES + 4
+    with pytest.raises(ModelError, match=r"'labels' int64 \[8\] with values 0\.\.7"):
+        module(x, y)
+
+
+def test_batch_size_mismatch_is_named_before_onnxruntime_runs(seeds):
+    _, module, _ = _module(seeds)
+    x, y = _batch()
+    with pytest.raises(ModelError, match="'labels' has 'batch' dimension 7, but input 'x' has 8"):
+        module(x, y[:7])
+
+
+def test_one_module_called_from_four_threads_gives_the_sequential_result(seeds):
+    _, module, _ = _module(seeds)
+    x, y = _batch()
+    expected = float(module(x, y))
+    results: list[object] = []
+
+    def work() -> None:
+        for _ in range(5):
+            try:
+                results.append(float(module(x, y)))
+            except Exception as exc:  # collected and asserted below
+                results.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [expected] * 20
+
+
+def test_optimizer_refuses_the_eval_model_at_construction(seeds):
+    state = CheckpointState.load_checkpoint(seeds.artifacts / "checkpoint")
+    module = Module(seeds.artifacts / "training_model.onnx", state)
+    with pytest.raises(ModelError, match="is not an optimizer model"):
+        Optimizer(seeds.artifacts / "eval_model.onnx", module)
+
+
+def test_fit_stops_at_a_nan_loss_and_keeps_the_last_good_checkpoint(seeds, tmp_path):
+    trainer = Trainer.from_artifacts(seeds.artifacts)
+    x, y = _batch(24)
+    x[20] = np.nan  # the third batch of 8
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 24, 8)]
+    path = tmp_path / "ckpt"
+    with pytest.raises(NonFiniteLossError, match="epoch 1, batch 3"):
+        fit(trainer, batches, epochs=1, callbacks=[ModelCheckpoint(path, every_n_steps=1)],
+            progress=False)  # fmt: skip
+    saved = load_checkpoint_data(path)
+    assert saved.properties["global_step"] == 2
+    for name, array in saved.parameters.items():
+        assert np.isfinite(array).all()
+        np.testing.assert_array_equal(array, trainer.state.parameters[name].data)
+
+
+# --------------------------------------------------------------- 7. the error types themselves
+def test_own_errors_are_traingraph_errors_and_keep_their_builtin_types(seeds):
+    with pytest.raises(TraingraphError) as info:
+        losses.HuberLoss(delta=-1.0)
+    assert isinstance(info.value, ValueError)
+    _, _, optimizer = _module(seeds)
+    with pytest.raises(TraingraphError) as info:
+        optimizer.set_learning_rate(-1.0)
+    assert isinstance(info.value, ValueError)
+    state = CheckpointState.load_checkpoint(seeds.artifacts / "checkpoint")
+    with pytest.raises(TraingraphError) as info:
+        state.properties["x"] = [1, 2]
+    assert isinstance(info.value, TypeError)
+
+
+def _cli_error(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli_main(list(args))
+    assert info.value.code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_cli_messages_name_the_problem(seeds, tmp_path, capsys):
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    assert "is empty" in _cli_error(capsys, "info", str(empty))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    line = _cli_error(capsys, "train", "--out", str(blocker / "run"), "--epochs", "1")
+    assert "cannot create the run folder" in line
+    line = _cli_error(capsys, "eval", str(tmp_path))
+    assert "not a complete artifacts directory" in line and "optimizer" in line
+
+
+def test_cli_resume_of_a_finished_run_says_so(seeds, tmp_path, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        cli_main(["train", str(seeds.model), "--data", str(seeds.npz), "--epochs", "1",
+                  "--batch-size", "8", "--out", str(run)])  # fmt: skip
+    assert info.value.code == 0
+    capsys.readouterr()
+    assert "already finished its 1 epochs" in _cli_error(capsys, "train", "--resume", str(run))
+
+
+# ------------------------------------------------------------------ 8. interrupted saves, modes
+@pytest.mark.parametrize("format", ["native", "ort"])
+def test_stale_temporary_files_are_removed_by_the_next_save(seeds, tmp_path, format):
+    data = load_checkpoint_data(seeds.native)
+    path = tmp_path / "ckpt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = tmp_path / f".ckpt.{dead.stdout.strip()}.{'ab' * 16}.tmp"
+    stale.write_bytes(b"partial")
+    legacy = tmp_path / f".ckpt.{'cd' * 16}.tmp"
+    legacy.write_bytes(b"partial")
+    unrelated = tmp_path / ".other.tmp"
+    unrelated.write_bytes(b"keep")
+    save_checkpoint_data(data, path, format=format)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp", "ckpt"]
+
+
+@pytest.mark.parametrize("format", ["native", "ort"])
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_file_modes_follow_the_umask(seeds, tmp_path, format, umask):
+    data = load_checkpoint_data(seeds.native)
+    old = os.umask(umask)
+    try:
+        save_checkpoint_data(data, tmp_path / "ckpt", format=format)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+_SAVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from traingraph.checkpoint import load_checkpoint_data, save_checkpoint_data
+data = load_checkpoint_data({source!r})
+print("ready", flush=True)
+while True:
+    save_checkpoint_data(data, {target!r}, format={format!r})
+"""
+
+
+def _kill_during_saves(seeds: Seeds, tmp_path: Path, format: str, kills: int) -> None:
+    """SIGKILLs a process that saves in a loop; the checkpoint must load after every kill."""
+    target = tmp_path / "ckpt"
+    code = _SAVER.format(tests=str(Path(__file__).parent), source=str(seeds.native),
+                         target=str(target), format=format)  # fmt: skip
+    rng = np.random.default_rng(0)
+    expected = load_checkpoint_data(seeds.native)
+    for _ in range(kills):
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        threading.Event().wait(float(rng.uniform(0.0, 0.05)))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        if target.exists():
+            loaded = load_checkpoint_data(target)
+            for name, array in expected.parameters.items():
+                np.testing.assert_array_equal(loaded.parameters[name], array)
+    save_checkpoint_data(expected, target, format=format)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize("format", ["native", "ort"])
+def test_sigkill_during_saves_loses_nothing(seeds, tmp_path, format):
+    _kill_during_saves(seeds, tmp_path, format, kills=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("format", ["native", "ort"])
+def test_sigkill_during_saves_loses_nothing_100_times(seeds, tmp_path, format):
+    _kill_during_saves(seeds, tmp_path, format, kills=100)
