@@ -7,6 +7,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from onnx import TensorProto, helper, numpy_helper
 
 from gradcheck import (
     add_weighted_sum_loss,
@@ -457,3 +458,23 @@ def test_dropout_ratio_gradient_is_refused():
     loss_model = add_weighted_sum_loss(model, ["y0"], [r(3, 4)])
     with pytest.raises(GradientNotImplementedError, match="ratio"):
         build_gradient_graph(loss_model, wrt=["x", "ratio"], loss="loss")
+
+
+def test_batch_norm_9_training_outputs_are_refused_by_name():
+    """BatchNormalization-9's training outputs (opset 13, as torch exports training mode there)
+    get their own error naming the op, node and opset, even where the input's rank is unknown
+    (onnx infers no shape for them)."""
+    node = helper.make_node(
+        "BatchNormalization", ["x", "scale", "bias", "mean", "var"],
+        ["y", "running_mean", "running_var", "saved_mean", "saved_var"], name="bn9",
+    )  # fmt: skip
+    inits = [numpy_helper.from_array(np.ones(3, np.float32), n)
+             for n in ("scale", "bias", "mean", "var")]  # fmt: skip
+    graph = helper.make_graph(
+        [node, helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "bn9",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits,
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(GradientNotImplementedError, match=r"'bn9'.*opset 13.*BatchNormalization-9"):
+        build_gradient_graph(model, wrt=["scale"], loss="loss")

@@ -135,17 +135,17 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
             "a gradient flows into the running_mean / running_var outputs, which are state"
             " updates; put stop_gradients on them"
         )
+    if ctx.opset < 14 and len(ctx.outputs) > 1:
+        ctx.unsupported(
+            f"BatchNormalization-9 with {len(ctx.outputs)} outputs (training mode) is not"
+            " supported; export the model at opset 14 or later (training_mode attribute)"
+        )
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
     g = ctx.grad_or_zeros(grads, 0)
     r = _known_rank(ctx, x, 2)
     axes = _channel_axes(r)
     eps = float(ctx.attr("epsilon", 1e-5))
     training = bool(ctx.attr("training_mode", 0))
-    if ctx.opset < 14 and len(ctx.outputs) > 1:
-        ctx.unsupported(
-            f"BatchNormalization-9 with {len(ctx.outputs)} outputs (training mode) is not"
-            " supported; export the model at opset 14 or later (training_mode attribute)"
-        )
     for i in (1, 2) if training else (1, 2, 3, 4):
         if ctx.x(i).dtype != x.dtype:
             ctx.unsupported(
