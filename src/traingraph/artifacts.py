@@ -31,12 +31,12 @@ import onnx_ir as ir
 
 from traingraph import losses, optim
 from traingraph.checkpoint import CheckpointData, save_checkpoint_data
-from traingraph.errors import ModelError
+from traingraph.errors import ModelError, reports_load_errors
 from traingraph.ir.export_checks import export_warnings, recorded_requires_grad
 from traingraph.ir.model import ModelLike, save
 from traingraph.onnxblock._artifacts import block_arguments
 from traingraph.onnxblock.blocks import Block
-from traingraph.program import TrainingProgram, build_program
+from traingraph.program import MODEL_FIX, TrainingProgram, build_program
 
 __all__ = ["LossType", "OptimType", "generate_artifacts"]
 
@@ -131,6 +131,7 @@ def _to_ort_format(paths: Sequence[Path], custom_op_library: str | None) -> None
         )
 
 
+@reports_load_errors("model", "model", MODEL_FIX)
 def generate_artifacts(
     model: ModelLike | Any,
     requires_grad: Sequence[str] | None = None,

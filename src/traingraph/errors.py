@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -83,7 +84,22 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def reports_load_errors(path_argument: str, what: str) -> Callable[[_F], _F]:
+_ARTIFACTS_FIX = (
+    "Check that the file is a complete ONNX model that traingraph.artifacts.generate_artifacts"
+    " wrote for this checkpoint, and generate the artifacts again if it is not"
+)
+
+
+def _describe(value: object) -> str:
+    """A path as its quoted string; any other object by its type, never its (long) text."""
+    if isinstance(value, (str, os.PathLike)):
+        return repr(os.fspath(value))
+    return f"(a {type(value).__name__})"
+
+
+def reports_load_errors(
+    path_argument: str, what: str, fix: str = _ARTIFACTS_FIX
+) -> Callable[[_F], _F]:
     """Decorates a function that loads files so that whatever goes wrong is a TraingraphError.
 
     A file that onnx, protobuf or onnxruntime cannot read (DecodeError, InvalidArgument, Fail,
@@ -94,6 +110,7 @@ def reports_load_errors(path_argument: str, what: str) -> Callable[[_F], _F]:
     Args:
         path_argument: The decorated function's parameter that holds the file's path.
         what: What the file is, for the message (e.g. ``"training model"``).
+        fix: What the user can do, the message's last sentence.
     """
 
     def decorate(function: _F) -> _F:
@@ -108,16 +125,14 @@ def reports_load_errors(path_argument: str, what: str) -> Callable[[_F], _F]:
             except MemoryError as exc:
                 path = signature.bind_partial(*args, **kwargs).arguments.get(path_argument)
                 raise SizeLimitError(
-                    f"{what} {str(path)!r} needs more memory than this machine has"
+                    f"{what} {_describe(path)} needs more memory than this machine has"
                     f" ({_first_line(exc)}); check that the file is not corrupt, or use a"
                     " machine with more memory"
                 ) from exc
             except Exception as exc:
                 path = signature.bind_partial(*args, **kwargs).arguments.get(path_argument)
                 raise ModelError(
-                    f"cannot load {what} {str(path)!r}: {_first_line(exc)}. Check that the file"
-                    " is a complete ONNX model that traingraph.artifacts.generate_artifacts wrote"
-                    " for this checkpoint, and generate the artifacts again if it is not"
+                    f"cannot load {what} {_describe(path)}: {_first_line(exc)}. {fix}"
                 ) from exc
 
         return wrapper  # type: ignore[return-value]

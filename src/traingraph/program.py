@@ -20,7 +20,7 @@ import onnx_ir.passes.common as common_passes
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
-from traingraph.errors import ModelError, SizeLimitError, TraingraphError
+from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
 from traingraph.ir.random import lower_dropout
@@ -40,6 +40,9 @@ from traingraph.precision import (
 LOSS_OUTPUT = "loss"
 BATCH_DIM = "batch"
 BUFFER_UPDATE_SUFFIX = "_updated"
+MODEL_FIX = (
+    "Check the model with onnx.checker.check_model(model, full_check=True) and export it again"
+)
 
 
 @dataclass
@@ -71,6 +74,7 @@ class TrainingProgram:
         return [n for n, r in self.requires_grad.items() if r]
 
 
+@reports_load_errors("model", "model", MODEL_FIX)
 def build_program(
     model: ModelLike,
     requires_grad: Sequence[str] | None = None,
@@ -105,7 +109,7 @@ def build_program(
             model PyTorch exported (``producer_name == "pytorch"``), else each node's
             choice (:func:`~traingraph.autodiff.lowering.lower_training_batch_norm`).
     """
-    base = _load_unchecked(model)
+    base = load_ir(model, copy=True, infer_shapes=False)
     check_ir_model(base, _describe_source(model))  # before shape inference allocates from them
     base = load_ir(base, copy=False)
     opset = default_opset(base)
@@ -193,20 +197,6 @@ def build_program(
 
 def _grad_or_zeros(b: OpBuilder, grad: ir.Value | None, param: ir.Value) -> ir.Value:
     return b.zeros_like(param) if grad is None else grad
-
-
-def _load_unchecked(model: ModelLike) -> ir.Model:
-    """``model`` as an ``onnx_ir.Model`` before shape inference; unreadable is a ModelError."""
-    try:
-        return load_ir(model, copy=True, infer_shapes=False)
-    except TraingraphError:
-        raise
-    except Exception as exc:
-        raise ModelError(
-            f"{_describe_source(model)} cannot be read as an ONNX graph ({type(exc).__name__}:"
-            f" {exc}); check it with onnx.checker.check_model(model, full_check=True) and"
-            " export it again"
-        ) from exc
 
 
 def _describe_source(model: ModelLike) -> str:
