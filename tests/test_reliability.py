@@ -485,3 +485,48 @@ def test_sigkill_during_saves_loses_nothing(seeds, tmp_path, format):
 @pytest.mark.parametrize("format", ["native", "ort"])
 def test_sigkill_during_saves_loses_nothing_100_times(seeds, tmp_path, format):
     _kill_during_saves(seeds, tmp_path, format, kills=100)
+
+
+_FIT_SAVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from fuzz.cases import seed_data
+from traingraph.fit import ModelCheckpoint, Trainer, fit
+trainer = Trainer.from_artifacts({artifacts!r})
+d = seed_data()
+batches = [(d["x"][i : i + 8], d["y"][i : i + 8]) for i in range(0, 24, 8)]
+print("ready", flush=True)
+fit(trainer, batches, epochs=10**6, callbacks=[ModelCheckpoint({target!r}, every_n_steps=1)],
+    progress=False)
+"""
+
+
+def _kill_during_fit(seeds: Seeds, tmp_path: Path, kills: int) -> None:
+    """SIGKILLs a fit loop that saves after every step; its checkpoint must load every time."""
+    target = tmp_path / "ckpt"
+    code = _FIT_SAVER.format(tests=str(Path(__file__).parent), artifacts=str(seeds.artifacts),
+                             target=str(target))  # fmt: skip
+    rng = np.random.default_rng(1)
+    steps = []
+    for _ in range(kills):
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        threading.Event().wait(float(rng.uniform(0.05, 0.3)))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        if target.exists():
+            loaded = load_checkpoint_data(target)
+            steps.append(loaded.properties["global_step"])
+            assert all(np.isfinite(a).all() for a in loaded.parameters.values())
+    assert steps, "no checkpoint was written before the kills"
+    save_checkpoint_data(load_checkpoint_data(target), target)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_sigkill_during_fit_saves_loses_nothing(seeds, tmp_path):
+    _kill_during_fit(seeds, tmp_path, kills=2)
+
+
+@pytest.mark.slow
+def test_sigkill_during_fit_saves_loses_nothing_100_times(seeds, tmp_path):
+    _kill_during_fit(seeds, tmp_path, kills=100)
