@@ -95,8 +95,9 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         return "native"
     if len(head) < _SNIFF_BYTES:
         raise CheckpointError(
-            f"cannot load checkpoint {str(file)!r}: the file is truncated ({len(head)} bytes)."
-            " Restore it from a backup or write the checkpoint again."
+            f"cannot load checkpoint {str(file)!r}: the file has {len(head)} bytes, too few for"
+            " a checkpoint of either format. Pass a checkpoint file; if this one was a"
+            " checkpoint, it is truncated: restore it from a backup or write it again."
         )
     raise CheckpointError(
         f"cannot load checkpoint {str(file)!r}: it is not a checkpoint (neither a traingraph"
