@@ -69,12 +69,35 @@ def _prepare(m: ir.Model, *, infer_shapes: bool) -> None:
         common_passes.InlinePass()(m)
         common_passes.RemoveUnusedFunctionsPass()(m)
     if infer_shapes:
-        # Shape inference is a help, not a requirement: rules that need a shape say so.
-        with contextlib.suppress(Exception):
-            common_passes.ShapeInferencePass()(m)
+        infer_shapes_in_place(m)
         if fold_shape_computations(m.graph):  # shapes behind computed Slice bounds, Resize sizes
-            with contextlib.suppress(Exception):
-                common_passes.ShapeInferencePass()(m)
+            infer_shapes_in_place(m)
+
+
+# Ops whose outputs are sequences of tensors.
+_SEQUENCE_OPS = frozenset(
+    {"SplitToSequence", "SequenceConstruct", "SequenceEmpty", "SequenceInsert", "SequenceErase"}
+)
+
+
+def infer_shapes_in_place(m: ir.Model) -> None:
+    """Infer the shapes and types of ``m``'s values with onnx's shape inference.
+
+    Shape inference is a help, not a requirement: where it fails the model keeps what it had,
+    and rules that need a shape say so. onnx-ir's pass copies back only dtypes and tensor
+    shapes, which would give a sequence of tensors (a ``SplitToSequence`` output) a tensor
+    type; the outputs of the sequence ops keep a sequence type here.
+    """
+    with contextlib.suppress(Exception):
+        common_passes.ShapeInferencePass()(m)
+    for graph in m.graphs():
+        for node in graph:
+            if node.op_type not in _SEQUENCE_OPS or node.domain not in ("", "ai.onnx"):
+                continue
+            for value in node.outputs:
+                if isinstance(value.type, ir.TensorType):
+                    value.type = ir.SequenceType(value.type)
+                    value.shape = None
 
 
 def default_opset(m: ir.Model) -> int:

@@ -27,7 +27,7 @@ length everywhere, and the default activations. Anything else raises an error na
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -279,6 +279,37 @@ def unroll(
     return outputs
 
 
+def _dim_names(values: Iterable[ir.Value]) -> set[str]:
+    return {
+        d.value
+        for v in values
+        if v.shape is not None
+        for d in v.shape.dims
+        if isinstance(d, ir.SymbolicDim) and d.value is not None
+    }
+
+
+def _infer_scratch_shapes(scratch: ir.Graph, inputs: Iterable[ir.Value]) -> None:
+    """Infer the shapes of the unrolled ``scratch`` graph. The names that shape inference
+    gives unknown dimensions (``unk__0``, ...) start again in each scratch graph, so those
+    not already in the inputs' shapes are made anonymous: two recurrent nodes' unrolled
+    graphs must not claim that their unknown dimensions are equal."""
+    known = _dim_names(inputs)
+    ShapeInferencePass()(ir.Model(scratch, ir_version=max_ir_version()))
+    for node in scratch:
+        for value in node.outputs:
+            if value.shape is None or not (_dim_names([value]) - known):
+                continue
+            value.shape = ir.Shape(
+                [
+                    ir.SymbolicDim(None)
+                    if isinstance(d, ir.SymbolicDim) and d.value not in known
+                    else d
+                    for d in value.shape.dims
+                ]
+            )
+
+
 def _recurrent_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Backpropagation through time over the unrolled node (see the module docstring)."""
     recurrent_spec(ctx)
@@ -293,7 +324,7 @@ def _recurrent_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     rebuilt = OpBuilder(scratch, ctx.opset, prefix=ctx.b.fresh_name("unrolled"))
     stand_ins = [placeholders.get(i) for i in range(len(ctx.inputs))]
     outputs = unroll(ctx, rebuilt, stand_ins, [g is not None for g in grads])
-    ShapeInferencePass()(ir.Model(scratch, ir_version=max_ir_version()))
+    _infer_scratch_shapes(scratch, placeholders.values())
     targets = [(o, g) for o, g in zip(outputs, grads) if o is not None and g is not None]
     wrt = [p for i, p in placeholders.items() if ctx.need(i)]
     result = differentiate(
