@@ -166,16 +166,16 @@ MODELS = {
 }
 
 
-SLOW_MODELS = {"densenet121": (_densenet, _images((2, 3, 64, 64)))}
+SLOW_MODELS = {"densenet121": (_densenet, _images((4, 3, 64, 64)))}
 
 
-def _artifacts(directory, name: str) -> None:
+def _artifacts(directory, name: str, lr: float = 0.05) -> None:
     make, inputs = {**MODELS, **SLOW_MODELS}[name]
     example = torch.from_numpy(inputs(np.random.default_rng(0)))
     artifacts.generate_artifacts(
         export(make(), example, training=True),
         loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        optimizer=optim.SGD(lr=lr, momentum=0.9),
         artifact_directory=directory,
     )
     # the step's Dropout seed from a seeded draw: both runs drop the same elements
@@ -252,6 +252,7 @@ def test_fast_paths_compute_what_the_graph_computes(tmp_path, name, poison):
 
 @pytest.mark.slow
 def test_densenet121_trains_as_the_graph_does(tmp_path):
-    # from the second step its running statistics were NaN with the segments on
-    _artifacts(tmp_path, "densenet121")
+    # from the second step its running statistics were NaN with the segments on; at a larger
+    # rate, steps on 4 images take float32's rounding (torch's too) 0.5% off float64's losses
+    _artifacts(tmp_path, "densenet121", lr=1e-3)
     _assert_fast_paths_exact(tmp_path, SLOW_MODELS["densenet121"][1], poison=False)

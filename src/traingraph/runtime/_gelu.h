@@ -46,7 +46,8 @@ static inline __attribute__((always_inline)) void gelu_phi(v16 a, v16 *phi_cdf, 
     q = q * t + 1.421413741f;
     q = q * t - 0.284496736f;
     q = q * t + 0.254829592f;
-    *gauss = gelu_exp(-(z * z));
+    /* 0 for an infinite a, as exp(-inf) is in the graph: a phi(a) is then NaN there too */
+    *gauss = gelu_select(z < __builtin_inff(), gelu_exp(-(z * z)), (v16){0});
     const v16 half_erfc = 0.5f * q * t * *gauss;
     *phi_cdf = gelu_select(a < 0.0f, half_erfc, 1.0f - half_erfc);
 }

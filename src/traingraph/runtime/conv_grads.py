@@ -42,7 +42,7 @@ import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import onnx
@@ -1047,14 +1047,34 @@ def _route_checks(
     )
 
 
+@overload
 def _run_subgraph(
     model: onnx.ModelProto,
     nodes: list[onnx.NodeProto],
     feeds: dict[str, np.ndarray],
     outputs: list[str],
-) -> list[np.ndarray]:
+) -> list[np.ndarray]: ...
+
+
+@overload
+def _run_subgraph(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    feeds: list[dict[str, np.ndarray]],
+    outputs: list[str],
+) -> list[list[np.ndarray]]: ...
+
+
+def _run_subgraph(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    feeds: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+    outputs: list[str],
+) -> list[np.ndarray] | list[list[np.ndarray]]:
     """Run ``nodes`` of ``model`` (with the constants they read) on ``feeds``, in one
-    single-threaded onnxruntime CPU session, and return ``outputs``."""
+    single-threaded onnxruntime CPU session, and return ``outputs``; for a list of feeds (of
+    one set of names and shapes), a run on each, in the one session."""
+    runs = feeds if isinstance(feeds, list) else [feeds]
     graph = model.graph
     needed = {name for n in nodes for name in n.input}
     constant_nodes = [
@@ -1068,7 +1088,7 @@ def _run_subgraph(
             helper.make_tensor_value_info(
                 name, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)
             )
-            for name, v in feeds.items()
+            for name, v in runs[0].items()
         ],
         [helper.make_tensor_value_info(name, FLOAT, None) for name in outputs],
         [t for t in graph.initializer if t.name in needed],
@@ -1081,7 +1101,8 @@ def _run_subgraph(
     session = ort.InferenceSession(
         check.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    return list(session.run(outputs, feeds))
+    results = [list(session.run(outputs, run)) for run in runs]
+    return results if isinstance(feeds, list) else results[0]
 
 
 def verified_kernels(
@@ -1127,12 +1148,20 @@ def verified_kernels(
     # what the nodes between compute and a kernel reads (a Relu between two matches)
     wanted += sorted({v for kernel, _ in checked for v in kernel.inputs} & produced - set(wanted))
     replaced = [g.nodes[i] for i in sorted(members)]
+    runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
     try:
-        expected = dict(zip(wanted, _run_subgraph(model, replaced, feeds, wanted)))
+        results = _run_subgraph(model, replaced, runs, wanted)
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
-    values = {**feeds, **expected}
-    return [(kernel, nodes) for kernel, nodes in checked if kernel_agrees(kernel, values, expected)]
+    agreed = []
+    for kernel, nodes in checked:
+        for inputs, outputs in zip(runs, results):
+            expected = dict(zip(wanted, outputs))
+            if not kernel_agrees(kernel, {**inputs, **expected}, expected):
+                break
+        else:
+            agreed.append((kernel, nodes))
+    return agreed
 
 
 def random_feeds(
@@ -1238,12 +1267,42 @@ def kernel_agrees(
         kernel.compute(values, got, 1)
     except ValueError:
         return False
-    for name in kernel.outputs:
-        want, result = expected[name], got[name]
-        scale = float(np.abs(want).max()) or 1.0
-        if result.shape != want.shape or not np.abs(result - want).max() <= _CHECK_RTOL * scale:
-            return False
-    return True
+    return all(same_values(got[name], expected[name]) for name in kernel.outputs)
+
+
+def same_values(got: np.ndarray, want: np.ndarray, rtol: float = _CHECK_RTOL) -> bool:
+    """Whether ``got`` is what the graph computed, ``want``: the same shape, NaN exactly where
+    ``want`` is NaN, the same infinities, and finite values within ``rtol`` of ``want``'s
+    largest finite magnitude. Every check of a fast path against its nodes compares so."""
+    if got.shape != want.shape:
+        return False
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isnan(got), np.isnan(want)):
+        return False
+    if not np.array_equal(got[np.isinf(want)], want[np.isinf(want)]):
+        return False
+    if not np.isfinite(got[finite]).all():
+        return False
+    if not finite.any():
+        return True
+    scale = float(np.abs(want[finite]).max()) or 1.0
+    return bool(np.abs(got[finite] - want[finite]).max() <= rtol * scale)
+
+
+def with_non_finite(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A copy of ``feeds`` with a NaN, a +Inf and a -Inf in each float array of rank 2 or more
+    and 8 elements or more (the last sample's first, middle and last elements): the inputs
+    on which a check sees that a fast path propagates them as the graph does. Vectors (a
+    scale, a bias) keep their values, so that the other elements stay finite."""
+    poisoned = dict(feeds)
+    for name, value in feeds.items():
+        if value.dtype.kind != "f" or value.ndim < 2 or value.size < 8:
+            continue
+        copy = value.copy()
+        last = copy.reshape(copy.shape[0], -1)[-1]
+        last[0], last[last.size // 2], last[-1] = np.nan, np.inf, -np.inf
+        poisoned[name] = copy
+    return poisoned
 
 
 def _verified(
