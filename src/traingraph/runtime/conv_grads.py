@@ -1208,8 +1208,8 @@ class WindowedDraws:
         ],
     ) -> dict[str, np.ndarray]:
         """The inputs of one check: for each ``(name, window, shape, transform)`` the array
-        of ``name``, made from ``window`` (then passed through ``transform``, where given)
-        unless another check made it already."""
+        of ``name``, made from ``window`` (a copy, or what ``transform`` makes of it: a new
+        array) unless another check made it already."""
         used = {self._sources[name] for name, *_ in wanted if name in self.feeds}
         for name, window, shape, transform in wanted:
             if name in self.feeds:
@@ -1218,10 +1218,10 @@ class WindowedDraws:
                 window = -1 - len(self._sources)
                 raw = self._rng.standard_normal(shape, dtype=np.float32)
             else:
-                raw = self._draw[window, : math.prod(shape)].reshape(shape).copy()
+                raw = self._draw[window, : math.prod(shape)].reshape(shape)
             used.add(window)
             self._sources[name] = window
-            self.feeds[name] = transform(raw) if transform is not None else raw
+            self.feeds[name] = transform(raw) if transform is not None else raw.copy()
         return {name: self.feeds[name] for name, *_ in wanted}
 
 
