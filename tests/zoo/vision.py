@@ -126,21 +126,70 @@ def _seg_case(name: str, build: Callable[[], nn.Module], size: int, **kw: object
     return ZooCase(name, build, _images(size), _pixel_classes, **kw)  # type: ignore[arg-type]
 
 
+_BN_BIAS = (
+    "traingraph bug: the gradients of the BatchNorm biases after projection Convs (no ReLU"
+    " after them) are 2-3x as far from float64 as torch float32's ({}), over the zoo's bound"
+    " of max(1e-3, 2x torch float32's); the plain graph (fast paths off) is 1.8x as far"
+)
+_SHUFFLE_SEQUENCE = (
+    "traingraph bug: shape inference fails on the SplitToSequence/SequenceAt form that"
+    " channel_shuffle's chunk exports to ('input_sequence typestr: S, has unsupported type:"
+    " tensor(float)'), and the loss's GatherElements then fails: 'the rank of the data input is"
+    " unknown'"
+)
+
+
+def _bn_bias(
+    *names: str, exporters: tuple[str, ...] = ("dynamo", "torchscript")
+) -> dict[str, str]:
+    """Strict expected failures for the BatchNorm bias gradients ``names`` (with figures)."""
+    return dict.fromkeys(exporters, _BN_BIAS.format(", ".join(names)))
+
+
 VISION_CASES = [
     _case("resnet18", _classifier("resnet18")),
     _case("resnet50", _classifier("resnet50"), slow=True),
-    _case("mobilenet_v2", _classifier("mobilenet_v2")),
+    _case(
+        "mobilenet_v2",
+        _classifier("mobilenet_v2"),
+        xfail=_bn_bias("features.12.conv.3.bias: 1.02e-3 against 5.0e-4"),
+    ),
     _case("mobilenet_v3_small", _classifier("mobilenet_v3_small")),
-    _case("efficientnet_b0", _classifier("efficientnet_b0")),
-    _case("shufflenet_v2_x0_5", _classifier("shufflenet_v2_x0_5")),
+    _case(
+        "efficientnet_b0",
+        _classifier("efficientnet_b0"),
+        xfail=_bn_bias(
+            "features.5.0.block.3.1.bias: 5.4e-3 against 2.6e-3", exporters=("torchscript",)
+        ),
+    ),
+    _case(
+        "shufflenet_v2_x0_5",
+        _classifier("shufflenet_v2_x0_5"),
+        xfail={
+            "dynamo": _SHUFFLE_SEQUENCE,
+            "torchscript": (
+                "traingraph bug: the gradient of stage2.0.branch2.1.weight (a BatchNorm) is 4.3e-3"
+                " from float64, 2.8x torch float32's 1.6e-3, and the loss leaves torch's at step 2"
+                " (3.7e-2 against the 3.1e-2 allowed)"
+            ),
+        },
+    ),
     _case("squeezenet1_1", _classifier("squeezenet1_1")),
     _case("regnet_y_400mf", _classifier("regnet_y_400mf")),
     _case("convnext_tiny", _classifier("convnext_tiny"), optimizer=ADAMW, slow=True),
     _case("vit_small", _vit(image=32, patch=8, layers=2, heads=4, width=64), 32, optimizer=ADAMW),
     _case("vit_b_16", _classifier("vit_b_16", image_size=32), 32, optimizer=ADAMW, slow=True),
-    _seg_case("lraspp_mobilenet_v3_large", _segmentation("lraspp_mobilenet_v3_large"), 64),
     _seg_case(
-        "deeplabv3_mobilenet_v3_large", _segmentation("deeplabv3_mobilenet_v3_large"), 64
+        "lraspp_mobilenet_v3_large",
+        _segmentation("lraspp_mobilenet_v3_large"),
+        64,
+        xfail=_bn_bias("model.backbone.14.block.3.1.bias: 2.7e-3 against 1.3e-3"),
+    ),
+    _seg_case(
+        "deeplabv3_mobilenet_v3_large",
+        _segmentation("deeplabv3_mobilenet_v3_large"),
+        64,
+        xfail=_bn_bias("model.backbone.15.block.3.1.bias: 2.6e-3 against 1.3e-3"),
     ),
     _seg_case("fcn_resnet50", _segmentation("fcn_resnet50"), 64, slow=True),
     _seg_case("unet", UNet, 64),
