@@ -23,11 +23,16 @@ __all__ = [
     "check_elements",
     "check_ir_model",
     "check_model_proto",
+    "data_propagation_allowed",
     "max_tensor_elements",
 ]
 
 MAX_ELEMENTS_VARIABLE = "TRAINGRAPH_MAX_TENSOR_ELEMENTS"
 DEFAULT_MAX_TENSOR_ELEMENTS = 2**32  # 16 GiB of float32
+# ONNX shape inference's data propagation holds a shape-valued tensor (a Range, a
+# ConstantOfShape's shape) as one entry per element: over a dimension of 2**24 it runs for
+# minutes and takes gigabytes. Models with a larger static dimension are inferred without it.
+DATA_PROPAGATION_MAX_DIMENSION = 2**20
 
 
 def max_tensor_elements() -> int:
@@ -175,3 +180,15 @@ def _check_ir_graph(source: str, graph: ir.Graph) -> None:
 def check_ir_model(model: ir.Model, source: str = "the model") -> None:
     """Checks every size an ``onnx_ir`` model declares, as :func:`check_model_proto` does."""
     _check_ir_graph(source, model.graph)
+
+
+def data_propagation_allowed(model: ir.Model) -> bool:
+    """Whether ONNX shape inference may propagate values through ``model``'s shape
+    computations: no static dimension of its values is over ``DATA_PROPAGATION_MAX_DIMENSION``."""
+    graph = model.graph
+    values = [*graph.inputs, *graph.outputs, *(o for node in graph for o in node.outputs)]
+    for value in values:
+        for d in _ir_dims(value.shape):
+            if isinstance(d, int) and d > DATA_PROPAGATION_MAX_DIMENSION:
+                return False
+    return True

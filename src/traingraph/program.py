@@ -9,6 +9,7 @@ own persistent buffers; their initial values travel in the checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
+from onnx_ir.passes.common import shape_inference
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
@@ -24,7 +26,12 @@ from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
 from traingraph.ir.random import lower_dropout
-from traingraph.limits import MAX_ELEMENTS_VARIABLE, check_ir_model, max_tensor_elements
+from traingraph.limits import (
+    MAX_ELEMENTS_VARIABLE,
+    check_ir_model,
+    data_propagation_allowed,
+    max_tensor_elements,
+)
 from traingraph.losses import Loss
 from traingraph.optim.alias import Optimizer
 from traingraph.optim.model import build_optimizer_model, state_slots
@@ -210,21 +217,42 @@ def _infer_shapes(m: ir.Model) -> None:
     """Annotate the loss block's values with shapes, which some gradient rules need.
 
     Shape inference is a help, not a requirement: rules that need a shape say so. The sizes
-    were checked against :func:`traingraph.limits.max_tensor_elements` on loading; running out
-    of memory here still is an error, never a silently skipped inference.
+    were checked against :func:`traingraph.limits.max_tensor_elements` on loading; a model with
+    a dimension too large for data propagation is inferred without it
+    (:func:`traingraph.limits.data_propagation_allowed`); running out of memory here still is
+    an error, never a silently skipped inference.
     """
     check_ir_model(m)
+    memory_errors = _MemoryErrors()
+    logger = logging.getLogger(shape_inference.__name__)  # the pass logs what it catches
+    logger.addHandler(memory_errors)
     try:
-        common_passes.ShapeInferencePass()(m)
+        common_passes.ShapeInferencePass(data_prop=data_propagation_allowed(m))(m)
     except MemoryError as exc:
+        memory_errors.error = exc
+    except Exception:  # inference is optional, see the docstring
+        pass
+    finally:
+        logger.removeHandler(memory_errors)
+    if memory_errors.error is not None:
         raise SizeLimitError(
             "shape inference of the training graph ran out of memory; the model declares"
             f" tensors too large for this machine (limit {max_tensor_elements()} elements per"
             f" tensor, set with {MAX_ELEMENTS_VARIABLE}). Lower the limit, or export the"
             " model with smaller static dimensions"
-        ) from exc
-    except Exception:  # inference is optional, see the docstring
-        pass
+        ) from memory_errors.error
+
+
+class _MemoryErrors(logging.Handler):
+    """Keeps the MemoryError of a log record (onnx_ir's shape inference logs and goes on)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.error: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and isinstance(record.exc_info[1], MemoryError):
+            self.error = record.exc_info[1]
 
 
 def _describe_optimizer(
