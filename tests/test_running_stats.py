@@ -220,3 +220,51 @@ def test_graph_api_batch_norm_keeps_torch_running_stats_for_20_steps():
                 got[name], want[name], rtol=RTOL, atol=ATOL,
                 err_msg=f"{name} after step {step + 1}",
             )  # fmt: skip
+
+
+def test_onnxblock_training_block_keeps_torch_running_stats():
+    """A TrainingBlock over a PyTorch export updates the running statistics as torch does."""
+    from traingraph import onnxblock
+
+    model = _export("torchscript")
+    names = [t.name for t in model.graph.initializer]
+    running = [n for n in names if "running_" in n]
+    trained = [n for n in names if n not in running and "num_batches" not in n]
+
+    class Training(onnxblock.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.loss = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, logits):
+            return self.loss(logits)
+
+    block = Training()
+    for name in trained:
+        block.requires_grad(name)
+    for name in running:
+        block.requires_grad(name, False)
+    with onnxblock.base(model):
+        block("logits")
+    training, _ = block.to_model_proto()
+    params = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    x, y = _batches()[0]
+    feeds = {"x": x, "labels": y}
+    for value in training.graph.input:
+        if value.name in params:
+            feeds[value.name] = params[value.name]
+        elif value.name.endswith("_grad.accumulation.buffer"):
+            feeds[value.name] = np.zeros_like(params[value.name.split("_grad.")[0]])
+    feeds["lazy_reset_grad"] = np.array([True])
+    wanted = [f"{name}_updated" for name in BUFFERS]
+    session = ort.InferenceSession(training.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip(BUFFERS, session.run(wanted, feeds)))
+    reference = _net()  # from the exported values: the export's trace moved the statistics
+    reference.load_state_dict(
+        {n: torch.from_numpy(params[n].copy()) for n in reference.state_dict() if n in params},
+        strict=False,
+    )
+    reference(torch.from_numpy(x))
+    state = reference.state_dict()
+    for name in BUFFERS:
+        np.testing.assert_allclose(got[name], state[name].numpy(), rtol=RTOL, atol=ATOL)

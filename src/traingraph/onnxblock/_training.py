@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
-from traingraph.autodiff.lowering import lower_training_batch_norm
+from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import default_opset, load_ir, max_ir_version, to_proto
@@ -225,9 +225,10 @@ def build_training_models(
         buffers.append(buffer)
         grads.append(name_output(b, total, f"{v.name}_grad{ACCUMULATION_OUT}", v, rename=True))
     updates = [name_output(b, v, name, v, rename=True) for name, v in buffer_updates.items()]
-    lower_training_batch_norm(train.graph, opset)
     train.graph.outputs.clear()
     train.graph.outputs.extend([*outputs, *grads, *updates])
+    # After the outputs are placed: the lowering keeps each BatchNorm output's graph-output place.
+    lower_training_batch_norm(train.graph, opset, running_stats_default(base))
     _lift_parameters(train.graph, params)
     train.graph.inputs.extend([*buffers, reset] if wrt else [])
 
