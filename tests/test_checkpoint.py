@@ -182,12 +182,7 @@ def test_failure_mid_write_leaves_old_checkpoint_intact(tmp_path, monkeypatch, f
             f.write(before[: len(before) // 2])
         raise OSError("disk full")
 
-    if fmt == "native":
-        monkeypatch.setattr(
-            safetensors.numpy, "save_file", lambda tensors, tmp, **kw: write_half_then_fail(tmp)
-        )
-    else:
-        monkeypatch.setattr(Path, "write_bytes", lambda tmp, content: write_half_then_fail(tmp))
+    monkeypatch.setattr(Path, "write_bytes", lambda tmp, content: write_half_then_fail(tmp))
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint_data(make_data(), path, format=fmt)
     monkeypatch.undo()

@@ -159,7 +159,10 @@ def save(
         meta["learning_rate"] = None
     meta["sha256"] = checksum(meta, tensors)
     metadata = {_METADATA_KEY: json.dumps(meta)}
-    atomic_write(path, lambda tmp: safetensors.numpy.save_file(tensors, tmp, metadata=metadata))
+    # The bytes are written by atomic_write's own file: safetensors.save_file would write a
+    # temporary file of its own, which a kill during the save leaves behind.
+    content = safetensors.numpy.save(tensors, metadata=metadata)
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(content))
 
 
 def _fail(path: Path, problem: str, fix: str) -> CheckpointError:

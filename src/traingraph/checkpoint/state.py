@@ -222,7 +222,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], object]) -
     _remove_stale_temporaries(target)
     tmp = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
     # Created with mode 0o666 so that the umask decides the final permissions, as for open();
-    # the mode is set again after ``write``, which may replace the file (safetensors does).
+    # the mode is set again after ``write``, in case it replaced the file.
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     mode = stat.S_IMODE(os.stat(tmp).st_mode)
     try:
