@@ -206,9 +206,11 @@ def _finite_scale(*arrays: np.ndarray) -> float:
     return max((float(np.abs(a[np.isfinite(a)]).max(initial=0.0)) for a in arrays), default=0.0)
 
 
-def _assert_same(got: np.ndarray, want: np.ndarray, name: str, scale: float | None = None) -> None:
+def _assert_same(
+    got: np.ndarray, want: np.ndarray, name: str, scale: float | None = None, floor: float = 1e-6
+) -> None:
     """Equal NaN and Inf positions, finite values within float32 rounding of ``scale`` (by
-    default ``want``'s largest finite magnitude)."""
+    default ``want``'s largest finite magnitude), or within ``floor``."""
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{name}: NaN")
     np.testing.assert_array_equal(
         np.where(np.isinf(got), got, 0), np.where(np.isinf(want), want, 0), err_msg=f"{name}: Inf"
@@ -216,13 +218,16 @@ def _assert_same(got: np.ndarray, want: np.ndarray, name: str, scale: float | No
     finite = np.isfinite(want)
     scale = _finite_scale(want) if scale is None else scale
     np.testing.assert_allclose(
-        got[finite], want[finite], rtol=2e-4, atol=1e-5 * scale + 1e-7, err_msg=name
+        got[finite], want[finite], rtol=2e-4, atol=1e-5 * scale + floor, err_msg=name
     )
 
 
-def _assert_fast_paths_exact(directory, inputs, poison: bool) -> None:
+def _assert_fast_paths_exact(
+    directory, inputs, poison: bool, gradients: bool = True, floor: float = 1e-6
+) -> None:
     """Three steps with the fast paths on and off agree (``poison``: the second batch holds a
-    NaN and an Inf)."""
+    NaN and an Inf): the losses, the parameters and running statistics after (``floor``:
+    their absolute tolerance), and with ``gradients`` each step's gradients."""
     rng = np.random.default_rng(1)
     batches = []
     for step in range(3):
@@ -233,14 +238,14 @@ def _assert_fast_paths_exact(directory, inputs, poison: bool) -> None:
         batches.append((x, rng.integers(0, 5, x.shape[0])))
     fast, plain = _steps(directory, FAST, batches), _steps(directory, PLAIN, batches)
     _assert_same(np.array(fast[0]), np.array(plain[0]), "losses")
-    for step, (got, want) in enumerate(zip(fast[1], plain[1])):
+    for step, (got, want) in enumerate(zip(fast[1], plain[1]) if gradients else ()):
         assert got.keys() == want.keys()
         scale = _finite_scale(*want.values())  # the rounding of a sum is that of its terms
         for param in want:
             _assert_same(got[param], want[param], f"step {step} gradient of {param}", scale)
     assert fast[2].keys() == plain[2].keys()
     for param in plain[2]:  # the parameters and the running statistics
-        _assert_same(fast[2][param], plain[2][param], param)
+        _assert_same(fast[2][param], plain[2][param], param, floor=floor)
 
 
 @pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan-inf"])
@@ -255,4 +260,45 @@ def test_densenet121_trains_as_the_graph_does(tmp_path):
     # from the second step its running statistics were NaN with the segments on; at a larger
     # rate, steps on 4 images take float32's rounding (torch's too) 0.5% off float64's losses
     _artifacts(tmp_path, "densenet121", lr=1e-3)
-    _assert_fast_paths_exact(tmp_path, SLOW_MODELS["densenet121"][1], poison=False)
+    # The second step's gradients, through 120 BatchNorms over 16 values per channel, are
+    # ill-conditioned: torch's float32 ones are 4.8e-2 of the largest off float64's, the
+    # plain graph's 9.0e-3, the fast paths' 8.3e-6. So the gradients are left out, and the
+    # parameters after (conv0.weight 2e-5 apart) are compared to 5e-5.
+    _assert_fast_paths_exact(
+        tmp_path, SLOW_MODELS["densenet121"][1], False, gradients=False, floor=5e-5
+    )
+
+
+def _mobilenet_v2() -> nn.Module:
+    from zoo.torchvision_import import torchvision_models
+
+    torch.manual_seed(0)
+    return torchvision_models().mobilenet_v2(num_classes=5, dropout=0.0)
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_gradients_are_as_close_to_float64_as_the_graphs(tmp_path):
+    # depthwise Convs down to 2 x 2 maps in onnxruntime's blocked kernels
+    # (traingraph.runtime.nchwc), BatchNorm over 16 values per channel at the end
+    SLOW_MODELS["mobilenet_v2"] = (_mobilenet_v2, _images((4, 3, 64, 64)))
+    _artifacts(tmp_path, "mobilenet_v2")
+    rng = np.random.default_rng(1)
+    x = _images((4, 3, 64, 64))(rng)
+    y = rng.integers(0, 5, 4)
+
+    def torch_grads(dtype: torch.dtype) -> dict[str, np.ndarray]:
+        model = _mobilenet_v2().to(dtype).train()
+        logits = model(torch.from_numpy(x).to(dtype))
+        nn.functional.cross_entropy(logits, torch.from_numpy(y)).backward()
+        return {n: p.grad.double().numpy() for n, p in model.named_parameters()}
+
+    exact = torch_grads(torch.float64)
+    scale = max(np.abs(g).max() for g in exact.values())
+
+    def error(grads: dict[str, np.ndarray]) -> float:
+        return max(float(np.abs(grads[n] - exact[n]).max()) for n in exact) / scale
+
+    fast, plain = (_steps(tmp_path, config, [(x, y)])[1][0] for config in (FAST, PLAIN))
+    torch32 = error(torch_grads(torch.float32))
+    assert error(fast) <= 2 * error(plain), (error(fast), error(plain))
+    assert error(fast) <= 2 * torch32, (error(fast), torch32)

@@ -33,6 +33,8 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from traingraph.runtime import conv_grads
+
 DOMAIN = "com.microsoft.nchwc"
 _FLOAT = onnx.TensorProto.FLOAT
 _EXACT = 2**24  # positions up to here are exact in float32
@@ -224,10 +226,13 @@ def _checked(
     opsets: Sequence[onnx.OperatorSetIdProto],
 ) -> bool:
     """Whether ``form`` computes the Conv ``conv`` (filter and bias as inputs) on random
-    values."""
+    values of a batch of 2 (the form is learned on one), then with a NaN and infinities in
+    the input. (Where the filter itself holds a NaN or an infinity, the blocked kernel puts
+    NaN and infinities in other places than the Conv: the parameters are then not finite, and
+    neither is any later loss.)"""
     rng = np.random.default_rng(0)
     feeds = {
-        "x": rng.standard_normal(x_shape).astype(np.float32),
+        "x": rng.standard_normal([2, *x_shape[1:]]).astype(np.float32),
         "w": rng.standard_normal(w_shape).astype(np.float32),
     }
     if bias:
@@ -237,11 +242,13 @@ def _checked(
     blocked = _conv_model(_instantiate(None, conv, form, "check"), inputs, [], opsets)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    results = [
+    sessions = [
         ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        .run(None, feeds)[0]
         for m in (plain, blocked)
     ]
-    want, got = results
-    scale = float(np.abs(want).max()) or 1.0
-    return got.shape == want.shape and bool(np.abs(got - want).max() <= _CHECK_RTOL * scale)
+    poisoned = {**feeds, "x": conv_grads.with_non_finite({"x": feeds["x"]})["x"]}
+    for run in (feeds, poisoned):
+        want, got = (session.run(None, run)[0] for session in sessions)
+        if not conv_grads.same_values(got, want, _CHECK_RTOL):
+            return False
+    return True
