@@ -89,7 +89,7 @@ def _curve(directory, device: str, batches) -> tuple[list[float], dict[str, np.n
         losses.append(float(module(x, y)))
         opt.step()
         module.lazy_reset_grad()
-    return losses, {n: state.parameters[n].data for n in state.parameters}
+    return losses, {n: p.data for n, p in state.parameters.items()}
 
 
 def test_cuda_without_provider_names_the_fix(monkeypatch) -> None:
@@ -176,7 +176,7 @@ def test_cuda_optimizer_updates_the_blocks_as_one_vector(tmp_path) -> None:
             module(x, y)
             opt.step()
             module.lazy_reset_grad()
-        results[fused] = {n: state.parameters[n].data for n in state.parameters}
+        results[fused] = {n: p.data for n, p in state.parameters.items()}
     for name, value in results[False].items():
         np.testing.assert_allclose(results[True][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 

@@ -174,7 +174,7 @@ def test_a_non_finite_step_is_skipped_and_the_scale_backs_off(tmp_path) -> None:
     _artifacts(tmp_path, "fp16")
     batches = _batches(3)
     state, module, _ = _train(tmp_path, batches[:1])
-    before = {n: state.parameters[n].data for n in state.parameters}
+    before = {n: p.data for n, p in state.parameters.items()}
     runtime = state._runtime
     assert runtime is not None and runtime.optimizer_slots is not None
     slots = {n: runtime.optimizer_slots.cur.read(n) for n in runtime.optimizer_slots.cur}
