@@ -5,7 +5,7 @@ makes sessions (``--threads`` intra-op threads, no spinning), with ``Relu`` and 
 included; ``relu_only`` times ``Relu`` and a ``Mul`` alone, the floor every form shares:
 
 - ``cast``: ``Cast(Greater(y, 0))``, as the training graph writes it;
-- ``ceil_clip``: ``Ceil(Clip(y, 0, 1))``, what :func:`traingraph.runtime.specialize.for_cpu`
+- ``ceil_clip``: ``Ceil(Clip(y, 0, 1))``, which :func:`traingraph.runtime.specialize.for_cpu`
   runs instead;
 - ``where``: ``Where(Greater(y, 0), g, 0)`` in place of the product.
 

@@ -685,7 +685,9 @@ static double route_plane_2x2(const float *yp, const float *g, float *d, Py_ssiz
             d0[2 * j + 1] = v * (float)at1;
             d1[2 * j] = v * (float)at2;
             d1[2 * j + 1] = v * (float)at3;
-            row += v;
+            /* the window's four products, as the graph sums them: v, and NaN for an
+             * infinite v (0 times it) */
+            row += (d0[2 * j] + d0[2 * j + 1]) + (d1[2 * j] + d1[2 * j + 1]);
         }
         for (Py_ssize_t k = 2 * ow; k < w; k++) {
             d0[k] = d1[k] = 0.0f;
@@ -714,9 +716,16 @@ static double route_plane(const struct route *r, const float *yp, const float *g
                     }
                 }
             }
+            /* every place of the window gets v times 1 or 0, as the graph's product with
+             * its mask (NaN for an infinite v), and the bias their sum */
             const float v = g[i * r->ow + j] * (float)(!r->relu | (best > 0.0f));
-            d[at] = v;
-            sum += v;
+            for (Py_ssize_t a = 0; a < r->kh; a++) {
+                const Py_ssize_t row = (i * r->kh + a) * r->w + j * r->kw;
+                for (Py_ssize_t b = 0; b < r->kw; b++) {
+                    d[row + b] = v * (float)(row + b == at);
+                    sum += d[row + b];
+                }
+            }
         }
     }
     return sum;
