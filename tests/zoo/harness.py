@@ -318,7 +318,7 @@ def torch_run(
                 if p.requires_grad and p.grad is not None
             }
         opt.step()
-        curve.append(float(loss))
+        curve.append(loss.item())
     return grads, curve
 
 

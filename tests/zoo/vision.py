@@ -148,7 +148,18 @@ def _bn_bias(
 
 VISION_CASES = [
     _case("resnet18", _classifier("resnet18")),
-    _case("resnet50", _classifier("resnet50"), slow=True),
+    _case(
+        "resnet50",
+        _classifier("resnet50"),
+        slow=True,
+        xfail={
+            "torchscript": (
+                "traingraph bug: layer4's gradients are 1.1e-2 to 1.4e-2 from float64 against torch"
+                " float32's 2e-4 to 7e-4 (the dynamo export is within bounds), and the loss is"
+                " 9.5% off torch's at step 1 (0.8% with SessionConfig(specialize=False))"
+            )
+        },
+    ),
     _case(
         "mobilenet_v2",
         _classifier("mobilenet_v2"),
