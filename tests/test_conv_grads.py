@@ -301,3 +301,60 @@ def test_kernel_threads_grow_and_survive_fork():
     assert child.exitcode == 0
     for result in results:
         np.testing.assert_allclose(result, one, rtol=1e-5, atol=1e-5)
+
+
+def _graph_weight_grad(x, dy, shape, strides, pads, dilations, group):
+    """The weight gradient as traingraph's training graph computes it, on onnxruntime."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from traingraph.autodiff.engine import differentiate
+
+    def value(name, array_shape):
+        return ir.Value(
+            name=name, shape=ir.Shape(list(array_shape)), type=ir.TensorType(ir.DataType.FLOAT)
+        )
+
+    xv, wv = value("x", x.shape), value("w", shape)
+    conv = ir.node(
+        "Conv", [xv, wv], attributes={"strides": list(strides), "pads": [*pads, *pads],
+        "dilations": list(dilations), "group": group}, num_outputs=1,
+    )  # fmt: skip
+    y = conv.outputs[0]
+    y.name, y.shape, y.type = "y", ir.Shape(list(dy.shape)), ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([xv, wv], [y], nodes=[conv], opset_imports={"": 17})
+    result = differentiate(graph, 17, [wv], loss=None, user_gradients=[y])
+    grad = result.grads["w"]
+    if result.user_grad_inputs["y"] not in graph.inputs:
+        graph.inputs.append(result.user_grad_inputs["y"])
+    graph.outputs.clear()
+    graph.outputs.append(grad)
+    proto = ir.to_proto(ir.Model(graph, ir_version=10))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": x, "w": np.zeros(shape, np.float32), result.user_grad_inputs["y"].name: dy}
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_kernel_propagates_nan_and_inf_as_the_graph_does(geometry):
+    n, c, h, w, m, kernel, strides, pads, dilations, group = geometry
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    y = nn.functional.conv2d(
+        torch.from_numpy(x), torch.zeros(m, c // group, *kernel), stride=strides,
+        padding=pads, dilation=dilations, groups=group,
+    )  # fmt: skip
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    shape = (m, c // group, *kernel)
+    poisoned = conv_grads.with_non_finite({"x": x, "dy": dy})
+    geometry = (strides, pads, dilations, group)
+    grad = conv_grads.WeightGrad("w_grad", "w", "x", "dy", strides, pads, pads, dilations, group)
+    for feeds in (poisoned, {"x": poisoned["x"], "dy": dy}, {"x": x, "dy": poisoned["dy"]}):
+        dw = np.full(shape, 7.0, np.float32)
+        conv_grads.compute([grad], feeds, {"w_grad": dw}, 2)
+        expected = _graph_weight_grad(feeds["x"], feeds["dy"], shape, *geometry)
+        assert not np.isfinite(expected).all()
+        np.testing.assert_array_equal(np.isnan(dw), np.isnan(expected))
+        np.testing.assert_array_equal(np.isposinf(dw), np.isposinf(expected))
+        np.testing.assert_array_equal(np.isneginf(dw), np.isneginf(expected))
+        assert conv_grads.same_values(dw, expected)

@@ -149,6 +149,7 @@ def compute(
             values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
+    finite = [_all_finite(values[g.x]) and _all_finite(values[g.dy]) for g in grads]
     _native.weight_grads(
         [
             (
@@ -160,10 +161,54 @@ def compute(
                 g.dilations,
                 g.group,
             )
-            for g in grads
+            for g, ok in zip(grads, finite)
+            if ok
         ],
         threads,
     )
+    for g, ok in zip(grads, finite):
+        if not ok:
+            unfolded_weight_grad(values[g.x], values[g.dy], g, targets[g.output])
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Whether ``a`` holds no NaN or infinity: its sum is finite (a sum that overflows says
+    no, which only sends the gradient to :func:`unfolded_weight_grad`)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(a.sum(dtype=np.float32)))
+
+
+def unfolded_weight_grad(x: np.ndarray, dy: np.ndarray, grad: WeightGrad, out: np.ndarray) -> None:
+    """Write the weight gradient of ``grad`` into ``out`` as the training graph forms it
+    (:func:`traingraph.autodiff.rules.conv.unfold`): each column ``k`` of the zero-padded input
+    is the sum over the window of the one-hot weights times the window's values, then one
+    product with the output gradient summed over the batch and the positions. A NaN or an
+    infinity in a window thus reaches every column of that window (``0 * inf`` is NaN), as it
+    does in the graph; the native kernel reads only the one value, so :func:`compute` takes
+    this form for inputs that are not all finite."""
+    oh, ow = dy.shape[2:]
+    kh, kw = out.shape[2:]
+    (top, left), (bottom, right) = grad.pads, grad.end_pads
+    padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    (sh, sw), (dh, dw) = grad.strides, grad.dilations
+    cg, og = x.shape[1] // grad.group, dy.shape[1] // grad.group
+    one_hot = np.eye(kh * kw, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for g in range(grad.group):
+            xs = padded[:, g * cg : (g + 1) * cg]
+            windows = [
+                xs[:, :, i * dh : i * dh + (oh - 1) * sh + 1 : sh,
+                   j * dw : j * dw + (ow - 1) * sw + 1 : sw]
+                for i in range(kh)
+                for j in range(kw)
+            ]  # fmt: skip
+            for k in range(kh * kw):
+                column = windows[0] * one_hot[k, 0]
+                for other in range(1, kh * kw):
+                    column = column + windows[other] * one_hot[k, other]
+                out[g * og : (g + 1) * og, :, k // kw, k % kw] = np.tensordot(
+                    dy[:, g * og : (g + 1) * og], column, axes=([0, 2, 3], [0, 2, 3])
+                )
 
 
 def reads(grad: WeightGrad) -> tuple[str, ...]:
@@ -1340,20 +1385,25 @@ def _verified(
     if not checks:
         return []
     keep = sorted(set().union(*(cone for _, _, cone, _ in checks)))
+    runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
     try:
         results = _run_subgraph(
-            model, [nodes[i] for i in keep], feeds, [grad.output for _, grad, _, _ in checks]
+            model, [nodes[i] for i in keep], runs, [grad.output for _, grad, _, _ in checks]
         )
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
     passed = set()
-    for (index, grad, _, w_shape), want in zip(checks, results):
-        got = np.zeros(w_shape, np.float32)
-        try:
-            compute([grad], feeds, {grad.output: got}, 1)
-        except ValueError:
-            continue
-        if same_values(got, want):
+    for k, (index, grad, _, w_shape) in enumerate(checks):
+        agrees = True
+        for run, outputs in zip(runs, results):
+            got = np.zeros(w_shape, np.float32)
+            try:
+                compute([grad], run, {grad.output: got}, 1)
+            except ValueError:
+                agrees = False
+                break
+            agrees = agrees and same_values(got, outputs[k])
+        if agrees:
             passed.add(index)
     return [
         (match.grad, match.cone) for i, match in enumerate(found) if checked_as.get(i) in passed
