@@ -550,3 +550,24 @@ def test_sigkill_during_fit_saves_loses_nothing(seeds, tmp_path):
 @pytest.mark.slow
 def test_sigkill_during_fit_saves_loses_nothing_100_times(seeds, tmp_path):
     _kill_during_fit(seeds, tmp_path, kills=100)
+
+
+def test_module_infers_shapes_without_data_propagation_past_the_limit(tmp_path, monkeypatch):
+    from traingraph.api import CheckpointState, Module
+
+    model = seed_model()
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 2**24
+    path = tmp_path / "wide.onnx"
+    onnx.save(model, path)
+    generate_artifacts(str(path), loss="CrossEntropyLoss", artifact_directory=str(tmp_path))
+    infer = onnx.shape_inference.infer_shapes
+    propagated = []
+
+    def recording(proto, *args, **kwargs):
+        propagated.append(kwargs.get("data_prop", False))
+        return infer(proto, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", recording)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    Module(tmp_path / "training_model.onnx", state)
+    assert propagated and not any(propagated)

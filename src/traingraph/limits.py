@@ -182,9 +182,16 @@ def check_ir_model(model: ir.Model, source: str = "the model") -> None:
     _check_ir_graph(source, model.graph)
 
 
-def data_propagation_allowed(model: ir.Model) -> bool:
+def data_propagation_allowed(model: ir.Model | onnx.ModelProto) -> bool:
     """Whether ONNX shape inference may propagate values through ``model``'s shape
     computations: no static dimension of its values is over ``DATA_PROPAGATION_MAX_DIMENSION``."""
+    if isinstance(model, onnx.ModelProto):
+        g = model.graph
+        return all(
+            d.dim_value <= DATA_PROPAGATION_MAX_DIMENSION
+            for v in (*g.input, *g.output, *g.value_info)
+            for d in v.type.tensor_type.shape.dim
+        )
     graph = model.graph
     values = [*graph.inputs, *graph.outputs, *(o for node in graph for o in node.outputs)]
     for value in values:

@@ -49,6 +49,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from traingraph import limits
 from traingraph.runtime.device import physical_cores
 
 if TYPE_CHECKING:
@@ -510,7 +511,9 @@ def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     if key is not None and _shared is not None and key in _shared:
         return {name: list(dims) for name, dims in _shared[key].items()}
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(
+            model, data_prop=limits.data_propagation_allowed(model)
+        )
     except Exception:  # without shapes nothing is matched
         return {}
     graph = inferred.graph
