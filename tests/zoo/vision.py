@@ -131,14 +131,6 @@ _BN_BIAS = (
     " after them) are 2-3x as far from float64 as torch float32's ({}), over the zoo's bound"
     " of max(1e-3, 2x torch float32's); the plain graph (fast paths off) is 1.8x as far"
 )
-_SHUFFLE_SEQUENCE = (
-    "traingraph bug: shape inference fails on the SplitToSequence/SequenceAt form that"
-    " channel_shuffle's chunk exports to ('input_sequence typestr: S, has unsupported type:"
-    " tensor(float)'), and the loss's GatherElements then fails: 'the rank of the data input is"
-    " unknown'"
-)
-
-
 def _bn_bias(
     *names: str, exporters: tuple[str, ...] = ("dynamo", "torchscript")
 ) -> dict[str, str]:
@@ -177,7 +169,11 @@ VISION_CASES = [
         "shufflenet_v2_x0_5",
         _classifier("shufflenet_v2_x0_5"),
         xfail={
-            "dynamo": _SHUFFLE_SEQUENCE,
+            "dynamo": (
+                "traingraph bug: the gradients of the BatchNorm weights stage2.2.branch2.1.weight"
+                " and stage2.3.branch2.1.weight are 2.4e-3 and 3.8e-3 from float64, 2.0x and 2.7x"
+                " torch float32's 1.2e-3 and 1.4e-3"
+            ),
             "torchscript": (
                 "traingraph bug: the gradient of stage2.0.branch2.1.weight (a BatchNorm) is 4.3e-3"
                 " from float64, 2.8x torch float32's 1.6e-3, and the loss leaves torch's at step 2"
