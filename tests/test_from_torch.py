@@ -478,3 +478,17 @@ def test_export_checks_name_what_they_find_and_nothing_else():
     (inference,) = export_warnings(_conv_model([batch_norm[0]], stats))
     assert "'/bn/BN'" in inference and "training_mode=0" in inference
     assert export_warnings(_conv_model([batch_norm[1]], stats)) == []
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_dropout_of_zero_raises_no_eval_mode_warning(tmp_path, exporter):
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Dropout(p=0.0), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)
+    )
+    model = traingraph.from_torch(net, torch.randn(2, 3, 6, 6), exporter=exporter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        artifacts.generate_artifacts(
+            model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path
+        )

@@ -86,7 +86,8 @@ def export_warnings(
             " and dropped Dropout. Export the module with traingraph.from_torch(model,"
             " example_inputs), which exports it in train mode."
         )
-    traces = _lost_layer_traces(model)
+    # A from_torch model was exported in train mode; a Dropout of p=0 may still be gone.
+    traces = _lost_layer_traces(model) if recorded_requires_grad(model) is None else []
     if traces:
         found.append(
             "the model comes from PyTorch and has Conv layers but no BatchNormalization or"
