@@ -41,10 +41,10 @@ MISSING_ENV = "environment missing (run benchmarks/run.py --setup-envs)"
 DEFAULT_MODELS = ("mlp", "lenet", "resnet8", "transformer")
 ORT_PACKAGES = ("onnxruntime-training-cpu==1.19.2", "onnx", "torch==2.13.0", "numpy<2")
 JAX_PACKAGES = ("jax", "jaxlib")
-# (environment variable, pre-built environment checked first, directory under benchmarks/.envs)
+# (environment variable naming the peer's interpreter, its directory under benchmarks/.envs)
 ENVIRONMENTS = {
-    "ort_training": ("TRAINGRAPH_BENCH_ORT_PYTHON", Path("/work/venvs/ortt"), "ortt"),
-    "jax_jit": ("TRAINGRAPH_BENCH_JAX_PYTHON", None, "jax"),
+    "ort_training": ("TRAINGRAPH_BENCH_ORT_PYTHON", "ortt"),
+    "jax_jit": ("TRAINGRAPH_BENCH_JAX_PYTHON", "jax"),
 }
 
 
@@ -102,11 +102,8 @@ def python_for(system: System, bench_dir: Path) -> str | None:
     """The interpreter that runs ``system``, or None when its environment does not exist."""
     if system.label not in ENVIRONMENTS:
         return sys.executable
-    variable, prebuilt, local = ENVIRONMENTS[system.label]
-    candidates = [os.environ.get(variable)]
-    if prebuilt is not None:
-        candidates.append(str(prebuilt / "bin" / "python"))
-    candidates.append(str(bench_dir / ".envs" / local / "bin" / "python"))
+    variable, local = ENVIRONMENTS[system.label]
+    candidates = [os.environ.get(variable), str(bench_dir / ".envs" / local / "bin" / "python")]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return candidate
@@ -121,7 +118,7 @@ def setup_envs(bench_dir: Path) -> None:
         if found is not None:
             print(f"{label}: using {found}")
             continue
-        target = bench_dir / ".envs" / ENVIRONMENTS[label][2]
+        target = bench_dir / ".envs" / ENVIRONMENTS[label][1]
         print(f"{label}: creating {target}")
         subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
         subprocess.run([str(target / "bin" / "pip"), "install", "-q", *packages], check=True)
