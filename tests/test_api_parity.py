@@ -10,6 +10,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from test_onnxblock import string_classifier
 from traingraph import artifacts, onnxblock
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.errors import CheckpointError, ModelError
@@ -151,22 +152,7 @@ def test_nominal_checkpoint_raises_until_loaded(setup):
 
 
 def test_string_inputs_train(tmp_path):
-    class Classifier(onnxblock.ForwardBlock):
-        def __init__(self):
-            super().__init__()
-            self.cast = onnxblock.blocks.Cast(to=TensorProto.FLOAT)
-            self.linear = onnxblock.blocks.Linear(4, 2)
-
-        def build(self, name):
-            return self.linear(self.cast(name))
-
-    block = Classifier()
-    with onnxblock.empty_base() as accessor:
-        accessor.model.graph.input.append(
-            helper.make_tensor_value_info("text", TensorProto.STRING, [1, 4])
-        )
-        block("text")
-    model = block.to_model_proto()
+    model = string_classifier()
     artifacts.generate_artifacts(
         model,
         loss=artifacts.LossType.CrossEntropyLoss,

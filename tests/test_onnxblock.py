@@ -353,7 +353,9 @@ def test_parameters_checkpoint_and_errors(tmp_path):
         bad("out1")
 
 
-def test_string_input_through_cast_and_linear():
+def string_classifier() -> onnx.ModelProto:
+    """A ForwardBlock model of a string input ``text`` [1, 4]: Cast to float, then Linear(4, 2)."""
+
     class Classifier(onnxblock.ForwardBlock):
         def __init__(self):
             super().__init__()
@@ -369,7 +371,11 @@ def test_string_input_through_cast_and_linear():
             helper.make_tensor_value_info("text", TensorProto.STRING, [1, 4])
         )
         block("text")
-    forward = block.to_model_proto()
+    return block.to_model_proto()
+
+
+def test_string_input_through_cast_and_linear():
+    forward = string_classifier()
     weights = {t.name: numpy_helper.to_array(t) for t in forward.graph.initializer}
     [out] = ort.InferenceSession(forward.SerializeToString()).run(
         None, {"text": np.array([["1", "2", "3", "4"]])}
