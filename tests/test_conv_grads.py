@@ -349,11 +349,26 @@ def test_kernel_propagates_nan_and_inf_as_the_graph_does(geometry):
     poisoned = conv_grads.with_non_finite({"x": x, "dy": dy})
     geometry = (strides, pads, dilations, group)
     grad = conv_grads.WeightGrad("w_grad", "w", "x", "dy", strides, pads, pads, dilations, group)
-    for feeds in (poisoned, {"x": poisoned["x"], "dy": dy}, {"x": x, "dy": poisoned["dy"]}):
+    one_inf, one_nan, gated = x.copy(), dy.copy(), dy.copy()
+    one_inf[-1, -1, h // 2, w // 2] = np.inf  # read by every kernel offset, as a rule
+    one_nan[0, 0, 0, 0] = np.nan
+    gated[:, :, : dy.shape[2] // 2 + 1] = 0.0  # an infinity read only against zero gradients
+    zero_rows = x.copy()
+    zero_rows[0, 0, 0, 0] = np.inf
+    cases = (
+        poisoned,
+        {"x": poisoned["x"], "dy": dy},
+        {"x": x, "dy": poisoned["dy"]},
+        {"x": one_inf, "dy": dy},
+        {"x": x, "dy": one_nan},
+        {"x": zero_rows, "dy": gated},
+    )
+    for feeds in cases:
         dw = np.full(shape, 7.0, np.float32)
         conv_grads.compute([grad], feeds, {"w_grad": dw}, 2)
         expected = _graph_weight_grad(feeds["x"], feeds["dy"], shape, *geometry)
-        assert not np.isfinite(expected).all()
+        if feeds is poisoned:
+            assert not np.isfinite(expected).all()
         np.testing.assert_array_equal(np.isnan(dw), np.isnan(expected))
         np.testing.assert_array_equal(np.isposinf(dw), np.isposinf(expected))
         np.testing.assert_array_equal(np.isneginf(dw), np.isneginf(expected))

@@ -150,7 +150,6 @@ def compute(
             values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
-    finite = [_all_finite(values[g.x]) and _all_finite(values[g.dy]) for g in grads]
     _native.weight_grads(
         [
             (
@@ -162,21 +161,13 @@ def compute(
                 g.dilations,
                 g.group,
             )
-            for g, ok in zip(grads, finite)
-            if ok
+            for g in grads
         ],
         threads,
     )
-    for g, ok in zip(grads, finite):
-        if not ok:
+    for g in grads:
+        if not np.isfinite(targets[g.output]).all():
             unfolded_weight_grad(values[g.x], values[g.dy], g, targets[g.output])
-
-
-def _all_finite(a: np.ndarray) -> bool:
-    """Whether ``a`` holds no NaN or infinity: its sum is finite (a sum that overflows says
-    no, which only sends the gradient to :func:`unfolded_weight_grad`)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return bool(np.isfinite(a.sum(dtype=np.float32)))
 
 
 def unfolded_weight_grad(x: np.ndarray, dy: np.ndarray, grad: WeightGrad, out: np.ndarray) -> None:
@@ -185,8 +176,9 @@ def unfolded_weight_grad(x: np.ndarray, dy: np.ndarray, grad: WeightGrad, out: n
     is the sum over the window of the one-hot weights times the window's values, then one
     product with the output gradient summed over the batch and the positions. A NaN or an
     infinity in a window thus reaches every column of that window (``0 * inf`` is NaN), as it
-    does in the graph; the native kernel reads only the one value, so :func:`compute` takes
-    this form for inputs that are not all finite."""
+    does in the graph. The native kernel multiplies each value by its own weight only, so
+    where it writes a NaN or an infinity (it does wherever a value it reads is one),
+    :func:`compute` writes this form instead."""
     oh, ow = dy.shape[2:]
     kh, kw = out.shape[2:]
     (top, left), (bottom, right) = grad.pads, grad.end_pads
