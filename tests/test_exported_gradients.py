@@ -45,13 +45,17 @@ class TinySegmenter(nn.Module):
         return F.interpolate(self.head(h), size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
-def export(model: nn.Module, example: torch.Tensor, exporter: str) -> onnx.ModelProto:
-    """``model`` exported in training mode with a dynamic batch axis."""
+def export(
+    model: nn.Module, example: torch.Tensor, exporter: str, output: str = "y"
+) -> onnx.ModelProto:
+    """``model`` exported by ``exporter`` as the exporter itself writes it (no
+    :func:`traingraph.from_torch`): training mode, a dynamic batch axis, input ``x`` and output
+    ``output``."""
     if exporter == "torchscript":
         buffer = io.BytesIO()
         torch.onnx.export(
-            model, (example,), buffer, input_names=["x"], output_names=["y"],
-            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=17,
+            model, (example,), buffer, input_names=["x"], output_names=[output],
+            dynamic_axes={"x": {0: "batch"}, output: {0: "batch"}}, opset_version=17,
             training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, dynamo=False,
         )  # fmt: skip
         return onnx.load_from_string(buffer.getvalue())
@@ -59,7 +63,7 @@ def export(model: nn.Module, example: torch.Tensor, exporter: str) -> onnx.Model
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             model, (example,), dynamo=True, optimize=False, verbose=False, input_names=["x"],
-            output_names=["y"], dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2)}},
+            output_names=[output], dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2)}},
         )  # fmt: skip
     assert program is not None
     return program.model_proto

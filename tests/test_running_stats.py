@@ -11,9 +11,6 @@ every step, through ``Module`` with its native CPU kernels and without them.
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -22,6 +19,7 @@ import torch
 from torch import nn
 
 import traingraph as tg
+from test_exported_gradients import export
 from traingraph import artifacts, optim
 from traingraph import layers as L
 from traingraph.api import CheckpointState, Module, Optimizer
@@ -62,23 +60,7 @@ def _net() -> Net:
 
 def _export(exporter: str) -> onnx.ModelProto:
     """``Net`` with a dynamic batch, training-mode BatchNorm kept (dynamo: ``optimize=False``)."""
-    example = torch.randn(BATCH, 3, 4, 4)
-    if exporter == "torchscript":
-        buffer = io.BytesIO()
-        torch.onnx.export(
-            _net(), (example,), buffer, input_names=["x"], output_names=["logits"],
-            dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
-            training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False, dynamo=False,
-        )  # fmt: skip
-        return onnx.load_from_string(buffer.getvalue())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            _net(), (example,), dynamo=True, optimize=False, verbose=False, input_names=["x"],
-            output_names=["logits"], dynamic_shapes={"x": {0: torch.export.Dim("batch", min=2)}},
-        )  # fmt: skip
-    assert program is not None
-    return program.model_proto
+    return export(_net(), torch.randn(BATCH, 3, 4, 4), exporter, output="logits")
 
 
 def _batches() -> list[tuple[np.ndarray, np.ndarray]]:
