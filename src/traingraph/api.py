@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -987,6 +987,9 @@ def _flat_equivalent(
 
 NONFINITE_POLICIES = ("raise", "skip", "apply")
 
+GradientHook = Callable[[TensorStore, bool], bool]
+"""``hook(grads, finite) -> finite``: see :meth:`Optimizer.register_gradient_hook`."""
+
 
 class Optimizer:
     """Runs the optimizer graph over the module's parameters and gradients.
@@ -1106,6 +1109,19 @@ class Optimizer:
         if self._fused is None:
             session = create_session(self.graph_model, state.device, module._config)
             self._runner = BoundRunner(session, state.device)
+        self._gradient_hooks: list[GradientHook] = []
+
+    def register_gradient_hook(self, hook: GradientHook) -> None:
+        """Call ``hook(grads, finite)`` in every :meth:`step`, between the gradients and the
+        update: ``grads`` is the :class:`~traingraph.runtime.tensors.TensorStore` of the
+        gradients on the device (one flat block: ``grads.flat`` on the CPU,
+        ``grads.block(0, grads.flat_size)`` elsewhere), which the hook may change in place;
+        ``finite`` says whether this step's loss (with a loss scaler: its gradients) is finite,
+        and the hook returns the value the update goes by.
+        :class:`traingraph.distributed.DataParallel` averages the gradients of several
+        processes this way.
+        """
+        self._gradient_hooks.append(hook)
 
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients.
@@ -1125,6 +1141,11 @@ class Optimizer:
                 " the Module on a batch (in training mode) first, then optimizer.step()"
             )
         module = self._module
+        for hook in self._gradient_hooks:
+            if module.loss_scaler is None:
+                module._loss_finite = bool(hook(self._state.grads, module._loss_finite))
+            else:
+                module._grads_finite = bool(hook(self._state.grads, module._grads_finite))
         if module.loss_scaler is None and not module._loss_finite and self._nonfinite != "apply":
             self._state.reset_grads_pending = True  # the next train step starts afresh
             self._module._loss_finite = True
