@@ -338,6 +338,53 @@ def test_labels_out_of_range_are_named(seeds):
         module(x, y)
 
 
+@pytest.mark.parametrize("label", [CLASSES, CLASSES + 4, -1])
+def test_fit_loop_refuses_labels_out_of_range_before_the_step(seeds, label):
+    trainer = Trainer.from_artifacts(seeds.artifacts)
+    assert trainer.class_labels == {"labels": losses.ClassLabels(CLASSES, -100)}
+    before = {n: p.data.copy() for n, p in trainer.state.parameters}
+    x, y = _batch()
+    y[2] = label
+    expected = rf"labels 'labels' hold 1 class index\(es\) out of range \(values {label}\);"
+    with pytest.raises(DataError, match=expected + rf" expected \[0, {CLASSES}\)"):
+        trainer.train_step((x, y))
+    with pytest.raises(DataError, match=expected):
+        trainer.eval_step({"x": x, "labels": y})
+    for name, parameter in trainer.state.parameters:
+        np.testing.assert_array_equal(parameter.data, before[name])
+
+
+def test_fit_loop_lets_the_ignore_index_through(seeds):
+    trainer = Trainer.from_artifacts(seeds.artifacts)
+    x, y = _batch()
+    y[:4] = -100
+    loss = trainer.train_step((x, y))[0]
+    assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize(
+    ("loss", "classes", "ignore"),
+    [
+        (losses.CrossEntropyLoss(ignore_index=7), CLASSES, 7),
+        (losses.NLLLoss(), CLASSES, -100),
+    ],
+)
+def test_class_label_losses_tag_their_labels(tmp_path, loss, classes, ignore):
+    model = tmp_path / "model.onnx"
+    onnx.save(seed_model(), model)
+    generate_artifacts(str(model), loss=loss, optimizer="SGD", artifact_directory=str(tmp_path))
+    for name in ("training_model.onnx", "eval_model.onnx"):
+        found = losses.class_labels(onnx.load(tmp_path / name))
+        assert found == {"labels": losses.ClassLabels(classes, ignore)}
+
+
+def test_class_labels_without_a_static_class_count_check_the_sign():
+    labels = losses.ClassLabels(None, -100)
+    labels.check("y", np.array([0, 5, 10**6, -100]))
+    with pytest.raises(DataError, match=r"values -3, -2\); expected indices >= 0"):
+        labels.check("y", np.array([1, -3, -2, -100]))
+
+
 def test_batch_size_mismatch_is_named_before_onnxruntime_runs(seeds):
     _, module, _ = _module(seeds)
     x, y = _batch()

@@ -43,10 +43,12 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
+import onnx
 
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.data import Batches
 from traingraph.errors import ModelError, NonFiniteLossError
+from traingraph.losses import ClassLabels, class_labels
 from traingraph.optim.schedulers import LRScheduler
 from traingraph.runtime.device import Device
 from traingraph.runtime.session import SessionConfig
@@ -81,12 +83,22 @@ class Trainer:
         state: The checkpoint state.
         module: The module running the training (and eval) graphs.
         optimizer: The optimizer updating the module's parameters.
+        class_labels: The class-index label inputs and the values each may hold
+            (:func:`traingraph.losses.class_labels` of the training model; ``from_artifacts``
+            reads them): every batch's labels are checked before the step runs.
     """
 
-    def __init__(self, state: CheckpointState, module: Module, optimizer: Optimizer) -> None:
+    def __init__(
+        self,
+        state: CheckpointState,
+        module: Module,
+        optimizer: Optimizer,
+        class_labels: Mapping[str, ClassLabels] | None = None,
+    ) -> None:
         self.state = state
         self.module = module
         self.optimizer = optimizer
+        self.class_labels = dict(class_labels or {})
 
     @classmethod
     def from_artifacts(
@@ -133,7 +145,10 @@ class Trainer:
             device=device,
             session_config=session_config,
         )
-        return cls(state, module, Optimizer(files["optimizer_model.onnx"], module))
+        labels = class_labels(
+            onnx.load(files["training_model.onnx"], load_external_data=False)
+        )
+        return cls(state, module, Optimizer(files["optimizer_model.onnx"], module), labels)
 
     @property
     def input_names(self) -> list[str]:
@@ -181,7 +196,11 @@ class Trainer:
                 f"a batch must be a tuple, list or dict of arrays ({names}), got"
                 f" {type(batch).__name__}"
             )
-        return [_to_numpy(v) for v in values]
+        arrays = [_to_numpy(v) for v in values]
+        for name, array in zip(names, arrays, strict=True):
+            if name in self.class_labels:
+                self.class_labels[name].check(name, array)
+        return arrays
 
 
 def _to_numpy(value: Any) -> np.ndarray:

@@ -14,18 +14,24 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
-from traingraph.errors import ArgumentTypeError, ModelError
+from traingraph.errors import ArgumentTypeError, DataError, ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 
 REDUCTIONS = ("none", "mean", "sum")
 Values = Sequence[ir.Value]
+CLASS_LABELS_KEY = "traingraph.class_labels"
+"""Node metadata key of the ``Equal`` node that compares class-index labels with
+``ignore_index``; its first input is the labels, its value a JSON object with the number of
+classes (null where not static) and the ``ignore_index``."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,11 @@ def _nll(
     ``mean`` divides :math:`\sum_i \ell_i` by :math:`\sum_i m_i w_{t_i}`.
     """
     ignored = b.Equal(target, b.const(np.int64(ignore_index), name="ignore_index"))
+    node = ignored.producer()
+    if node is not None:
+        node.metadata_props[CLASS_LABELS_KEY] = json.dumps(
+            {"classes": _static_dim(x, 1), "ignore_index": ignore_index}
+        )
     safe_target = b.Where(ignored, b.const(np.int64(0), name="zero_index"), target)
     zero, one = b.scalar(0.0, like=x), b.scalar(1.0, like=x)
     keep = b.Where(ignored, zero, one)
@@ -234,6 +245,62 @@ def _nll(
         total = b.Div(b.sum(per, keepdims=False), b.sum(weight_of_target, keepdims=False))
         return _typed(total, x, ir.Shape([]))
     return _reduce(b, per, reduction, x, _class_dims(x))
+
+
+@dataclass(frozen=True)
+class ClassLabels:
+    """The values a class-index label input may hold: ``[0, classes)`` or ``ignore_index``.
+
+    Attributes:
+        classes: The number of classes, or None where the model does not fix it.
+        ignore_index: The index that contributes neither loss nor gradient.
+    """
+
+    classes: int | None
+    ignore_index: int
+
+    def check(self, name: str, labels: np.ndarray) -> None:
+        """Raise a :class:`~traingraph.errors.DataError` if ``labels`` holds an index outside
+        ``[0, classes)`` other than ``ignore_index`` (onnxruntime would fail on an index past
+        the classes and read a negative one from the end)."""
+        labels = np.asarray(labels)
+        if labels.dtype.kind not in "iu" or labels.size == 0:
+            return
+        bad = (labels < 0) & (labels != self.ignore_index)
+        if self.classes is not None:
+            bad |= labels >= self.classes
+        if not bad.any():
+            return
+        found = np.unique(labels[bad])
+        expected = f"[0, {self.classes})" if self.classes is not None else "indices >= 0"
+        raise DataError(
+            f"labels {name!r} hold {int(bad.sum())} class index(es) out of range (values"
+            f" {', '.join(str(v) for v in found[:8])}{', ...' if found.size > 8 else ''});"
+            f" expected {expected} or the ignore_index {self.ignore_index}. Map the labels to"
+            " 0 .. classes - 1, or give the model's output one entry per class"
+        )
+
+
+def class_labels(model: onnx.ModelProto) -> dict[str, ClassLabels]:
+    """The class-index label inputs of a training or eval model and the values each may hold.
+
+    They are read from the nodes that :class:`CrossEntropyLoss` and :class:`NLLLoss` tag with
+    :data:`CLASS_LABELS_KEY`; a model built elsewhere has none, and its labels go unchecked.
+    """
+    inputs = {v.name for v in model.graph.input}
+    found: dict[str, ClassLabels] = {}
+    for node in model.graph.node:
+        props = {p.key: p.value for p in node.metadata_props}
+        if CLASS_LABELS_KEY not in props or not node.input or node.input[0] not in inputs:
+            continue
+        try:
+            tag = json.loads(props[CLASS_LABELS_KEY])
+            classes, ignore = tag["classes"], tag["ignore_index"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        if isinstance(ignore, int) and (classes is None or isinstance(classes, int)):
+            found[node.input[0]] = ClassLabels(classes, ignore)
+    return found
 
 
 # ------------------------------------------------------------------------ regression
@@ -597,6 +664,8 @@ class CustomLoss(Loss):
 __all__ = [
     "REDUCTIONS",
     "BCEWithLogitsLoss",
+    "CLASS_LABELS_KEY",
+    "ClassLabels",
     "CrossEntropyLoss",
     "CustomLoss",
     "HuberLoss",
@@ -606,4 +675,5 @@ __all__ = [
     "MSELoss",
     "NLLLoss",
     "SmoothL1Loss",
+    "class_labels",
 ]
