@@ -554,6 +554,15 @@ class TrainingGraph:
         values = {n: state.grads.read(n) for n in names}
         return values[names[0]] if isinstance(parameter, str) else values
 
+    @property
+    def gradient_store(self) -> TensorStore:
+        """The trainable parameters' gradients where they live (one flat block), which code
+        run between :meth:`execute_gradient` and :meth:`execute_optimizer_update` may change in
+        place, as :class:`traingraph.distributed.DataParallel` does to average them."""
+        state = self._require_compiled()
+        self._executor.wait()
+        return state.grads
+
     def memory_plan(
         self, input_shapes: Mapping[str, Sequence[int]] | int | None = None
     ) -> MemoryPlan:
