@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -52,6 +52,9 @@ from traingraph.losses import ClassLabels, class_labels
 from traingraph.optim.schedulers import LRScheduler
 from traingraph.runtime.device import Device
 from traingraph.runtime.session import SessionConfig
+
+if TYPE_CHECKING:
+    from traingraph.distributed import DataParallel
 
 __all__ = [
     "Callback",
@@ -247,6 +250,9 @@ class FitState:
         history: One dict of metrics per finished epoch (``epoch`` is 1-based there).
         stop: Set to True to stop after the current epoch.
         interrupted: True when Ctrl-C stopped the run.
+        rank: This process's rank in data-parallel training (0 otherwise): only rank 0
+            writes checkpoints and metrics files.
+        world_size: The number of data-parallel processes (1 otherwise).
     """
 
     trainer: Trainer
@@ -258,6 +264,8 @@ class FitState:
     history: list[dict[str, float]] = field(default_factory=list)
     stop: bool = False
     interrupted: bool = False
+    rank: int = 0
+    world_size: int = 1
 
 
 class Callback:
@@ -283,7 +291,7 @@ class ModelCheckpoint(Callback):
     """Save a checkpoint (with optimizer state and the run's position) during training.
 
     It saves after every epoch, every ``every_n_steps`` steps if given, and at the end of the
-    run, including a run stopped by Ctrl-C.
+    run, including a run stopped by Ctrl-C; in data-parallel training, rank 0 saves.
 
     Args:
         path: The checkpoint file; each save replaces it atomically.
@@ -296,13 +304,17 @@ class ModelCheckpoint(Callback):
 
     def on_step_end(self, state: FitState, logs: Mapping[str, float]) -> None:
         if self.every_n_steps and state.global_step % self.every_n_steps == 0:
-            state.trainer.save_checkpoint(self.path)
+            self._save(state)
 
     def on_epoch_end(self, state: FitState, logs: Mapping[str, float]) -> None:
-        state.trainer.save_checkpoint(self.path)
+        self._save(state)
 
     def on_fit_end(self, state: FitState) -> None:
-        state.trainer.save_checkpoint(self.path)
+        self._save(state)
+
+    def _save(self, state: FitState) -> None:
+        if state.rank == 0:
+            state.trainer.save_checkpoint(self.path)
 
 
 class EarlyStopping(Callback):
@@ -356,7 +368,8 @@ class EarlyStopping(Callback):
 
 class MetricsWriter(Callback):
     """Write the epoch metrics to ``metrics.json`` and ``metrics.csv`` after every epoch, and
-    a plot of them to ``metrics.png`` at the end (when matplotlib is installed).
+    a plot of them to ``metrics.png`` at the end (when matplotlib is installed); in
+    data-parallel training, rank 0 writes.
 
     Args:
         directory: The folder that receives the files.
@@ -369,9 +382,12 @@ class MetricsWriter(Callback):
         self.plot_path: Path | None = None
 
     def on_epoch_end(self, state: FitState, logs: Mapping[str, float]) -> None:
-        self._write(state.history)
+        if state.rank == 0:
+            self._write(state.history)
 
     def on_fit_end(self, state: FitState) -> None:
+        if state.rank != 0:
+            return
         self._write(state.history)
         if self.plot and state.history:
             path = self.directory / "metrics.png"
@@ -496,14 +512,25 @@ def _format(value: float) -> str:
 
 
 def evaluate(
-    trainer: Trainer, data: Iterable[Any], metrics: Mapping[str, Metric] | None = None
+    trainer: Trainer,
+    data: Iterable[Any],
+    metrics: Mapping[str, Metric] | None = None,
+    replica: DataParallel | None = None,
 ) -> dict[str, float]:
-    """Mean loss and metrics of the eval graph over ``data`` (weighted by batch size)."""
+    """Mean loss and metrics of the eval graph over ``data`` (weighted by batch size); with a
+    :class:`~traingraph.distributed.DataParallel` ``replica``, each process evaluates its
+    shard of every batch and the means are over all of them."""
     sums = _Sums(("loss", *(metrics or {})))
     for batch in data:
         arrays = trainer._arrays(batch)
+        if replica is not None:
+            arrays = replica.shard(arrays, allow_empty=True)
+            if _batch_size(arrays) == 0:
+                continue
         outputs = trainer.eval_step(arrays)
         sums.add(_batch_values(outputs, arrays, metrics), _batch_size(arrays))
+    if replica is not None:
+        sums.add_across(replica)
     if sums.count == 0:
         raise ModelError("the evaluation data yielded no batches; pass at least one batch")
     return sums.means()
@@ -524,6 +551,12 @@ class _Sums:
 
     def means(self) -> dict[str, float]:
         return {n: s / self.count for n, s in self.sums.items()}
+
+    def add_across(self, replica: DataParallel) -> None:
+        """Replace the sums and count with their totals over the data-parallel processes."""
+        total = replica.sum(np.array([*self.sums.values(), self.count], np.float64))
+        self.sums = {n: float(v) for n, v in zip(self.sums, total[:-1])}
+        self.count = round(float(total[-1]))
 
     def to_json(self) -> str:
         return json.dumps({**self.sums, "count": self.count})
@@ -581,6 +614,7 @@ def fit(
     resume: bool = False,
     progress: bool = True,
     catch_interrupt: bool = True,
+    distributed: bool | None = None,
 ) -> FitState:
     """Train ``trainer`` for ``epochs`` epochs over ``train_data``.
 
@@ -599,6 +633,12 @@ def fit(
             the epoch and the batches already done are skipped.
         progress: Show a :class:`ProgressBar` (the bar only on a terminal) and epoch lines.
         catch_interrupt: Let Ctrl-C stop the run cleanly after the step in progress.
+        distributed: Train data-parallel over the processes of a ``torch.distributed`` group
+            (:class:`~traingraph.distributed.DataParallel`): every process iterates the same
+            global batches and trains on its shard of each, the gradients are averaged before
+            each update, the metrics are over all shards, and rank 0 alone shows progress and
+            writes checkpoints and metrics files. None (the default) trains data-parallel when
+            torchrun started several processes or a process group exists.
 
     Returns:
         The final :class:`FitState`, with the per-epoch metrics in ``history``.
@@ -613,17 +653,21 @@ def fit(
     names = ("loss", *(metrics or {}))
     props = trainer.state.properties
     steps = len(train_data) if hasattr(train_data, "__len__") else None  # type: ignore[arg-type]
+    replica = _data_parallel(trainer, distributed)
     state = FitState(trainer, epochs, steps)
+    if replica is not None:
+        state.rank, state.world_size = replica.rank, replica.world_size
     sums = _Sums(names)
     if resume:
         state.epoch, state.batch = int(props.get(EPOCH, 0)), int(props.get(BATCH, 0))
         state.global_step = int(props.get(STEP, 0))
         state.history = json.loads(str(props.get(HISTORY, "[]")))
-        sums = _Sums(names, json.loads(str(props.get(TRAIN_SUMS, "{}"))))
+        if state.rank == 0:  # the checkpoint holds rank 0's sums of the epoch so far
+            sums = _Sums(names, json.loads(str(props.get(TRAIN_SUMS, "{}"))))
     if scheduler is not None:
         while scheduler.step_count < state.global_step:
             scheduler.step()
-    every = ([ProgressBar()] if progress else []) + list(callbacks)
+    every = ([ProgressBar()] if progress and state.rank == 0 else []) + list(callbacks)
 
     def record() -> None:
         props[EPOCH], props[BATCH], props[STEP] = state.epoch, state.batch, state.global_step
@@ -632,12 +676,19 @@ def fit(
     for cb in every:
         cb.on_fit_begin(state)
     with _Interrupt(catch_interrupt) as interrupt:
-        while state.epoch < epochs and not (state.stop or interrupt.hit):
+
+        def stopping() -> bool:  # data-parallel processes stop at the step they agree on
+            return interrupt.hit if replica is None else replica.stop_agreed
+
+        while state.epoch < epochs and not (state.stop or stopping()):
             for cb in every:
                 cb.on_epoch_begin(state)
             started, samples = time.perf_counter(), 0
             for batch in _epoch_batches(train_data, state.epoch, state.batch):
                 arrays = trainer._arrays(batch)
+                if replica is not None:
+                    arrays = replica.shard(arrays)
+                    replica.stop_requested = interrupt.hit
                 try:
                     outputs = trainer.train_step(arrays)
                 except NonFiniteLossError as exc:
@@ -657,14 +708,14 @@ def fit(
                 record()
                 logs = {
                     "loss": values["loss"],
-                    "samples": size,
+                    "samples": size if replica is None else replica.global_batch or size,
                     "samples_per_second": samples / max(time.perf_counter() - started, 1e-9),
                 }
                 for cb in every:
                     cb.on_step_end(state, logs)
-                if interrupt.hit:
+                if stopping():
                     break
-            if interrupt.hit:
+            if stopping():
                 state.interrupted = True
                 break
             if sums.count == 0:
@@ -672,9 +723,12 @@ def fit(
                     f"the training data yielded no batches in epoch {state.epoch + 1}; pass an"
                     " iterable that yields batches on every iteration (not a one-shot iterator)"
                 )
+            if replica is not None:
+                sums.add_across(replica)
             row: dict[str, float] = {"epoch": state.epoch + 1, **sums.means()}
             if val_data is not None:
-                row.update({f"val_{k}": v for k, v in evaluate(trainer, val_data, metrics).items()})
+                values = evaluate(trainer, val_data, metrics, replica)
+                row.update({f"val_{k}": v for k, v in values.items()})
             row["lr"] = trainer.optimizer.get_learning_rate()
             row["seconds"] = time.perf_counter() - started
             state.history.append(row)
@@ -683,7 +737,23 @@ def fit(
             record()
             for cb in every:
                 cb.on_epoch_end(state, row)
-        state.interrupted = state.interrupted or interrupt.hit
+        state.interrupted = state.interrupted or stopping()
     for cb in every:
         cb.on_fit_end(state)
+    if replica is not None:
+        replica.barrier()  # rank 0's checkpoint is written when fit returns on any rank
     return state
+
+
+def _data_parallel(trainer: Trainer, distributed: bool | None) -> DataParallel | None:
+    """The trainer's :class:`~traingraph.distributed.DataParallel`, where training is
+    data-parallel (``distributed``, or by default where torchrun started the process)."""
+    from traingraph import distributed as parallel
+
+    if distributed is None:
+        distributed = parallel.active()
+    if not distributed:
+        return None
+    replica = parallel.DataParallel.of(trainer)
+    replica.stop_requested = replica.stop_agreed = False
+    return replica

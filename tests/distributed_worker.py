@@ -1,0 +1,184 @@
+"""One process of the data-parallel tests: ``python distributed_worker.py SCENARIO FOLDER``
+with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); test_distributed.py
+starts two. The models, data and training loops are defined here once, for the worker and for
+the single-process reference the tests compare with.
+
+The worker trains the demo CNN through fit (api.Module / Optimizer, checkpoint, resume) and an
+MLP through the graph API, and writes ``rank{R}.npz`` with the parameters after every step;
+then rank 1 exits during a further run of the demo, and rank 0 writes the error it got to
+``error.txt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from traingraph import artifacts, demo, optim
+from traingraph.data import Batches
+from traingraph.fit import Callback, FitState, ModelCheckpoint, Trainer, fit
+from traingraph.runtime.session import SessionConfig
+
+DEVICE = os.environ.get("TRAINGRAPH_TEST_DEVICE", "cpu")
+BACKEND = os.environ.get("TRAINGRAPH_TEST_BACKEND") or None
+TIMEOUT = datetime.timedelta(seconds=30)
+MLP_STEPS = 6
+
+
+def make_demo_artifacts(folder: Path) -> None:
+    """The demo CNN's artifacts (AdamW) in ``folder``."""
+    artifacts.generate_artifacts(
+        demo.digits_cnn(seed=0),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.AdamW(lr=1e-2),
+        artifact_directory=folder,
+        additional_output_names=[demo.OUTPUT_NAME],
+    )
+
+
+def demo_data() -> tuple[Batches, Batches]:
+    """Global batches of 25 (each split 12 / 13 over two processes) and validation batches of
+    5, 5 and 1 samples (the last leaves one process without a sample)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((111, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, demo.CLASSES, 111).astype(np.int64)
+    return Batches((x[:100], y[:100]), 25, seed=3), Batches((x[100:], y[100:]), 5, shuffle=False)
+
+
+class Record(Callback):
+    """The trainable parameters (one flat vector) after every step."""
+
+    def __init__(self) -> None:
+        self.steps: list[np.ndarray] = []
+
+    def on_step_end(self, state: FitState, logs: Any) -> None:
+        module = state.trainer.module
+        self.steps.append(module.get_contiguous_parameters(trainable_only=True).numpy().copy())
+
+
+def demo_trainer(folder: Path, checkpoint: Path | None = None) -> Trainer:
+    return Trainer.from_artifacts(
+        folder,
+        checkpoint=checkpoint,
+        device=DEVICE,
+        session_config=SessionConfig(intra_op_threads=1),
+    )
+
+
+def train_demo(
+    folder: Path, epochs: int, checkpoint: Path | None = None, save: Path | None = None
+) -> tuple[np.ndarray, list[dict[str, float]]]:
+    """Fit the demo (from ``checkpoint``, resuming, when given); returns the parameters after
+    each step and the history."""
+    trainer = demo_trainer(folder, checkpoint)
+    train, val = demo_data()
+    record = Record()
+    callbacks: list[Callback] = [record] + ([ModelCheckpoint(save)] if save else [])
+    state = fit(
+        trainer,
+        train,
+        epochs=epochs,
+        val_data=val,
+        callbacks=callbacks,
+        progress=False,
+        resume=checkpoint is not None,
+    )
+    return np.stack(record.steps), state.history
+
+
+def mlp_graph() -> Any:
+    """A compiled MLP (20 -> 32 -> ReLU -> 5) of the graph API, AdamW."""
+    from traingraph import layers as L
+    from traingraph import losses
+    from traingraph.graph import CompileOptions, Graph, TensorSpec, TrainingGraph
+
+    g = Graph("mlp")
+    x = g.input("x", shape=[None, 20])
+    g.output("logits", L.Linear(32, 5)(L.ReLU()(L.Linear(20, 32)(x))))
+    train = TrainingGraph(
+        [g], loss=losses.CrossEntropyLoss(), optimizer=optim.AdamW(lr=1e-2)
+    )
+    train.add_inputs({"x": x}, loss_labels={"y": TensorSpec([None], "int64")})
+    return train.compile(DEVICE, CompileOptions(intra_op_threads=1))
+
+
+def mlp_batches() -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(11)
+    return [
+        (
+            rng.standard_normal((9, 20)).astype(np.float32),
+            rng.integers(0, 5, 9).astype(np.int64),
+        )
+        for _ in range(MLP_STEPS)
+    ]
+
+
+def train_mlp(initial: dict[str, np.ndarray], replica_of: Any = None) -> np.ndarray:
+    """The MLP from ``initial`` over :func:`mlp_batches`; ``replica_of(graph)`` makes the
+    DataParallel in a worker. Returns all parameters (in name order) after each step."""
+    graph = mlp_graph()
+    graph.set_parameters(initial)
+    replica = replica_of(graph) if replica_of is not None else None
+    steps = []
+    for x, y in mlp_batches():
+        if replica is None:
+            graph.execute({"x": x}, loss_labels={"y": y})
+        else:
+            replica.execute({"x": x}, loss_labels={"y": y})
+        values = graph.get_parameters()
+        steps.append(np.concatenate([values[n].reshape(-1) for n in sorted(values)]))
+    return np.stack(steps)
+
+
+class ExitAt(Callback):
+    """Ends rank 1's process (as a crash would) after ``step`` steps."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_step_end(self, state: FitState, logs: Any) -> None:
+        if self.rank == 1 and state.global_step == self.step:
+            os._exit(17)
+
+
+def main(folder: Path) -> None:
+    import torch
+
+    from traingraph import distributed
+
+    torch.set_num_threads(1)
+    distributed.init_process_group(TIMEOUT, BACKEND)
+    rank = distributed.rank()
+    demo_steps, history = train_demo(folder / "demo", 2, save=folder / "ckpt")
+    resumed, _ = train_demo(folder / "demo", 3, checkpoint=folder / "ckpt")
+    initial = dict(np.load(folder / "mlp_initial.npz"))
+    if rank == 1:  # rank 0's parameters replace these
+        initial = {k: v + np.float32(1) for k, v in initial.items()}
+    mlp_steps = train_mlp(initial, distributed.DataParallel)
+    np.savez(
+        folder / f"rank{rank}.npz",
+        demo=demo_steps,
+        resumed=resumed,
+        mlp=mlp_steps,
+        history=json.dumps(history),
+    )
+    trainer = demo_trainer(folder / "demo")
+    started = time.perf_counter()
+    try:
+        fit(trainer, demo_data()[0], epochs=1, callbacks=[ExitAt(rank, 2)], progress=False)
+    except distributed.DistributedError as exc:
+        seconds = time.perf_counter() - started
+        (folder / "error.txt").write_text(f"{seconds:.1f}\n{exc}")
+        return
+    raise AssertionError("training went on after rank 1 stopped")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,187 @@
+"""Data-parallel training (traingraph.distributed): two processes with gloo train the demo CNN
+(api.Module / Optimizer through fit, with a checkpoint resumed by both) and an MLP (graph
+API); after every step their parameters are identical and equal those of one process trained
+on the same global batches. A process that dies makes the other fail with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch.distributed", reason="traingraph.distributed needs torch")
+
+import distributed_worker as worker
+from traingraph import distributed
+
+WORKER = Path(worker.__file__)
+RTOL, ATOL = 1e-5, 1e-7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(folder: Path, world: int = 2, timeout: float = 240) -> list[str]:
+    """Run the worker in ``world`` processes with torchrun's environment; returns each
+    process's output."""
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(folder)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for process in processes:
+            out, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1))
+            outputs.append(out)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("distributed")
+    worker.make_demo_artifacts(folder / "demo")
+    initial = worker.mlp_graph().get_parameters()
+    np.savez(folder / "mlp_initial.npz", **initial)
+    outputs = launch(folder)
+    ranks = []
+    for rank, output in enumerate(outputs):
+        path = folder / f"rank{rank}.npz"
+        assert path.is_file(), f"rank {rank} failed:\n{output[-3000:]}"
+        ranks.append(dict(np.load(path)))
+    return folder, initial, ranks, outputs
+
+
+def _differences(got: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    absolute = np.abs(got.astype(np.float64) - expected)
+    relative = absolute / np.maximum(np.abs(expected), 1e-3)
+    return float(absolute.max()), float(relative.max())
+
+
+def test_demo_matches_one_process(trained):
+    folder, _, ranks, _ = trained
+    single, history = worker.train_demo(folder / "demo", 2)
+    assert single.shape[0] == 8  # 2 epochs of 4 global batches
+    for rank in ranks:
+        # identical replicas: the same average applied to the same parameters
+        np.testing.assert_array_equal(rank["demo"], ranks[0]["demo"])
+    np.testing.assert_allclose(ranks[0]["demo"], single, rtol=RTOL, atol=ATOL)
+    assert np.abs(single[-1] - single[0]).max() > 1e-2  # it trained
+    got = json.loads(str(ranks[0]["history"]))
+    for row, expected in zip(got, history, strict=True):
+        for key in ("loss", "val_loss"):
+            assert row[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+def test_checkpoint_of_rank_zero_resumes_on_every_rank(trained):
+    folder, _, ranks, _ = trained
+    assert (folder / "ckpt").is_file()
+    single, _ = worker.train_demo(folder / "demo", 3)
+    for rank in ranks:
+        np.testing.assert_array_equal(rank["resumed"], ranks[0]["resumed"])
+    assert ranks[0]["resumed"].shape[0] == 4  # the third epoch
+    np.testing.assert_allclose(ranks[0]["resumed"], single[8:], rtol=RTOL, atol=ATOL)
+
+
+def test_graph_api_mlp_matches_one_process(trained):
+    _, initial, ranks, _ = trained
+    single = worker.train_mlp(initial)
+    for rank in ranks:  # rank 1 started from other parameters: rank 0's were broadcast
+        np.testing.assert_array_equal(rank["mlp"], ranks[0]["mlp"])
+    np.testing.assert_allclose(ranks[0]["mlp"], single, rtol=RTOL, atol=ATOL)
+
+
+def test_a_dead_process_stops_the_others_with_an_error(trained):
+    folder, _, _, outputs = trained
+    error = folder / "error.txt"
+    assert error.is_file(), f"rank 0 got no DistributedError:\n{outputs[0][-3000:]}"
+    seconds, message = error.read_text().split("\n", 1)
+    assert float(seconds) < worker.TIMEOUT.total_seconds()  # not a hang until the timeout
+    assert "rank 0 of 2" in message and "average the gradients of step 3" in message
+    assert "Another process probably stopped" in message
+
+
+def test_shard_splits_batches_and_weights(monkeypatch):
+    x, y = np.arange(10).reshape(5, 2), np.arange(5)
+    parts = [distributed._split((x, y), r, 2, allow_empty=False) for r in range(2)]
+    assert [p[1:] for p in parts] == [(2, 5), (3, 5)]
+    np.testing.assert_array_equal(np.concatenate([p[0][0] for p in parts]), x)
+    named, count, _ = distributed._split({"x": x, "scale": np.float32(2)}, 1, 2, False)
+    assert count == 3 and named["scale"] == 2 and named["x"].shape == (3, 2)
+    with pytest.raises(distributed.ModelError, match="cannot be split over 8 processes"):
+        distributed._split((x, y), 0, 8, allow_empty=False)
+    assert distributed._split((x, y), 0, 8, allow_empty=True)[1] == 0
+
+
+def test_environment_detection(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.launched() and distributed.world_size() == 1
+    assert distributed.local_device("cuda") == "cuda"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert distributed.launched() and distributed.rank() == 1
+    assert distributed.world_size() == 4
+    assert distributed.local_device("cuda") == "cuda:3"
+    assert distributed.local_device("cpu") == "cpu"
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(distributed.DistributedError, match="MASTER_ADDR"):
+        distributed.init_process_group()
+
+
+@pytest.mark.gpu
+def test_two_processes_on_the_gpu_match_one(tmp_path, monkeypatch):
+    """NCCL where there are two GPUs; two processes sharing one GPU use gloo (NCCL takes one
+    GPU per process), still on the device buffers."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU and a torch build with CUDA")
+    monkeypatch.setenv("TRAINGRAPH_TEST_DEVICE", "cuda")
+    if torch.cuda.device_count() < 2:
+        monkeypatch.setenv("TRAINGRAPH_TEST_BACKEND", "gloo")
+    worker.make_demo_artifacts(tmp_path / "demo")
+    monkeypatch.setattr(worker, "DEVICE", "cuda")
+    initial = worker.mlp_graph().get_parameters()
+    np.savez(tmp_path / "mlp_initial.npz", **initial)
+    outputs = launch(tmp_path)
+    ranks = []
+    for rank, output in enumerate(outputs):
+        path = tmp_path / f"rank{rank}.npz"
+        assert path.is_file(), f"rank {rank} failed:\n{output[-3000:]}"
+        ranks.append(dict(np.load(path)))
+    single, _ = worker.train_demo(tmp_path / "demo", 2)
+    np.testing.assert_array_equal(ranks[1]["demo"], ranks[0]["demo"])
+    np.testing.assert_allclose(ranks[0]["demo"], single, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(ranks[1]["mlp"], ranks[0]["mlp"])
+    np.testing.assert_allclose(ranks[0]["mlp"], worker.train_mlp(initial), rtol=1e-4, atol=1e-6)
