@@ -25,7 +25,7 @@ import pytest
 
 from fuzz.cases import CLASSES, Seeds, seed_data, seed_model
 from traingraph import data as tg_data
-from traingraph import losses
+from traingraph import losses, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.artifacts import generate_artifacts
 from traingraph.checkpoint import (
@@ -319,6 +319,60 @@ def test_nonfinite_skip_skips_the_update(seeds):
     optimizer.step()
     for name, parameter in state.parameters:
         np.testing.assert_array_equal(parameter.data, before[name])
+
+
+@pytest.fixture(scope="module")
+def sqrt_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """out = Sqrt(x * w): a finite loss, and a NaN gradient of w wherever x is 0."""
+    root = tmp_path_factory.mktemp("sqrt")
+    w = onnx.numpy_helper.from_array(np.ones(2, np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Mul", ["x", "w"], ["xw"]),
+            onnx.helper.make_node("Sqrt", ["xw"], ["out"]),
+        ],
+        "sqrt",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 2])],
+        [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["batch", 2])],
+        [w],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(model, root / "model.onnx")
+    return root / "model.onnx"
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [optim.AdamW(lr=0.1, clip_grad_norm=1.0), optim.SGD(lr=0.1, max_grad_norm_per_tensor=1.0)],
+)
+@pytest.mark.parametrize("policy", ["raise", "skip", "apply"])
+def test_a_nonfinite_gradient_norm_follows_the_nonfinite_policy(
+    sqrt_model, tmp_path, optimizer, policy
+):
+    generate_artifacts(str(sqrt_model), loss="MSELoss", optimizer=optimizer,
+                       artifact_directory=str(tmp_path))  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    opt = Optimizer(tmp_path / "optimizer_model.onnx", module, nonfinite=policy)
+    target = np.full((2, 2), 3.0, np.float32)
+    x = np.array([[0.0, 1.0], [2.0, 1.0]], np.float32)
+    loss = module(x, target)
+    assert np.isfinite(loss) and not np.isfinite(state.parameters["w"].grad).all()
+    if policy == "raise":
+        with pytest.raises(NonFiniteLossError, match="gradient clipping.*nonfinite='skip'"):
+            opt.step()
+    else:
+        opt.step()
+    w = state.parameters["w"].data
+    if policy == "apply":  # as onnxruntime-training: clipping by a NaN norm makes w NaN
+        assert np.isnan(w).any()
+        return
+    np.testing.assert_array_equal(w, np.ones(2, np.float32))
+    module.lazy_reset_grad()
+    module(x + 1.0, target)  # the next step starts afresh: its gradients are finite
+    opt.step()
+    assert np.isfinite(state.parameters["w"].data).all()
+    assert not np.array_equal(state.parameters["w"].data, np.ones(2, np.float32))
 
 
 def test_optimizer_step_before_any_train_step_raises(seeds):

@@ -1004,7 +1004,9 @@ class Optimizer:
             kernels instead of a few per parameter, which a GPU step needs). The numbers are the
             optimizer graph's. False runs the optimizer model as the file holds it.
         nonfinite: What :meth:`step` does when the loss of a train step since the last update
-            was NaN or infinite (checked on the loss, a scalar, where it is on the host):
+            was NaN or infinite (checked on the loss, a scalar, where it is on the host), or,
+            for an optimizer that clips by a gradient norm, when a gradient on the host is
+            (its norm would be, and clipping would make the parameters NaN):
             ``"raise"`` a :class:`~traingraph.errors.NonFiniteLossError` without updating,
             ``"skip"`` the update silently, or ``"apply"`` it as onnxruntime-training does.
             Either way but ``"apply"``, the gradients are dropped. A mixed-precision model's
@@ -1090,6 +1092,9 @@ class Optimizer:
         name = meta.get("traingraph.optimizer", "")
         if fused and state.device.kind == "cpu" and hyperparameters is not None:
             self._fused = fused_update(name, hyperparameters, threads=module._native_threads)
+        self._clips_by_norm = any(
+            (hyperparameters or {}).get(k) for k in ("clip_grad_norm", "max_grad_norm_per_tensor")
+        )
         self._slot_keys = {
             name: {key: s for s, (owner, key) in owners.items() if owner == name}
             for name in self._params
@@ -1157,6 +1162,22 @@ class Optimizer:
                 " Check the batch for NaN/Inf values, lower the learning rate, or pass"
                 " Optimizer(..., nonfinite='skip') to skip such updates"
             )
+        if (
+            module.loss_scaler is None
+            and self._clips_by_norm
+            and self._nonfinite != "apply"
+            and not self._grads_finite()
+        ):
+            self._state.reset_grads_pending = True
+            if self._nonfinite == "skip":
+                return
+            raise NonFiniteLossError(
+                "a gradient is NaN or infinite although the loss is finite, so the norm that"
+                " gradient clipping divides by is too; the update was not applied and the"
+                " gradients are dropped. Look for an op whose derivative is infinite where it"
+                " is evaluated (Sqrt or Log at 0, Pow with a negative exponent), or pass"
+                " Optimizer(..., nonfinite='skip') to skip such updates"
+            )
         scaler = self._module.loss_scaler
         if scaler is not None and not scaler.update(self._module._grads_finite):
             return
@@ -1183,6 +1204,16 @@ class Optimizer:
                 step=state.step + 1,
             )
         state.step += 1
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient on the host is finite: one pass, a sum in float64, which is
+        finite exactly where float32 or narrower terms are (float64 terms large enough to
+        overflow it overflow the norm too). Gradients on another device count as finite."""
+        grads = self._state.grads
+        if self._state.device.kind != "cpu":
+            return True
+        views = [grads.flat] if grads.flat is not None else [grads.host_view(n) for n in grads]
+        return all(np.isfinite(np.sum(v, dtype=np.float64)) for v in views)
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Set the learning rate used by the next :meth:`step`."""
