@@ -23,6 +23,10 @@ system.
 Usage (on a machine with a GPU, onnxruntime-gpu and CUDA PyTorch)::
 
     python3 benchmarks/gpu_bench.py --out results.json --markdown results.md
+
+``--zoo`` runs the realistic models instead (ResNet-50, ViT-B/16, BERT-base, GPT-2 small in
+float32 and mixed precision, against torch eager and ``torch.compile``): see
+:mod:`benchmarks.gpu_zoo` for its options.
 """
 
 from __future__ import annotations
@@ -223,6 +227,12 @@ def markdown(rows: list[dict[str, Any]], systems: list[str], device_name: str) -
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--zoo" in argv:
+        from benchmarks import gpu_zoo
+
+        gpu_zoo.main([a for a in argv if a != "--zoo"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (or cpu to try the script)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems")
