@@ -185,3 +185,25 @@ def test_two_processes_on_the_gpu_match_one(tmp_path, monkeypatch):
     np.testing.assert_allclose(ranks[0]["demo"], single, rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(ranks[1]["mlp"], ranks[0]["mlp"])
     np.testing.assert_allclose(ranks[0]["mlp"], worker.train_mlp(initial), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_torchrun_trains_the_demo_from_the_command_line(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "traingraph", "train", "--epochs", "1", "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, check=False, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("epoch 1/1") == 1  # rank 0 reports
+    assert "in 2 processes" in done.stdout
+    run = tmp_path / "run"
+    assert {"checkpoint", "model.onnx", "metrics.json", "run.json"} <= {
+        p.name for p in run.iterdir()
+    }
+    history = json.loads((run / "metrics.json").read_text())
+    assert history[0]["val_accuracy"] > 0.5

@@ -351,6 +351,8 @@ def train_command(ctx: click.Context, source: str | None, resume: str | None, ou
       traingraph train model.onnx --data train.npz --epochs 5 --lr 1e-3
       traingraph train --resume runs/demo-20250101-120000
     """
+    from traingraph import distributed
+
     given = {
         name
         for name in options
@@ -389,17 +391,27 @@ def train_command(ctx: click.Context, source: str | None, resume: str | None, ou
                                        "patience", "seed", "device")},
         )  # fmt: skip
         name = DEMO if source is None else Path(source).stem
-        run = RunFolder.create(out, name)
+
+        def create() -> str:  # under torchrun, rank 0 creates the run and the others join it
+            run = RunFolder.create(out, name)
+            try:
+                _prepare_run(run, settings)
+                run.save_settings(settings)
+            except BaseException:
+                shutil.rmtree(run.root, ignore_errors=True)
+                raise
+            return str(run.root)
+
+        run = RunFolder.open(distributed.rank_zero_first(create))
+        settings = run.settings()
         try:
-            _prepare_run(run, settings)
-            run.save_settings(settings)
             code = _train(run, settings, resume=False)
         except BaseException:
-            if not run.checkpoint.exists():
+            if distributed.rank() == 0 and not run.checkpoint.exists():
                 shutil.rmtree(run.root, ignore_errors=True)
             raise
         ctx.exit(code)
-    if given:
+    if given and distributed.rank() == 0:
         run.save_settings(settings)
     ctx.exit(_train(run, settings, resume=True))
 
@@ -459,19 +471,23 @@ def _check_unfinished(resume: str, run: RunFolder, epochs: int) -> None:
 
 
 def _train(run: RunFolder, settings: dict[str, Any], resume: bool) -> int:
+    from traingraph import distributed
     from traingraph.data import Batches
     from traingraph.fit import EarlyStopping, MetricsWriter, ModelCheckpoint, Trainer, fit
 
     dtypes, _ = _model_io(run.artifacts / "training_model.onnx")
+    device = distributed.local_device(settings["device"])  # torchrun: one GPU per process
     trainer = Trainer.from_artifacts(
-        run.artifacts, checkpoint=run.checkpoint if resume else None, device=settings["device"]
+        run.artifacts, checkpoint=run.checkpoint if resume else None, device=device
     )
+    main = distributed.rank() == 0
     dtypes = {n: dtypes[n] for n in trainer.input_names}
     train, val = _datasets(settings, dtypes)
     batches = Batches(train, settings["batch_size"], seed=settings["seed"])
     if settings["lr"] is None:
         settings["lr"] = trainer.optimizer.get_learning_rate()
-        run.save_settings(settings)
+        if main:
+            run.save_settings(settings)
     scheduler = _scheduler(settings, trainer.optimizer, settings["epochs"] * len(batches))
     metrics = _metrics(dtypes, trainer.module.output_names())
     writer = MetricsWriter(run.root)
@@ -479,11 +495,14 @@ def _train(run: RunFolder, settings: dict[str, Any], resume: bool) -> int:
     if settings.get("patience") and val is not None:
         callbacks.append(EarlyStopping("val_loss", patience=settings["patience"]))
     what = "the demo CNN on the 8x8 digits" if settings["source"] == DEMO else settings["source"]
-    click.echo(
-        f"{'Resuming' if resume else 'Training'} {what}: {len(train[0])} training samples"
-        f"{f', {len(val[0])} validation samples' if val is not None else ''},"
-        f" {settings['epochs']} epochs of {len(batches)} batches on {settings['device']}"
-    )
+    processes = distributed.world_size()
+    if main:
+        click.echo(
+            f"{'Resuming' if resume else 'Training'} {what}: {len(train[0])} training samples"
+            f"{f', {len(val[0])} validation samples' if val is not None else ''},"
+            f" {settings['epochs']} epochs of {len(batches)} batches on {settings['device']}"
+            f"{f' in {processes} processes' if processes > 1 else ''}"
+        )
     state = fit(
         trainer,
         batches,
@@ -495,11 +514,15 @@ def _train(run: RunFolder, settings: dict[str, Any], resume: bool) -> int:
         resume=resume,
     )
     if state.interrupted:
-        click.echo(
-            f"\nInterrupted in epoch {state.epoch + 1}, after batch {state.batch}. The checkpoint"
-            f" is saved in {run.checkpoint}; continue with: traingraph train --resume {run.root}"
-        )
+        if main:
+            click.echo(
+                f"\nInterrupted in epoch {state.epoch + 1}, after batch {state.batch}. The"
+                f" checkpoint is saved in {run.checkpoint}; continue with: traingraph train"
+                f" --resume {run.root}"
+            )
         return EXIT_INTERRUPTED
+    if not main:
+        return 0
     trainer.export(run.model, settings["outputs"])
     _summary(run, settings, state.history, writer.plot_path)
     return 0
