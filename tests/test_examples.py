@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-RUN_ELSEWHERE = {"fine_tune_minilm"}
-"""Examples that a test of their own runs (slow): tests/test_fine_tune_minilm.py."""
+RUN_ELSEWHERE = {"fine_tune_minilm", "flower_digits"}
+"""Examples that a test of their own runs (slow): tests/test_fine_tune_minilm.py; and
+tests/test_flower.py, a smaller flower_digits without Ray (Flower's simulation engine)."""
 EXAMPLES = sorted(
     p
     for p in (Path(__file__).resolve().parents[1] / "examples").glob("*.py")
