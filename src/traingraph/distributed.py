@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from traingraph.fit import Trainer
     from traingraph.graph.execution import ExecutionResult
     from traingraph.graph.training import TrainingGraph
+    from traingraph.runtime.cuda import CudaGraphStep
     from traingraph.runtime.tensors import TensorStore
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "DataParallel",
     "DistributedError",
     "active",
+    "cuda_graph_step",
     "init_process_group",
     "launched",
     "local_device",
@@ -484,6 +486,8 @@ class DataParallel:
             groups.setdefault(tensor.dtype, []).append(tensor)
 
         def reduce() -> None:
+            if device.type == "cuda":  # the gradients are written on onnxruntime's stream
+                torch.cuda.synchronize(device)
             works = [dist.all_reduce(control, async_op=True)]
             packed = []
             for members in groups.values():
@@ -504,7 +508,7 @@ class DataParallel:
                         member.copy_(flat[offset : offset + member.numel()])
                         offset += member.numel()
             if device.type == "cuda":  # onnxruntime runs on its own stream: finish first
-                torch.cuda.current_stream(device).synchronize()
+                torch.cuda.synchronize(device)
 
         _collective(f"average the gradients of step {self.steps + 1}", reduce)
         self.steps += 1
@@ -605,3 +609,62 @@ class DataParallel:
         graph.execute_optimizer_update()
         return result
 
+
+
+class _AveragingSession:
+    """An onnxruntime session of the optimizer graph whose runs first average the gradients."""
+
+    def __init__(self, session: Any, replica: DataParallel, grads: Callable[[], Any]) -> None:
+        self._session = session
+        self._replica = replica
+        self._grads = grads
+
+    def run_with_iobinding(self, binding: Any, options: Any = None) -> Any:
+        self._replica.average_gradients(self._grads(), True)
+        return self._session.run_with_iobinding(binding, options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+
+def cuda_graph_step(
+    module: Module, optimizer_uri: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> CudaGraphStep:
+    """A :class:`~traingraph.runtime.cuda.CudaGraphStep` of data-parallel training: the
+    captured training graph, the gradients averaged over the processes (NCCL, on the device
+    block), then the captured update. The training and optimizer graphs stay two graphs, with
+    the average between them. Its :class:`DataParallel` is ``step.replica`` (rank 0's
+    parameters are broadcast when it is made).
+
+    Example:
+        >>> step = distributed.cuda_graph_step(module, "artifacts/optimizer_model.onnx")
+        >>> for batch in batches:
+        ...     step(*step.replica.shard(batch))
+
+    Raises:
+        ModelError: The model has a loss scaler (fp16 mixed precision), whose decision to skip
+            an update is each process's own here; train it with Module and Optimizer.
+    """
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    if module.loss_scaler is not None:
+        raise ModelError(
+            "a data-parallel CUDA-graph step takes no loss scaler (fp16 mixed precision): train"
+            " this model with Module, Optimizer and DataParallel, or generate it with"
+            " mixed_precision='bf16'"
+        )
+
+    class DataParallelCudaGraphStep(CudaGraphStep):
+        replica: DataParallel
+
+        def _fused_model(self, static: Any) -> None:
+            return None  # the update waits for the average
+
+        def _capture_sessions(self, arrays: Mapping[str, np.ndarray]) -> None:
+            super()._capture_sessions(arrays)
+            state = self.module._runtime
+            self._optim = _AveragingSession(self._optim, self.replica, lambda: state.grads)
+
+    step = DataParallelCudaGraphStep(module, optimizer_uri)
+    step.replica = DataParallel(module, step.optimizer, bucket_bytes=bucket_bytes)
+    return step
