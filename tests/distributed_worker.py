@@ -93,6 +93,21 @@ def train_demo(
     return np.stack(record.steps), state.history
 
 
+def train_demo_cuda_graph(folder: Path, make: Any = None) -> np.ndarray:
+    """One epoch of the demo as CUDA-graph steps (``make(module, optimizer_uri)`` makes the
+    data-parallel step in a worker); returns the parameters after each step."""
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    module = demo_trainer(folder).module
+    uri = folder / "optimizer_model.onnx"
+    step = CudaGraphStep(module, uri) if make is None else make(module, uri)
+    steps = []
+    for batch in demo_data()[0].epoch(0):
+        step(*(batch if make is None else step.replica.shard(batch)))
+        steps.append(module.get_contiguous_parameters(trainable_only=True).numpy().copy())
+    return np.stack(steps)
+
+
 def mlp_graph() -> Any:
     """A compiled MLP (20 -> 32 -> ReLU -> 5) of the graph API, AdamW."""
     from traingraph import layers as L
@@ -162,11 +177,17 @@ def main(folder: Path) -> None:
     if rank == 1:  # rank 0's parameters replace these
         initial = {k: v + np.float32(1) for k, v in initial.items()}
     mlp_steps = train_mlp(initial, distributed.DataParallel)
+    graph_steps = (
+        train_demo_cuda_graph(folder / "demo", distributed.cuda_graph_step)
+        if DEVICE.startswith("cuda")
+        else np.zeros(0)
+    )
     np.savez(
         folder / f"rank{rank}.npz",
         demo=demo_steps,
         resumed=resumed,
         mlp=mlp_steps,
+        cuda_graph=graph_steps,
         history=json.dumps(history),
     )
     trainer = demo_trainer(folder / "demo")

@@ -185,6 +185,9 @@ def test_two_processes_on_the_gpu_match_one(tmp_path, monkeypatch):
     np.testing.assert_allclose(ranks[0]["demo"], single, rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(ranks[1]["mlp"], ranks[0]["mlp"])
     np.testing.assert_allclose(ranks[0]["mlp"], worker.train_mlp(initial), rtol=1e-4, atol=1e-6)
+    captured = worker.train_demo_cuda_graph(tmp_path / "demo")
+    np.testing.assert_array_equal(ranks[1]["cuda_graph"], ranks[0]["cuda_graph"])
+    np.testing.assert_allclose(ranks[0]["cuda_graph"], captured, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
