@@ -96,7 +96,7 @@ def differentiate(
     for node in nodes:
         if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
-        if any(v in live for v in reads[node]):
+        if any(v in live for v in _value_reads(node, reads[node])):
             live.update(
                 o for o in node.outputs if (o.dtype is None or is_float(o)) and o not in stop
             )
@@ -242,6 +242,23 @@ def _tiling_pads(parts: Sequence[ir.Value], value: ir.Value) -> tuple[int, list[
     if position != total:
         return None
     return axis, [node for *_, node in found]
+
+
+TYPE_ONLY_INPUTS = {"CastLike": 1}
+"""Default-domain ops with an input that gives only the output's type, never its values: a
+value that reaches the op only there does not make its output depend on a ``wrt`` tensor."""
+
+
+def _value_reads(node: ir.Node, reads: list[ir.Value]) -> list[ir.Value]:
+    """``reads`` without the input of ``node`` that only gives a type (:data:`TYPE_ONLY_INPUTS`),
+    unless ``node`` also reads that value as data."""
+    index = TYPE_ONLY_INPUTS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if index is None or index >= len(node.inputs) or node.inputs[index] is None:
+        return reads
+    typing = node.inputs[index]
+    if any(v is typing for i, v in enumerate(node.inputs) if i != index):
+        return reads
+    return [v for v in reads if v is not typing]
 
 
 def _reads(node: ir.Node) -> list[ir.Value]:
