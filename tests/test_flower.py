@@ -136,7 +136,7 @@ def test_fit_trains_as_module_and_optimizer(artifact_dir, digits):
     expected = module.get_contiguous_parameters().numpy()
 
     np.testing.assert_allclose(result.parameters, expected, rtol=1e-6, atol=1e-7)
-    assert result.num_examples == 2 * len(x)
+    assert result.num_examples == len(x)
     assert result.loss == pytest.approx(np.mean(losses), rel=1e-6)
     assert (result.round, result.step) == (4, 2 * len(batches))
     assert client.state.properties["round"] == 4

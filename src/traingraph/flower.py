@@ -113,7 +113,7 @@ class FitResult:
 
     Attributes:
         parameters: The flat parameter buffer after local training.
-        num_examples: Samples trained on (samples times local epochs).
+        num_examples: The node's training samples (FedAvg's weight).
         loss: Mean training loss over the local steps.
         round: The server round, as stored in the property bag.
         step: The node's optimizer steps over all rounds, as stored in the property bag.
@@ -129,8 +129,10 @@ class FitResult:
 class ArtifactClient:
     """One federated node: trains and evaluates traingraph artifacts on the node's own data.
 
-    Every call starts from the artifacts' checkpoint (so the optimizer state is fresh each
-    round) with the parameters that the server sent.
+    The client starts from the artifacts' checkpoint; :meth:`fit` and :meth:`evaluate` load the
+    parameters that the server sent. The ``ClientApp`` of :func:`client_app` builds a client for
+    each message, so the optimizer state is fresh each round; calling :meth:`fit` again on one
+    client continues its optimizer state.
 
     Args:
         artifact_directory: Where :func:`traingraph.artifacts.generate_artifacts` wrote the
@@ -288,7 +290,7 @@ class ArtifactClient:
         self.state.properties["step"] = step
         return FitResult(
             parameters=self.parameters(),
-            num_examples=batches.size * epochs,
+            num_examples=batches.size,
             loss=float(np.mean(losses)),
             round=int(server_round),
             step=step,
@@ -298,8 +300,8 @@ class ArtifactClient:
         """Run the eval graph on the node's validation data with ``parameters``.
 
         Returns:
-            ``loss`` (mean over samples), ``accuracy`` (when ``score_output`` is set) and
-            ``num-examples``.
+            ``loss`` (the eval model's mean loss, averaged over the samples), ``accuracy``
+            (when ``score_output`` is set) and ``num-examples``.
 
         Raises:
             DataError: The client has no validation data.
