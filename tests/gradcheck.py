@@ -353,21 +353,23 @@ def artifact_steps(
     monkeypatch: Any,
     kind: type,
     *,
-    without: tuple[str, Callable[..., Any]] | None = None,
+    without: str | None = None,
 ) -> tuple[list[float], list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-    """:func:`train_steps` of the artifacts in ``directory`` with ``Module``; ``without``
-    (a function of :mod:`traingraph.runtime.segments` and what replaces it while the Module is
-    built) leaves a kind of native kernel out. Asserts the plan holds a kernel of ``kind``
-    exactly when it is not left out."""
+    """:func:`train_steps` of the artifacts in ``directory`` with ``Module``; ``without`` (a
+    kernel's name in :data:`traingraph.runtime.kernels.REGISTRY`) leaves that native kernel
+    out while the Module is built. Asserts the plan holds a kernel of ``kind`` exactly when it
+    is not left out."""
     from traingraph.api import CheckpointState, Module, Optimizer
-    from traingraph.runtime import segments
+    from traingraph.runtime import kernels, segments
 
     with monkeypatch.context() as patch:
         if without is not None:
-            patch.setattr(segments, *without)
+            kept = tuple(spec for spec in kernels.REGISTRY if spec.name != without)
+            assert len(kept) < len(kernels.REGISTRY), f"no kernel named {without!r}"
+            patch.setattr(kernels, "REGISTRY", kept)
         state = CheckpointState.load_checkpoint(directory / "checkpoint")
         module = Module(directory / "training_model.onnx", state)
-    kernels = getattr(module._train, "_plan", segments.Plan([])).all_kernels
-    assert any(isinstance(k, kind) for k in kernels) == (without is None)
+    kernels_run = getattr(module._train, "_plan", segments.Plan([])).all_kernels
+    assert any(isinstance(k, kind) for k in kernels_run) == (without is None)
     optimizer = Optimizer(directory / "optimizer_model.onnx", module)
     return train_steps(module, optimizer, state, batches)

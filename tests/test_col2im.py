@@ -15,9 +15,9 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import col2im, conv_grads, segments
+from traingraph.runtime import batch_norm, col2im, conv_grads, segments
 
-NO_COLUMN_SUMS = ("split_col2ims", lambda model, taken: (model, []))
+NO_COLUMN_SUMS = "col2im"
 
 pytestmark = pytest.mark.skipif(
     not conv_grads.AVAILABLE,
@@ -66,18 +66,18 @@ def test_kernel_matches_onnxruntime(geometry, threads):
     want = _onnxruntime_col2im(cols, (h, w), (kh, kw), (s0, s1), pads, (d0, d1))
     term = (cols, (kh, kw), (oh, ow), (s0, s1), pads[:2], (d0, d1))
     out = np.full((n, c, h, w), np.nan, np.float32)
-    conv_grads._native.col2im_sum(out, [term], [], None, threads)
+    conv_grads.NATIVE.col2im_sum(out, [term], [], None, threads)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
     # with two addends, a second term and the Relu mask of a gate
     a, b, gate = (rng.standard_normal(out.shape).astype(np.float32) for _ in range(3))
     gate[0, 0, 0, :2] = 0.0  # not above 0: masked
-    conv_grads._native.col2im_sum(out, [term, term], [a, b], gate, threads)
+    conv_grads.NATIVE.col2im_sum(out, [term, term], [a, b], gate, threads)
     np.testing.assert_allclose(out, np.where(gate > 0, a + b + 2 * want, 0), rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
-    kernel = conv_grads._native.col2im_sum
+    kernel = conv_grads.NATIVE.col2im_sum
     out = np.zeros((2, 3, 8, 8), np.float32)
     cols = np.zeros((2, 3 * 9, 16), np.float32)
     term = (cols, (3, 3), (4, 4), (2, 2), (1, 1), (1, 1))
@@ -122,7 +122,7 @@ def test_a_strided_block_is_finished_with_its_sum(tmp_path):
     ]  # fmt: skip
     assert kernel.gate is None
     stem = [
-        k for k, _ in kernels if isinstance(k, segments.BatchNormGrad) and k.scale == "bn.weight"
+        k for k, _ in kernels if isinstance(k, batch_norm.BatchNormGrad) and k.scale == "bn.weight"
     ]
     assert len(stem) == 1 and stem[0].dy == kernel.out and stem[0].y is not None
     plan = segments.plan_segments(planned, kernels)

@@ -14,7 +14,7 @@ from gradcheck import assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import conv_grads, segments
+from traingraph.runtime import batch_norm, conv_grads, segments
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
-_native = conv_grads._native
+_native = conv_grads.NATIVE
 
 
 def _tied(rng: np.random.Generator, shape: tuple[int, ...], relu: bool) -> np.ndarray:
@@ -162,7 +162,7 @@ def test_routed_steps_match_the_graph_and_torch(tmp_path, dynamo):
         # the second Conv's output gradient also feeds its input gradient: it is routed
         # between two onnxruntime segments
         kernels = getattr(module._train, "_plan", segments.Plan([])).kernels
-        routed = [k for ks in kernels for k in ks if isinstance(k, segments.MaxPoolGrad)]
+        routed = [k for ks in kernels for k in ks if isinstance(k, batch_norm.MaxPoolGrad)]
         assert [(k.route.relu, k.route.bias) for k in routed] == [(True, "conv2.bias")] * native
         losses, grads = [], []
         for x, y in batches:

@@ -20,7 +20,7 @@ from torch import nn
 
 from torch_models import export, seeded
 from traingraph import api, artifacts
-from traingraph.runtime import conv_grads, segments
+from traingraph.runtime import batch_norm, conv_grads
 
 pytestmark = pytest.mark.skipif(
     not conv_grads.AVAILABLE,
@@ -98,8 +98,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     monkeypatch.setattr(ort, "InferenceSession", counted("sessions", ort.InferenceSession))
     inference = onnx.shape_inference.infer_shapes
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes", counted("inferences", inference))
-    batch_norm = segments.BatchNormGrad.compute
-    monkeypatch.setattr(segments.BatchNormGrad, "compute", counted("bn checks", batch_norm))
+    bn_compute = batch_norm.BatchNormGrad.compute
+    monkeypatch.setattr(batch_norm.BatchNormGrad, "compute", counted("bn checks", bn_compute))
     monkeypatch.setattr(conv_grads, "compute", counted("conv checks", conv_grads.compute))
     yield counts
 
@@ -120,7 +120,7 @@ def test_loading_work_does_not_grow_with_repeated_blocks(tmp_path, monkeypatch):
     # every BatchNorm gradient of both networks runs natively: a check of one block decides
     # for the blocks of its form
     matched = [
-        sum(isinstance(k, segments.BatchNormGrad) for k in module._train._plan.all_kernels)
+        sum(isinstance(k, batch_norm.BatchNormGrad) for k in module._train._plan.all_kernels)
         for module in (small, large)
     ]
     assert matched == [1 + 2 * 2, 1 + 2 * 5]

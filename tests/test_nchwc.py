@@ -19,7 +19,7 @@ from gradcheck import assert_same_training, train_steps
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import nchwc, segments
+from traingraph.runtime import kernels, nchwc
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -156,7 +156,8 @@ def test_module_trains_the_same_with_blocked_convs(tmp_path, monkeypatch):
     ]
     calls = []
     # the 3 x 3 Convs stay in onnxruntime's segments (no Winograd kernel), to be blocked there
-    monkeypatch.setattr(segments, "split_winograd_convs", lambda model, taken: [])
+    kept = tuple(spec for spec in kernels.REGISTRY if spec.name != "winograd")
+    monkeypatch.setattr(kernels, "REGISTRY", kept)
     rewrite = nchwc.convs_as_nchwc
     monkeypatch.setattr(nchwc, "convs_as_nchwc", lambda *a: calls.append(rewrite(*a)) or calls[-1])
     blocked = _train(tmp_path, SessionConfig(), batches)

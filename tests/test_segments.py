@@ -16,7 +16,7 @@ from gradcheck import assert_same_training
 from torch_models import ResidualNet, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import conv_grads, segments
+from traingraph.runtime import batch_norm, conv_grads, segments
 from traingraph.runtime.col2im import Col2ImSum
 from traingraph.runtime.session import SessionConfig
 
@@ -44,7 +44,7 @@ def test_kernel_matches_torch(shape, relu, threads):
     out.backward(torch.from_numpy(dy.astype(np.float64)))
     y = out.detach().numpy().astype(np.float32) if relu else None
     dx, dscale, dbias = np.empty_like(x), np.empty_like(scale), np.empty_like(bias)
-    conv_grads._native.batch_norm_grad(x, dy, y, scale, dx, dscale, dbias, 1e-5, threads)
+    conv_grads.NATIVE.batch_norm_grad(x, dy, y, scale, dx, dscale, dbias, 1e-5, threads)
     for got, leaf in zip((dx, dscale, dbias), leaves):
         want = leaf.grad.numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
@@ -55,16 +55,16 @@ def test_kernel_skips_the_gradients_not_asked_for():
     x, dy = (rng.standard_normal((4, 3, 5, 5)).astype(np.float32) for _ in range(2))
     scale = rng.standard_normal(3).astype(np.float32)
     full = [np.empty_like(x), np.empty_like(scale), np.empty_like(scale)]
-    conv_grads._native.batch_norm_grad(x, dy, None, scale, *full, 1e-5, 2)
+    conv_grads.NATIVE.batch_norm_grad(x, dy, None, scale, *full, 1e-5, 2)
     dbias = np.empty_like(scale)
-    conv_grads._native.batch_norm_grad(x, dy, None, scale, None, None, dbias, 1e-5, 2)
+    conv_grads.NATIVE.batch_norm_grad(x, dy, None, scale, None, None, dbias, 1e-5, 2)
     np.testing.assert_array_equal(dbias, full[2])
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
     x = np.zeros((2, 3, 4, 4), np.float32)
     c = np.zeros(3, np.float32)
-    kernel = conv_grads._native.batch_norm_grad
+    kernel = conv_grads.NATIVE.batch_norm_grad
     with pytest.raises(ValueError, match="one shape"):
         kernel(x, np.zeros((2, 3, 4, 5), np.float32), None, c, np.empty_like(x), c, c, 1e-5, 1)
     with pytest.raises(ValueError, match="one shape"):
@@ -96,7 +96,7 @@ def _module(directory, native: bool = True):
 def test_every_batch_norm_gradient_is_matched_and_planned(tmp_path):
     _, directory = _directory(tmp_path)
     model = onnx.load(directory / "training_model.onnx")
-    found = segments.split_batch_norm_grads(model)
+    found = batch_norm.split_batch_norm_grads(model)
     by_scale = {grad.scale: grad for grad, _ in found}
     assert sorted(by_scale) == ["bn.weight", "bn1.weight", "bn2.weight", "down.1.weight"]
     assert by_scale["bn.weight"].y is not None and by_scale["bn1.weight"].y is not None
@@ -126,7 +126,7 @@ def test_models_without_a_training_batch_norm_have_nothing_to_split(tmp_path):
         optimizer=optim.SGD(lr=0.1),
         artifact_directory=tmp_path,
     )
-    assert segments.split_batch_norm_grads(onnx.load(tmp_path / "training_model.onnx")) == []
+    assert batch_norm.split_batch_norm_grads(onnx.load(tmp_path / "training_model.onnx")) == []
 
 
 def _run(directory, native: bool, batches):
@@ -278,7 +278,7 @@ def test_batch_norm_over_features_trains_as_the_graph_does(tmp_path):
         optimizer=optim.SGD(lr=0.1, momentum=0.9),
         artifact_directory=tmp_path,
     )
-    found = segments.split_batch_norm_grads(onnx.load(tmp_path / "training_model.onnx"))
+    found = batch_norm.split_batch_norm_grads(onnx.load(tmp_path / "training_model.onnx"))
     assert sorted((g.scale, g.y is not None) for g, _ in found) == [
         ("bn1.weight", True), ("bn2.weight", False),
     ]  # fmt: skip
@@ -374,8 +374,8 @@ def test_models_with_subgraphs_are_not_cut():
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert segments.split_batch_norm_grads(model) == []
-    assert segments.split_max_pool_grads(model, []) == []
+    assert batch_norm.split_batch_norm_grads(model) == []
+    assert batch_norm.split_max_pool_grads(model, []) == []
 
 
 def test_each_segment_writes_its_own_profile(tmp_path, monkeypatch):

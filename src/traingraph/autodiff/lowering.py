@@ -45,6 +45,7 @@ from traingraph.autodiff.rules.shape import static_dim
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, rank, static_shape
 from traingraph.ir.fold import constant_value
+from traingraph.ir.tags import tagging
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -96,7 +97,8 @@ def lower_training_batch_norm(
     nodes = [node for node in graph if is_training_batch_norm(node)]
     updates: list[_RunningUpdate] = []
     for node in nodes:
-        updates += _lower_one(b, node, _running_stats(node, running_stats) == "torch")
+        with tagging(b, "batch_norm_forward", node.name or "BatchNormalization"):
+            updates += _lower_one(b, node, _running_stats(node, running_stats) == "torch")
     _update_running_statistics(b, updates)
     for node in nodes:
         graph.remove(node, safe=True)

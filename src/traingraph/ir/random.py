@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from traingraph.ir.builder import OpBuilder, rank
 from traingraph.ir.fold import constant_value
+from traingraph.ir.tags import tagging
 
 GOLDEN = 0x9E3779B9
 MIX = 0x85EBCA6B
@@ -56,8 +57,10 @@ def lower_dropout(b: OpBuilder, nodes: list[ir.Node]) -> int:
         else:
             if seed is None:
                 seed = _step_seed(b)
-            start = b.Add(seed, b.const(np.int64(lowered * NODE_OFFSET % 2**32)))
-            keep = b.cast(_keep_mask(b, x, start, 1.0 - ratio), x.dtype or ir.DataType.FLOAT)
+            with tagging(b, "dropout_mask", node.name or f"Dropout{lowered}"):
+                start = b.Add(seed, b.const(np.int64(lowered * NODE_OFFSET % 2**32)))
+                keep = _keep_mask(b, x, start, 1.0 - ratio)
+                keep = b.cast(keep, x.dtype or ir.DataType.FLOAT)
             out = b.Mul(x, b.Mul(keep, b.scalar(1.0 / (1.0 - ratio), x)))
         out.shape, out.type = y.shape, y.type
         y.replace_all_uses_with(out, replace_graph_outputs=True)

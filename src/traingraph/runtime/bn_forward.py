@@ -78,8 +78,8 @@ class BatchNormForward:
         stats = (1, x.shape[1]) + (1,) * (x.ndim - 2)
         for name, shape in ((self.out, x.shape), (self.mean, stats), (self.var, stats)):
             conv_grads.output_array(out, name, shape)
-        assert conv_grads._native is not None
-        conv_grads._native.batch_norm_forward(
+        assert conv_grads.NATIVE is not None
+        conv_grads.NATIVE.batch_norm_forward(
             x,
             values[self.scale],
             values[self.bias],
@@ -100,15 +100,15 @@ def split_batch_norm_forwards(
     the Relu, after it) that :class:`BatchNormForward` computes, with the indices of the nodes
     it replaces, none in ``taken``. ``[]`` where the extension is missing or nothing
     matches."""
-    native = conv_grads._native
+    native = conv_grads.NATIVE
     if native is None or not hasattr(native, "batch_norm_forward"):
         return []
     graph = model.graph
     if not any(n.op_type == "BatchNormalization" for n in graph.node):
         return []
-    if any(conv_grads._has_subgraph(n) for n in graph.node):
+    if any(conv_grads.has_subgraph(n) for n in graph.node):
         return []
-    shapes = conv_grads._inferred_shapes(model)
+    shapes = conv_grads.inferred_shapes(model)
     g = conv_grads.GraphIndex.of(graph)
     constants = specialize._constants(graph)
     matches = []

@@ -86,8 +86,8 @@ class Col2ImSum:
             (values[t.columns], t.kernel, t.grid, t.strides, t.pads, t.dilations)
             for t in self.terms
         ]
-        assert conv_grads._native is not None
-        conv_grads._native.col2im_sum(
+        assert conv_grads.NATIVE is not None
+        conv_grads.NATIVE.col2im_sum(
             target,
             terms,
             [values[a] for a in self.addends],
@@ -104,12 +104,12 @@ def split_col2ims(
     indices of the nodes it replaces: its ConvTransposes, the Sum and the mask product, none of
     them in ``taken`` (the nodes other kernels replace). ``(model, [])`` where the extension is
     missing or nothing matches."""
-    native = conv_grads._native
+    native = conv_grads.NATIVE
     if native is None or not hasattr(native, "col2im_sum"):
         return model, []
     if not any(specialize._is_conv_transpose(n) for n in model.graph.node):
         return model, []
-    if any(conv_grads._has_subgraph(n) for n in model.graph.node):
+    if any(conv_grads.has_subgraph(n) for n in model.graph.node):
         return model, []
     try:
         inferred = shape_inference.infer_shapes(model)
@@ -171,16 +171,16 @@ def _term(
     dilations = attrs.get("dilations", [1, 1])
     term = Col2ImTerm(
         f"{node.output[0]}_native_columns",
-        conv_grads._pair(kernel),
-        conv_grads._pair(grid),
-        conv_grads._pair(strides),
-        conv_grads._pair(pads[:2]),
-        conv_grads._pair(dilations),
+        conv_grads.pair_of(kernel),
+        conv_grads.pair_of(grid),
+        conv_grads.pair_of(strides),
+        conv_grads.pair_of(pads[:2]),
+        conv_grads.pair_of(dilations),
     )
     out = shapes.get(node.output[0])
     if out is not None and list(out[1:]) != [weight[1], *image]:
         return None
-    return _Transposed(term, int(filters), int(weight[1]), conv_grads._pair(image))
+    return _Transposed(term, int(filters), int(weight[1]), conv_grads.pair_of(image))
 
 
 def _match(
@@ -298,7 +298,7 @@ def _verified(
     try:
         original = [n for _, _, replaced, _ in checks for n in replaced]
         wanted = [kernel.out for kernel, *_ in checks]
-        expected = dict(zip(wanted, conv_grads._run_subgraph(model, original, feeds, wanted)))
+        expected = dict(zip(wanted, conv_grads.run_subgraph(model, original, feeds, wanted)))
         names = [t.columns for kernel, *_ in checks for t in kernel.terms]
         new = [n for *_, columns in checks for n in columns]
         reads = {v for n in new for v in n.input}
@@ -306,7 +306,7 @@ def _verified(
         values.update(
             zip(
                 names,
-                conv_grads._run_subgraph(
+                conv_grads.run_subgraph(
                     written, new, {k: v for k, v in feeds.items() if k in reads}, names
                 ),
             )

@@ -50,6 +50,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from traingraph import limits
+from traingraph.ir.tags import tagged_kernels
 from traingraph.runtime.device import physical_cores
 
 if TYPE_CHECKING:
@@ -69,9 +70,9 @@ def _load_native() -> ModuleType | None:
         return None
 
 
-_native = _load_native()
+NATIVE = _load_native()
 
-AVAILABLE: bool = _native is not None
+AVAILABLE: bool = NATIVE is not None
 """Whether the native kernel was built at install time."""
 
 
@@ -138,7 +139,7 @@ def compute(
     """Write each gradient of ``grads`` into ``targets[grad.output]``, from ``values`` (the
     arrays of each name :func:`reads` gives, by name), on ``threads`` threads. A routed
     gradient also writes its bias gradient into ``targets["<bias>_grad"]``."""
-    assert _native is not None
+    assert NATIVE is not None
     values = dict(values)
     for g in grads:
         if g.route is not None:
@@ -146,11 +147,11 @@ def compute(
             y = values[r.y]
             dy = np.empty(y.shape, np.float32)
             bias = targets[f"{r.bias}_grad"] if r.bias is not None else None
-            _native.route_max_pool(y, values[r.dp], dy, bias, r.kernel, r.relu, threads)
+            NATIVE.route_max_pool(y, values[r.dp], dy, bias, r.kernel, r.relu, threads)
             values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
-    _native.weight_grads(
+    NATIVE.weight_grads(
         [
             (
                 values[g.x],
@@ -309,15 +310,23 @@ def default_threads(intra_op_threads: int) -> int:
 
 
 def split_weight_grads(
-    model: onnx.ModelProto, forward: onnx.ModelProto | None = None
+    model: onnx.ModelProto,
+    forward: onnx.ModelProto | None = None,
+    kernels: Collection[str] | None = None,
 ) -> tuple[onnx.ModelProto, list[WeightGrad]]:
     """``model`` without the nodes of each Conv weight gradient the native kernel can compute,
     and those gradients; ``model`` itself and ``[]`` where there are none (or no kernel).
 
     ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
     phase: its Convs count too where ``model`` reads their input (as a saved value or a feed).
+    ``kernels``: the native kernels chosen by name (``SessionConfig.native_kernels``); none is
+    computed natively where they leave out ``"conv_weight_grad"``, nor where ``model`` holds
+    kernel tags (:mod:`traingraph.ir.tags`) but no weight gradient's.
     """
-    if _native is None:
+    if NATIVE is None or (kernels is not None and "conv_weight_grad" not in kernels):
+        return model, []
+    tags = tagged_kernels(model.graph.node)
+    if tags and "conv_weight_grad" not in tags:
         return model, []
     graph = model.graph
     with shared_analyses():  # one shape inference and one index of the model
@@ -389,19 +398,19 @@ def _candidates(
         output = f"{param}_grad"
         if param not in inputs or output not in outputs or output not in producer:
             continue
-        w_shape = _dims(inputs[param])
+        w_shape = value_dims(inputs[param])
         if len(w_shape) != 4 or None in w_shape or _elem_type(inputs[param]) != FLOAT:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
             continue
         if shapes is None:
-            shapes = _inferred_shapes(model)
+            shapes = inferred_shapes(model)
         x_shape = shapes.get(x)
         if x_shape is None or len(x_shape) != 4 or None in x_shape[1:]:
             continue
         pads = [int(p) for p in attrs.get("pads", [0, 0, 0, 0])]
-        strides, dilations = _pair(attrs.get("strides")), _pair(attrs.get("dilations"))
+        strides, dilations = pair_of(attrs.get("strides")), pair_of(attrs.get("dilations"))
         out_shape = [w_shape[0]]
         for axis in range(2):
             extent = (w_shape[2 + axis] - 1) * dilations[axis] + 1  # type: ignore[operator]
@@ -409,8 +418,8 @@ def _candidates(
             out_shape.append((padded - extent) // strides[axis] + 1)
         if g.consumers.get(output):
             continue  # read inside the graph as well (a finiteness check, a sum)
-        cone = _cone(g, producer[output])
-        if any(_has_subgraph(nodes[i]) for i in cone):
+        cone = exclusive_cone(g, producer[output])
+        if any(has_subgraph(nodes[i]) for i in cone):
             continue
         # The gradient of the Conv's output: a value the cone reads, of the output's shape,
         # below which the cone reads nothing but it, x and constants. The latest such value.
@@ -459,7 +468,7 @@ def _elem_type(value: onnx.ValueInfoProto) -> int:
     return int(value.type.tensor_type.elem_type)
 
 
-def _dims(value: onnx.ValueInfoProto, symbols: bool = False) -> list[Any]:
+def value_dims(value: onnx.ValueInfoProto, symbols: bool = False) -> list[Any]:
     """A value's dimensions: numbers, None where unknown (with ``symbols``, a named symbolic
     dimension is its name)."""
     tensor = value.type.tensor_type
@@ -478,7 +487,7 @@ the model or graph they are of."""
 
 @contextlib.contextmanager
 def shared_analyses() -> Iterator[None]:
-    """Within this context :func:`_inferred_shapes` and :meth:`GraphIndex.of` compute their
+    """Within this context :func:`inferred_shapes` and :meth:`GraphIndex.of` compute their
     result once for each model (or graph) content and give it again for the same content: the
     matchers of the kernels each ask for the model's shapes and index, and on a large graph
     shape inference takes a good part of a second. Left, the results are dropped."""
@@ -497,7 +506,7 @@ def _content(message: onnx.ModelProto | onnx.GraphProto) -> bytes:
     return hashlib.blake2b(message.SerializeToString(deterministic=True)).digest()
 
 
-def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+def inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """The shapes onnx's shape inference gives each float value; {} where it fails."""
     key = ("shapes", _content(model)) if _shared is not None else None
     if key is not None and _shared is not None and key in _shared:
@@ -510,7 +519,7 @@ def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         return {}
     graph = inferred.graph
     shapes = {
-        v.name: _dims(v)
+        v.name: value_dims(v)
         for v in list(graph.value_info) + list(graph.input) + list(graph.output)
         if _elem_type(v) == FLOAT and v.type.tensor_type.HasField("shape")
     }
@@ -519,10 +528,16 @@ def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     return shapes
 
 
-def _has_subgraph(node: onnx.NodeProto) -> bool:
+def has_subgraph(node: onnx.NodeProto) -> bool:
     return any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
     )
+
+
+def has_subgraphs(model: onnx.ModelProto) -> bool:
+    """Whether a node of ``model`` holds a subgraph (whose reads of outer values a match
+    would not see)."""
+    return any(has_subgraph(n) for n in model.graph.node)
 
 
 def _below(g: GraphIndex, cone: set[int], sources: set[str]) -> set[int]:
@@ -536,11 +551,11 @@ def _below(g: GraphIndex, cone: set[int], sources: set[str]) -> set[int]:
     return below
 
 
-def _pair(values: Sequence[int] | None) -> tuple[int, int]:
+def pair_of(values: Sequence[int] | None) -> tuple[int, int]:
     return (1, 1) if not values else (int(values[0]), int(values[1]))
 
 
-def _cone(
+def exclusive_cone(
     g: GraphIndex,
     root: int,
     within: set[int] | None = None,
@@ -581,12 +596,12 @@ def can_match(model: onnx.ModelProto, function: str, op_type: str) -> bool:
     """Whether a native kernel's matcher has anything to look at: the extension has
     ``function``, ``model`` holds a default-domain ``op_type`` node, and no node holds a
     subgraph (whose reads of outer values a match would not see)."""
-    if _native is None or not hasattr(_native, function):
+    if NATIVE is None or not hasattr(NATIVE, function):
         return False
     nodes = model.graph.node
     if not any(n.op_type == op_type and n.domain in ("", "ai.onnx") for n in nodes):
         return False
-    return not any(_has_subgraph(n) for n in nodes)
+    return not any(has_subgraph(n) for n in nodes)
 
 
 def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
@@ -942,7 +957,7 @@ def find_routes(
         if pool is None:
             continue
         if shapes is None:
-            shapes = _inferred_shapes(model)
+            shapes = inferred_shapes(model)
         match = _route(g, grad, cone, pool, shapes, exclusive)
         if match is not None and _route_checks(model, g, grad, *match, shapes):
             routes[i] = match
@@ -1010,7 +1025,7 @@ def _route(
         root = g.producer.get(f"{bias}_grad")
         if root is None:
             return None
-        bias_cone = _cone(g, root)
+        bias_cone = exclusive_cone(g, root)
         bias_nodes = g.computed_from(bias_cone, {grad.dy})
         if root not in bias_nodes:
             return None
@@ -1018,7 +1033,7 @@ def _route(
         bias = None  # frozen: no gradient asked for
     if exclusive and not g.consumers.get(grad.dy, set()) <= cone | bias_nodes:
         return None  # dy is read elsewhere (the Conv's input gradient)
-    dy_cone = _cone(g, g.producer[grad.dy])
+    dy_cone = exclusive_cone(g, g.producer[grad.dy])
     for dp in sorted(
         {name for i in dy_cone for name in g.nodes[i].input if name},
         key=lambda name: g.producer.get(name, -1),
@@ -1069,14 +1084,14 @@ def _route_checks(
     outputs = [grad.dy] + ([f"{route.bias}_grad"] if route.bias is not None else [])
     runs = [feeds, with_non_finite(feeds)]  # then a NaN and infinities in them
     try:
-        results = _run_subgraph(model, [g.nodes[i] for i in sorted(nodes)], runs, outputs)
+        results = run_subgraph(model, [g.nodes[i] for i in sorted(nodes)], runs, outputs)
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return False
-    assert _native is not None
+    assert NATIVE is not None
     for run, got in zip(runs, results):
         dy = np.empty(y.shape, np.float32)
         bias = np.empty(y.shape[1], np.float32) if route.bias is not None else None
-        _native.route_max_pool(run[route.y], run[route.dp], dy, bias, route.kernel, route.relu, 1)
+        NATIVE.route_max_pool(run[route.y], run[route.dp], dy, bias, route.kernel, route.relu, 1)
         if not same_values(dy, got[0], 0.0):  # routed, not summed: the same values
             return False
         if bias is not None and not same_values(bias, got[1].reshape(bias.shape)):
@@ -1085,7 +1100,7 @@ def _route_checks(
 
 
 @overload
-def _run_subgraph(
+def run_subgraph(
     model: onnx.ModelProto,
     nodes: list[onnx.NodeProto],
     feeds: dict[str, np.ndarray],
@@ -1094,7 +1109,7 @@ def _run_subgraph(
 
 
 @overload
-def _run_subgraph(
+def run_subgraph(
     model: onnx.ModelProto,
     nodes: list[onnx.NodeProto],
     feeds: list[dict[str, np.ndarray]],
@@ -1102,7 +1117,7 @@ def _run_subgraph(
 ) -> list[list[np.ndarray]]: ...
 
 
-def _run_subgraph(
+def run_subgraph(
     model: onnx.ModelProto,
     nodes: list[onnx.NodeProto],
     feeds: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
@@ -1187,7 +1202,7 @@ def verified_kernels(
     replaced = [g.nodes[i] for i in sorted(members)]
     runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
     try:
-        results = _run_subgraph(model, replaced, runs, wanted)
+        results = run_subgraph(model, replaced, runs, wanted)
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
     agreed = []
@@ -1382,7 +1397,7 @@ def _verified(
     keep = sorted(set().union(*(cone for _, _, cone, _ in checks)))
     runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
     try:
-        results = _run_subgraph(
+        results = run_subgraph(
             model, [nodes[i] for i in keep], runs, [grad.output for _, grad, _, _ in checks]
         )
     except Exception:  # a subgraph onnxruntime rejects stays in the graph

@@ -77,8 +77,8 @@ class DirectConv:
             x.shape[3] + left + right - weight.shape[3] + 1,
         )
         target = conv_grads.output_array(out, self.out, shape)
-        assert conv_grads._native is not None
-        conv_grads._native.conv_direct(
+        assert conv_grads.NATIVE is not None
+        conv_grads.NATIVE.conv_direct(
             x,
             weight,
             values[self.bias] if self.bias else None,
@@ -97,16 +97,16 @@ def split_direct_convs(
     of at most :data:`MAX_CHANNELS` input channels, strides and dilations 1 and one group,
     whose inputs are all graph inputs. ``[]`` where the extension is missing or nothing
     matches."""
-    native = conv_grads._native
+    native = conv_grads.NATIVE
     if native is None or not hasattr(native, "conv_direct"):
         return []
     graph = model.graph
     inputs = {i.name for i in graph.input}
     if not any(_candidate(n, inputs) for n in graph.node):
         return []
-    if any(conv_grads._has_subgraph(n) for n in graph.node):
+    if any(conv_grads.has_subgraph(n) for n in graph.node):
         return []
-    shapes = conv_grads._inferred_shapes(model)
+    shapes = conv_grads.inferred_shapes(model)
     g = conv_grads.GraphIndex.of(graph)
     matches = []
     for i, node in enumerate(g.nodes):

@@ -71,16 +71,16 @@ class Gelu:
                 f"gelu gradient {self.out!r}: the gradient {list(g.shape)} must have the input's"
                 f" shape {list(a.shape)}"
             )
-        assert conv_grads._native is not None
+        assert conv_grads.NATIVE is not None
         mask = values[self.mask] if self.mask else None
         if mask is not None and mask.shape != a.shape:  # a factor that broadcasts
             plain = np.empty(a.shape, np.float32)
-            conv_grads._native.gelu(a, g, plain, threads)
+            conv_grads.NATIVE.gelu(a, g, plain, threads)
             product = plain * mask
             conv_grads.output_array(out, self.out, product.shape)[...] = product
             return
         target = conv_grads.output_array(out, self.out, a.shape)
-        conv_grads._native.gelu(a, g, target, threads, mask)
+        conv_grads.NATIVE.gelu(a, g, target, threads, mask)
 
 
 def split_gelus(
@@ -95,7 +95,7 @@ def split_gelus(
     graph = model.graph
     g = conv_grads.GraphIndex.of(graph)
     constants = conv_grads.constant_values(graph)
-    shapes = conv_grads._inferred_shapes(model)
+    shapes = conv_grads.inferred_shapes(model)
     matches: list[tuple[Gelu, set[int]]] = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):

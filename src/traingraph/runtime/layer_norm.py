@@ -60,8 +60,8 @@ class LayerNormGrad(conv_grads.NormalizationGradOutputs):
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
         self.output_arrays(out, x.shape, x.shape[-1:] if x.ndim else (0,))
-        assert conv_grads._native is not None
-        conv_grads._native.layer_norm_grad(
+        assert conv_grads.NATIVE is not None
+        conv_grads.NATIVE.layer_norm_grad(
             x,
             values[self.dy],
             values[self.scale],
@@ -82,7 +82,7 @@ def split_layer_norm_grads(
     if not conv_grads.can_match(model, "layer_norm_grad", "LayerNormalization"):
         return []
     g = conv_grads.GraphIndex.of(model.graph)
-    shapes = conv_grads._inferred_shapes(model)
+    shapes = conv_grads.inferred_shapes(model)
     found = []
     for node in g.nodes:
         if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):

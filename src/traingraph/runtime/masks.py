@@ -71,9 +71,9 @@ class DropoutMask:
         """Write the mask into ``out`` (in place where an array of its shape is there)."""
         shape = self.shape(values)
         mask = conv_grads.output_array(out, self.mask, shape)
-        assert conv_grads._native is not None
+        assert conv_grads.NATIVE is not None
         seed = int(np.asarray(values[self.seed]).reshape(()))
-        conv_grads._native.dropout_mask(
+        conv_grads.NATIVE.dropout_mask(
             mask, seed, GOLDEN, MIX, self.threshold, self.scale, threads
         )
 
@@ -83,7 +83,7 @@ def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[i
     the nodes it replaces; ``[]`` where the extension is missing or nothing matches. A mask
     matches where onnx's shape inference gives each of its dimensions as a number or as a
     graph input's symbolic dimension (a batch)."""
-    if conv_grads._native is None or any(conv_grads._has_subgraph(n) for n in model.graph.node):
+    if conv_grads.NATIVE is None or any(conv_grads.has_subgraph(n) for n in model.graph.node):
         return []
     g = conv_grads.GraphIndex.of(model.graph)
     if not any(n.op_type == "Less" for n in g.nodes):
@@ -161,7 +161,7 @@ def _match(
     if any(not shapes.get(v) or None in shapes[v] for v in shaped):
         return None
     # the nodes whose results something else reads too (and what they read) stay
-    kept = conv_grads._cone(g, chain[-1], nodes | set(chain))
+    kept = conv_grads.exclusive_cone(g, chain[-1], nodes | set(chain))
     if not set(chain) <= kept:
         return None
     mask = DropoutMask(seed, value, tuple(dims), int(threshold.reshape(())), scale)
@@ -176,7 +176,7 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]
     except Exception:  # without shapes nothing is matched
         return {}
     return {
-        v.name: conv_grads._dims(v, symbols=True)
+        v.name: conv_grads.value_dims(v, symbols=True)
         for v in [*inferred.value_info, *inferred.input, *inferred.output]
         if v.type.tensor_type.HasField("shape")
     }
@@ -271,7 +271,7 @@ def _verified(
         seeds = {mask.seed: np.array((base + 0x9E37 * j) % 2**32, np.uint32)
                  for j, (mask, _, _) in enumerate(found)}  # fmt: skip
         try:
-            results = conv_grads._run_subgraph(
+            results = conv_grads.run_subgraph(
                 model, [g.nodes[i] for i in nodes], {**shaped_feeds, **seeds}, names
             )
         except Exception:  # a subgraph onnxruntime rejects stays in the graph

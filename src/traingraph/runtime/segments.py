@@ -40,9 +40,8 @@ The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,350 +51,22 @@ import onnxruntime as ort
 from onnx import helper
 
 from traingraph.runtime import conv_grads
-from traingraph.runtime.bn_forward import BatchNormForward, split_batch_norm_forwards
-from traingraph.runtime.col2im import Col2ImSum, split_col2ims
 from traingraph.runtime.device import Device
-from traingraph.runtime.direct_conv import DirectConv, split_direct_convs
-from traingraph.runtime.gelu import Gelu, split_gelus
-from traingraph.runtime.layer_norm import LayerNormGrad, split_layer_norm_grads
-from traingraph.runtime.masks import DropoutMask, split_dropout_masks
+from traingraph.runtime.kernels import Kernel, find
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
-from traingraph.runtime.winograd import WinogradConv, split_winograd_convs
-
-
-@dataclass(frozen=True)
-class BatchNormGrad(conv_grads.NormalizationGradOutputs):
-    """One training-mode BatchNormalization gradient that the native kernel computes.
-
-    Attributes:
-        x: The BatchNormalization's input.
-        scale: Its scale.
-        dy: The gradient of its output, or of the Relu's output when ``y`` is set.
-        y: The output of the Relu that reads the BatchNormalization's output, or None.
-        epsilon: Its epsilon.
-        dx: The gradient of ``x`` the graph computed (None where nothing reads it).
-        dscale: The model output of the scale's gradient, or None.
-        dbias: The model output of the bias's gradient.
-    """
-
-    x: str
-    scale: str
-    dy: str
-    y: str | None
-    epsilon: float
-    dx: str | None
-    dscale: str | None
-    dbias: str
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.x, self.dy, self.scale] + ([self.y] if self.y else [])
-
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
-        """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
-        place; missing ones are allocated) from ``values``."""
-        x = values[self.x]
-        self.output_arrays(out, x.shape, x.shape[1:2])
-        assert conv_grads._native is not None
-        conv_grads._native.batch_norm_grad(
-            x,
-            values[self.dy],
-            values[self.y] if self.y else None,
-            values[self.scale],
-            out[self.dx] if self.dx else None,
-            out[self.dscale] if self.dscale else None,
-            out[self.dbias],
-            self.epsilon,
-            threads,
-        )
-
-
-def split_batch_norm_grads(
-    model: onnx.ModelProto, forward: onnx.ModelProto | None = None
-) -> list[tuple[BatchNormGrad, set[int]]]:
-    """Each BatchNormalization gradient of ``model`` the native kernel computes, with the
-    indices of the nodes it replaces; checked numerically, all in one onnxruntime session.
-    ``[]`` where the extension is missing or nothing matches.
-
-    ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
-    phase: its BatchNormalizations (and the Relus after them) count too."""
-    if conv_grads._native is None or _has_subgraphs(model):
-        return []
-    g = conv_grads.GraphIndex.of(model.graph)
-    f = conv_grads.GraphIndex.of(forward.graph) if forward is not None else g
-    shapes = conv_grads._inferred_shapes(model)
-    found = []
-    for node in g.nodes + (f.nodes if f is not g else []):
-        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
-            match = _match(g, f, node, shapes)
-            if match is not None:
-                found.append(match)
-    return _verified(model, g, found, shapes)
-
-
-def _match(
-    g: conv_grads.GraphIndex,
-    f: conv_grads.GraphIndex,
-    bn: onnx.NodeProto,
-    shapes: Mapping[str, Sequence[int | None]],
-) -> tuple[BatchNormGrad, set[int]] | None:
-    """The gradient of the inference-form BatchNormalization ``bn`` (the lowering of a training
-    one: its statistics come from its input), when the graph computes it from the input, the
-    scale and the output gradient (through a Relu) alone."""
-    if len(bn.output) != 1 or len(bn.input) < 5:
-        return None
-    x, scale, bias = bn.input[:3]
-    x_shape = shapes.get(x)
-    if x_shape is None or len(x_shape) < 2 or x_shape[1] is None:
-        return None
-    dbias = f"{bias}_grad"
-    # dbias = ReduceSum(G) through shape ops; G = dy (behind a Relu: dy * mask(y))
-    gated = g.summed_into(dbias)
-    if gated is None:
-        return None
-    # the forward graph (g itself, or the forward phase f) holds the Relu that reads bn
-    home = g if bn.output[0] in g.producer else f
-    readers = [home.nodes[j] for j in home.consumers.get(bn.output[0], ())]
-    relus = [n for n in readers if n.op_type == "Relu"]
-    y = relus[0].output[0] if len(relus) == 1 and len(readers) == 1 else None
-    dy = gated
-    if y is not None:
-        product = g.nodes[g.producer[gated]] if gated in g.producer else None
-        if product is None or product.op_type != "Mul":
-            y, dy = None, gated
-        else:
-            mask_side = [v for v in product.input if g.derived_from(v, {y})]
-            others = [v for v in product.input if v not in mask_side]
-            if len(mask_side) != 1 or len(others) != 1:
-                y, dy = None, gated
-            else:
-                dy = others[0]
-    sources = {x, scale, dy} | ({y} if y else set())
-    channels = int(x_shape[1])
-
-    def normalization_value(name: str) -> bool:
-        """Of x's shape or per channel: what a normalization's gradient computes (not the
-        reshaped copies that the next gradient, a Conv's weight gradient, makes of dx)."""
-        shape = shapes.get(name)
-        if shape is None or None in shape[1:]:
-            return False
-        if _like(shape, x_shape, unknown=False):
-            return True
-        dims = [d for d in shape if d is not None]
-        return len(dims) == len(shape) and math.prod(dims) in (1, channels)
-
-    found = g.normalization_grad(
-        dy,
-        sources,
-        normalization_value,
-        lambda name: _like(shapes.get(name), x_shape, unknown=False),
-        dbias,
-        f"{scale}_grad",
-    )
-    if found is None:
-        return None
-    nodes, dx, dscale = found
-    if dx is not None and not _like(shapes.get(dx), x_shape):
-        return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
-    grad = BatchNormGrad(x, scale, dy, y, float(attrs.get("epsilon", 1e-5)), dx, dscale, dbias)
-    return grad, nodes
-
-
-def _like(
-    shape: Sequence[int | None] | None, x_shape: Sequence[int | None], unknown: bool = True
-) -> bool:
-    """Whether ``shape`` may be ``x_shape``: equal but perhaps for the batch (inference may
-    know it for one value and not for another), or ``unknown`` where it is None."""
-    if shape is None:
-        return unknown
-    return len(shape) == len(x_shape) and list(shape[1:]) == list(x_shape[1:])
-
-
-_CHECK_VALUES = 1024
-"""Values per channel in the numeric check of a BatchNormalization gradient (see
-:func:`_verified`)."""
-
-
-def _verified(
-    model: onnx.ModelProto,
-    g: conv_grads.GraphIndex,
-    found: list[tuple[BatchNormGrad, set[int]]],
-    shapes: Mapping[str, Sequence[int | None]],
-) -> list[tuple[BatchNormGrad, set[int]]]:
-    """The matches whose nodes compute what the kernel computes, on random inputs (a Relu
-    output with zeros) of the model's batch, all in one single-threaded session. Where the
-    batch is not static, the check takes as many images as give each channel
-    ``_CHECK_VALUES`` values, 2 to 16: any batch is one the graph runs, and what decides
-    the check is the count of values a channel's statistics are over (with as few as 2, dx is
-    all cancellation), not the count of images.
-
-    The inputs of one check are independent standard-normal values: windows of one draw,
-    one window per input (x, dy, y, scale), so that another check may see the same values,
-    which weakens neither."""
-    # a match of the same form and shapes as one checked (the same layer repeated) takes its
-    # verdict: the check of the first decides for all
-    decides: dict[tuple[object, ...], int] = {}  # a form -> the match checked for it
-    checked_as: dict[int, int] = {}  # a match -> the match whose check decides it
-    planned = []
-    for index, (grad, nodes) in enumerate(found):
-        # the model's batch where it is static (the graph may hold 1 / M as a constant)
-        if any(d is None for d in shapes[grad.x][1:]):
-            continue
-        pixels = math.prod(int(d or 0) for d in shapes[grad.x][2:])
-        batch = shapes[grad.x][0] or min(16, max(2, -(-_CHECK_VALUES // max(pixels, 1))))
-        x_shape = [int(batch), *(int(d or 0) for d in shapes[grad.x][1:])]
-        if min(x_shape) < 1:
-            continue
-        roles = {getattr(grad, f): f for f in ("x", "scale", "dy", "y", "dx", "dscale", "dbias")}
-        form = (
-            g.form(nodes, {name: role for name, role in roles.items() if name}),
-            tuple(x_shape),
-            grad.epsilon,
-            tuple(sorted(role for name, role in roles.items() if name)),
-        )
-        if form in decides:
-            checked_as[index] = decides[form]
-            continue
-        decides[form] = index
-        planned.append((index, grad, nodes, x_shape))
-    if not planned:
-        return []
-    window = max(math.prod(x_shape) for *_, x_shape in planned)
-    draws = conv_grads.WindowedDraws(np.random.default_rng(0), 4, window)
-    feeds = draws.feeds
-    checks = []
-    for index, grad, nodes, x_shape in planned:
-        # a value two matches read (one gradient into two branches) gets one array
-        values = draws.inputs(
-            [
-                (grad.x, 0, x_shape, lambda a: a * 2 + 1),
-                (grad.dy, 1, x_shape, None),
-                (grad.scale, 3, x_shape[1:2], None),
-            ]
-            + ([(grad.y, 2, x_shape, lambda a: np.maximum(a, 0))] if grad.y else [])
-        )
-        if any(list(v.shape) != list(want) for v, want in (
-            (values[grad.x], x_shape), (values[grad.dy], x_shape)
-        )):
-            continue
-        checks.append((index, grad, nodes))
-        checked_as[index] = index
-    if not checks:
-        return []
-    keep = sorted(set().union(*(nodes for _, _, nodes in checks)))
-    names = [name for _, grad, _ in checks for name in grad.outputs]
-    runs = [feeds, conv_grads.with_non_finite(feeds)]  # then a NaN and infinities in them
-    try:
-        results = conv_grads._run_subgraph(model, [g.nodes[i] for i in keep], runs, names)
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
-        return []
-    passed = set()
-    for index, grad, _ in checks:
-        ok = True
-        for inputs, outputs in zip(runs, results):
-            got: dict[str, np.ndarray] = {}
-            grad.compute(inputs, got, 1)
-            for name, want in zip(names, outputs):
-                if name in grad.outputs:  # the parameters' gradients may keep dims of one
-                    want = want if name == grad.dx else want.reshape(-1)
-                    ok = ok and conv_grads.same_values(got[name], want)
-        if ok:
-            passed.add(index)
-    return [match for i, match in enumerate(found) if checked_as.get(i) in passed]
-
-
-@dataclass(frozen=True)
-class MaxPoolGrad:
-    """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
-    the Conv (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`), where other nodes read
-    ``dy`` too (the Conv's input gradient), with the Conv's bias gradient where the graph
-    computes it from ``dy`` alone."""
-
-    dy: str
-    route: conv_grads.MaxPoolRoute
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.route.y, self.route.dp]
-
-    @property
-    def outputs(self) -> list[str]:
-        bias = self.route.bias
-        return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
-
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
-        """Write ``dy`` (and the bias gradient) into ``out``, as :meth:`BatchNormGrad.compute`."""
-        y, route = values[self.route.y], self.route
-        shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
-        for name, shape in shapes.items():
-            conv_grads.output_array(out, name, shape)
-        bias = out[f"{route.bias}_grad"] if route.bias is not None else None
-        assert conv_grads._native is not None
-        conv_grads._native.route_max_pool(
-            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
-        )
-
-
-def split_max_pool_grads(
-    model: onnx.ModelProto,
-    weight_grads: Sequence[conv_grads.WeightGrad],
-    forward: onnx.ModelProto | None = None,
-) -> list[tuple[MaxPoolGrad, set[int]]]:
-    """For each Conv whose weight gradient the native kernel computes (``weight_grads``) and
-    whose output feeds (through a Relu) a MaxPool of tiling windows, the routing of the
-    MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
-    MaxPool's input and output gradient alone; checked numerically on inputs with many ties.
-    ``forward``: as for :func:`split_batch_norm_grads`."""
-    if conv_grads._native is None or _has_subgraphs(model):
-        return []
-    unrouted = [(grad, set[int]()) for grad in weight_grads]
-    routes = conv_grads.find_routes(model, unrouted, forward, exclusive=False)
-    return [(MaxPoolGrad(weight_grads[i].dy, route), nodes) for i, (route, nodes) in routes.items()]
-
-
-Kernel = (
-    BatchNormGrad | MaxPoolGrad | DropoutMask | Col2ImSum | DirectConv | BatchNormForward
-    | WinogradConv | Gelu | LayerNormGrad | conv_grads.WeightGradKernel
-)
-"""A native kernel between two segments (or before the first)."""
 
 
 def find_kernels(
     model: onnx.ModelProto,
     weight_grads: Sequence[conv_grads.WeightGrad],
     forward: onnx.ModelProto | None = None,
+    kernels: Collection[str] | None = None,
 ) -> tuple[onnx.ModelProto, list[tuple[Kernel, set[int]]]]:
-    """Every kernel :func:`split_batch_norm_grads`, :func:`split_max_pool_grads`,
-    :func:`~traingraph.runtime.masks.split_dropout_masks`,
-    :func:`~traingraph.runtime.direct_conv.split_direct_convs`,
-    :func:`~traingraph.runtime.bn_forward.split_batch_norm_forwards`,
-    :func:`~traingraph.runtime.winograd.split_winograd_convs`,
-    :func:`~traingraph.runtime.gelu.split_gelus`,
-    :func:`~traingraph.runtime.layer_norm.split_layer_norm_grads` and
-    :func:`~traingraph.runtime.col2im.split_col2ims` (on the nodes the others leave) find in
-    ``model``, with the nodes each replaces, and ``model`` as they need it: with the columns
-    the Col2Im kernels read written after its nodes."""
-    kernels: list[tuple[Kernel, set[int]]] = []
-    with conv_grads.shared_analyses():  # one shape inference and one index of the model
-        kernels += split_batch_norm_grads(model, forward)
-        kernels += split_max_pool_grads(model, weight_grads, forward)
-        kernels += split_dropout_masks(model)
-        kernels += split_direct_convs(model, _taken(kernels))
-        kernels += split_batch_norm_forwards(model, _taken(kernels))
-        kernels += split_winograd_convs(model, _taken(kernels))
-        kernels += split_gelus(model, _taken(kernels), {v for k, _ in kernels for v in k.inputs})
-        kernels += split_layer_norm_grads(model, _taken(kernels))
-        model, found = split_col2ims(model, _taken(kernels))
-    return model, kernels + list(found)
-
-
-def _taken(kernels: Sequence[tuple[Kernel, set[int]]]) -> set[int]:
-    return set().union(*(nodes for _, nodes in kernels)) if kernels else set()
+    """Every kernel of the registry (:func:`traingraph.runtime.kernels.find`) among
+    ``kernels`` (names, as ``SessionConfig.native_kernels``; all where None) that ``model``
+    holds, with the nodes each replaces, and ``model`` as they need it: with the columns the
+    Col2Im kernels read written after its nodes."""
+    return find(model, weight_grads, forward, kernels)
 
 
 @dataclass
@@ -913,12 +584,6 @@ class _Input:
 
 
 _ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}
-
-
-def _has_subgraphs(model: onnx.ModelProto) -> bool:
-    """Whether a node of ``model`` holds a graph (If, Loop, Scan), whose reads of outer values
-    a segment's inputs would not list: such models are not cut."""
-    return any(conv_grads._has_subgraph(n) for n in model.graph.node)
 
 
 def _aligned(size: int, alignment: int = 64) -> np.ndarray:

@@ -51,6 +51,9 @@ class SessionConfig:
             (two passes over the activations instead of about ten), a Conv's output gradient
             routed through the MaxPool after it, and the keep masks of the Dropouts (one pass
             each instead of about twelve). Needs the extension; False runs the graph's nodes.
+        native_kernels: Which native kernels to use, by name (those of
+            :func:`traingraph.runtime.kernels.names`, e.g. ``{"gelu", "conv_weight_grad"}``);
+            None uses every one available. An unknown name raises a ModelError listing them.
         specialize: Rewrite the model for the provider that runs it, with the same results
             (:mod:`traingraph.runtime.specialize`: on the CPU, ConvTranspose as MatMul and
             Col2Im, Convs with parameter filters in onnxruntime's blocked kernels; on CUDA,
@@ -87,6 +90,7 @@ class SessionConfig:
     spin_between_runs: bool = False
     native_conv_grads: bool = True
     native_segments: bool = True
+    native_kernels: tuple[str, ...] | set[str] | frozenset[str] | None = None
     specialize: bool = True
     profile: bool = False
     memory_arena: bool = True

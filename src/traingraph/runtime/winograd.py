@@ -80,7 +80,7 @@ class WinogradConv:
             )
         shape = (x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
         target = conv_grads.output_array(out, self.out, shape)
-        native = conv_grads._native
+        native = conv_grads.NATIVE
         assert native is not None
         bias = values[self.bias] if self.bias else None
         addend = values[self.addend] if self.addend else None
@@ -104,7 +104,7 @@ def split_winograd_convs(
     if not conv_grads.can_match(model, "conv_winograd", "Conv"):
         return []
     graph = model.graph
-    shapes = conv_grads._inferred_shapes(model)
+    shapes = conv_grads.inferred_shapes(model)
     g = conv_grads.GraphIndex.of(graph)
     matches = []
     claimed = set(taken)

@@ -42,6 +42,7 @@ import onnx_ir as ir
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
 from traingraph.ir.builder import OpBuilder
+from traingraph.ir.tags import tagging
 
 Grads = Sequence[ir.Value | None]
 
@@ -451,11 +452,14 @@ def conv(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     win = sliding_window(ctx, kernel, x)
     group = int(ctx.attr("group", 1))
     dx = dw = db = None
+    instance = ctx.node.name or "Conv"
     if ctx.need(0):
         sizes = spatial_dims(x, len(kernel))
-        dx = conv_input_grad(b, g, w, win, group, x, sizes, win.out_dims(sizes))
+        with tagging(b, "conv_input_grad", instance):
+            dx = conv_input_grad(b, g, w, win, group, x, sizes, win.out_dims(sizes))
     if ctx.need(1):
-        dw = conv_weight_grad(b, x, g, w, win, group)
+        with tagging(b, "conv_weight_grad", instance):
+            dw = conv_weight_grad(b, x, g, w, win, group)
     if ctx.need(2):
         db = bias_grad(b, g, len(kernel))
     return [dx, dw, db][: len(ctx.inputs)]

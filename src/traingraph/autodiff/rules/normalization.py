@@ -28,6 +28,7 @@ import onnx_ir as ir
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
 from traingraph.ir.builder import OpBuilder, rank, static_shape
+from traingraph.ir.tags import tags
 
 Grads = Sequence[ir.Value | None]
 
@@ -112,6 +113,7 @@ def _channel_axes(r: int) -> list[int]:
 
 
 @register_gradient("BatchNormalization")
+@tags("batch_norm_grad")
 def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """BatchNormalization in training mode (batch statistics) or inference mode (given stats).
 
@@ -236,6 +238,7 @@ def _inverse_count(b: OpBuilder, x: ir.Value, axis: int, like: ir.Value) -> ir.V
 
 
 @register_gradient("LayerNormalization", since=17)
+@tags("layer_norm_grad")
 def layer_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """LayerNormalization over the axes ``axis..r-1``, with its optional Mean / InvStdDev outputs.
 

@@ -34,6 +34,7 @@ from traingraph.autodiff.rules.conv import (
     transposed_conv_to,
 )
 from traingraph.ir.builder import OpBuilder
+from traingraph.ir.tags import tags
 
 Grads = Sequence[ir.Value | None]
 
@@ -151,6 +152,7 @@ def _route_to_first_max(
 
 
 @register_gradient("MaxPool")
+@tags("max_pool_grad")
 def max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Gradient of ``MaxPool``: ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``."""
     g = grads[0]

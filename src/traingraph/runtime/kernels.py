@@ -1,0 +1,237 @@
+"""The native CPU kernels: one protocol, one registry, chosen by name.
+
+Each kernel computes, between two onnxruntime segments of a training step, what a subgraph of
+the training model computes (NaN and infinity included), in one or two passes over memory
+where onnxruntime makes one pass per op. :data:`REGISTRY` lists them in the order they are
+looked for; ``SessionConfig(native_kernels=...)`` picks some by name (:func:`select`).
+
+Where a kernel's pattern is made by traingraph's autodiff or lowerings (a gradient, a lowered
+BatchNormalization or Dropout), those tag its nodes (:mod:`traingraph.ir.tags`), and a tagged
+model is searched only for the kernels whose tags it holds. A model without tags (made by
+onnxblock, onnxruntime-training or by hand) is searched for every kernel: each match is exact
+(its nodes compute what the kernel computes, checked numerically at load, with non-finite
+values), so these models keep their fast paths. The forward-side kernels (a first Conv of few
+channels, Winograd's 3 x 3 Convs, GELU) read the model's own nodes, which no traingraph code
+made, and are searched for in every model.
+
+Example:
+    >>> sorted(select({"gelu", "dropout_mask"}))
+    ['dropout_mask', 'gelu']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import onnx
+
+from traingraph.errors import ModelError
+from traingraph.ir.tags import tagged_kernels
+from traingraph.runtime import conv_grads
+from traingraph.runtime.batch_norm import split_batch_norm_grads, split_max_pool_grads
+from traingraph.runtime.bn_forward import split_batch_norm_forwards
+from traingraph.runtime.col2im import split_col2ims
+from traingraph.runtime.direct_conv import split_direct_convs
+from traingraph.runtime.gelu import split_gelus
+from traingraph.runtime.layer_norm import split_layer_norm_grads
+from traingraph.runtime.masks import split_dropout_masks
+from traingraph.runtime.session import SessionConfig
+from traingraph.runtime.winograd import split_winograd_convs
+
+
+class Kernel(Protocol):
+    """A native kernel between two segments: it reads ``inputs`` and writes ``outputs``."""
+
+    @property
+    def inputs(self) -> list[str]:
+        """The values it reads."""
+        ...
+
+    @property
+    def outputs(self) -> list[str]:
+        """The values it writes."""
+        ...
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``outputs`` into ``out`` (arrays there are written in place, missing ones
+        allocated) from ``values``, on ``threads`` threads."""
+        ...
+
+
+Found = list[tuple[Kernel, set[int]]]
+"""Kernels with the indices of the nodes each replaces."""
+
+
+@dataclass
+class Search:
+    """What the kernels' finders share while one model is searched.
+
+    Attributes:
+        model: The training model (the Col2Im finder replaces it with one that writes the
+            columns its kernels read).
+        weight_grads: The Conv weight gradients computed natively beside the run.
+        forward: The forward phase's model where ``model`` is a separate gradient phase.
+        found: The kernels found so far, with their nodes.
+    """
+
+    model: onnx.ModelProto
+    weight_grads: Sequence[conv_grads.WeightGrad]
+    forward: onnx.ModelProto | None = None
+    found: Found = field(default_factory=list)
+
+    @property
+    def taken(self) -> set[int]:
+        """The nodes the kernels found so far replace."""
+        return set().union(*(nodes for _, nodes in self.found)) if self.found else set()
+
+    @property
+    def read(self) -> set[str]:
+        """The values the kernels found so far read."""
+        return {v for k, _ in self.found for v in k.inputs}
+
+
+def _col2ims(search: Search) -> Found:
+    search.model, found = split_col2ims(search.model, search.taken)
+    return list(found)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One native kernel of the registry.
+
+    Attributes:
+        name: Its name in ``SessionConfig(native_kernels=...)``.
+        find: Its matches in a model, given what the kernels before it found.
+        tag: The tag (:mod:`traingraph.ir.tags`) of the nodes the autodiff rule or lowering
+            that makes its pattern writes; a tagged model without it holds no match. None
+            for a kernel of the model's own forward nodes.
+    """
+
+    name: str
+    find: Callable[[Search], Found]
+    tag: str | None
+
+
+CONV_WEIGHT_GRAD = "conv_weight_grad"
+"""The Conv weight gradients computed beside the run (:mod:`traingraph.runtime.conv_grads`)."""
+
+REGISTRY: tuple[KernelSpec, ...] = (
+    KernelSpec(
+        "batch_norm_grad",
+        lambda s: list(split_batch_norm_grads(s.model, s.forward)),
+        "batch_norm_grad",
+    ),
+    KernelSpec(
+        "max_pool_grad",
+        lambda s: list(split_max_pool_grads(s.model, s.weight_grads, s.forward)),
+        "max_pool_grad",
+    ),
+    KernelSpec("dropout_mask", lambda s: list(split_dropout_masks(s.model)), "dropout_mask"),
+    KernelSpec("direct_conv", lambda s: list(split_direct_convs(s.model, s.taken)), None),
+    KernelSpec(
+        "batch_norm_forward",
+        lambda s: list(split_batch_norm_forwards(s.model, s.taken)),
+        "batch_norm_forward",
+    ),
+    KernelSpec("winograd", lambda s: list(split_winograd_convs(s.model, s.taken)), None),
+    KernelSpec("gelu", lambda s: list(split_gelus(s.model, s.taken, s.read)), None),
+    KernelSpec(
+        "layer_norm_grad",
+        lambda s: list(split_layer_norm_grads(s.model, s.taken)),
+        "layer_norm_grad",
+    ),
+    KernelSpec("col2im", _col2ims, "conv_input_grad"),
+)
+"""The kernels between segments, in the order they are looked for (a later one takes only the
+nodes the earlier ones leave). The Col2Im kernel comes last: it rewrites the model."""
+
+TAGS: Mapping[str, str] = {CONV_WEIGHT_GRAD: CONV_WEIGHT_GRAD} | {
+    spec.name: spec.tag for spec in REGISTRY if spec.tag is not None
+}
+"""Each tagged kernel's tag."""
+
+
+def names() -> list[str]:
+    """Every kernel's name: :data:`CONV_WEIGHT_GRAD` and those of :data:`REGISTRY`."""
+    return [CONV_WEIGHT_GRAD] + [spec.name for spec in REGISTRY]
+
+
+def select(native_kernels: Collection[str] | None) -> frozenset[str]:
+    """The kernels ``native_kernels`` names (``SessionConfig.native_kernels``): all where None.
+
+    Raises:
+        ModelError: ``native_kernels`` is a single string, or names a kernel that does not
+            exist.
+    """
+    known = names()
+    if native_kernels is None:
+        return frozenset(known)
+    if isinstance(native_kernels, str):
+        raise ModelError(
+            f"native_kernels must be a collection of kernel names, got the string"
+            f" {native_kernels!r}; write ({native_kernels!r},)"
+        )
+    unknown = sorted(set(native_kernels) - set(known))
+    if unknown:
+        raise ModelError(
+            f"unknown native kernels {unknown}; the kernels are {known}"
+        )
+    return frozenset(native_kernels)
+
+
+def searched(model: onnx.ModelProto, kernels: Collection[str] | None = None) -> frozenset[str]:
+    """Which of the ``kernels`` (names, all where None) ``model`` may hold: all but those whose
+    tag a tagged model lacks."""
+    chosen = select(kernels)
+    tags = set(tagged_kernels(model.graph.node))
+    if not tags:
+        return chosen
+    return frozenset(name for name in chosen if TAGS.get(name, name) in tags or name not in TAGS)
+
+
+def find(
+    model: onnx.ModelProto,
+    weight_grads: Sequence[conv_grads.WeightGrad],
+    forward: onnx.ModelProto | None = None,
+    kernels: Collection[str] | None = None,
+) -> tuple[onnx.ModelProto, Found]:
+    """Every kernel of :data:`REGISTRY` among ``kernels`` (names; all where None) that
+    ``model`` holds, with the nodes each replaces, and ``model`` as they need it (with the
+    columns the Col2Im kernels read written after its nodes).
+
+    Raises:
+        ModelError: ``kernels`` names a kernel that does not exist.
+    """
+    wanted = searched(model, kernels)
+    search = Search(model, weight_grads, forward)
+    with conv_grads.shared_analyses():  # one shape inference and one index of the model
+        for spec in REGISTRY:
+            if spec.name in wanted:
+                search.found += spec.find(search)
+    return search.model, search.found
+
+
+def split(
+    model: onnx.ModelProto, config: SessionConfig, forward: onnx.ModelProto | None = None
+) -> tuple[onnx.ModelProto, list[conv_grads.WeightGrad], Found]:
+    """The native kernels ``config`` asks for in the training model ``model`` on the CPU: the
+    model to run, the Conv weight gradients computed beside it
+    (:func:`traingraph.runtime.conv_grads.split_weight_grads`) and the kernels between its
+    segments (:func:`find`).
+
+    Raises:
+        ModelError: ``config.native_kernels`` names a kernel that does not exist.
+    """
+    chosen = select(config.native_kernels)
+    grads: list[conv_grads.WeightGrad] = []
+    if config.native_conv_grads:
+        model, grads = conv_grads.split_weight_grads(model, forward, chosen)
+    found: Found = []
+    if config.native_segments:
+        model, found = find(model, grads, forward, chosen)
+    return model, grads, found
