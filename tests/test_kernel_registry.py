@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from torch_models import SmallCNN, export, seeded
 
+from torch_models import SmallCNN, export, seeded
 from traingraph import artifacts, optim
 from traingraph.errors import ModelError
 from traingraph.ir.tags import KEY, tagged_kernels
