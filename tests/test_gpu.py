@@ -518,3 +518,42 @@ def test_cuda_graph_step_trains_in_fp16(tmp_path) -> None:
     step(x, y)
     assert module.loss_scaler is not None and module.loss_scaler.skipped_steps == 1
     assert step.optimizer._state.step == STEPS
+
+
+def test_static_shapes_fold_into_constants() -> None:
+    """Shape and Size of fixed shapes (and the arithmetic on them) become constants, with the
+    same outputs; only small shape values are folded, activations never."""
+    from onnx import TensorProto, helper
+
+    from traingraph.runtime.static_shapes import fold_static_shapes
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 12])
+    mean = helper.make_tensor_value_info("mean", TensorProto.FLOAT, [])
+    nodes = [
+        helper.make_node("Size", ["x"], ["count"]),
+        helper.make_node("Cast", ["count"], ["count_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["x"], ["total"], keepdims=0),
+        helper.make_node("Div", ["total", "count_f"], ["mean"]),
+        helper.make_node("Shape", ["x"], ["shape"], end=1),
+        helper.make_node("Constant", [], ["minus_one"], value_ints=[-1]),
+        helper.make_node("Concat", ["shape", "minus_one"], ["flat"], axis=0),
+        helper.make_node("Reshape", ["x", "flat"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], [y, mean])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    static = with_static_inputs(model, {"x": (5, 3, 4)})
+    folded = fold_static_shapes(static)
+    ops = [n.op_type for n in folded.graph.node]
+    assert "Shape" not in ops and "Size" not in ops and "Cast" not in ops
+    assert {"ReduceSum", "Div", "Reshape"} <= set(ops)
+    feed = {"x": np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)}
+    run = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, feed
+        )
+        for m in (static, folded)
+    ]
+    for before, after in zip(*run):
+        np.testing.assert_array_equal(before, after)
+    onnx.checker.check_model(folded, full_check=True)
