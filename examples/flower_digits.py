@@ -1,6 +1,6 @@
 """Federated learning on the embedded digits: 5 Flower nodes, non-IID data, FedAvg.
 
-Run: python examples/flower_digits.py [--rounds 6] [--nodes 5] [--local-epochs 2] [--alpha 0.5]
+Run: python examples/flower_digits.py [--rounds 6] [--nodes 5] [--alpha 0.5] [--save global.onnx]
 
 Needs Flower's simulation engine: pip install "traingraph[flower]" "flwr[simulation]".
 
@@ -112,6 +112,7 @@ if __name__ == "__main__":
     parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label skew")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--save", type=Path, help="Write the global model here (.onnx)")
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,3 +121,6 @@ if __name__ == "__main__":
             Path(tmp),
         )  # fmt: skip
         report(result)
+        if args.save is not None:
+            flower.save_inference_model(result.arrays, Path(tmp), args.save, [OUTPUT_NAME])
+            print(f"global model written to {args.save}")

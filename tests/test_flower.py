@@ -7,6 +7,11 @@ workers; the example (examples/flower_digits.py) runs the simulation engine itse
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -166,7 +171,9 @@ def test_evaluate_matches_inference_in_float64(artifact_dir, digits):
     assert values["num-examples"] == len(y)
 
 
-def test_fedavg_rounds_average_the_clients_and_learn(artifact_dir, digits, server_identity):
+def test_fedavg_rounds_average_the_clients_and_learn(
+    artifact_dir, digits, server_identity, tmp_path
+):
     (x, y), (x_test, y_test) = digits
     nodes, rounds = 3, 2
     parts = flower.dirichlet_partition(y, nodes, alpha=0.5, seed=1)
@@ -214,6 +221,13 @@ def test_fedavg_rounds_average_the_clients_and_learn(artifact_dir, digits, serve
     assert {"eval_loss", "eval_acc"} <= set(node_metrics)
     assert result.train_metrics_clientapp[rounds]["train_loss"] > 0
 
+    # The global model, written as an inference model, scores as the server's evaluation.
+    path = tmp_path / "global.onnx"
+    flower.save_inference_model(result.arrays, artifact_dir, path, [OUTPUT_NAME])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"images": x_test})
+    assert np.mean(logits.argmax(axis=1) == y_test) == pytest.approx(accuracy[-1])
+
 
 def test_buffer_of_other_artifacts_is_refused(artifact_dir, digits):
     (x, y), _ = digits
@@ -240,3 +254,30 @@ def test_dirichlet_partition_covers_every_sample_with_label_skew():
     assert all(np.array_equal(a, b) for a, b in zip(parts, again))
     with pytest.raises(DataError, match="alpha must be positive"):
         flower.dirichlet_partition(labels, 5, alpha=0.0)
+
+
+@pytest.mark.slow
+def test_example_passes_90_percent_in_the_simulation_engine(tmp_path, digits):
+    pytest.importorskip(
+        "ray", reason="the example runs Flower's simulation engine: pip install 'flwr[simulation]'"
+    )
+    script = Path(__file__).resolve().parents[1] / "examples" / "flower_digits.py"
+    saved = tmp_path / "global.onnx"
+    run = subprocess.run(
+        [sys.executable, str(script), "--rounds", "5", "--save", str(saved)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    rows = re.findall(r"^\s*(\d+)\s+([\d.]+)%", run.stdout, flags=re.MULTILINE)
+    accuracy = [float(value) / 100 for _, value in rows]
+    assert [int(r) for r, _ in rows] == list(range(6)), run.stdout
+    assert max(accuracy) > 0.9, run.stdout
+
+    _, (x_test, y_test) = digits
+    session = ort.InferenceSession(str(saved), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"images": x_test})
+    assert np.mean(logits.argmax(axis=1) == y_test) == pytest.approx(accuracy[-1], abs=1e-4)

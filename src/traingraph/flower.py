@@ -71,6 +71,7 @@ __all__ = [
     "evaluate_fn",
     "initial_arrays",
     "parameters_from_arrays",
+    "save_inference_model",
 ]
 
 PARAMETERS_KEY = "parameters"
@@ -453,6 +454,33 @@ def initial_arrays(
     """
     client = ArtifactClient(artifact_directory, trainable_only=trainable_only, prefix=prefix)
     return arrays_from_parameters(client.parameters())
+
+
+def save_inference_model(
+    arrays: ArrayRecord,
+    artifact_directory: str | os.PathLike,
+    inference_model_uri: str | os.PathLike,
+    graph_output_names: Sequence[str],
+    *,
+    trainable_only: bool = False,
+    prefix: str = "",
+) -> None:
+    """Write a global model (e.g. ``Result.arrays`` of a strategy) as a plain inference model.
+
+    Args:
+        arrays: The flat parameter buffer in an ``ArrayRecord``.
+        artifact_directory: The artifacts the clients trained.
+        inference_model_uri: Where to write the ``.onnx`` model.
+        graph_output_names: The eval model's outputs to keep, e.g. ``["logits"]``.
+        trainable_only: As the clients' ``trainable_only``.
+        prefix: The file-name prefix the artifacts were generated with.
+
+    Raises:
+        ModelError: The artifacts have no eval model, or the buffer does not fit them.
+    """
+    client = ArtifactClient(artifact_directory, trainable_only=trainable_only, prefix=prefix)
+    client.set_parameters(parameters_from_arrays(arrays))
+    client.module.export_model_for_inferencing(inference_model_uri, graph_output_names)
 
 
 def evaluate_fn(client: ArtifactClient) -> Callable[[int, ArrayRecord], MetricRecord]:
