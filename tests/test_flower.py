@@ -239,6 +239,8 @@ def test_buffer_of_other_artifacts_is_refused(artifact_dir, digits):
     )
     with pytest.raises(ModelError, match="holds 2 arrays"):
         flower.parameters_from_arrays(per_tensor)
+    with pytest.raises(ModelError, match="local_epochs must be at least 1, got 0"):
+        client.fit(client.parameters(), local_epochs=0)
     with pytest.raises(DataError, match="no validation data"):
         client.evaluate(client.parameters())
 

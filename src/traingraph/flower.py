@@ -263,6 +263,7 @@ class ArtifactClient:
 
         Raises:
             DataError: The client has no training data.
+            ModelError: ``local_epochs`` is below 1, or the buffer does not fit the artifacts.
         """
         if self.train_data is None:
             raise DataError(
@@ -270,6 +271,11 @@ class ArtifactClient:
                 " train on this node"
             )
         epochs = self.local_epochs if local_epochs is None else int(local_epochs)
+        if epochs < 1:
+            raise ModelError(
+                f"local_epochs must be at least 1, got {local_epochs!r}; set a positive"
+                " 'local-epochs' in the strategy's train_config"
+            )
         rate = self.learning_rate if learning_rate is None else float(learning_rate)
         self.set_parameters(parameters)
         optimizer = self.optimizer
