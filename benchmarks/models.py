@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,20 +177,39 @@ def build(name: str, dropout: float = DROPOUT) -> Any:
         "resnet8": ResNet8,
         "transformer": Transformer,
     }
+    if name in zoo().BENCH_MODELS:
+        return zoo().build(name)
     if name not in classes:
-        raise ValueError(f"unknown benchmark model {name!r}; expected one of {list(classes)}")
+        raise ValueError(
+            f"unknown benchmark model {name!r}; expected one of {list(classes)}"
+            f" or of the zoo set {list(zoo().BENCH_MODELS)}"
+        )
     torch.manual_seed(SEED)
     return classes[name]()
+
+
+def zoo() -> Any:
+    """``benchmarks/zoo.py``, the zoo set's models (imported by its package path, as the test
+    package ``zoo`` that it reads from has the same name)."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import zoo as module
+
+    return module
 
 
 def torch_optimizer(name: str, params: Any) -> Any:
     """The torch optimizer of model ``name`` with the benchmark's hyperparameters."""
     import torch
 
-    info = MODELS[name]
-    if info.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=info.lr, momentum=MOMENTUM)
-    return torch.optim.AdamW(params, lr=info.lr, weight_decay=WEIGHT_DECAY, foreach=True)
+    if name in MODELS:
+        kind, lr = MODELS[name].optimizer, MODELS[name].lr
+    else:
+        kind, lr = zoo().bench_model(name).optimizer, zoo().LR
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True)
 
 
 def make_data(name: str) -> dict[str, np.ndarray]:
@@ -313,12 +333,16 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="Export the benchmark models once.")
-    parser.add_argument("models", nargs="+", choices=list(MODELS))
+    parser.add_argument("models", nargs="+", choices=[*MODELS, *zoo().BENCH_MODELS])
     parser.add_argument("--cache", type=Path, required=True)
     parser.add_argument("--dropout", type=float, default=DROPOUT)
+    parser.add_argument("--batch", type=int, default=None, help="zoo set: another batch size")
     args = parser.parse_args(argv)
     for name in args.models:
-        prepare(name, args.cache, args.dropout)
+        if name in MODELS:
+            prepare(name, args.cache, args.dropout)
+        else:
+            zoo().prepare_entry(name, args.cache, args.batch)
 
 
 if __name__ == "__main__":

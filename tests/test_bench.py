@@ -1,7 +1,8 @@
 """The benchmark's correctness check: every available system's losses agree, step by step.
 
-A small setting (a few steps of the MLP and the LeNet CNN) so that it runs in CI; the peers
-in their own virtual environments run where those environments exist.
+A small setting (a few steps of the MLP and the LeNet CNN, and of the zoo set's LSTM tagger at
+batch 2) so that it runs in CI; the peers in their own virtual environments run where those
+environments exist.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def test_report_table_lists_every_system(cache):
     assert "| traingraph |" in table and "| torch_eager |" in table
     assert report["sgemm_gflops"] > 0
     rows = report["models"]["mlp"]["systems"]
-    assert bench.loss_agreement(rows)["traingraph"] < 1e-4
+    assert bench.loss_agreement(rows)["traingraph"][0] < 1e-4
 
 
 def test_session_ab_reports_every_setting(cache, capsys, monkeypatch):
@@ -83,3 +84,59 @@ def test_session_ab_reports_every_setting(cache, capsys, monkeypatch):
     assert lines[0] == "mlp: 2 chunks of 3 steps, ms per step"
     assert [line.split()[0] for line in lines[1:]] == ['{"allow_spinning":', "{}"]
     assert lines[1].rstrip().endswith("vs first 1.000")
+
+
+def _zoo_args(cache: Path, systems: list[str], models: list[str], batch: int) -> argparse.Namespace:
+    return bench.parse_args(
+        ["--zoo", "--models", *models, "--systems", *systems, "--batch", str(batch),
+         "--steps", "2", "--warmup", "1", "--chunk", "1", "--threads", "1",
+         "--cache", str(cache), "--bench-dir", str(BENCH_DIR)]
+    )  # fmt: skip
+
+
+def test_zoo_set_is_the_benchmarks_table(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR.parent))
+    from benchmarks import zoo
+
+    assert list(zoo.BENCH_MODELS) == list(bench.ZOO_MODELS)
+
+
+def test_zoo_table_on_the_smallest_member(tmp_path):
+    """The zoo run's report and table on the LSTM tagger at batch 2, traingraph and torch
+    eager on one thread: a row per system, and losses that agree over the first steps."""
+    report = bench.run(_zoo_args(tmp_path, ["traingraph", "torch_eager"], ["lstm_tagger"], 2))
+    entry = report["models"]["lstm_tagger"]
+    assert entry["threads"] == 1 and "batch 2" in entry["description"]
+    rows = entry["systems"]
+    assert list(rows) == ["traingraph", "torch_eager"]
+    for row in rows.values():
+        assert "error" not in row, row
+        assert len(row["losses"]) == 3 and len(row["times"]) == 2
+        assert row["median_ms"] > 0 and row["peak_rss_mb"] > 0
+    diff, steps = bench.loss_agreement(rows, steps=bench.AGREEMENT_STEPS)["traingraph"]
+    assert steps == bench.AGREEMENT_STEPS and diff < bench.AGREEMENT_RTOL
+    table = bench.format_table(report).splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("| system |"))
+    assert table[header - 3].startswith("### lstm_tagger: LSTM tagger")
+    assert f"within {bench.AGREEMENT_RTOL:g}" in table[header]
+    body = table[header + 2 : header + 4]
+    assert [line.split(" | ")[0] for line in body] == ["| traingraph", "| torch_eager"]
+    assert all(line.count("|") == 8 and line.endswith(" ok |") for line in body)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mobilenet_v3_small", "lstm_tagger"])
+def test_zoo_peers_agree(tmp_path, model):
+    """Every zoo peer whose environment exists runs and agrees with torch eager: over the
+    first steps, or on the first loss where it trains with another optimizer."""
+    labels = [s.label for s in bench.ZOO_SYSTEMS]
+    available = [s.label for s in bench.ZOO_SYSTEMS if bench.python_for(s, BENCH_DIR)]
+    args = _zoo_args(tmp_path, available, [model], 2)
+    args.steps, args.timeout = 3, 1200.0
+    rows = bench.run(args)["models"][model]["systems"]
+    assert list(rows) == [label for label in labels if label in available]
+    for label, row in rows.items():
+        assert "error" not in row, (label, row)
+    agreement = bench.loss_agreement(rows, steps=bench.AGREEMENT_STEPS)
+    for label, (diff, steps) in agreement.items():
+        assert diff < bench.AGREEMENT_RTOL, (label, diff, steps)

@@ -6,6 +6,10 @@ environment). It reads the cache entry written by :mod:`benchmarks.models`, take
 last stdout line: step times, losses, peak resident memory and setup time. This module only
 needs numpy and the standard library, so it runs in every environment.
 
+``--threads N`` sets the system's intra-op thread count (0 leaves its default). Building a
+system's training program (artifacts, a lowered program) runs in a child process
+(:func:`in_child`), so that the peak resident memory reported is that of training alone.
+
 With ``--chunk K`` the runner takes its timed steps K at a time, each chunk when a line arrives
 on stdin, and acknowledges it on stdout. The orchestrator uses this to interleave the systems
 step chunk by step chunk, so that every system meets the same machine conditions (a shared
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import resource
 import sys
 import time
@@ -42,7 +47,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="take the timed steps this many at a time, each chunk on a line from stdin",
     )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads (0: the system's default)"
+    )
     return parser.parse_args(argv)
+
+
+def in_child(function: Callable[..., None], *args: Any) -> None:
+    """Run ``function(*args)`` in a forked child process and wait for it.
+
+    Call it before the parent starts threads of its own (a fork copies only the calling
+    thread). The child's memory does not count in the parent's peak resident memory.
+
+    Raises:
+        RuntimeError: The child failed; its traceback is on stderr.
+    """
+    process = multiprocessing.get_context("fork").Process(target=function, args=args)
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        name = getattr(function, "__name__", "the build")
+        raise RuntimeError(f"{name} failed in its child process (exit code {process.exitcode})")
 
 
 def load_entry(entry: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -1,9 +1,11 @@
 """onnxruntime-training 1.19.2: its own artifacts from the cached ONNX export.
 
-Runs in an environment with ``onnxruntime-training-cpu==1.19.2`` (see ``benchmarks/envs.py``).
+Runs in an environment with ``onnxruntime-training-cpu==1.19.2`` (``benchmarks/run.py
+--setup-envs`` creates it). The artifacts are written in a child process (``common.in_child``).
 Its optimizer types are AdamW and plain SGD: the SGD-momentum model (LeNet) runs with plain
-SGD here, which is reported in the result (``optimizer``) and excluded from loss agreement.
-Config keys: ``threads`` (intra-op threads; 0: one per core).
+SGD here, which is reported in the result (``optimizer``, ``optimizer_differs``): only its
+first loss compares with the other systems.
+Config keys: ``threads`` (intra-op threads; 0: one per core; ``--threads`` sets it too).
 """
 
 from __future__ import annotations
@@ -16,48 +18,59 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import load_entry, parse_args, report, timed_loop
+from common import in_child, load_entry, parse_args, report, timed_loop
 
 ORT_MAX_IR_VERSION = 10  # the newest IR version onnxruntime 1.19.2 loads
 OPTIONAL_OUTPUTS = {"Dropout": ("mask",), "LayerNormalization": ("mean", "inv_std_dev")}
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    start = time.perf_counter()
-    import numpy as np
+def write_artifacts(entry: Path, meta: dict, directory: Path) -> None:
+    """onnxruntime-training's artifacts of the cached export ``entry``, its optimizer from
+    ``meta`` (AdamW, or plain SGD), saved at the newest IR version that it loads."""
     import onnx
-    from onnxruntime import SessionOptions
-    from onnxruntime.training import api, artifacts
+    from onnxruntime.training import artifacts
 
-    config = json.loads(args.config)
-    meta, _, data = load_entry(args.entry)
-    model = onnx.load(args.entry / "model.onnx")
+    model = onnx.load(entry / "model.onnx")
     for node in model.graph.node:  # its gradient builder reads these optional outputs
         for extra in OPTIONAL_OUTPUTS.get(node.op_type, ())[len(node.output) - 1 :]:
             node.output.append(f"{node.output[0]}_{extra}")
     trainable = meta["trainable"]
     frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
     kind = artifacts.OptimType.SGD if meta["optimizer"] == "sgd" else artifacts.OptimType.AdamW
+    artifacts.generate_artifacts(
+        model,
+        requires_grad=trainable,
+        frozen_params=frozen,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=kind,
+        artifact_directory=directory,
+    )
+    for path in directory.glob("*.onnx"):
+        proto = onnx.load(path)
+        proto.ir_version = min(proto.ir_version, ORT_MAX_IR_VERSION)
+        onnx.save(proto, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    config = json.loads(args.config)
+    meta, _, data = load_entry(args.entry)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        artifacts.generate_artifacts(
-            model,
-            requires_grad=trainable,
-            frozen_params=frozen,
-            loss=artifacts.LossType.CrossEntropyLoss,
-            optimizer=kind,
-            artifact_directory=directory,
-        )
-        for path in directory.glob("*.onnx"):
-            proto = onnx.load(path)
-            proto.ir_version = min(proto.ir_version, ORT_MAX_IR_VERSION)
-            onnx.save(proto, path)
+        in_child(write_artifacts, args.entry, meta, directory)
+        import numpy as np
+        from onnxruntime import SessionOptions
+        from onnxruntime.training import api
+
         state = api.CheckpointState.load_checkpoint(str(directory / "checkpoint"))
         options = SessionOptions()
-        if config.get("threads"):
-            options.intra_op_num_threads = int(config["threads"])
-        module = api.Module(str(directory / "training_model.onnx"), state, None, "cpu")
+        threads = int(config.get("threads") or args.threads)
+        if threads:
+            options.intra_op_num_threads = threads
+        module = api.Module(
+            str(directory / "training_model.onnx"), state, None, "cpu", session_options=options
+        )
         optimizer = api.Optimizer(str(directory / "optimizer_model.onnx"), module)
     optimizer.set_learning_rate(meta["lr"])
     module.train()
@@ -78,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         setup,
         config=config,
         optimizer="sgd (no momentum)" if meta["optimizer"] == "sgd" else "adamw",
+        optimizer_differs=meta["optimizer"] == "sgd",
     )
 
 

@@ -1,6 +1,7 @@
 """PyTorch eager: the benchmark model in ``torch.nn``, ``torch.optim`` (foreach AdamW / SGD).
 
-Config keys: ``threads`` (``torch.set_num_threads``; 0 leaves torch's default), ``compile``
+Config keys: ``threads`` (``torch.set_num_threads``; 0 leaves torch's default; ``--threads``
+sets it too), ``compile``
 (wrap the model in ``torch.compile``; ``torch_compile.py`` sets it).
 """
 
@@ -27,8 +28,9 @@ def run(system: str, argv: list[str] | None = None, compile_model: bool = False)
     from benchmarks import models
 
     config = json.loads(args.config)
-    if config.get("threads"):
-        torch.set_num_threads(int(config["threads"]))
+    threads = int(config.get("threads") or args.threads)
+    if threads:
+        torch.set_num_threads(threads)
     meta, weights, data = load_entry(args.entry)
     module = models.build(meta["name"], dropout=meta["dropout"])
     module.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})

@@ -1,7 +1,8 @@
 """traingraph: artifacts from the cached ONNX export, run by ``traingraph.api``.
 
-Config keys (``--config``): ``optimization`` ("disable", "basic", "extended", "all"),
-``intra_op_threads`` (0: one per core), ``allow_spinning`` and ``spin_between_runs`` (bool),
+The artifacts are written in a child process (``common.in_child``). Config keys
+(``--config``): ``optimization`` ("disable", "basic", "extended", "all"), ``intra_op_threads``
+(0: one per core; ``--threads`` sets it too), ``allow_spinning`` and ``spin_between_runs`` (bool),
 fields of ``traingraph.runtime.session.SessionConfig``; and ``graph_optimizer`` (bool): run the
 standard-op optimizer graph at every step (``Optimizer(..., fused=False)``) instead of the
 fused in-place CPU update, to measure the portable path.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import load_entry, parse_args, report, timed_loop
+from common import in_child, load_entry, parse_args, report, timed_loop
 
 
 def write_artifacts(entry: Path, meta: dict, directory: Path, **options: object) -> None:
@@ -48,18 +49,21 @@ def write_artifacts(entry: Path, meta: dict, directory: Path, **options: object)
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
-    from traingraph.api import CheckpointState, Module, Optimizer
-    from traingraph.runtime.session import SessionConfig
-
     meta, weights, data = load_entry(args.entry)
     options = json.loads(args.config)
     fused = not options.pop("graph_optimizer", False)
-    config = SessionConfig(**options)
+    if args.threads:
+        options.setdefault("intra_op_threads", args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        write_artifacts(args.entry, meta, directory)
+        in_child(write_artifacts, args.entry, meta, directory)
+        from traingraph.api import CheckpointState, Module, Optimizer
+        from traingraph.runtime.session import SessionConfig
+
         state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        module = Module(directory / "training_model.onnx", state, session_config=config)
+        module = Module(
+            directory / "training_model.onnx", state, session_config=SessionConfig(**options)
+        )
         opt = Optimizer(directory / "optimizer_model.onnx", module, fused=fused)
     module.train()
 
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     setup = time.perf_counter() - start
     times, losses = timed_loop(step, data, args)
-    report("traingraph", meta, times, losses, setup, config=json.loads(args.config))
+    report("traingraph", meta, times, losses, setup, config=options)
 
 
 if __name__ == "__main__":

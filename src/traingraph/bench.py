@@ -10,15 +10,31 @@ processes. It pools the step times and prints, per model, the median step time, 
 memory, achieved GFLOP/s, the ratio of each system's median to traingraph's, and the compute
 limit: the model's FLOPs divided by this machine's measured sgemm peak.
 
+With ``--zoo`` it runs the zoo set instead (``benchmarks/zoo.py``: resnet18, resnet50,
+mobilenet_v3_small, efficientnet_b0, a ViT-Tiny, a BERT-mini, GPT-2-small decoder layers and an
+LSTM tagger at realistic small-batch CPU settings) against torch eager, torch.compile,
+onnxruntime-training 1.19.2 and ExecuTorch's training module. Every system starts from the same
+weights and sees the same batches; the table says, per system, how far its first
+:data:`AGREEMENT_STEPS` losses are from torch eager's (only the first loss where its optimizer
+differs: onnxruntime-training has no SGD momentum, ExecuTorch no AdamW) and whether that is
+within :data:`AGREEMENT_RTOL`. ``--threads 0 1`` runs every model with the libraries' default
+thread counts and again with one thread.
+
+The peers whose packages conflict with traingraph's run in virtual environments under
+``benchmarks/.envs/`` (or the interpreter named by their environment variable, see
+:data:`ENVIRONMENTS`); ``--setup-envs`` creates them with ``python -m venv`` and ``pip``.
+
 Example:
     $ traingraph bench --models mlp lenet --rounds 2 --json results.json
     $ python benchmarks/run.py --setup-envs   # create the peers' virtual environments
+    $ traingraph bench --zoo --threads 0 1 --json zoo.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import queue
@@ -39,12 +55,44 @@ READY = "BENCH-READY"
 CHUNK_DONE = "BENCH-CHUNK"
 MISSING_ENV = "environment missing (run benchmarks/run.py --setup-envs)"
 DEFAULT_MODELS = ("mlp", "lenet", "resnet8", "transformer")
-ORT_PACKAGES = ("onnxruntime-training-cpu==1.19.2", "onnx", "torch==2.13.0", "numpy<2")
-JAX_PACKAGES = ("jax", "jaxlib")
-# (environment variable naming the peer's interpreter, its directory under benchmarks/.envs)
+ZOO_MODELS = (
+    "resnet18",
+    "resnet50",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "vit_tiny",
+    "bert_mini",
+    "gpt2_stack",
+    "lstm_tagger",
+)
+"""The zoo set (``benchmarks/zoo.py``'s ``BENCH_MODELS``)."""
+AGREEMENT_STEPS = 3
+"""The first losses of each system that are compared with torch eager's."""
+AGREEMENT_RTOL = 1e-3
+"""The largest relative distance from torch eager's losses that counts as agreement."""
+
+
+def _torch_requirement() -> str:
+    """The torch of this environment (the CPU build here), for the peers' environments."""
+    return f"torch=={importlib.metadata.version('torch')}"
+
+
+# (environment variable naming the peer's interpreter, its directory under benchmarks/.envs,
+#  the packages pip installs there)
 ENVIRONMENTS = {
-    "ort_training": ("TRAINGRAPH_BENCH_ORT_PYTHON", "ortt"),
-    "jax_jit": ("TRAINGRAPH_BENCH_JAX_PYTHON", "jax"),
+    "ort_training": (
+        "TRAINGRAPH_BENCH_ORT_PYTHON",
+        "ortt",
+        # onnxruntime.training imports torch; onnx 1.16 and numpy 1 are what 1.19.2 was built for
+        ("onnxruntime-training-cpu==1.19.2", "onnx==1.16.*", "numpy<2", "{torch}"),
+    ),
+    "jax_jit": ("TRAINGRAPH_BENCH_JAX_PYTHON", "jax", ("jax", "jaxlib")),
+    # executorch's wheel runs with the torch it was built beside; it declares no torch itself
+    "executorch": (
+        "TRAINGRAPH_BENCH_EXECUTORCH_PYTHON",
+        "executorch",
+        ("executorch==1.5.1", "{torch}"),
+    ),
 }
 
 
@@ -68,6 +116,9 @@ PEERS = (
     System("jax_jit", "jax_jit.py"),
 )
 REFERENCE = System("traingraph", "traingraph_runner.py")
+EXECUTORCH = System("executorch", "executorch_runner.py")
+ZOO_SYSTEMS = (REFERENCE, *PEERS[:3], EXECUTORCH)
+"""The systems of the zoo set (JAX has no import of these models)."""
 
 
 def traingraph_systems(sweep: bool) -> list[System]:
@@ -102,7 +153,7 @@ def python_for(system: System, bench_dir: Path) -> str | None:
     """The interpreter that runs ``system``, or None when its environment does not exist."""
     if system.label not in ENVIRONMENTS:
         return sys.executable
-    variable, local = ENVIRONMENTS[system.label]
+    variable, local, _ = ENVIRONMENTS[system.label]
     candidates = [os.environ.get(variable), str(bench_dir / ".envs" / local / "bin" / "python")]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
@@ -111,17 +162,19 @@ def python_for(system: System, bench_dir: Path) -> str | None:
 
 
 def setup_envs(bench_dir: Path) -> None:
-    """Create the peers' virtual environments under ``benchmarks/.envs/`` where missing."""
-    for label, packages in (("ort_training", ORT_PACKAGES), ("jax_jit", JAX_PACKAGES)):
-        system = next(s for s in PEERS if s.label == label)
-        found = python_for(system, bench_dir)
+    """Create the peers' virtual environments under ``benchmarks/.envs/`` where missing: for
+    each, ``python -m venv benchmarks/.envs/<name>`` and ``pip install`` of its packages
+    (:data:`ENVIRONMENTS`), torch pinned to the version of this environment."""
+    for label, (_, local, packages) in ENVIRONMENTS.items():
+        found = python_for(System(label, ""), bench_dir)
         if found is not None:
             print(f"{label}: using {found}")
             continue
-        target = bench_dir / ".envs" / ENVIRONMENTS[label][1]
-        print(f"{label}: creating {target}")
+        target = bench_dir / ".envs" / local
+        requirements = [p.format(torch=_torch_requirement()) for p in packages]
+        print(f"{label}: creating {target}: pip install {' '.join(requirements)}")
         subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-        subprocess.run([str(target / "bin" / "pip"), "install", "-q", *packages], check=True)
+        subprocess.run([str(target / "bin" / "pip"), "install", "-q", *requirements], check=True)
 
 
 def sgemm_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
@@ -140,16 +193,26 @@ def sgemm_peak_gflops(n: int = 1024, repeats: int = 10) -> float:
 
 
 def prepare_models(
-    bench_dir: Path, cache: Path, models: Sequence[str], dropout: float | None
+    bench_dir: Path,
+    cache: Path,
+    models: Sequence[str],
+    dropout: float | None,
+    batch: int | None = None,
 ) -> None:
-    """Write the cache entries (torch export) in a subprocess, so this process stays small."""
+    """Write the cache entries (torch export) in a subprocess, so this process stays small;
+    ``batch`` replaces the zoo set's batch sizes."""
     args = [sys.executable, str(bench_dir / "models.py"), "--cache", str(cache), *models]
     if dropout is not None:
         args += ["--dropout", str(dropout)]
+    if batch is not None:
+        args += ["--batch", str(batch)]
     subprocess.run(args, check=True, cwd=bench_dir.parent)
 
 
-def entry_name(model: str, dropout: float | None) -> str:
+def entry_name(model: str, dropout: float | None, batch: int | None = None) -> str:
+    """The cache entry of ``model`` (as ``benchmarks/models.py`` and ``zoo.py`` name it)."""
+    if model in ZOO_MODELS:
+        return model if batch is None else f"{model}-b{batch}"
     return f"{model}-nodrop" if model == "transformer" and dropout == 0 else model
 
 
@@ -161,6 +224,7 @@ def _command(
     steps: int,
     warmup: int,
     chunk: int = 0,
+    threads: int = 0,
 ) -> list[str]:
     return [
         python,
@@ -175,6 +239,8 @@ def _command(
         json.dumps(system.config),
         "--chunk",
         str(chunk),
+        "--threads",
+        str(threads),
     ]
 
 
@@ -192,13 +258,19 @@ def _parse_result(stdout_lines: list[str], stderr: str, returncode: int | None) 
 
 
 def run_system(
-    system: System, entry: Path, bench_dir: Path, steps: int, warmup: int, timeout: float
+    system: System,
+    entry: Path,
+    bench_dir: Path,
+    steps: int,
+    warmup: int,
+    timeout: float,
+    threads: int = 0,
 ) -> dict[str, Any]:
     """Run one runner subprocess to the end; its JSON result, or ``{"error": ...}``."""
     python = python_for(system, bench_dir)
     if python is None:
         return {"error": MISSING_ENV}
-    command = _command(python, system, entry, bench_dir, steps, warmup)
+    command = _command(python, system, entry, bench_dir, steps, warmup, threads=threads)
     try:
         done = subprocess.run(
             command,
@@ -296,6 +368,7 @@ def run_interleaved(
     chunk: int,
     timeout: float,
     pause: float = 0.01,
+    threads: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Run ``systems`` side by side on one model, ``chunk`` timed steps at a time in turn.
 
@@ -303,7 +376,7 @@ def run_interleaved(
     the systems chunk by chunk, in an order rotated each time, so that drift in the
     machine's speed falls on all of them alike. Only one system computes at a time; each
     chunk starts ``pause`` seconds after the last one ends, so that threads still spinning
-    in the previous system have gone idle.
+    in the previous system have gone idle. ``threads`` goes to every runner (0: defaults).
 
     Returns:
         Each system's JSON result (or ``{"error": ...}``), by label.
@@ -315,7 +388,7 @@ def run_interleaved(
         if python is None:
             results[system.label] = {"error": MISSING_ENV}
             continue
-        command = _command(python, system, entry, bench_dir, steps, warmup, chunk)
+        command = _command(python, system, entry, bench_dir, steps, warmup, chunk, threads)
         runners[system.label] = _Runner(command, _runner_env(bench_dir))
     for runner in runners.values():
         runner.expect(READY, timeout)
@@ -351,18 +424,32 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def loss_agreement(
-    rows: dict[str, dict[str, Any]], reference: str = "torch_eager"
-) -> dict[str, float]:
-    """Per system, the largest relative difference of its per-step losses from ``reference``."""
+    rows: dict[str, dict[str, Any]], reference: str = "torch_eager", steps: int | None = None
+) -> dict[str, tuple[float, int]]:
+    """Per system, the largest relative difference of its losses from ``reference``'s.
+
+    Args:
+        rows: Each system's result, by label.
+        reference: The label whose losses are the reference.
+        steps: Compare the first ``steps`` losses (None: all of them). A system that reports
+            ``optimizer_differs`` (it trains with another optimizer) is compared on its first
+            loss only, the one before any update.
+
+    Returns:
+        ``(largest relative difference, losses compared)`` by label.
+    """
     ref = rows.get(reference, {})
     if "losses" not in ref:
         return {}
     expected = np.asarray(ref["losses"])
     out = {}
     for label, row in rows.items():
-        if "losses" in row and len(row["losses"]) == len(expected):
-            got = np.asarray(row["losses"])
-            out[label] = float(np.max(np.abs(got - expected) / np.abs(expected)))
+        if "losses" not in row or len(row["losses"]) != len(expected):
+            continue
+        count = 1 if row.get("optimizer_differs") else steps or len(expected)
+        got = np.asarray(row["losses"][:count])
+        diff = np.abs(got - expected[:count]) / np.abs(expected[:count])
+        out[label] = (float(np.max(diff)), count)
     return out
 
 
@@ -372,8 +459,14 @@ def _turns(chunk: int) -> str:
     return "(one system after another)"
 
 
+def threads_label(threads: int) -> str:
+    return f"{threads} thread{'s' if threads > 1 else ''}" if threads else "default threads"
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """The results as Markdown tables, one per model."""
+    """The results as Markdown tables, one per model (and thread setting)."""
+    rtol = report.get("agreement_rtol")
+    agreement = "loss rel. diff vs torch_eager (steps)" + (f", within {rtol:g}" if rtol else "")
     lines = [
         f"sgemm peak (numpy BLAS, 1024^3 float32): {report['sgemm_gflops']:.1f} GFLOP/s;"
         f" {report['steps']} timed steps after {report['warmup']} warm-up steps"
@@ -390,12 +483,12 @@ def format_table(report: dict[str, Any]) -> str:
             f" compute limit {limit_ms:.3f} ms",
             "",
             "| system | median ms | peak RSS MiB | GFLOP/s | peer / traingraph |"
-            " x compute limit | max loss rel. diff vs torch |",
+            f" x compute limit | {agreement} |",
             "|---|---|---|---|---|---|---|",
         ]
         rows = entry["systems"]
         ref = rows.get(REFERENCE.label, {}).get("median_ms")
-        agree = loss_agreement(rows)
+        agree = loss_agreement(rows, steps=report.get("agreement_steps"))
         for label, row in rows.items():
             if "error" in row:
                 lines.append(f"| {label} | failed: {row['error']} | | | | | |")
@@ -403,11 +496,15 @@ def format_table(report: dict[str, Any]) -> str:
             ms = row["median_ms"]
             ratio = f"{ms / ref:.2f}" if ref else "-"
             note = f" ({row['optimizer']})" if row.get("optimizer", "adamw") != "adamw" else ""
-            diff = agree.get(label)
+            diff = "-"
+            if label in agree:
+                value, count = agree[label]
+                diff = f"{value:.1e} ({count})"
+                if rtol:
+                    diff += " ok" if value <= rtol else " **disagrees**"
             lines.append(
                 f"| {label}{note} | {ms:.3f} | {row['peak_rss_mb']:.0f} |"
-                f" {flops / (ms * 1e-3) / 1e9:.2f} | {ratio} | {ms / limit_ms:.1f} |"
-                f" {'-' if diff is None else f'{diff:.1e}'} |"
+                f" {flops / (ms * 1e-3) / 1e9:.2f} | {ratio} | {ms / limit_ms:.1f} | {diff} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -417,21 +514,49 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="traingraph bench", description="Benchmark traingraph's training step against peers."
     )
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=DEFAULT_MODELS)
+    parser.add_argument(
+        "--zoo",
+        action="store_true",
+        help="the zoo set (benchmarks/zoo.py) against torch eager, torch.compile,"
+        " onnxruntime-training and ExecuTorch",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        choices=[*DEFAULT_MODELS, *ZOO_MODELS],
+        help=f"default: {' '.join(DEFAULT_MODELS)}; with --zoo the whole zoo set",
+    )
     parser.add_argument(
         "--systems",
         nargs="+",
         default=None,
-        help="labels to run (default: traingraph, traingraph no-spin and all peers)",
+        help="labels to run (default: traingraph, its variants and all peers; with --zoo"
+        " traingraph and the zoo's peers)",
     )
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per round")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps before them")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per round [50; zoo 20]"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps before them [10; zoo 3]"
+    )
     parser.add_argument(
         "--chunk",
         type=int,
-        default=10,
+        default=None,
         help="run the systems side by side, taking turns this many timed steps at a time"
-        " (0: one system after another)",
+        " (0: one system after another) [10; zoo 2]",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="intra-op threads of every system, one run per value (0: each library's default);"
+        " `--threads 0 1` runs the defaults and one thread",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=None, help="zoo set: this batch size for every model"
     )
     parser.add_argument(
         "--rounds", type=int, default=1, help="repetitions, each with fresh processes"
@@ -454,16 +579,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     parser.add_argument("--json", type=Path, default=None, help="write the full results here")
     parser.add_argument(
-        "--setup-envs", action="store_true", help="create the peers' virtual environments and exit"
+        "--setup-envs",
+        "--setup-peers",
+        action="store_true",
+        help="create the peers' virtual environments and exit",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    defaults = {"steps": (50, 20), "warmup": (10, 3), "chunk": (10, 2)}
+    for name, (default, zoo) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, zoo if args.zoo else default)
+    if args.models is None:
+        args.models = list(ZOO_MODELS if args.zoo else DEFAULT_MODELS)
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by ``args``; returns the report (see :func:`format_table`)."""
     bench_dir = (args.bench_dir or default_bench_dir()).resolve()
     cache = (args.cache or bench_dir / ".envs" / "cache").resolve()
-    systems = [*traingraph_systems(args.sweep), *PEERS]
+    zoo = getattr(args, "zoo", False)
+    threads_list = getattr(args, "threads", None) or [0]
+    batch = getattr(args, "batch", None)
+    systems = list(ZOO_SYSTEMS) if zoo else [*traingraph_systems(args.sweep), *PEERS]
     if args.systems:
         unknown = sorted(set(args.systems) - {s.label for s in systems})
         if unknown:
@@ -471,7 +609,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"unknown systems {unknown}; expected labels from {[s.label for s in systems]}"
             )
         systems = [s for s in systems if s.label in args.systems]
-    prepare_models(bench_dir, cache, args.models, args.dropout)
+    prepare_models(bench_dir, cache, args.models, args.dropout, batch)
     report: dict[str, Any] = {
         "command": " ".join(["traingraph bench", *sys.argv[1:]]),
         "sgemm_gflops": sgemm_peak_gflops(),
@@ -482,36 +620,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "models": {},
     }
+    if zoo:
+        report.update(agreement_steps=AGREEMENT_STEPS, agreement_rtol=AGREEMENT_RTOL)
     raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for round_index in range(args.rounds):
+        for threads in threads_list:
+            for model in args.models:
+                key = model if len(threads_list) == 1 else f"{model}, {threads_label(threads)}"
+                entry = cache / entry_name(model, args.dropout, batch)
+                shift = round_index % len(systems)
+                order = systems[shift:] + systems[:shift]
+                if args.chunk > 0:
+                    results = run_interleaved(
+                        order,
+                        entry,
+                        bench_dir,
+                        args.steps,
+                        args.warmup,
+                        args.chunk,
+                        args.timeout,
+                        threads=threads,
+                    )
+                else:
+                    results = {
+                        s.label: run_system(
+                            s, entry, bench_dir, args.steps, args.warmup, args.timeout, threads
+                        )
+                        for s in order
+                    }
+                for label, result in results.items():
+                    raw.setdefault(key, {}).setdefault(label, []).append(result)
+                    status = result.get("error") or f"{result['median_ms']:.3f} ms"
+                    print(
+                        f"[round {round_index + 1}] {key:28s} {label:28s} {status}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    for threads in threads_list:
         for model in args.models:
-            entry = cache / entry_name(model, args.dropout)
-            shift = round_index % len(systems)
-            order = systems[shift:] + systems[:shift]
-            if args.chunk > 0:
-                results = run_interleaved(
-                    order, entry, bench_dir, args.steps, args.warmup, args.chunk, args.timeout
-                )
-            else:
-                results = {
-                    s.label: run_system(s, entry, bench_dir, args.steps, args.warmup, args.timeout)
-                    for s in order
-                }
-            for label, result in results.items():
-                raw.setdefault(model, {}).setdefault(label, []).append(result)
-                status = result.get("error") or f"{result['median_ms']:.3f} ms"
-                print(
-                    f"[round {round_index + 1}] {model:12s} {label:28s} {status}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    for model in args.models:
-        meta = json.loads((cache / entry_name(model, args.dropout) / "meta.json").read_text())
-        report["models"][model] = {
-            "description": meta["description"],
-            "train_flops": meta["train_flops"],
-            "systems": {s.label: pooled(raw[model][s.label]) for s in systems},
-        }
+            key = model if len(threads_list) == 1 else f"{model}, {threads_label(threads)}"
+            entry = cache / entry_name(model, args.dropout, batch)
+            meta = json.loads((entry / "meta.json").read_text())
+            report["models"][key] = {
+                "description": meta["description"],
+                "threads": threads,
+                "train_flops": meta["train_flops"],
+                "systems": {s.label: pooled(raw[key][s.label]) for s in systems},
+            }
     report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
@@ -529,4 +684,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["main", "run", "sgemm_peak_gflops"]
+def command() -> Any:
+    """The ``traingraph bench`` click command: the arguments go to :func:`main` as they are."""
+    import click
+
+    @click.command(
+        "bench",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+    )
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def bench_command(args: tuple[str, ...]) -> None:
+        """Benchmark the training step against PyTorch, onnxruntime-training and other peers
+        (`traingraph bench --help` lists the options; `--zoo` runs real models)."""
+        sys.exit(main(list(args)))
+
+    return bench_command
+
+
+__all__ = ["command", "main", "run", "sgemm_peak_gflops"]
