@@ -1,8 +1,10 @@
 /* A pool of persistent worker threads for traingraph's native kernels (_convc.c, _fusedc.c).
  *
- * pool_run(share, arg, threads) runs share(arg, t, threads) for t < threads, the caller being
- * thread 0 and the workers the others; one task at a time. The
- * workers sleep between tasks, and are kept off the caller's CPU before they are woken. Each
+ * pool_run(share, arg, threads) runs share(arg, t, threads) for t < threads, each share once;
+ * one task at a time. The caller runs share 0, then every share that no worker has claimed
+ * yet: worker t claims share t when it wakes, and a worker that the scheduler lets wait (a
+ * busy machine) leaves its share to the caller instead of holding up the task. The workers
+ * sleep between tasks, and are kept off the caller's CPU before they are woken. Each
  * extension that includes this file has its own pool; call register_pool_fork_handler() from
  * its module init so that a fork()ed child starts its own workers.
  */
@@ -31,7 +33,8 @@ static struct {
     pthread_cond_t wake;
     int started;                 /* workers running (they never exit) */
     atomic_uint_fast64_t generation;
-    atomic_int done;
+    atomic_uint_fast64_t claimed[MAX_THREADS]; /* the last generation each share was claimed in */
+    atomic_int done;                           /* shares the workers finished in this one */
     atomic_int failed;
     struct task task;
     uint_fast64_t created_at[MAX_THREADS]; /* the generation when each worker was created */
@@ -78,6 +81,19 @@ static inline void pause_cpu(void)
 #endif
 }
 
+/* Whether this thread takes share t of task `generation`: the first to ask does. A claim
+ * for a task already finished fails (its caller claimed every share before it returned). */
+static int claim(int t, uint_fast64_t generation)
+{
+    uint_fast64_t last = atomic_load(&pool.claimed[t]);
+    while (last < generation) {
+        if (atomic_compare_exchange_weak(&pool.claimed[t], &last, generation)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 static void *worker(void *arg)
 {
     const int t = (int)(intptr_t)arg;
@@ -92,10 +108,10 @@ static void *worker(void *arg)
         }
         pthread_mutex_unlock(&pool.lock);
         seen = now;
-        if (t < pool.task.threads) {
+        if (claim(t, now)) { /* the task is still running and waits for this share */
             run_share(t);
+            atomic_fetch_add(&pool.done, 1);
         }
-        atomic_fetch_add(&pool.done, 1);
     }
     return NULL;
 }
@@ -123,16 +139,29 @@ static int run_task(int (*share)(const void *, int, int), const void *arg, int t
     pool.task = (struct task){share, arg, threads};
     atomic_store(&pool.failed, 0);
     atomic_store(&pool.done, 0);
-    const int waiting = pool.started;
-    if (waiting) {
+    const uint_fast64_t generation = atomic_load(&pool.generation) + 1;
+    for (int t = threads; t <= pool.started; t++) { /* the workers without a share */
+        atomic_store(&pool.claimed[t], generation);
+    }
+    if (threads > 1) {
         keep_workers_away();
         pthread_mutex_lock(&pool.lock);
-        atomic_fetch_add(&pool.generation, 1);
+        atomic_store(&pool.generation, generation);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
+    else { /* no worker is woken; one that wakes finds every share claimed */
+        atomic_store(&pool.generation, generation);
+    }
     run_share(0);
-    while (atomic_load(&pool.done) < waiting) {
+    int by_workers = threads - 1;
+    for (int t = 1; t < threads; t++) {
+        if (claim(t, generation)) {
+            run_share(t);
+            by_workers--;
+        }
+    }
+    while (atomic_load(&pool.done) < by_workers) {
         pause_cpu();
     }
     return atomic_load(&pool.failed) ? -1 : threads;
