@@ -31,7 +31,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime.native import NATIVE
 
 # batch, channels, size, filters, kernel, stride, pad
 WEIGHT_CASES = [
@@ -79,7 +79,7 @@ def _weight_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
     xt, dyt = torch.from_numpy(x), torch.from_numpy(dy)
 
     def native() -> None:
-        conv_grads.NATIVE.weight_grads([(x, dy, dw, (s, s), (p, p), (1, 1), 1)], threads)
+        NATIVE.weight_grads([(x, dy, dw, (s, s), (p, p), (1, 1), 1)], threads)
 
     def peer() -> object:
         return torch.nn.grad.conv2d_weight(xt, dw.shape, dyt, stride=s, padding=p)
@@ -139,7 +139,7 @@ def _col2im_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
     term = (cols, (k, k), (grid, grid), (s, s), (p, p), (1, 1))
 
     def native() -> None:
-        conv_grads.NATIVE.col2im_sum(out, [term], [], None, threads)
+        NATIVE.col2im_sum(out, [term], [], None, threads)
 
     def peer() -> object:
         return session.run(None, {"cols": cols})[0]
@@ -195,7 +195,7 @@ def _direct_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
     """The direct convolution and onnxruntime's on one layer."""
     p, relu = case[5], case[6]
     return _conv_case(
-        case, threads, lambda x, w, b, out: conv_grads.NATIVE.conv_direct(
+        case, threads, lambda x, w, b, out: NATIVE.conv_direct(
             x, w, b, out, (p, p), relu, threads
         )
     )  # fmt: skip
@@ -222,7 +222,7 @@ def winograd(threads: int, repeats: int) -> None:
         t = _alternate(
             _conv_case(
                 (n, c, h, m, 3, 1, False), threads,
-                lambda x, w, b, out: conv_grads.NATIVE.conv_winograd(x, w, b, None, out, threads),
+                lambda x, w, b, out: NATIVE.conv_winograd(x, w, b, None, out, threads),
             ),
             repeats,
         )  # fmt: skip
@@ -238,7 +238,7 @@ def main() -> None:
     kernels = ["weight", "col2im", "direct", "winograd"]
     parser.add_argument("--kernels", nargs="+", choices=kernels, default=kernels)
     args = parser.parse_args()
-    if conv_grads.NATIVE is None:
+    if NATIVE is None:
         raise SystemExit("traingraph.runtime._convc was not built (no C compiler at install time)")
     if "weight" in args.kernels:
         weight_gradients(args.threads, args.repeats)

@@ -14,11 +14,12 @@ from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
 from traingraph.runtime import bn_forward, conv_grads, segments
+from traingraph.runtime.native import AVAILABLE, NATIVE
 
 NO_BN_FORWARDS = "batch_norm_forward"
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -37,7 +38,7 @@ def test_kernel_matches_torch(shape, threads, relu, addend):
     other = rng.standard_normal(shape).astype(np.float32) if addend else None
     y = np.full(shape, np.nan, np.float32)
     mean, var = np.full(channels, np.nan, np.float32), np.full(channels, np.nan, np.float32)
-    conv_grads.NATIVE.batch_norm_forward(
+    NATIVE.batch_norm_forward(
         x, scale, bias, other, y, mean, var, 1e-5, relu, threads
     )
     xt = torch.from_numpy(x).double()
@@ -55,7 +56,7 @@ def test_kernel_matches_torch(shape, threads, relu, addend):
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
-    native = conv_grads.NATIVE
+    native = NATIVE
     x, c = np.zeros((2, 3, 4), np.float32), np.zeros(3, np.float32)
     y, m, v = np.zeros_like(x), np.zeros(3, np.float32), np.zeros(3, np.float32)
     with pytest.raises(ValueError, match=r"scale, bias, mean and var the shape \[C\]"):

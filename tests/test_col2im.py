@@ -16,11 +16,12 @@ from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
 from traingraph.runtime import batch_norm, col2im, conv_grads, segments
+from traingraph.runtime.native import AVAILABLE, NATIVE
 
 NO_COLUMN_SUMS = "col2im"
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -66,18 +67,18 @@ def test_kernel_matches_onnxruntime(geometry, threads):
     want = _onnxruntime_col2im(cols, (h, w), (kh, kw), (s0, s1), pads, (d0, d1))
     term = (cols, (kh, kw), (oh, ow), (s0, s1), pads[:2], (d0, d1))
     out = np.full((n, c, h, w), np.nan, np.float32)
-    conv_grads.NATIVE.col2im_sum(out, [term], [], None, threads)
+    NATIVE.col2im_sum(out, [term], [], None, threads)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
     # with two addends, a second term and the Relu mask of a gate
     a, b, gate = (rng.standard_normal(out.shape).astype(np.float32) for _ in range(3))
     gate[0, 0, 0, :2] = 0.0  # not above 0: masked
-    conv_grads.NATIVE.col2im_sum(out, [term, term], [a, b], gate, threads)
+    NATIVE.col2im_sum(out, [term, term], [a, b], gate, threads)
     np.testing.assert_allclose(out, np.where(gate > 0, a + b + 2 * want, 0), rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
-    kernel = conv_grads.NATIVE.col2im_sum
+    kernel = NATIVE.col2im_sum
     out = np.zeros((2, 3, 8, 8), np.float32)
     cols = np.zeros((2, 3 * 9, 16), np.float32)
     term = (cols, (3, 3), (4, 4), (2, 2), (1, 1), (1, 1))

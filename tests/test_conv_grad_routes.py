@@ -15,14 +15,15 @@ from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import batch_norm, conv_grads, segments
+from traingraph.runtime.native import AVAILABLE, NATIVE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
-_native = conv_grads.NATIVE
+_native = NATIVE
 
 
 def _tied(rng: np.random.Generator, shape: tuple[int, ...], relu: bool) -> np.ndarray:

@@ -14,12 +14,13 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import conv_grads, direct_conv, segments
+from traingraph.runtime import direct_conv, segments
+from traingraph.runtime.native import AVAILABLE, NATIVE
 
 NO_DIRECT_CONVS = "direct_conv"
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -51,12 +52,12 @@ def test_kernel_matches_torch(geometry, threads, relu):
     )
     want = (torch.relu(want) if relu else want).numpy()
     y = np.full(want.shape, np.nan, np.float32)
-    conv_grads.NATIVE.conv_direct(x, weight, bias, y, (top, left), relu, threads)
+    NATIVE.conv_direct(x, weight, bias, y, (top, left), relu, threads)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
-    native = conv_grads.NATIVE
+    native = NATIVE
     x, w = np.zeros((2, 1, 8, 8), np.float32), np.zeros((3, 1, 3, 3), np.float32)
     y = np.zeros((2, 3, 6, 6), np.float32)
     with pytest.raises(ValueError, match=r"w \[3, 2, 3, 3\].*y must be \[N, M, OH, OW\]"):

@@ -18,11 +18,11 @@ from torch import nn
 from torch_models import ResidualNet, SmallCNN, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import conv_grads
+from traingraph.runtime.native import AVAILABLE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 

@@ -20,9 +20,10 @@ from gradcheck import (
 from torch_models import export, seeded
 from traingraph.runtime import conv_grads, gelu, segments
 from traingraph.runtime.masks import DropoutMask
+from traingraph.runtime.native import AVAILABLE, NATIVE
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -44,8 +45,8 @@ def test_kernel_matches_torch(shape, threads):
     a.flat[:4] = [0.0, -0.0, -12.0, 95.0][: a.size]  # zero, far tails, exp's lower limit
     g = rng.standard_normal(shape).astype(np.float32)
     y, da = np.full_like(a, np.nan), np.full_like(a, np.nan)
-    conv_grads.NATIVE.gelu(a, None, y, threads)
-    conv_grads.NATIVE.gelu(a, g, da, threads)
+    NATIVE.gelu(a, None, y, threads)
+    NATIVE.gelu(a, g, da, threads)
     want_y, want_da = _torch_gelu(a, g)
     np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=5e-7)
     np.testing.assert_allclose(da, want_da, rtol=2e-6, atol=5e-7)
@@ -62,26 +63,26 @@ def test_kernel_with_a_mask_matches_torch(threads):
     product = nn.functional.gelu(at) * torch.from_numpy(mask).double()
     product.backward(torch.from_numpy(g).double())
     y, da = np.full_like(a, np.nan), np.full_like(a, np.nan)
-    conv_grads.NATIVE.gelu(a, None, y, threads, mask)
-    conv_grads.NATIVE.gelu(a, g, da, threads, mask)
+    NATIVE.gelu(a, None, y, threads, mask)
+    NATIVE.gelu(a, g, da, threads, mask)
     np.testing.assert_allclose(y, product.detach().numpy(), rtol=2e-6, atol=5e-7)
     np.testing.assert_allclose(da, at.grad.numpy(), rtol=2e-6, atol=5e-7)
     with pytest.raises(ValueError, match="mask has 7 elements"):
-        conv_grads.NATIVE.gelu(a[0, 0, :8], None, y[0, 0, :8], 1, mask[0, 0, :7])
+        NATIVE.gelu(a[0, 0, :8], None, y[0, 0, :8], 1, mask[0, 0, :7])
     # a factor that broadcasts is multiplied after the kernel
     row = mask[:1, :1]
     kernel = gelu.Gelu("a", "g", "out", "mask")
     out: dict[str, np.ndarray] = {}
     kernel.compute({"a": a, "g": g, "mask": row}, out, threads)
     plain = np.empty_like(a)
-    conv_grads.NATIVE.gelu(a, g, plain, threads)
+    NATIVE.gelu(a, g, plain, threads)
     np.testing.assert_allclose(out["out"], plain * row, rtol=1e-6)
 
 
 def test_kernel_is_within_the_erf_bound_everywhere():
     a = np.linspace(-100, 100, 200_001, dtype=np.float32)
     y = np.empty_like(a)
-    conv_grads.NATIVE.gelu(a, None, y, 2)
+    NATIVE.gelu(a, None, y, 2)
     want = nn.functional.gelu(torch.from_numpy(a).double()).numpy()
     # |a| 1.5e-7 / 2 from erf, and the float32 rounding of the steps
     assert np.all(np.abs(y - want) <= np.abs(a) * 1e-7 + np.abs(want) * 3e-7 + 1e-30)
@@ -90,13 +91,13 @@ def test_kernel_is_within_the_erf_bound_everywhere():
 def test_kernel_refuses_arrays_it_cannot_take():
     a = np.zeros(8, np.float32)
     with pytest.raises(ValueError, match="out has 7 elements, a has 8"):
-        conv_grads.NATIVE.gelu(a, None, np.zeros(7, np.float32), 1)
+        NATIVE.gelu(a, None, np.zeros(7, np.float32), 1)
     with pytest.raises(ValueError, match="float32"):
-        conv_grads.NATIVE.gelu(a.astype(np.float64), None, np.zeros(8, np.float32), 1)
+        NATIVE.gelu(a.astype(np.float64), None, np.zeros(8, np.float32), 1)
     frozen = np.zeros(8, np.float32)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
-        conv_grads.NATIVE.gelu(a, None, frozen, 1)
+        NATIVE.gelu(a, None, frozen, 1)
     kernel = gelu.Gelu("a", "g", "out")
     with pytest.raises(ValueError, match="must have the input's shape"):
         kernel.compute({"a": np.zeros((2, 3), np.float32), "g": np.zeros(6, np.float32)}, {}, 1)

@@ -12,10 +12,11 @@ from traingraph import artifacts, optim
 from traingraph.errors import ModelError
 from traingraph.ir.tags import KEY, tagged_kernels
 from traingraph.runtime import conv_grads, kernels
+from traingraph.runtime.native import AVAILABLE
 from traingraph.runtime.session import SessionConfig
 from traingraph.runtime.specialize import for_cpu
 
-pytestmark = pytest.mark.skipif(not conv_grads.AVAILABLE, reason="the native kernels are not built")
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="the native kernels are not built")
 
 
 @pytest.fixture(scope="module")

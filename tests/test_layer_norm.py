@@ -17,10 +17,11 @@ from gradcheck import (
     assert_trains_as_torch_adamw,
 )
 from torch_models import export, seeded
-from traingraph.runtime import conv_grads, layer_norm, segments
+from traingraph.runtime import layer_norm, segments
+from traingraph.runtime.native import AVAILABLE, NATIVE
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -45,7 +46,7 @@ def test_kernel_matches_torch(shape, threads):
     dy = rng.standard_normal(shape).astype(np.float32)
     scale, bias = (rng.standard_normal(shape[-1]).astype(np.float32) for _ in range(2))
     dx, dscale, dbias = np.full_like(x, np.nan), np.full_like(scale, np.nan), np.empty_like(bias)
-    conv_grads.NATIVE.layer_norm_grad(x, dy, scale, dx, dscale, dbias, 1e-5, threads)
+    NATIVE.layer_norm_grad(x, dy, scale, dx, dscale, dbias, 1e-5, threads)
     for got, want in zip((dx, dscale, dbias), _torch_grads(x, dy, scale, bias, 1e-5)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
 
@@ -55,16 +56,16 @@ def test_kernel_skips_the_gradients_not_asked_for():
     x, dy = (rng.standard_normal((6, 20)).astype(np.float32) for _ in range(2))
     scale = rng.standard_normal(20).astype(np.float32)
     full = [np.empty_like(x), np.empty_like(scale), np.empty_like(scale)]
-    conv_grads.NATIVE.layer_norm_grad(x, dy, scale, *full, 1e-5, 2)
+    NATIVE.layer_norm_grad(x, dy, scale, *full, 1e-5, 2)
     dbias = np.empty_like(scale)
-    conv_grads.NATIVE.layer_norm_grad(x, dy, scale, None, None, dbias, 1e-5, 2)
+    NATIVE.layer_norm_grad(x, dy, scale, None, None, dbias, 1e-5, 2)
     np.testing.assert_array_equal(dbias, full[2])
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
     x = np.zeros((2, 3, 4), np.float32)
     c = np.zeros(4, np.float32)
-    kernel = conv_grads.NATIVE.layer_norm_grad
+    kernel = NATIVE.layer_norm_grad
     with pytest.raises(ValueError, match="one size"):
         kernel(x, np.zeros((2, 3, 5), np.float32), c, np.empty_like(x), c, c, 1e-5, 1)
     with pytest.raises(ValueError, match="last axis"):

@@ -21,9 +21,10 @@ from torch import nn
 from torch_models import export, seeded
 from traingraph import api, artifacts
 from traingraph.runtime import batch_norm, conv_grads
+from traingraph.runtime.native import AVAILABLE
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 

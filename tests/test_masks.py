@@ -17,11 +17,12 @@ from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.ir.random import GOLDEN, MIX
-from traingraph.runtime import conv_grads, masks, segments
+from traingraph.runtime import masks, segments
+from traingraph.runtime.native import AVAILABLE, NATIVE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -44,24 +45,24 @@ def _reference(shape, seed, threshold, scale, mix=MIX):
 def test_kernel_matches_the_hash(shape, threads, seed):
     threshold, scale = int(0.9 * 2**32), np.float32(1 / 0.9)
     out = np.full(shape, np.nan, np.float32)
-    conv_grads.NATIVE.dropout_mask(out, seed, GOLDEN, MIX, threshold, float(scale), threads)
+    NATIVE.dropout_mask(out, seed, GOLDEN, MIX, threshold, float(scale), threads)
     np.testing.assert_array_equal(out, _reference(shape, seed, threshold, scale))
 
 
 def test_kernel_keeps_the_asked_share():
     out = np.empty(1 << 20, np.float32)
     for keep in (0.5, 0.9):
-        conv_grads.NATIVE.dropout_mask(out, 99, GOLDEN, MIX, round(keep * 2**32), 1.0, 2)
+        NATIVE.dropout_mask(out, 99, GOLDEN, MIX, round(keep * 2**32), 1.0, 2)
         assert abs(out.mean() - keep) < 3e-3
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
     with pytest.raises(ValueError, match="float32"):
-        conv_grads.NATIVE.dropout_mask(np.empty(4), 1, GOLDEN, MIX, 10, 1.0, 1)
+        NATIVE.dropout_mask(np.empty(4), 1, GOLDEN, MIX, 10, 1.0, 1)
     with pytest.raises(ValueError, match="read-only"):
         frozen = np.empty(4, np.float32)
         frozen.flags.writeable = False
-        conv_grads.NATIVE.dropout_mask(frozen, 1, GOLDEN, MIX, 10, 1.0, 1)
+        NATIVE.dropout_mask(frozen, 1, GOLDEN, MIX, 10, 1.0, 1)
 
 
 class DropNet(nn.Module):

@@ -18,10 +18,11 @@ from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime import batch_norm, conv_grads, segments
 from traingraph.runtime.col2im import Col2ImSum
+from traingraph.runtime.native import AVAILABLE, NATIVE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -44,7 +45,7 @@ def test_kernel_matches_torch(shape, relu, threads):
     out.backward(torch.from_numpy(dy.astype(np.float64)))
     y = out.detach().numpy().astype(np.float32) if relu else None
     dx, dscale, dbias = np.empty_like(x), np.empty_like(scale), np.empty_like(bias)
-    conv_grads.NATIVE.batch_norm_grad(x, dy, y, scale, dx, dscale, dbias, 1e-5, threads)
+    NATIVE.batch_norm_grad(x, dy, y, scale, dx, dscale, dbias, 1e-5, threads)
     for got, leaf in zip((dx, dscale, dbias), leaves):
         want = leaf.grad.numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
@@ -55,16 +56,16 @@ def test_kernel_skips_the_gradients_not_asked_for():
     x, dy = (rng.standard_normal((4, 3, 5, 5)).astype(np.float32) for _ in range(2))
     scale = rng.standard_normal(3).astype(np.float32)
     full = [np.empty_like(x), np.empty_like(scale), np.empty_like(scale)]
-    conv_grads.NATIVE.batch_norm_grad(x, dy, None, scale, *full, 1e-5, 2)
+    NATIVE.batch_norm_grad(x, dy, None, scale, *full, 1e-5, 2)
     dbias = np.empty_like(scale)
-    conv_grads.NATIVE.batch_norm_grad(x, dy, None, scale, None, None, dbias, 1e-5, 2)
+    NATIVE.batch_norm_grad(x, dy, None, scale, None, None, dbias, 1e-5, 2)
     np.testing.assert_array_equal(dbias, full[2])
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
     x = np.zeros((2, 3, 4, 4), np.float32)
     c = np.zeros(3, np.float32)
-    kernel = conv_grads.NATIVE.batch_norm_grad
+    kernel = NATIVE.batch_norm_grad
     with pytest.raises(ValueError, match="one shape"):
         kernel(x, np.zeros((2, 3, 4, 5), np.float32), None, c, np.empty_like(x), c, c, 1e-5, 1)
     with pytest.raises(ValueError, match="one shape"):

@@ -16,11 +16,12 @@ from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
 from traingraph.runtime import conv_grads, segments, winograd
+from traingraph.runtime.native import AVAILABLE, NATIVE
 
 NO_WINOGRAD = "winograd"
 
 pytestmark = pytest.mark.skipif(
-    not conv_grads.AVAILABLE,
+    not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
 )
 
@@ -66,7 +67,7 @@ def test_kernel_matches_torch(geometry, tile, threads, bias, addend):
     b = rng.standard_normal(k).astype(np.float32) if bias else None
     other = rng.standard_normal((n, k, h, w)).astype(np.float32) if addend else None
     y = np.full((n, k, h, w), np.nan, np.float32)
-    conv_grads.NATIVE.conv_winograd(x, weight, b, other, y, threads, tile)
+    NATIVE.conv_winograd(x, weight, b, other, y, threads, tile)
     want = torch.nn.functional.conv2d(
         torch.from_numpy(x).double(),
         torch.from_numpy(weight).double(),
@@ -80,7 +81,7 @@ def test_kernel_matches_torch(geometry, tile, threads, bias, addend):
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
-    native = conv_grads.NATIVE
+    native = NATIVE
     x, w = np.zeros((2, 3, 6, 6), np.float32), np.zeros((4, 3, 3, 3), np.float32)
     y = np.zeros((2, 4, 6, 6), np.float32)
     with pytest.raises(ValueError, match=r"over an even height and width"):

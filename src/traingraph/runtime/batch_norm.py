@@ -22,11 +22,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, graph_match, verify
+from traingraph.runtime.native import NATIVE, NormalizationGradOutputs, output_array
 
 
 @dataclass(frozen=True)
-class BatchNormGrad(conv_grads.NormalizationGradOutputs):
+class BatchNormGrad(NormalizationGradOutputs):
     """One training-mode BatchNormalization gradient that the native kernel computes.
 
     Attributes:
@@ -60,8 +61,8 @@ class BatchNormGrad(conv_grads.NormalizationGradOutputs):
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
         self.output_arrays(out, x.shape, x.shape[1:2])
-        assert conv_grads.NATIVE is not None
-        conv_grads.NATIVE.batch_norm_grad(
+        assert NATIVE is not None
+        NATIVE.batch_norm_grad(
             x,
             values[self.dy],
             values[self.y] if self.y else None,
@@ -83,11 +84,11 @@ def split_batch_norm_grads(
 
     ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
     phase: its BatchNormalizations (and the Relus after them) count too."""
-    if conv_grads.NATIVE is None or conv_grads.has_subgraphs(model):
+    if NATIVE is None or graph_match.has_subgraphs(model):
         return []
-    g = conv_grads.GraphIndex.of(model.graph)
-    f = conv_grads.GraphIndex.of(forward.graph) if forward is not None else g
-    shapes = conv_grads.inferred_shapes(model)
+    g = graph_match.GraphIndex.of(model.graph)
+    f = graph_match.GraphIndex.of(forward.graph) if forward is not None else g
+    shapes = graph_match.inferred_shapes(model)
     found = []
     for node in g.nodes + (f.nodes if f is not g else []):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
@@ -98,8 +99,8 @@ def split_batch_norm_grads(
 
 
 def _match(
-    g: conv_grads.GraphIndex,
-    f: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
+    f: graph_match.GraphIndex,
     bn: onnx.NodeProto,
     shapes: Mapping[str, Sequence[int | None]],
 ) -> tuple[BatchNormGrad, set[int]] | None:
@@ -183,7 +184,7 @@ _CHECK_VALUES = 1024
 
 def _verified(
     model: onnx.ModelProto,
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     found: list[tuple[BatchNormGrad, set[int]]],
     shapes: Mapping[str, Sequence[int | None]],
 ) -> list[tuple[BatchNormGrad, set[int]]]:
@@ -226,7 +227,7 @@ def _verified(
     if not planned:
         return []
     window = max(math.prod(x_shape) for *_, x_shape in planned)
-    draws = conv_grads.WindowedDraws(np.random.default_rng(0), 4, window)
+    draws = verify.WindowedDraws(np.random.default_rng(0), 4, window)
     feeds = draws.feeds
     checks = []
     for index, grad, nodes, x_shape in planned:
@@ -249,9 +250,9 @@ def _verified(
         return []
     keep = sorted(set().union(*(nodes for _, _, nodes in checks)))
     names = [name for _, grad, _ in checks for name in grad.outputs]
-    runs = [feeds, conv_grads.with_non_finite(feeds)]  # then a NaN and infinities in them
+    runs = [feeds, verify.with_non_finite(feeds)]  # then a NaN and infinities in them
     try:
-        results = conv_grads.run_subgraph(model, [g.nodes[i] for i in keep], runs, names)
+        results = verify.run_subgraph(model, [g.nodes[i] for i in keep], runs, names)
     except Exception:  # a subgraph onnxruntime rejects stays in the graph
         return []
     passed = set()
@@ -263,7 +264,7 @@ def _verified(
             for name, want in zip(names, outputs):
                 if name in grad.outputs:  # the parameters' gradients may keep dims of one
                     want = want if name == grad.dx else want.reshape(-1)
-                    ok = ok and conv_grads.same_values(got[name], want)
+                    ok = ok and verify.same_values(got[name], want)
         if ok:
             passed.add(index)
     return [match for i, match in enumerate(found) if checked_as.get(i) in passed]
@@ -295,10 +296,10 @@ class MaxPoolGrad:
         y, route = values[self.route.y], self.route
         shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
         for name, shape in shapes.items():
-            conv_grads.output_array(out, name, shape)
+            output_array(out, name, shape)
         bias = out[f"{route.bias}_grad"] if route.bias is not None else None
-        assert conv_grads.NATIVE is not None
-        conv_grads.NATIVE.route_max_pool(
+        assert NATIVE is not None
+        NATIVE.route_max_pool(
             y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
         )
 
@@ -313,7 +314,7 @@ def split_max_pool_grads(
     MaxPool's gradient into the Conv's output gradient, where the graph computes it from the
     MaxPool's input and output gradient alone; checked numerically on inputs with many ties.
     ``forward``: as for :func:`split_batch_norm_grads`."""
-    if conv_grads.NATIVE is None or conv_grads.has_subgraphs(model):
+    if NATIVE is None or graph_match.has_subgraphs(model):
         return []
     unrouted = [(grad, set[int]()) for grad in weight_grads]
     routes = conv_grads.find_routes(model, unrouted, forward, exclusive=False)

@@ -22,7 +22,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from traingraph.runtime import conv_grads, specialize
+from traingraph.runtime import graph_match, specialize, verify
+from traingraph.runtime.native import NATIVE, output_array
 
 _DEFAULT = ("", "ai.onnx")
 
@@ -77,9 +78,9 @@ class BatchNormForward:
             )
         stats = (1, x.shape[1]) + (1,) * (x.ndim - 2)
         for name, shape in ((self.out, x.shape), (self.mean, stats), (self.var, stats)):
-            conv_grads.output_array(out, name, shape)
-        assert conv_grads.NATIVE is not None
-        conv_grads.NATIVE.batch_norm_forward(
+            output_array(out, name, shape)
+        assert NATIVE is not None
+        NATIVE.batch_norm_forward(
             x,
             values[self.scale],
             values[self.bias],
@@ -100,17 +101,17 @@ def split_batch_norm_forwards(
     the Relu, after it) that :class:`BatchNormForward` computes, with the indices of the nodes
     it replaces, none in ``taken``. ``[]`` where the extension is missing or nothing
     matches."""
-    native = conv_grads.NATIVE
+    native = NATIVE
     if native is None or not hasattr(native, "batch_norm_forward"):
         return []
     graph = model.graph
     if not any(n.op_type == "BatchNormalization" for n in graph.node):
         return []
-    if any(conv_grads.has_subgraph(n) for n in graph.node):
+    if any(graph_match.has_subgraph(n) for n in graph.node):
         return []
-    shapes = conv_grads.inferred_shapes(model)
-    g = conv_grads.GraphIndex.of(graph)
-    constants = specialize._constants(graph)
+    shapes = graph_match.inferred_shapes(model)
+    g = graph_match.GraphIndex.of(graph)
+    constants = specialize.constant_tensors(graph)
     matches = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):
@@ -120,11 +121,11 @@ def split_batch_norm_forwards(
                 claimed |= match[1]
                 matches.append(match)
     offsets = {kernel.x: 1.5 for kernel, _ in matches}  # statistics off zero
-    return conv_grads.verified_kernels(model, g, matches, shapes, offsets)
+    return verify.verified_kernels(model, g, matches, shapes, offsets)
 
 
 def _producer(
-    g: conv_grads.GraphIndex, value: str, op_type: str, taken: Set[int]
+    g: graph_match.GraphIndex, value: str, op_type: str, taken: Set[int]
 ) -> tuple[int, onnx.NodeProto] | None:
     i = g.producer.get(value)
     if i is None or i in taken:
@@ -147,7 +148,7 @@ def _reduced_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto
 
 
 def _match(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     i: int,
     shapes: Mapping[str, list[int | None]],
     constants: Mapping[str, onnx.TensorProto],

@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
-from traingraph.runtime import conv_grads, specialize
+from traingraph.runtime import graph_match, specialize, verify
+from traingraph.runtime.native import NATIVE, output_array
 
 Pair = tuple[int, int]
 
@@ -81,13 +82,13 @@ class Col2ImSum:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         batch = values[self.terms[0].columns].shape[0]
         shape = (batch, self.channels, *self.image)
-        target = conv_grads.output_array(out, self.out, shape)
+        target = output_array(out, self.out, shape)
         terms = [
             (values[t.columns], t.kernel, t.grid, t.strides, t.pads, t.dilations)
             for t in self.terms
         ]
-        assert conv_grads.NATIVE is not None
-        conv_grads.NATIVE.col2im_sum(
+        assert NATIVE is not None
+        NATIVE.col2im_sum(
             target,
             terms,
             [values[a] for a in self.addends],
@@ -104,26 +105,26 @@ def split_col2ims(
     indices of the nodes it replaces: its ConvTransposes, the Sum and the mask product, none of
     them in ``taken`` (the nodes other kernels replace). ``(model, [])`` where the extension is
     missing or nothing matches."""
-    native = conv_grads.NATIVE
+    native = NATIVE
     if native is None or not hasattr(native, "col2im_sum"):
         return model, []
-    if not any(specialize._is_conv_transpose(n) for n in model.graph.node):
+    if not any(specialize.is_conv_transpose(n) for n in model.graph.node):
         return model, []
-    if any(conv_grads.has_subgraph(n) for n in model.graph.node):
+    if any(graph_match.has_subgraph(n) for n in model.graph.node):
         return model, []
     try:
         inferred = shape_inference.infer_shapes(model)
     except Exception:  # without shapes nothing is matched
         return model, []
-    shapes, types = specialize._static_shapes(inferred.graph)
-    g = conv_grads.GraphIndex.of(model.graph)
+    shapes, types = specialize.static_shapes(inferred.graph)
+    g = graph_match.GraphIndex.of(model.graph)
     transposed = {
         i: t
         for i, n in enumerate(g.nodes)
         if i not in taken and (t := _term(n, shapes, types)) is not None
     }
-    producers, _, _ = specialize._dataflow(model.graph)
-    constants = specialize._constants(model.graph)
+    producers, _, _ = specialize.dataflow(model.graph)
+    constants = specialize.constant_tensors(model.graph)
     matches: list[tuple[Col2ImSum, set[int]]] = []
     claimed = set(taken)
     for i in transposed:
@@ -158,7 +159,7 @@ def _term(
     would write as MatMul and Col2Im; else None."""
     if len(node.input) > 2 and node.input[2]:
         return None
-    geometry = specialize._transposed_geometry(node, shapes)
+    geometry = specialize.transposed_geometry(node, shapes)
     if geometry is None or types.get(node.input[0]) != onnx.TensorProto.FLOAT:
         return None
     image, kernel, filters = geometry
@@ -171,20 +172,20 @@ def _term(
     dilations = attrs.get("dilations", [1, 1])
     term = Col2ImTerm(
         f"{node.output[0]}_native_columns",
-        conv_grads.pair_of(kernel),
-        conv_grads.pair_of(grid),
-        conv_grads.pair_of(strides),
-        conv_grads.pair_of(pads[:2]),
-        conv_grads.pair_of(dilations),
+        graph_match.pair_of(kernel),
+        graph_match.pair_of(grid),
+        graph_match.pair_of(strides),
+        graph_match.pair_of(pads[:2]),
+        graph_match.pair_of(dilations),
     )
     out = shapes.get(node.output[0])
     if out is not None and list(out[1:]) != [weight[1], *image]:
         return None
-    return _Transposed(term, int(filters), int(weight[1]), conv_grads.pair_of(image))
+    return _Transposed(term, int(filters), int(weight[1]), graph_match.pair_of(image))
 
 
 def _match(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     first: int,
     transposed: Mapping[int, _Transposed],
     claimed: set[int],
@@ -220,7 +221,7 @@ def _match(
         other = product.input[1] if product.input[0] == out else product.input[0]
         cast = g.producer.get(other)
         greater = (
-            specialize._positive_test(g.nodes[cast], producers, constants)
+            specialize.positive_test(g.nodes[cast], producers, constants)
             if cast is not None and other != out
             else None
         )
@@ -270,7 +271,7 @@ def _with_columns(
 
 def _verified(
     model: onnx.ModelProto,
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     matches: list[tuple[Col2ImSum, set[int]]],
     shapes: Mapping[str, list[int | None]],
     written: onnx.ModelProto,
@@ -288,7 +289,7 @@ def _verified(
         columns = [n for i in sorted(nodes) for n in written_columns.get(i, [])]
         reads = {v for n in replaced for v in n.input if v}
         external = sorted(reads - {o for n in replaced for o in n.output} - g.constants)
-        drawn = conv_grads.random_feeds(rng, external, shapes)
+        drawn = verify.random_feeds(rng, external, shapes)
         if drawn is None:
             continue
         feeds = {**drawn, **feeds}
@@ -298,7 +299,7 @@ def _verified(
     try:
         original = [n for _, _, replaced, _ in checks for n in replaced]
         wanted = [kernel.out for kernel, *_ in checks]
-        expected = dict(zip(wanted, conv_grads.run_subgraph(model, original, feeds, wanted)))
+        expected = dict(zip(wanted, verify.run_subgraph(model, original, feeds, wanted)))
         names = [t.columns for kernel, *_ in checks for t in kernel.terms]
         new = [n for *_, columns in checks for n in columns]
         reads = {v for n in new for v in n.input}
@@ -306,7 +307,7 @@ def _verified(
         values.update(
             zip(
                 names,
-                conv_grads.run_subgraph(
+                verify.run_subgraph(
                     written, new, {k: v for k, v in feeds.items() if k in reads}, names
                 ),
             )
@@ -315,7 +316,7 @@ def _verified(
         return []
     return [
         (kernel, nodes) for kernel, nodes, _, _ in checks
-        if conv_grads.kernel_agrees(kernel, values, expected)
+        if verify.kernel_agrees(kernel, values, expected)
     ]  # fmt: skip
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import graph_match, verify
+from traingraph.runtime.native import NATIVE, output_array
 
 MAX_CHANNELS = 4
 """Input channels up to which a Conv runs directly; with more, onnxruntime's blocked
@@ -76,9 +77,9 @@ class DirectConv:
             x.shape[2] + top + bottom - weight.shape[2] + 1,
             x.shape[3] + left + right - weight.shape[3] + 1,
         )
-        target = conv_grads.output_array(out, self.out, shape)
-        assert conv_grads.NATIVE is not None
-        conv_grads.NATIVE.conv_direct(
+        target = output_array(out, self.out, shape)
+        assert NATIVE is not None
+        NATIVE.conv_direct(
             x,
             weight,
             values[self.bias] if self.bias else None,
@@ -97,17 +98,17 @@ def split_direct_convs(
     of at most :data:`MAX_CHANNELS` input channels, strides and dilations 1 and one group,
     whose inputs are all graph inputs. ``[]`` where the extension is missing or nothing
     matches."""
-    native = conv_grads.NATIVE
+    native = NATIVE
     if native is None or not hasattr(native, "conv_direct"):
         return []
     graph = model.graph
     inputs = {i.name for i in graph.input}
     if not any(_candidate(n, inputs) for n in graph.node):
         return []
-    if any(conv_grads.has_subgraph(n) for n in graph.node):
+    if any(graph_match.has_subgraph(n) for n in graph.node):
         return []
-    shapes = conv_grads.inferred_shapes(model)
-    g = conv_grads.GraphIndex.of(graph)
+    shapes = graph_match.inferred_shapes(model)
+    g = graph_match.GraphIndex.of(graph)
     matches = []
     for i, node in enumerate(g.nodes):
         if i in taken or not _candidate(node, inputs):
@@ -115,7 +116,7 @@ def split_direct_convs(
         match = _match(g, i, shapes, taken)
         if match is not None:
             matches.append(match)
-    return conv_grads.verified_kernels(model, g, matches, shapes)
+    return verify.verified_kernels(model, g, matches, shapes)
 
 
 def _candidate(node: onnx.NodeProto, inputs: Set[str]) -> bool:
@@ -128,7 +129,7 @@ def _candidate(node: onnx.NodeProto, inputs: Set[str]) -> bool:
 
 
 def _match(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     i: int,
     shapes: Mapping[str, list[int | None]],
     taken: Set[int],

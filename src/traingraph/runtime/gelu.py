@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import graph_match, verify
+from traingraph.runtime.native import NATIVE, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _ELEMENTWISE = frozenset({"Mul", "Div", "Add", "Sub", "Neg", "Exp", "Erf", "Sum", "Pow", "Sqrt"})
@@ -71,16 +72,16 @@ class Gelu:
                 f"gelu gradient {self.out!r}: the gradient {list(g.shape)} must have the input's"
                 f" shape {list(a.shape)}"
             )
-        assert conv_grads.NATIVE is not None
+        assert NATIVE is not None
         mask = values[self.mask] if self.mask else None
         if mask is not None and mask.shape != a.shape:  # a factor that broadcasts
             plain = np.empty(a.shape, np.float32)
-            conv_grads.NATIVE.gelu(a, g, plain, threads)
+            NATIVE.gelu(a, g, plain, threads)
             product = plain * mask
-            conv_grads.output_array(out, self.out, product.shape)[...] = product
+            output_array(out, self.out, product.shape)[...] = product
             return
-        target = conv_grads.output_array(out, self.out, a.shape)
-        conv_grads.NATIVE.gelu(a, g, target, threads, mask)
+        target = output_array(out, self.out, a.shape)
+        NATIVE.gelu(a, g, target, threads, mask)
 
 
 def split_gelus(
@@ -90,12 +91,12 @@ def split_gelus(
     half taken first) and the gradient that reads its values, as :class:`Gelu` kernels with
     the indices of the nodes each replaces, none in ``taken`` (other kernels' nodes, which read
     only the values in ``read``). ``[]`` where the extension is missing or nothing matches."""
-    if not conv_grads.can_match(model, "gelu", "Erf"):
+    if not graph_match.can_match(model, "gelu", "Erf"):
         return []
     graph = model.graph
-    g = conv_grads.GraphIndex.of(graph)
-    constants = conv_grads.constant_values(graph)
-    shapes = conv_grads.inferred_shapes(model)
+    g = graph_match.GraphIndex.of(graph)
+    constants = graph_match.constant_values(graph)
+    shapes = graph_match.inferred_shapes(model)
     matches: list[tuple[Gelu, set[int]]] = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):
@@ -106,7 +107,7 @@ def split_gelus(
             for kernel, nodes in found:
                 claimed |= nodes
                 matches.append((kernel, nodes))
-    return conv_grads.verified_kernels(model, g, matches, shapes)
+    return verify.verified_kernels(model, g, matches, shapes)
 
 
 def _scalar(constants: Mapping[str, np.ndarray], name: str) -> float | None:
@@ -128,7 +129,7 @@ def _other(node: onnx.NodeProto, value: str) -> str | None:
 
 
 def _match(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     erf: int,
     constants: Mapping[str, np.ndarray],
     taken: Set[int],
@@ -191,7 +192,7 @@ def _match(
 
 
 def _masked(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     kernels: list[tuple[Gelu, set[int]]],
     taken: Set[int],
     shapes: Mapping[str, list[int | None]],
@@ -228,7 +229,7 @@ def _masked(
 
 
 def _forward(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     a: str,
     p: str,
     constants: Mapping[str, np.ndarray],
@@ -260,7 +261,7 @@ def _forward(
 
 
 def _backward(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     a: str,
     front: set[int],
     readers: set[int],
@@ -321,7 +322,7 @@ def _backward(
 
 
 def _scaled(
-    g: conv_grads.GraphIndex, i: int, constants: Mapping[str, np.ndarray], taken: Set[int]
+    g: graph_match.GraphIndex, i: int, constants: Mapping[str, np.ndarray], taken: Set[int]
 ) -> bool:
     """Whether node ``i`` multiplies a value by a scalar constant."""
     node = g.nodes[i]

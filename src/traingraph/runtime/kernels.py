@@ -30,7 +30,7 @@ import onnx
 
 from traingraph.errors import ModelError
 from traingraph.ir.tags import tagged_kernels
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, graph_match
 from traingraph.runtime.batch_norm import split_batch_norm_grads, split_max_pool_grads
 from traingraph.runtime.bn_forward import split_batch_norm_forwards
 from traingraph.runtime.col2im import split_col2ims
@@ -209,7 +209,7 @@ def find(
     """
     wanted = searched(model, kernels)
     search = Search(model, weight_grads, forward)
-    with conv_grads.shared_analyses():  # one shape inference and one index of the model
+    with graph_match.shared_analyses():  # one shape inference and one index of the model
         for spec in REGISTRY:
             if spec.name in wanted:
                 search.found += spec.find(search)

@@ -24,11 +24,12 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import graph_match, verify
+from traingraph.runtime.native import NATIVE, NormalizationGradOutputs
 
 
 @dataclass(frozen=True)
-class LayerNormGrad(conv_grads.NormalizationGradOutputs):
+class LayerNormGrad(NormalizationGradOutputs):
     """The gradient of one LayerNormalization over the last axis.
 
     Attributes:
@@ -60,8 +61,8 @@ class LayerNormGrad(conv_grads.NormalizationGradOutputs):
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
         self.output_arrays(out, x.shape, x.shape[-1:] if x.ndim else (0,))
-        assert conv_grads.NATIVE is not None
-        conv_grads.NATIVE.layer_norm_grad(
+        assert NATIVE is not None
+        NATIVE.layer_norm_grad(
             x,
             values[self.dy],
             values[self.scale],
@@ -79,21 +80,21 @@ def split_layer_norm_grads(
     """Each LayerNormalization gradient of ``model`` the native kernel computes, with the
     indices of the nodes it replaces (none in ``taken``); ``[]`` where the extension is missing
     or nothing matches."""
-    if not conv_grads.can_match(model, "layer_norm_grad", "LayerNormalization"):
+    if not graph_match.can_match(model, "layer_norm_grad", "LayerNormalization"):
         return []
-    g = conv_grads.GraphIndex.of(model.graph)
-    shapes = conv_grads.inferred_shapes(model)
+    g = graph_match.GraphIndex.of(model.graph)
+    shapes = graph_match.inferred_shapes(model)
     found = []
     for node in g.nodes:
         if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
             match = _match(g, node, shapes)
             if match is not None and not match[1] & taken:
                 found.append(match)
-    return conv_grads.verified_kernels(model, g, found, shapes)
+    return verify.verified_kernels(model, g, found, shapes)
 
 
 def _match(
-    g: conv_grads.GraphIndex, ln: onnx.NodeProto, shapes: Mapping[str, list[int | None]]
+    g: graph_match.GraphIndex, ln: onnx.NodeProto, shapes: Mapping[str, list[int | None]]
 ) -> tuple[LayerNormGrad, set[int]] | None:
     """The gradient of ``ln`` where the graph computes it from its input, scale and output
     gradient alone."""

@@ -23,7 +23,8 @@ import onnx
 from onnx import helper
 
 from traingraph.ir.random import GOLDEN, MIX
-from traingraph.runtime import conv_grads
+from traingraph.runtime import graph_match, verify
+from traingraph.runtime.native import NATIVE, output_array
 
 _UINT32 = onnx.TensorProto.UINT32
 _MAX_CONE = 64  # nodes computing the hash: about 30 for one mask
@@ -70,10 +71,10 @@ class DropoutMask:
     ) -> None:
         """Write the mask into ``out`` (in place where an array of its shape is there)."""
         shape = self.shape(values)
-        mask = conv_grads.output_array(out, self.mask, shape)
-        assert conv_grads.NATIVE is not None
+        mask = output_array(out, self.mask, shape)
+        assert NATIVE is not None
         seed = int(np.asarray(values[self.seed]).reshape(()))
-        conv_grads.NATIVE.dropout_mask(
+        NATIVE.dropout_mask(
             mask, seed, GOLDEN, MIX, self.threshold, self.scale, threads
         )
 
@@ -83,12 +84,12 @@ def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[i
     the nodes it replaces; ``[]`` where the extension is missing or nothing matches. A mask
     matches where onnx's shape inference gives each of its dimensions as a number or as a
     graph input's symbolic dimension (a batch)."""
-    if conv_grads.NATIVE is None or any(conv_grads.has_subgraph(n) for n in model.graph.node):
+    if NATIVE is None or any(graph_match.has_subgraph(n) for n in model.graph.node):
         return []
-    g = conv_grads.GraphIndex.of(model.graph)
+    g = graph_match.GraphIndex.of(model.graph)
     if not any(n.op_type == "Less" for n in g.nodes):
         return []
-    constants = conv_grads.constant_values(model.graph)
+    constants = graph_match.constant_values(model.graph)
     shapes = _symbolic_shapes(model)
     axes: dict[str, tuple[str, int]] = {}  # a graph input's symbolic dimension -> where it is
     for info in model.graph.input:
@@ -109,7 +110,7 @@ _Shape = Sequence[int | str | None]
 
 
 def _match(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     less: int,
     constants: Mapping[str, np.ndarray],
     shapes: Mapping[str, _Shape],
@@ -125,7 +126,7 @@ def _match(
     # Less -> shape ops -> Cast(float) [-> Mul(scale)]: the mask
     chain, roots, value = [less], [node.input[0]], node.output[0]
     step = g.only_reader(value)
-    while step is not None and g.nodes[step].op_type in conv_grads.SHAPE_OPS:
+    while step is not None and g.nodes[step].op_type in graph_match.SHAPE_OPS:
         if g.nodes[step].input[0] != value:
             return None
         chain.append(step)
@@ -134,7 +135,7 @@ def _match(
         step = g.only_reader(value)
     if step is None or g.nodes[step].op_type != "Cast":
         return None
-    if _cast_to(g.nodes[step]) != conv_grads.FLOAT:
+    if _cast_to(g.nodes[step]) != graph_match.FLOAT:
         return None
     chain.append(step)
     value, scale = g.nodes[step].output[0], 1.0
@@ -161,7 +162,7 @@ def _match(
     if any(not shapes.get(v) or None in shapes[v] for v in shaped):
         return None
     # the nodes whose results something else reads too (and what they read) stay
-    kept = conv_grads.exclusive_cone(g, chain[-1], nodes | set(chain))
+    kept = graph_match.exclusive_cone(g, chain[-1], nodes | set(chain))
     if not set(chain) <= kept:
         return None
     mask = DropoutMask(seed, value, tuple(dims), int(threshold.reshape(())), scale)
@@ -176,7 +177,7 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int | str | None]
     except Exception:  # without shapes nothing is matched
         return {}
     return {
-        v.name: conv_grads.value_dims(v, symbols=True)
+        v.name: graph_match.value_dims(v, symbols=True)
         for v in [*inferred.value_info, *inferred.input, *inferred.output]
         if v.type.tensor_type.HasField("shape")
     }
@@ -195,7 +196,7 @@ class _Seeds:
     shape_values: set[str]
     derived: dict[str, bool] = field(default_factory=dict)
 
-    def is_seed(self, g: conv_grads.GraphIndex, node: onnx.NodeProto) -> bool:
+    def is_seed(self, g: graph_match.GraphIndex, node: onnx.NodeProto) -> bool:
         return (
             node.op_type == "Cast"
             and _cast_to(node) == _UINT32
@@ -204,7 +205,7 @@ class _Seeds:
 
 
 def _hash_cone(
-    g: conv_grads.GraphIndex, roots: Sequence[str], seeds: _Seeds
+    g: graph_match.GraphIndex, roots: Sequence[str], seeds: _Seeds
 ) -> tuple[set[int], str, set[str]] | None:
     """The nodes that compute ``roots`` from one ``uint32`` seed (a Cast of a value that is
     not derived from shapes), constants and the shapes of other values: those nodes, the
@@ -239,7 +240,7 @@ def _hash_cone(
 
 def _verified(
     model: onnx.ModelProto,
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     found: list[tuple[DropoutMask, set[int], set[str]]],
     shapes: Mapping[str, _Shape],
 ) -> list[tuple[DropoutMask, set[int]]]:
@@ -262,7 +263,7 @@ def _verified(
     shaped_feeds = dict(arrays)
     for mask, _, _ in found:
         for name in mask.inputs[1:]:  # the graph inputs its dimensions come from
-            dtype = helper.tensor_dtype_to_np_dtype(types.get(name, conv_grads.FLOAT))
+            dtype = helper.tensor_dtype_to_np_dtype(types.get(name, graph_match.FLOAT))
             arrays.setdefault(name, np.zeros(concrete(shapes[name]), dtype))
     nodes = sorted(set().union(*(kept for _, kept, _ in found)))
     names = [mask.mask for mask, _, _ in found]
@@ -271,7 +272,7 @@ def _verified(
         seeds = {mask.seed: np.array((base + 0x9E37 * j) % 2**32, np.uint32)
                  for j, (mask, _, _) in enumerate(found)}  # fmt: skip
         try:
-            results = conv_grads.run_subgraph(
+            results = verify.run_subgraph(
                 model, [g.nodes[i] for i in nodes], {**shaped_feeds, **seeds}, names
             )
         except Exception:  # a subgraph onnxruntime rejects stays in the graph

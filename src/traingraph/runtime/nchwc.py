@@ -33,7 +33,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import verify
 
 DOMAIN = "com.microsoft.nchwc"
 _FLOAT = onnx.TensorProto.FLOAT
@@ -246,9 +246,9 @@ def _checked(
         ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
         for m in (plain, blocked)
     ]
-    poisoned = {**feeds, "x": conv_grads.with_non_finite({"x": feeds["x"]})["x"]}
+    poisoned = {**feeds, "x": verify.with_non_finite({"x": feeds["x"]})["x"]}
     for run in (feeds, poisoned):
         want, got = (session.run(None, run)[0] for session in sessions)
-        if not conv_grads.same_values(got, want, _CHECK_RTOL):
+        if not verify.same_values(got, want, _CHECK_RTOL):
             return False
     return True

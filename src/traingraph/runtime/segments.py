@@ -50,7 +50,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import conv_grads, graph_match
 from traingraph.runtime.device import Device
 from traingraph.runtime.kernels import Kernel, find
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
@@ -275,7 +275,7 @@ def _types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 
 
 def _float(name: str) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, conv_grads.FLOAT, None)
+    return helper.make_tensor_value_info(name, graph_match.FLOAT, None)
 
 
 class SegmentedRunner:

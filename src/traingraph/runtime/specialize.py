@@ -77,7 +77,7 @@ def for_cuda(source: Source) -> Source:
     if head is not None and not any(_applies(n) for n in head.graph.node):
         return source
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
-    constants = _constants(proto.graph)
+    constants = constant_tensors(proto.graph)
     changed = False
     rewrites = (
         _shifts_as_divisions, _reductions_over_runs, _shared_filters_as_batch, _masks_as_where
@@ -93,21 +93,21 @@ def for_cpu(source: Source) -> Source:
     if not _mentions(source, (b"Conv", b"ReduceSum")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
-    constants = _constants(proto.graph)
+    constants = constant_tensors(proto.graph)
     changed = False
     if any(_leading_axes(n, constants) for n in proto.graph.node):
         try:
-            inferred, types = _static_shapes(shape_inference.infer_shapes(proto).graph)
+            inferred, types = static_shapes(shape_inference.infer_shapes(proto).graph)
             changed = _column_sums_as_matmul(proto.graph, constants, inferred, types) or changed
         except Exception:  # shape inference failed: the reductions stay
             pass
     shapes: dict[str, list[int | None]] | None = None  # the Convs' inputs keep their shapes
-    if any(_is_conv_transpose(n) for n in proto.graph.node):
+    if any(is_conv_transpose(n) for n in proto.graph.node):
         try:
             converted = proto
             if _default_opset(proto) < _COL2IM_OPSET:
                 converted = version_converter.convert_version(proto, _COL2IM_OPSET)
-            shapes, types = _static_shapes(shape_inference.infer_shapes(converted).graph)
+            shapes, types = static_shapes(shape_inference.infer_shapes(converted).graph)
             if _conv_transposes_as_col2im(converted.graph, shapes, types):
                 proto, changed = converted, True
         except Exception:  # a model the converter or shape inference cannot take stays
@@ -115,7 +115,7 @@ def for_cpu(source: Source) -> Source:
     if any(n.op_type == "Conv" and n.domain in ("", "ai.onnx") for n in proto.graph.node):
         try:
             if shapes is None:
-                shapes, _ = _static_shapes(shape_inference.infer_shapes(proto).graph)
+                shapes, _ = static_shapes(shape_inference.infer_shapes(proto).graph)
             changed = nchwc.convs_as_nchwc(proto, shapes) or changed
         except Exception:  # shape inference failed: the Convs stay
             pass
@@ -136,7 +136,7 @@ def _mentions(source: Source, texts: tuple[bytes, ...]) -> bool:
 _COL2IM_OPSET = 18
 
 
-def _is_conv_transpose(node: onnx.NodeProto) -> bool:
+def is_conv_transpose(node: onnx.NodeProto) -> bool:
     return node.op_type == "ConvTranspose" and node.domain in ("", "ai.onnx")
 
 
@@ -144,7 +144,7 @@ def _default_opset(proto: onnx.ModelProto) -> int:
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _static_shapes(
+def static_shapes(
     graph: onnx.GraphProto,
 ) -> tuple[dict[str, list[int | None]], dict[str, int]]:
     """The shape of every value shape inference found (None for a dimension it left open), and
@@ -182,7 +182,7 @@ def _conv_transposes_as_col2im(
     """
 
     def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        geometry = _transposed_geometry(node, shapes)
+        geometry = transposed_geometry(node, shapes)
         if geometry is None or types.get(node.input[0]) != onnx.TensorProto.FLOAT:
             return None
         image, kernel, filters = geometry
@@ -240,7 +240,7 @@ def columns_nodes(
     ]  # fmt: skip
 
 
-def _dataflow(
+def dataflow(
     graph: onnx.GraphProto,
 ) -> tuple[dict[str, onnx.NodeProto], dict[str, int], set[str]]:
     """The node that writes each value, how many node inputs read each value, and the
@@ -264,7 +264,7 @@ def _unused_name(graph: onnx.GraphProto, name: str) -> str:
     return candidate
 
 
-def _positive_test(
+def positive_test(
     node: onnx.NodeProto,
     producers: dict[str, onnx.NodeProto],
     constants: dict[str, onnx.TensorProto],
@@ -288,14 +288,14 @@ def _positive_test(
 _NOTSET = helper.make_attribute("auto_pad", "NOTSET")
 
 
-def _transposed_geometry(
+def transposed_geometry(
     node: onnx.NodeProto, shapes: Mapping[str, list[int | None]]
 ) -> tuple[list[int], list[int], int] | None:
     """``(image size, kernel, M)`` of a ConvTranspose that :func:`_conv_transposes_as_col2im`
     rewrites, else None: default domain, one group, explicit pads (no ``auto_pad``, no
     ``output_shape``), static spatial input and weight shapes, and every ``output_padding``
     below its stride."""
-    if not _is_conv_transpose(node):
+    if not is_conv_transpose(node):
         return None
     attrs = {a.name: a for a in node.attribute}
     if "output_shape" in attrs or attrs.get("auto_pad", _NOTSET).s not in (b"", b"NOTSET"):
@@ -332,7 +332,7 @@ def _applies(node: onnx.NodeProto) -> bool:
     return node.op_type in ("BitShift", "ReduceSum", "ReduceMean", "Conv", "Cast")
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """The graph's initializers and Constant node values, by name."""
     constants = {t.name: t for t in graph.initializer}
     constants.update(
@@ -376,7 +376,7 @@ def _masks_as_where(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProt
     """Write each ``Mul`` by a cast comparison, where the cast has no other use, as a
     ``Where`` of the comparison; return whether any was."""
     del constants
-    producers, uses, outputs = _dataflow(graph)
+    producers, uses, outputs = dataflow(graph)
     masks: dict[str, tuple[str, int]] = {}  # cast output -> (boolean input, float type)
     for node in graph.node:
         source = producers.get(node.input[0]) if node.op_type == "Cast" else None

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime import graph_match, verify
+from traingraph.runtime.native import NATIVE, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _TILE = 2  # F(2 x 2, 3 x 3): within about twice a direct convolution's rounding
@@ -79,8 +80,8 @@ class WinogradConv:
                 " 4-D ([N, C, H, W] and [K, C, 3, 3])"
             )
         shape = (x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
-        target = conv_grads.output_array(out, self.out, shape)
-        native = conv_grads.NATIVE
+        target = output_array(out, self.out, shape)
+        native = NATIVE
         assert native is not None
         bias = values[self.bias] if self.bias else None
         addend = values[self.addend] if self.addend else None
@@ -101,11 +102,11 @@ def split_winograd_convs(
     ``taken``: 2-D float Convs of 3 x 3 filters, strides and dilations 1, pads 1 and one group
     over an even height and width known from shape inference. ``[]`` where the extension is
     missing or nothing matches."""
-    if not conv_grads.can_match(model, "conv_winograd", "Conv"):
+    if not graph_match.can_match(model, "conv_winograd", "Conv"):
         return []
     graph = model.graph
-    shapes = conv_grads.inferred_shapes(model)
-    g = conv_grads.GraphIndex.of(graph)
+    shapes = graph_match.inferred_shapes(model)
+    g = graph_match.GraphIndex.of(graph)
     matches = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):
@@ -114,11 +115,11 @@ def split_winograd_convs(
             if match is not None:
                 claimed |= match[1]
                 matches.append(match)
-    return conv_grads.verified_kernels(model, g, matches, shapes)
+    return verify.verified_kernels(model, g, matches, shapes)
 
 
 def _match(
-    g: conv_grads.GraphIndex,
+    g: graph_match.GraphIndex,
     i: int,
     shapes: Mapping[str, list[int | None]],
     taken: Set[int],

@@ -1,0 +1,255 @@
+"""The numeric check of every native kernel: a match is used only where the nodes it replaces
+compute what the kernel computes.
+
+Each kernel's matches are run at load, in one onnxruntime session for all of them
+(:func:`run_subgraph`), on random inputs and then on the same inputs with a NaN and infinities
+in them (:func:`with_non_finite`), and compared with the kernel's results (:func:`same_values`:
+the same non-finite values in the same places, the others within :data:`CHECK_RTOL` of the
+largest magnitude). A match that disagrees is dropped, and the graph computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, overload
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from traingraph.runtime.graph_match import (
+    FLOAT,
+    GraphIndex,
+)
+
+# Relative tolerance of the numeric check, against the largest magnitude of the result.
+CHECK_RTOL = 1e-4
+
+
+@overload
+def run_subgraph(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    feeds: dict[str, np.ndarray],
+    outputs: list[str],
+) -> list[np.ndarray]: ...
+
+
+@overload
+def run_subgraph(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    feeds: list[dict[str, np.ndarray]],
+    outputs: list[str],
+) -> list[list[np.ndarray]]: ...
+
+
+def run_subgraph(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    feeds: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+    outputs: list[str],
+) -> list[np.ndarray] | list[list[np.ndarray]]:
+    """Run ``nodes`` of ``model`` (with the constants they read) on ``feeds``, in one
+    single-threaded onnxruntime CPU session, and return ``outputs``; for a list of feeds (of
+    one set of names and shapes), a run on each, in the one session."""
+    runs = feeds if isinstance(feeds, list) else [feeds]
+    graph = model.graph
+    needed = {name for n in nodes for name in n.input}
+    constant_nodes = [
+        n for n in graph.node
+        if n.op_type == "Constant" and any(o in needed for o in n.output) and n not in nodes
+    ]  # fmt: skip
+    sub = helper.make_graph(
+        constant_nodes + nodes,
+        "native_check",
+        [
+            helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape)
+            )
+            for name, v in runs[0].items()
+        ],
+        [helper.make_tensor_value_info(name, FLOAT, None) for name in outputs],
+        [t for t in graph.initializer if t.name in needed],
+    )
+    check = helper.make_model(sub, opset_imports=list(model.opset_import))
+    check.ir_version = model.ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(
+        check.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    results = [list(session.run(outputs, run)) for run in runs]
+    return results if isinstance(feeds, list) else results[0]
+
+
+def verified_kernels(
+    model: onnx.ModelProto,
+    g: GraphIndex,
+    matches: Sequence[tuple[Any, set[int]]],
+    shapes: Mapping[str, list[int | None]],
+    offsets: Mapping[str, float] | None = None,
+) -> list[tuple[Any, set[int]]]:
+    """The matches (native kernels of :mod:`traingraph.runtime.segments`, each with the indices
+    of the nodes it replaces) whose kernel computes what their nodes compute on random inputs
+    (of the model's batch, or 2 where it is open), ``offsets`` added to the named ones, all in
+    one single-threaded onnxruntime session. The nodes between matches that stay (the Squeezes
+    of a BatchNorm's statistics) run in the check too, and a kernel reads what the others'
+    nodes computed (an addend that is another's output)."""
+    checked = [
+        (kernel, nodes) for kernel, nodes in matches
+        if all((d := shapes.get(v)) is not None and None not in d[1:] for v in kernel.inputs)
+    ]  # fmt: skip
+    if not checked:
+        return []
+    members = set().union(*(nodes for _, nodes in checked))
+    while True:
+        produced = {o for i in members for o in g.nodes[i].output}
+        reads = {v for i in members for v in g.nodes[i].input if v}
+        between = {
+            g.producer[v] for v in reads - produced
+            if v in g.producer and all(
+                u in produced or u in g.constants for u in g.nodes[g.producer[v]].input if u
+            )
+        }  # fmt: skip
+        if between <= members:
+            break
+        members |= between
+    external = sorted(reads - produced - g.constants)
+    feeds = random_feeds(np.random.default_rng(0), external, shapes)
+    if feeds is None:
+        return []
+    for name, offset in (offsets or {}).items():
+        if name in feeds:  # else another kernel's nodes compute it
+            feeds[name] += offset
+    wanted = [o for kernel, _ in checked for o in kernel.outputs]
+    # what the nodes between compute and a kernel reads (a Relu between two matches)
+    wanted += sorted({v for kernel, _ in checked for v in kernel.inputs} & produced - set(wanted))
+    replaced = [g.nodes[i] for i in sorted(members)]
+    runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
+    try:
+        results = run_subgraph(model, replaced, runs, wanted)
+    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        return []
+    agreed = []
+    for kernel, nodes in checked:
+        for inputs, outputs in zip(runs, results):
+            expected = dict(zip(wanted, outputs))
+            if not kernel_agrees(kernel, {**inputs, **expected}, expected):
+                break
+        else:
+            agreed.append((kernel, nodes))
+    return agreed
+
+
+def random_feeds(
+    rng: np.random.Generator, names: Sequence[str], shapes: Mapping[str, list[int | None]]
+) -> dict[str, np.ndarray] | None:
+    """A standard-normal float32 value for each of ``names`` of its inferred shape (batch 2
+    where it is open), to check a native kernel against the nodes it replaces; None where a
+    shape beyond the batch is unknown."""
+    feeds = {}
+    for name in names:
+        shape = shapes.get(name)
+        if shape is None or None in shape[1:]:
+            return None
+        full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
+        feeds[name] = rng.standard_normal(full, dtype=np.float32)
+    return feeds
+
+
+class WindowedDraws:
+    """Standard-normal float32 inputs for the numeric checks of many matches at once, drawn
+    once: input k of a check (its x, its dy, ...) is a copy of the start of window k of one
+    draw, so the inputs of one check are independent of each other, while another check may
+    see the same values, which weakens neither. An input another check made already keeps its
+    array (a value two matches read gets one); where its window is one this check's other
+    inputs take too, a new input gets a draw of its own.
+
+    Args:
+        rng: The generator.
+        windows: Windows (inputs per check).
+        size: Elements per window: the largest input.
+    """
+
+    def __init__(self, rng: np.random.Generator, windows: int, size: int) -> None:
+        self._rng = rng
+        self._draw = rng.standard_normal((windows, size), dtype=np.float32)
+        self._sources: dict[str, int] = {}  # a feed -> its window (< 0: a draw of its own)
+        self.feeds: dict[str, np.ndarray] = {}
+        """Every input made so far, by name."""
+
+    def inputs(
+        self,
+        wanted: Sequence[
+            tuple[str, int, Sequence[int], Callable[[np.ndarray], np.ndarray] | None]
+        ],
+    ) -> dict[str, np.ndarray]:
+        """The inputs of one check: for each ``(name, window, shape, transform)`` the array
+        of ``name``, made from ``window`` (a copy, or what ``transform`` makes of it: a new
+        array) unless another check made it already."""
+        used = {self._sources[name] for name, *_ in wanted if name in self.feeds}
+        for name, window, shape, transform in wanted:
+            if name in self.feeds:
+                continue
+            if window in used:
+                window = -1 - len(self._sources)
+                raw = self._rng.standard_normal(shape, dtype=np.float32)
+            else:
+                raw = self._draw[window, : math.prod(shape)].reshape(shape)
+            used.add(window)
+            self._sources[name] = window
+            self.feeds[name] = transform(raw) if transform is not None else raw.copy()
+        return {name: self.feeds[name] for name, *_ in wanted}
+
+
+def kernel_agrees(
+    kernel: Any, values: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
+) -> bool:
+    """Whether ``kernel`` (a native kernel of :mod:`traingraph.runtime.segments`), computed
+    single-threaded from ``values``, writes each of its outputs as ``expected`` holds it, to
+    ``CHECK_RTOL`` of its largest element; False where it refuses the shapes."""
+    got: dict[str, np.ndarray] = {}
+    try:
+        kernel.compute(values, got, 1)
+    except ValueError:
+        return False
+    return all(same_values(got[name], expected[name]) for name in kernel.outputs)
+
+
+def same_values(got: np.ndarray, want: np.ndarray, rtol: float = CHECK_RTOL) -> bool:
+    """Whether ``got`` is what the graph computed, ``want``: the same shape, NaN exactly where
+    ``want`` is NaN, the same infinities, and finite values within ``rtol`` of ``want``'s
+    largest finite magnitude. Every check of a fast path against its nodes compares so."""
+    if got.shape != want.shape:
+        return False
+    finite = np.isfinite(want)
+    if not np.array_equal(np.isnan(got), np.isnan(want)):
+        return False
+    if not np.array_equal(got[np.isinf(want)], want[np.isinf(want)]):
+        return False
+    if not np.isfinite(got[finite]).all():
+        return False
+    if not finite.any():
+        return True
+    scale = float(np.abs(want[finite]).max()) or 1.0
+    return bool(np.abs(got[finite] - want[finite]).max() <= rtol * scale)
+
+
+def with_non_finite(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A copy of ``feeds`` with a NaN, a +Inf and a -Inf in each float array of rank 2 or more
+    and 8 elements or more (the last sample's first, middle and last elements): the inputs
+    on which a check sees that a fast path propagates them as the graph does. Vectors (a
+    scale, a bias) keep their values, so that the other elements stay finite."""
+    poisoned = dict(feeds)
+    for name, value in feeds.items():
+        if value.dtype.kind != "f" or value.ndim < 2 or value.size < 8:
+            continue
+        copy = value.copy()
+        last = copy.reshape(copy.shape[0], -1)[-1]
+        last[0], last[last.size // 2], last[-1] = np.nan, np.inf, -np.inf
+        poisoned[name] = copy
+    return poisoned
