@@ -23,32 +23,16 @@ import onnx
 from onnx import helper
 
 from traingraph.runtime import conv_grads, graph_match, verify
-from traingraph.runtime.native import NATIVE, NormalizationGradOutputs, output_array
+from traingraph.runtime.native import NATIVE, NormalizationGrad, output_array
 
 
 @dataclass(frozen=True)
-class BatchNormGrad(NormalizationGradOutputs):
-    """One training-mode BatchNormalization gradient that the native kernel computes.
+class BatchNormGrad(NormalizationGrad):
+    """One training-mode BatchNormalization gradient that the native kernel computes (see
+    :class:`~traingraph.runtime.native.NormalizationGrad`), with the Relu gradient in front of
+    it where ``y`` is set: ``dy`` is then the gradient of the Relu's output ``y``."""
 
-    Attributes:
-        x: The BatchNormalization's input.
-        scale: Its scale.
-        dy: The gradient of its output, or of the Relu's output when ``y`` is set.
-        y: The output of the Relu that reads the BatchNormalization's output, or None.
-        epsilon: Its epsilon.
-        dx: The gradient of ``x`` the graph computed (None where nothing reads it).
-        dscale: The model output of the scale's gradient, or None.
-        dbias: The model output of the bias's gradient.
-    """
-
-    x: str
-    scale: str
-    dy: str
-    y: str | None
-    epsilon: float
-    dx: str | None
-    dscale: str | None
-    dbias: str
+    y: str | None = None
 
     @property
     def inputs(self) -> list[str]:
@@ -60,19 +44,8 @@ class BatchNormGrad(NormalizationGradOutputs):
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
-        self.output_arrays(out, x.shape, x.shape[1:2])
-        assert NATIVE is not None
-        NATIVE.batch_norm_grad(
-            x,
-            values[self.dy],
-            values[self.y] if self.y else None,
-            values[self.scale],
-            out[self.dx] if self.dx else None,
-            out[self.dscale] if self.dscale else None,
-            out[self.dbias],
-            self.epsilon,
-            threads,
-        )
+        inputs = [x, values[self.dy], values[self.y] if self.y else None, values[self.scale]]
+        self.run_native("batch_norm_grad", inputs, out, x.shape[1:2], self.epsilon, threads)
 
 
 def split_batch_norm_grads(
@@ -163,7 +136,8 @@ def _match(
     if dx is not None and not _like(shapes.get(dx), x_shape):
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
-    grad = BatchNormGrad(x, scale, dy, y, float(attrs.get("epsilon", 1e-5)), dx, dscale, dbias)
+    epsilon = float(attrs.get("epsilon", 1e-5))
+    grad = BatchNormGrad(x, scale, dy, epsilon, dx, dscale, dbias, y=y)
     return grad, nodes
 
 

@@ -27,7 +27,7 @@ import onnx
 from onnx import shape_inference
 
 from traingraph.runtime import graph_match, specialize, verify
-from traingraph.runtime.native import NATIVE, output_array
+from traingraph.runtime.native import NATIVE, OneOutput, output_array
 
 Pair = tuple[int, int]
 
@@ -46,7 +46,7 @@ class Col2ImTerm:
 
 
 @dataclass(frozen=True)
-class Col2ImSum:
+class Col2ImSum(OneOutput):
     """``out = (sum of addends + sum of the terms' Col2Ims)``, kept where ``gate > 0`` (the
     product with ``Cast(Greater(gate, 0))``) when ``gate`` is set.
 
@@ -71,10 +71,6 @@ class Col2ImSum:
         return [t.columns for t in self.terms] + list(self.addends) + (
             [self.gate] if self.gate else []
         )
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.out]
 
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int

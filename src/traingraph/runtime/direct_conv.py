@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, output_array
+from traingraph.runtime.native import NATIVE, OneOutput, output_array
 
 MAX_CHANNELS = 4
 """Input channels up to which a Conv runs directly; with more, onnxruntime's blocked
@@ -32,7 +32,7 @@ convolution fills its vectors along the channels."""
 
 
 @dataclass(frozen=True)
-class DirectConv:
+class DirectConv(OneOutput):
     """``out = Conv(x, weight, bias)`` with strides and dilations 1 and one group, then Relu
     where ``relu``.
 
@@ -55,10 +55,6 @@ class DirectConv:
     @property
     def inputs(self) -> list[str]:
         return [self.x, self.weight] + ([self.bias] if self.bias else [])
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.out]
 
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int

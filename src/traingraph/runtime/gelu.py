@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, output_array
+from traingraph.runtime.native import NATIVE, OneOutput, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _ELEMENTWISE = frozenset({"Mul", "Div", "Add", "Sub", "Neg", "Exp", "Erf", "Sum", "Pow", "Sqrt"})
@@ -36,7 +36,7 @@ _MAX_GRAD_NODES = 24  # about ten for the gradient of one GELU
 
 
 @dataclass(frozen=True)
-class Gelu:
+class Gelu(OneOutput):
     """``out = GELU(a)``, or where ``g`` is given, ``out = g * GELU'(a)``: the gradient of
     ``a`` for the gradient ``g`` of GELU's output; times ``mask`` where given.
 
@@ -56,10 +56,6 @@ class Gelu:
     @property
     def inputs(self) -> list[str]:
         return [self.a] + ([self.g] if self.g else []) + ([self.mask] if self.mask else [])
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.out]
 
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int

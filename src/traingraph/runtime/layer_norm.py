@@ -25,30 +25,12 @@ import onnx
 from onnx import helper
 
 from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, NormalizationGradOutputs
+from traingraph.runtime.native import NormalizationGrad
 
 
 @dataclass(frozen=True)
-class LayerNormGrad(NormalizationGradOutputs):
-    """The gradient of one LayerNormalization over the last axis.
-
-    Attributes:
-        x: Its input.
-        scale: Its scale.
-        dy: The gradient of its output.
-        epsilon: Its epsilon.
-        dx: The gradient of ``x`` the graph computes (None where nothing reads it).
-        dscale: The model output of the scale's gradient, or None.
-        dbias: The model output of the bias's gradient.
-    """
-
-    x: str
-    scale: str
-    dy: str
-    epsilon: float
-    dx: str | None
-    dscale: str | None
-    dbias: str
+class LayerNormGrad(NormalizationGrad):
+    """The gradient of one LayerNormalization over the last axis."""
 
     @property
     def inputs(self) -> list[str]:
@@ -60,18 +42,9 @@ class LayerNormGrad(NormalizationGradOutputs):
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
-        self.output_arrays(out, x.shape, x.shape[-1:] if x.ndim else (0,))
-        assert NATIVE is not None
-        NATIVE.layer_norm_grad(
-            x,
-            values[self.dy],
-            values[self.scale],
-            out[self.dx] if self.dx else None,
-            out[self.dscale] if self.dscale else None,
-            out[self.dbias],
-            self.epsilon,
-            threads,
-        )
+        features = x.shape[-1:] if x.ndim else (0,)
+        inputs = [x, values[self.dy], values[self.scale]]
+        self.run_native("layer_norm_grad", inputs, out, features, self.epsilon, threads)
 
 
 def split_layer_norm_grads(

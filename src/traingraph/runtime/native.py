@@ -8,6 +8,8 @@ The extension is built at install time where a C compiler exists; :data:`NATIVE`
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -33,10 +35,34 @@ def default_threads(intra_op_threads: int) -> int:
     return intra_op_threads if intra_op_threads > 0 else physical_cores()
 
 
-class NormalizationGradOutputs:
-    """What a normalization's gradient kernel writes (``dx`` and ``dscale`` where not None,
-    ``dbias``); mixed into the kernels' dataclasses that have those fields."""
+class OneOutput:
+    """Mixed into the dataclass of a kernel that writes one value, its field ``out``."""
 
+    out: str
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out]
+
+
+@dataclass(frozen=True)
+class NormalizationGrad:
+    """The gradient of one normalization that a native kernel computes.
+
+    Attributes:
+        x: The normalization's input.
+        scale: Its scale.
+        dy: The gradient of its output.
+        epsilon: Its epsilon.
+        dx: The gradient of ``x`` the graph computes (None where nothing reads it).
+        dscale: The model output of the scale's gradient, or None.
+        dbias: The model output of the bias's gradient.
+    """
+
+    x: str
+    scale: str
+    dy: str
+    epsilon: float
     dx: str | None
     dscale: str | None
     dbias: str
@@ -45,14 +71,26 @@ class NormalizationGradOutputs:
     def outputs(self) -> list[str]:
         return [n for n in (self.dx, self.dscale, self.dbias) if n]
 
-    def output_arrays(
-        self, out: dict[str, np.ndarray], x: tuple[int, ...], features: tuple[int, ...]
+    def run_native(
+        self,
+        function: str,
+        inputs: Sequence[np.ndarray | None],
+        out: dict[str, np.ndarray],
+        features: tuple[int, ...],
+        epsilon: float,
+        threads: int,
     ) -> None:
-        """Arrays in ``out`` for the outputs: ``dx`` of ``x``'s shape, the others of the shape
-        of the ``features`` (channels, or the normalized axis)."""
-        for name, shape in ((self.dx, x), (self.dscale, features), (self.dbias, features)):
+        """Call the extension's ``function`` on ``inputs`` (``x`` first), the outputs and
+        ``epsilon``: ``dx`` of ``x``'s shape and the others of the ``features``' shape (channels,
+        or the normalized axis), written in place where ``out`` has arrays of those shapes and
+        allocated there where not."""
+        x = inputs[0]
+        assert NATIVE is not None and x is not None
+        for name, shape in ((self.dx, x.shape), (self.dscale, features), (self.dbias, features)):
             if name:
                 output_array(out, name, shape)
+        targets = [out[name] if name else None for name in (self.dx, self.dscale)]
+        getattr(NATIVE, function)(*inputs, *targets, out[self.dbias], epsilon, threads)
 
 
 def output_array(out: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:

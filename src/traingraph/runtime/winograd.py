@@ -34,14 +34,14 @@ import numpy as np
 import onnx
 
 from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, output_array
+from traingraph.runtime.native import NATIVE, OneOutput, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _TILE = 2  # F(2 x 2, 3 x 3): within about twice a direct convolution's rounding
 
 
 @dataclass(frozen=True)
-class WinogradConv:
+class WinogradConv(OneOutput):
     """``out = Conv(x, weight, bias) + addend`` for 3 x 3 filters, strides and dilations 1,
     pads 1 and one group over an even height and width; without the bias or the addend where
     they are None.
@@ -64,10 +64,6 @@ class WinogradConv:
     def inputs(self) -> list[str]:
         optional = [v for v in (self.bias, self.addend) if v]
         return [self.x, self.weight, *optional]
-
-    @property
-    def outputs(self) -> list[str]:
-        return [self.out]
 
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
