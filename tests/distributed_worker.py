@@ -4,8 +4,9 @@ starts two. The models, data and training loops are defined here once, for the w
 the single-process reference the tests compare with.
 
 The worker trains the demo CNN through fit (api.Module / Optimizer, checkpoint, resume) and an
-MLP through the graph API, and writes ``rank{R}.npz`` with the parameters after every step;
-then rank 1 exits during a further run of the demo, and rank 0 writes the error it got to
+MLP through the graph API (its gradients in several buckets), and writes ``rank{R}.npz`` with
+the parameters after every step; then rank 1 exits during a further run of the demo, and rank
+0 writes the error it got to
 ``error.txt``.
 """
 
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +178,9 @@ def main(folder: Path) -> None:
     initial = dict(np.load(folder / "mlp_initial.npz"))
     if rank == 1:  # rank 0's parameters replace these
         initial = {k: v + np.float32(1) for k, v in initial.items()}
-    mlp_steps = train_mlp(initial, distributed.DataParallel)
+    # the MLP's gradients average in 4 buckets, apart from the flags (the demo's: packed)
+    distributed.PACKED_BYTES = 0
+    mlp_steps = train_mlp(initial, partial(distributed.DataParallel, bucket_bytes=1024))
     graph_steps = (
         train_demo_cuda_graph(folder / "demo", distributed.cuda_graph_step)
         if DEVICE.startswith("cuda")

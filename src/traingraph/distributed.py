@@ -72,6 +72,9 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 64 << 20
 """The largest piece of the gradient block that one all-reduce call carries."""
 
+PACKED_BYTES = 1 << 20
+"""Gradient blocks up to this size are averaged in one buffer with the processes' flags."""
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 """How long a collective waits for the other processes before it fails."""
 
@@ -335,6 +338,12 @@ def _split(arrays: Any, rank: int, world: int, allow_empty: bool) -> tuple[Any, 
     return type(arrays)(part(v) for v in arrays), stop - start, total
 
 
+def _device_of(model: Any) -> Device:
+    """The device of a Module or a compiled TrainingGraph."""
+    device = getattr(model, "device", None) or getattr(model, "_device", None)
+    return device if isinstance(device, Device) else parse_device("cpu")
+
+
 _REPLICAS: weakref.WeakKeyDictionary[Any, DataParallel] = weakref.WeakKeyDictionary()
 
 
@@ -345,9 +354,9 @@ class DataParallel:
     :meth:`Optimizer.step <traingraph.api.Optimizer.step>` averages the gradients before
     the update (:meth:`~traingraph.api.Optimizer.register_gradient_hook`); for a compiled
     :class:`~traingraph.graph.TrainingGraph`, :meth:`execute` runs a data-parallel step. The
-    processes also agree on whether a step's loss was finite (so a
+    processes also agree at every average on whether the step's loss was finite (so a
     :class:`~traingraph.errors.NonFiniteLossError` stops all of them at the same step) and on
-    :meth:`request_stop`.
+    a stop that any of them asks for (:attr:`stop_requested`, then :attr:`stop_agreed`).
 
     Args:
         model: A Module (with ``optimizer``) or a compiled TrainingGraph, the same in every
@@ -401,6 +410,8 @@ class DataParallel:
         self._torch, self._dist = _torch()
         self.model = model
         self.optimizer = optimizer
+        self.device: Device = _device_of(model)
+        """Where the model's gradients live."""
         self.bucket_bytes = bucket_bytes
         self.rank = int(self._dist.get_rank())
         self.world_size = int(self._dist.get_world_size())
@@ -413,7 +424,7 @@ class DataParallel:
         self.global_batch: int | None = None
         """The sample count of the last batch :meth:`shard` split."""
         self._weight: float | None = None
-        self._views: dict[int, tuple[TensorStore, list[Any]]] = {}
+        self._views: dict[int, tuple[TensorStore, list[Any], Any]] = {}
         if broadcast:
             self.broadcast_parameters()
         if optimizer is not None:
@@ -445,23 +456,20 @@ class DataParallel:
         Args:
             batch: The global batch, the same in every process.
             allow_empty: Return an empty part where the batch has fewer samples than there are
-                processes (for evaluation); a training batch must have at least one per
-                process.
+                processes, for evaluation: such a split leaves the gradients' weights alone.
+                A training batch must have at least one sample per process.
         """
         part, count, total = _split(batch, self.rank, self.world_size, allow_empty)
-        self._weight = count / total if total else 0.0
-        self.global_batch = total
+        if not allow_empty:
+            self._weight = count / total
+            self.global_batch = total
         return part
 
     # ------------------------------------------------------------- collectives
     def _device(self) -> Any:
-        """Where the collectives of this group's small tensors run."""
-        if self.optimizer is not None:
-            device = self.optimizer._state.device
-        else:
-            device = getattr(self.model, "device", None) or parse_device("cpu")
-        if device.kind == "cuda":
-            return self._torch.device("cuda", device.index)
+        """The torch device of this group's small tensors: the gradients' device."""
+        if self.device.kind == "cuda":
+            return self._torch.device("cuda", self.device.index)
         return self._torch.device("cpu")
 
     def average_gradients(self, grads: TensorStore, finite: bool) -> bool:
@@ -476,19 +484,32 @@ class DataParallel:
         self._weight = None
         device = self._device()
         flags = [0.0 if finite else 1.0, 1.0 if self.stop_requested else 0.0]
-        control = torch.tensor(flags, dtype=torch.float32, device=device)
         key = id(grads)
         if key not in self._views or self._views[key][0] is not grads:
-            self._views[key] = (grads, _store_tensors(torch, grads))
-        tensors = self._views[key][1]
-        groups: dict[Any, list[Any]] = {}
-        for tensor in tensors:
-            groups.setdefault(tensor.dtype, []).append(tensor)
+            tensors = _store_tensors(torch, grads)
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            small = len(tensors) == 1 and tensors[0].dtype == torch.float32
+            # A small block travels with the two flags in one buffer: one collective per step.
+            staging = None
+            if small and size <= PACKED_BYTES:
+                staging = torch.empty(tensors[0].numel() + 2, dtype=torch.float32, device=device)
+            self._views[key] = (grads, tensors, staging)
+        _, tensors, staging = self._views[key]
+        control = torch.tensor(flags, dtype=torch.float32, device=device)
+
+        def reduce_packed() -> None:
+            flat, count = tensors[0], tensors[0].numel()
+            torch.mul(flat, weight, out=staging[:count])
+            staging[count:] = control
+            dist.all_reduce(staging)
+            flat.copy_(staging[:count])
+            control.copy_(staging[count:])
 
         def reduce() -> None:
-            if device.type == "cuda":  # the gradients are written on onnxruntime's stream
-                torch.cuda.synchronize(device)
             works = [dist.all_reduce(control, async_op=True)]
+            groups: dict[Any, list[Any]] = {}
+            for tensor in tensors:
+                groups.setdefault(tensor.dtype, []).append(tensor)
             packed = []
             for members in groups.values():
                 flat = members[0] if len(members) == 1 else torch.cat(members)
@@ -507,10 +528,15 @@ class DataParallel:
                     for member in members:
                         member.copy_(flat[offset : offset + member.numel()])
                         offset += member.numel()
-            if device.type == "cuda":  # onnxruntime runs on its own stream: finish first
+
+        def average() -> None:
+            if device.type == "cuda":  # the gradients are written on onnxruntime's stream
+                torch.cuda.synchronize(device)
+            (reduce if staging is None else reduce_packed)()
+            if device.type == "cuda":  # and read there by the update
                 torch.cuda.synchronize(device)
 
-        _collective(f"average the gradients of step {self.steps + 1}", reduce)
+        _collective(f"average the gradients of step {self.steps + 1}", average)
         self.steps += 1
         total = control.cpu().numpy()
         self.stop_agreed = bool(total[1] > 0)
