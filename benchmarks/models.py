@@ -6,6 +6,11 @@ and saved with its initial weights (``weights.npz``, torch ``state_dict`` names)
 (``data.npz``: ``x`` and ``y`` stacked per batch) under ``<cache>/<model>/``. Every system
 loads these files, so all of them start from the same weights and see the same batches.
 
+The zoo set's entries (``benchmarks/zoo.py``, ``traingraph bench --zoo``) have the same files,
+the ONNX export made by ``traingraph.from_torch``, and ``program.pt2``, the ``torch.export``
+program of the model with its loss, for ExecuTorch. A pinned peer keeps what it builds from an
+entry beside it (``peers/common.py``: ``cached_build``).
+
 Example:
     >>> spec = prepare("mlp", Path("/tmp/tg-bench"))
     >>> spec.meta["train_flops"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -53,21 +54,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def in_child(function: Callable[..., None], *args: Any) -> None:
-    """Run ``function(*args)`` in a forked child process and wait for it.
+def in_child(function: Callable[..., None], *args: Any, timeout: float | None = None) -> None:
+    """Run ``function(*args)`` in a forked child process and wait for it (at most ``timeout``
+    seconds, None: no limit).
 
     Call it before the parent starts threads of its own (a fork copies only the calling
     thread). The child's memory does not count in the parent's peak resident memory.
 
     Raises:
-        RuntimeError: The child failed; its traceback is on stderr.
+        RuntimeError: The child failed; the message ends with the child's error (its
+            traceback is on stderr).
     """
-    process = multiprocessing.get_context("fork").Process(target=function, args=args)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            function(*args)
+        except BaseException as error:
+            send.send(f"{type(error).__name__}: {' '.join(str(error).split())}")
+            raise
+
+    process = context.Process(target=child)
     process.start()
+    send.close()
+    name = getattr(function, "__name__", "the build")
+    if not receive.poll(timeout):
+        process.kill()
+        process.join()
+        raise RuntimeError(f"{name} failed in a child process: it took over {timeout:.0f} s")
+    try:
+        cause = receive.recv()  # the child's error; end of file when it succeeds
+    except EOFError:
+        cause = ""
     process.join()
     if process.exitcode != 0:
-        name = getattr(function, "__name__", "the build")
-        raise RuntimeError(f"{name} failed in its child process (exit code {process.exitcode})")
+        cause = cause or f"exit code {process.exitcode}"
+        raise RuntimeError(f"{name} failed in a child process: {cause}")
+
+
+def cached_build(
+    entry: Path, name: str, timeout: float | None, build: Callable[..., None], *args: Any
+) -> Path:
+    """``entry / name``, built once by ``build(*args, path)`` in a child process (:func:`in_child`)
+    that may take ``timeout`` seconds.
+
+    For what a pinned peer builds from the entry alone (its version in ``name``), so that
+    every run after the first skips it. A build that raised is remembered too
+    (``<name>.failed``, its message), and raises again at once.
+
+    Raises:
+        RuntimeError: The build failed, now or in an earlier run.
+    """
+    target = entry / name
+    failure = entry / f"{name}.failed"
+    if failure.is_file():
+        raise RuntimeError(failure.read_text())
+    if not target.exists():
+        partial = entry / f"{name}.partial-{os.getpid()}"
+        try:
+            in_child(build, *args, partial, timeout=timeout)
+        except RuntimeError as error:
+            if ": " in str(error):  # the child raised (it was not killed)
+                failure.write_text(str(error))
+            raise
+        partial.rename(target)
+    return target
 
 
 def load_entry(entry: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -38,6 +38,7 @@ import importlib.metadata
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -248,13 +249,28 @@ def _runner_env(bench_dir: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(bench_dir.parent))
 
 
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit)\b")
+# an onnxruntime message's cause, after the C++ function and the failed check
+_CHECK = re.compile(r"^([\w.]+): .*? was false\. (.*)$")
+
+
+def _error_line(lines: list[str]) -> str:
+    """The exception a runner ended with (its last line that names one), made short."""
+    errors = [ln.strip() for ln in lines if _EXCEPTION.match(ln.strip())]
+    line = errors[-1] if errors else lines[-1].strip()
+    check = _CHECK.match(line)
+    if check:
+        line = f"{check.group(1)}: {check.group(2)}"
+    return line[:300]
+
+
 def _parse_result(stdout_lines: list[str], stderr: str, returncode: int | None) -> dict[str, Any]:
-    """A runner's JSON result line, or ``{"error": <its last output line>}``."""
+    """A runner's JSON result line, or ``{"error": <the exception it ended with>}``."""
     for line in reversed(stdout_lines):
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
     lines = [ln for ln in (stderr.splitlines() + stdout_lines) if ln.strip()]
-    return {"error": lines[-1][:200] if lines else f"exit status {returncode}"}
+    return {"error": _error_line(lines) if lines else f"exit status {returncode}"}
 
 
 def run_system(
