@@ -702,13 +702,15 @@ def fit(
                 size = _batch_size(arrays)
                 values = _batch_values(outputs, arrays, metrics)
                 sums.add(values, size)
+                if replica is not None:  # the throughput of all processes
+                    size = replica.global_batch or size
                 samples += size
                 state.batch += 1
                 state.global_step += 1
                 record()
                 logs = {
                     "loss": values["loss"],
-                    "samples": size if replica is None else replica.global_batch or size,
+                    "samples": size,
                     "samples_per_second": samples / max(time.perf_counter() - started, 1e-9),
                 }
                 for cb in every:
