@@ -5,9 +5,9 @@ the single-process reference the tests compare with.
 
 The worker trains the demo CNN through fit (api.Module / Optimizer, checkpoint, resume) and an
 MLP through the graph API (its gradients in several buckets), and writes ``rank{R}.npz`` with
-the parameters after every step; then rank 1 exits during a further run of the demo, and rank
-0 writes the error it got to
-``error.txt``.
+the parameters after every step; ``agreed{R}.txt`` with the errors of
+:func:`agreements`; then rank 1 exits during a further run of the demo, and rank 0 writes the
+error it got to ``error.txt``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 
 from traingraph import artifacts, demo, optim
 from traingraph.data import Batches
+from traingraph.errors import NonFiniteLossError
 from traingraph.fit import Callback, FitState, ModelCheckpoint, Trainer, fit
 from traingraph.runtime.session import SessionConfig
 
@@ -165,6 +166,30 @@ class ExitAt(Callback):
             os._exit(17)
 
 
+def agreements(folder: Path) -> list[str]:
+    """The errors of what the processes must agree on: a non-finite loss in rank 1's shard
+    only, and a failure on rank 0 of what rank_zero_first runs."""
+    from traingraph import distributed
+
+    x, y = (np.array(a) for a in next(iter(demo_data()[0])))
+    poisoned = x.copy()
+    poisoned[-1] = np.nan  # the last sample: rank 1's part
+    errors = []
+    try:
+        fit(demo_trainer(folder / "demo"), [(x, y), (poisoned, y), (x, y)], progress=False)
+    except NonFiniteLossError as exc:
+        errors.append(f"NonFiniteLossError: {exc}")
+
+    def fail() -> str:
+        raise OSError("no space left for the run folder")
+
+    try:
+        distributed.rank_zero_first(fail)
+    except (OSError, distributed.DistributedError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
 def main(folder: Path) -> None:
     import torch
 
@@ -194,6 +219,7 @@ def main(folder: Path) -> None:
         cuda_graph=graph_steps,
         history=json.dumps(history),
     )
+    (folder / f"agreed{rank}.txt").write_text("\n".join(agreements(folder)))
     trainer = demo_trainer(folder / "demo")
     started = time.perf_counter()
     try:

@@ -130,6 +130,17 @@ def test_a_dead_process_stops_the_others_with_an_error(trained):
     assert "Another process probably stopped" in message
 
 
+def test_processes_agree_on_a_nonfinite_loss_and_a_failure_of_rank_zero(trained):
+    folder = trained[0]
+    errors = [(folder / f"agreed{r}.txt").read_text().splitlines() for r in range(2)]
+    for rank, (nonfinite, prepared) in enumerate(errors):
+        # rank 1's shard had the NaN: both stop before the update of the same batch
+        assert nonfinite.startswith("NonFiniteLossError: training stopped at epoch 1, batch 2")
+        expected = "OSError: no space left" if rank == 0 else "DistributedError: rank 1"
+        assert prepared.startswith(expected), prepared
+    assert "rank 0 failed to prepare the run" in errors[1][1]
+
+
 def test_shard_splits_batches_and_weights(monkeypatch):
     x, y = np.arange(10).reshape(5, 2), np.arange(5)
     parts = [distributed._split((x, y), r, 2, allow_empty=False) for r in range(2)]
