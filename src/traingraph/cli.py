@@ -344,11 +344,15 @@ def train_command(ctx: click.Context, source: str | None, resume: str | None, ou
     metrics.json, metrics.csv and metrics.png. Ctrl-C saves a checkpoint and stops;
     `traingraph train --resume RUN_DIR` continues exactly where the run stopped.
 
+    Started by torchrun, the processes train data-parallel: each takes its share of every
+    batch (--batch-size is the global batch), and rank 0 writes the run folder.
+
     \b
     Examples:
       traingraph train
       traingraph train model.onnx --data train.npz --epochs 5 --lr 1e-3
       traingraph train --resume runs/demo-20250101-120000
+      torchrun --nproc-per-node 4 -m traingraph train model.onnx --data train.npz
     """
     from traingraph import distributed
 
