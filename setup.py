@@ -30,6 +30,7 @@ setup(
                 "src/traingraph/runtime/_winograd.h",
                 "src/traingraph/runtime/_gelu.h",
                 "src/traingraph/runtime/_layernorm.h",
+                "src/traingraph/runtime/_permute.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

@@ -1864,6 +1864,7 @@ done:
 #include "_winograd.h"
 #include "_gelu.h"
 #include "_layernorm.h"
+#include "_permute.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1876,6 +1877,7 @@ static PyMethodDef methods[] = {
     {"conv_winograd", conv_winograd, METH_VARARGS, conv_winograd_doc},
     {"gelu", gelu, METH_VARARGS, gelu_doc},
     {"layer_norm_grad", layer_norm_grad, METH_VARARGS, layer_norm_grad_doc},
+    {"permute", permute, METH_VARARGS, permute_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1884,7 +1886,8 @@ static struct PyModuleDef module_def = {
     .m_name = "traingraph.runtime._convc",
     .m_doc = "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
              " convolutions' weight gradients, max-pool gradient routing, batch-norm gradients,"
-             " Dropout masks, column sums, Winograd convolutions, GELU and layer-norm gradients.",
+             " Dropout masks, column sums, Winograd convolutions, GELU and layer-norm gradients,"
+             " axis permutations.",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -1,0 +1,123 @@
+"""Gathers that permute axes: found from their positions and run as one native copy.
+
+Every case compares the native copy with numpy's transpose (or onnxruntime's Gather of the
+same positions), element for element, with NaN and infinities in the source.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from traingraph.runtime import conv_grads, nchwc, permutes
+from traingraph.runtime.permutes import as_permutation
+
+rng = np.random.default_rng(0)
+
+
+def _poisoned(shape: tuple[int, ...]) -> np.ndarray:
+    values = rng.standard_normal(shape).astype(np.float32)
+    flat = values.reshape(-1)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0], np.float32)
+    places = rng.choice(flat.size, size=min(flat.size, 8), replace=False)
+    flat[places] = np.resize(specials, places.size)
+    return values
+
+
+@pytest.mark.parametrize(
+    ("dims", "perm"),
+    [
+        ([4, 16, 2, 16, 3, 3], [0, 2, 4, 5, 3, 1]),  # OIhw16i16o
+        ([4, 16, 3, 7, 7], [0, 2, 3, 4, 1]),  # OIhw16o, a 3-channel input
+        ([2, 8, 1, 3, 3], [0, 2, 3, 4, 1]),  # depthwise, blocks of 8
+        ([5, 7], [1, 0]),
+        ([3, 4, 5], [0, 1, 2]),
+    ],
+)
+def test_blocked_layouts_are_found_and_copied(dims: list[int], perm: list[int]) -> None:
+    size = int(np.prod(dims))
+    positions = np.arange(size).reshape(dims).transpose(perm)
+    found = as_permutation(positions, size)
+    assert found is not None
+    got_dims, got_perm = found
+    copied = np.arange(size).reshape(got_dims).transpose(got_perm)  # axes may be merged
+    assert np.array_equal(copied.reshape(-1), positions.reshape(-1))
+    src = _poisoned((size,))
+    want = src.reshape(dims).transpose(perm)
+    for threads in (1, 3):
+        dst = np.full(want.shape, 7.0, np.float32)
+        permutes.permute(src, dst, got_dims, got_perm, threads)
+        np.testing.assert_array_equal(dst, want)  # NaN where NaN, same infinities
+
+
+def test_every_permutation_of_four_axes() -> None:
+    dims = [2, 3, 4, 5]
+    for perm in itertools.permutations(range(4)):
+        positions = np.arange(120).reshape(dims).transpose(perm)
+        found = as_permutation(positions, 120)
+        assert found is not None, perm
+        copied = np.arange(120).reshape(found[0]).transpose(found[1])
+        assert np.array_equal(copied.reshape(-1), positions.reshape(-1))
+
+
+@pytest.mark.parametrize(
+    "positions",
+    [
+        np.array([0, 1, 1, 2]),  # a repeat
+        np.array([1, 2, 3, 0]),  # a rotation, not a transpose
+        np.concatenate([np.arange(16).reshape(4, 4).T.reshape(-1)[:15], [15]])[::-1],
+        np.arange(1, 9),  # not from 0
+    ],
+)
+def test_other_gathers_are_not_permutations(positions: np.ndarray) -> None:
+    assert as_permutation(positions, positions.size) is None
+
+
+def test_sizes_must_match() -> None:
+    assert as_permutation(np.arange(6), 8) is None
+    if conv_grads.NATIVE is not None:
+        with pytest.raises(ValueError, match="prod"):
+            conv_grads.NATIVE.permute(
+                np.zeros(6, np.float32), np.zeros(8, np.float32), [2, 3], [1, 0], 1
+            )
+
+
+@pytest.mark.parametrize(
+    ("channels", "filters", "kernel", "group"),
+    [(32, 64, 3, 1), (3, 64, 7, 1), (32, 32, 3, 32)],
+)
+def test_the_blocked_conv_filter_gathers_are_permutations(
+    channels: int, filters: int, kernel: int, group: int
+) -> None:
+    """onnxruntime's own blocked filter layouts, as nchwc learns them, for channel counts that
+    are multiples of the block: the native copy equals the Gather the form would run."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, channels, 14, 14])
+    w = helper.make_tensor_value_info(
+        "w", onnx.TensorProto.FLOAT, [filters, channels // group, kernel, kernel]
+    )
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], group=group)
+    model = helper.make_model(
+        helper.make_graph([conv], "g", [x, w], [y]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    shapes = {"x": [2, channels, 14, 14], "w": [filters, channels // group, kernel, kernel]}
+    if not nchwc.convs_as_nchwc(model, shapes):  # type: ignore[arg-type]
+        pytest.skip("onnxruntime does not block this geometry on this CPU")
+    size = filters * (channels // group) * kernel * kernel
+    gathers = [n for n in model.graph.node if n.op_type == "Gather"]
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    filter_positions = [
+        constants[g.input[1]] for g in gathers if constants[g.input[1]].max() <= size
+    ]
+    assert filter_positions
+    for positions in filter_positions:
+        found = as_permutation(positions - 1, size)  # the form's positions count from 1
+        assert found is not None
+        src = _poisoned((size,))
+        dst = np.empty(positions.shape, np.float32)
+        permutes.permute(src, dst, *found, 2)
+        np.testing.assert_array_equal(dst, src[positions - 1])
