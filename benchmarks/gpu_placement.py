@@ -3,7 +3,7 @@
 For each model (the artifacts that ``gpu_bench.py --zoo`` prepares), the training graph is
 made static for the batch (:func:`~traingraph.runtime.cuda.with_static_inputs`,
 :func:`~traingraph.runtime.cuda.dropout_from_noise`,
-:func:`~traingraph.runtime.static_shapes.fold_static_shapes`, as
+:func:`~traingraph.runtime.static_shapes.for_capture`, as
 :class:`~traingraph.runtime.cuda.CudaGraphStep` does), a CUDA session is created with
 onnxruntime's informational log, and the nodes it places on the CPU and the copies it inserts
 are listed; then a session with ``enable_cuda_graph`` is created and run once on zeros, which
@@ -60,7 +60,7 @@ def check(name: str, batch: int, precision: str, cache: Path, small: bool) -> di
     import onnxruntime as ort
 
     from traingraph.runtime.cuda import dropout_from_noise, with_static_inputs
-    from traingraph.runtime.static_shapes import fold_static_shapes
+    from traingraph.runtime.static_shapes import for_capture
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
@@ -69,7 +69,7 @@ def check(name: str, batch: int, precision: str, cache: Path, small: bool) -> di
     shapes = {n: a.shape for n, a in inputs.items()} | {"labels": labels.shape}
     static = with_static_inputs(directory / "training_model.onnx", shapes)
     static, noise = dropout_from_noise(static)
-    static = fold_static_shapes(static)
+    static = for_capture(static)
     model = static.SerializeToString()
     report: dict[str, Any] = {"model": name, "batch": batch, "precision": precision}
     with tempfile.TemporaryDirectory() as tmp:

@@ -105,10 +105,13 @@ def build(name: str, small: bool) -> Any:
     torch.manual_seed(SEED)
     info = MODELS[name]
     classes = info.classes[small]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from zoo.torchvision_import import torchvision_models
+    if torch.version.cuda:  # torchvision's native ops match a CUDA torch: a plain import
+        import torchvision.models as models
+    else:  # transformers imports torchvision too
+        sys.path.insert(0, str(ROOT / "tests"))
+        from zoo.torchvision_import import torchvision_models
 
-    models = torchvision_models()  # transformers imports torchvision too
+        models = torchvision_models()
     if info.kind == "image":
         if name == "resnet50":
             return models.resnet50(num_classes=classes)
@@ -317,6 +320,30 @@ def torch_system(name: str, small: bool, precision: str, device: str, mode: str 
     return step
 
 
+def profile_kernels(step: Step, data: list[Any], steps: int, top: int = 30) -> list[str]:
+    """The GPU kernels of ``steps`` steps (any library's, through ``torch.profiler``): the
+    ``top`` by total time, as "ms per step, calls per step, name"."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            inputs, labels = data[i % len(data)]
+            step(inputs, labels, False)
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1e3
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    whole = sum(t for t, _ in totals.values()) / steps
+    lines = [f"{whole:8.2f} ms/step in {sum(int(c) for _, c in totals.values()) // steps} kernels"]
+    lines += [f"{t / steps:8.3f} {int(c) // steps:5d}  {n[:110]}" for n, (t, c) in ranked[:top]]
+    return lines
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One (model, batch, precision, system) run, in this process."""
     spec = json.loads(args.child)
@@ -362,6 +389,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         sync()
         runs.append((time.perf_counter() - begin) / args.steps * 1e3)
     result: dict[str, Any] = {"losses": losses, "ms_runs": runs, "ms": float(np.median(runs))}
+    if args.profile and cuda:
+        result["profile"] = profile_kernels(step, data, args.profile)
     result["samples_per_s"] = batch / result["ms"] * 1e3
     result["setup_and_curve_s"] = setup
     if cuda:
@@ -381,6 +410,7 @@ def run_one(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
         sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec),
         "--device", args.device, "--cache", str(args.cache), "--steps", str(args.steps),
         "--repeats", str(args.repeats), "--curve", str(args.curve), "--tg-config", args.tg_config,
+        "--profile", str(args.profile),
     ] + (["--small"] if args.small else [])  # fmt: skip
     start = time.perf_counter()
     try:
@@ -446,6 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prepare", action="store_true", help="only export and write artifacts")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="after timing, list the GPU kernels of N steps"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
@@ -480,8 +513,11 @@ def main(argv: list[str] | None = None) -> None:
                 spec = {"model": name, "batch": batch, "precision": precision, "system": system}
                 result = run_one(args, spec)
                 rows.append({**spec, "result": result})
-                short = {k: v for k, v in result.items() if k not in ("losses", "ms_runs")}
+                long = ("losses", "ms_runs", "profile")
+                short = {k: v for k, v in result.items() if k not in long}
                 print(json.dumps({**spec, **short}), flush=True)
+                for line in result.get("profile", []):
+                    print("   ", line, flush=True)
     for row in rows:
         losses = row["result"].get("losses")
         for key, precision in (("curve", row["precision"]), ("curve_fp32", "fp32")):

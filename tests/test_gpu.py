@@ -557,3 +557,34 @@ def test_static_shapes_fold_into_constants() -> None:
     for before, after in zip(*run):
         np.testing.assert_array_equal(before, after)
     onnx.checker.check_model(folded, full_check=True)
+
+
+@pytest.mark.parametrize("count", [33, 70, 1100])
+def test_wide_concats_are_split_into_groups(count: int) -> None:
+    """A Concat of more inputs than a CUDA graph capture takes becomes Concats of at most 32
+    inputs each, with the same result."""
+    from onnx import TensorProto, helper
+
+    from traingraph.runtime.static_shapes import CAPTURE_CONCAT_INPUTS, split_wide_concats
+
+    inputs = [
+        helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, i % 3 + 1])
+        for i in range(count)
+    ]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, None])
+    node = helper.make_node("Concat", [i.name for i in inputs], ["y"], axis=1)
+    model = helper.make_model(
+        helper.make_graph([node], "g", inputs, [out]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    rng = np.random.default_rng(0)
+    feed = {
+        i.name: rng.standard_normal((2, k % 3 + 1)).astype(np.float32)
+        for k, i in enumerate(inputs)
+    }
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = before.run(None, feed)[0]
+    split = split_wide_concats(model)
+    assert all(len(n.input) <= CAPTURE_CONCAT_INPUTS for n in split.graph.node)
+    onnx.checker.check_model(split, full_check=True)
+    after = ort.InferenceSession(split.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(after.run(None, feed)[0], expected)

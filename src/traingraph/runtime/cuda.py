@@ -43,7 +43,7 @@ from traingraph.runtime.cudart import StagedInputs, shared_stream
 from traingraph.runtime.device import Device
 from traingraph.runtime.optimizer import FlatLayout, optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
-from traingraph.runtime.static_shapes import fold_static_shapes
+from traingraph.runtime.static_shapes import for_capture
 from traingraph.runtime.tensors import Spec, TensorStore
 
 if TYPE_CHECKING:
@@ -376,7 +376,7 @@ class CudaGraphStep:
             self.module._train_uri, {n: shape for n, (shape, _) in specs.items()}
         )
         static, noise = dropout_from_noise(static)
-        static = fold_static_shapes(static)
+        static = for_capture(static)
         if noise:
             self._noise = TensorStore(self.device, noise)
             session = create_cuda_session(noise_model(noise), self.device, self.module._config)

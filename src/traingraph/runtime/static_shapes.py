@@ -12,8 +12,12 @@ static by a ``Constant`` and evaluates what is computed from constants alone int
 (``Gather``, ``Concat``, ``Cast``, ``Range``, ...; small outputs only, with onnx's reference
 evaluator), in rounds, as each round fixes more shapes.
 
+onnxruntime's CUDA ``Concat`` also takes at most 32 inputs inside a capture:
+:func:`split_wide_concats` concatenates more in groups first (the same result), and
+:func:`for_capture` does both.
+
 Example:
-    >>> static = fold_static_shapes(with_static_inputs(model, {"x": (64, 3, 224, 224)}))
+    >>> static = for_capture(with_static_inputs(model, {"x": (64, 3, 224, 224)}))
 """
 
 from __future__ import annotations
@@ -194,3 +198,48 @@ def fold_static_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             break
     return folded_model
 
+
+
+CAPTURE_CONCAT_INPUTS = 32
+"""The most inputs onnxruntime's CUDA ``Concat`` takes while a CUDA graph is captured."""
+
+
+def split_wide_concats(
+    model: onnx.ModelProto, most: int = CAPTURE_CONCAT_INPUTS
+) -> onnx.ModelProto:
+    """``model`` with each ``Concat`` of more than ``most`` inputs made of ``Concat`` s of at
+    most ``most`` inputs each (groups of consecutive inputs, then the groups' results, along
+    the same axis: the same tensor). ``model`` is changed in place and returned."""
+    nodes: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        wide = node.op_type == "Concat" and len(node.input) > most
+        if not wide or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        axis = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "axis")
+        pieces = list(node.input)
+        level = 0
+        while len(pieces) > most:
+            grouped = []
+            for start in range(0, len(pieces), most):
+                group = pieces[start : start + most]
+                if len(group) == 1:
+                    grouped.append(group[0])
+                    continue
+                name = f"{node.output[0]}_part{level}_{start // most}"
+                nodes.append(helper.make_node("Concat", group, [name], name=name, axis=axis))
+                grouped.append(name)
+            pieces = grouped
+            level += 1
+        nodes.append(
+            helper.make_node("Concat", pieces, list(node.output), name=node.name, axis=axis)
+        )
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
+
+
+def for_capture(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the static ``model`` that onnxruntime can capture into a CUDA graph:
+    :func:`fold_static_shapes`, then :func:`split_wide_concats`."""
+    return split_wide_concats(fold_static_shapes(model))
