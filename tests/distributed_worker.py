@@ -23,13 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from traingraph import artifacts, demo, optim
+from traingraph import artifacts, demo, distributed, optim
 from traingraph.data import Batches
 from traingraph.errors import NonFiniteLossError
 from traingraph.fit import Callback, FitState, ModelCheckpoint, Trainer, fit
 from traingraph.runtime.session import SessionConfig
 
 DEVICE = os.environ.get("TRAINGRAPH_TEST_DEVICE", "cpu")
+"""The device of the models: under torchrun, "cuda" is each process's LOCAL_RANK GPU."""
 BACKEND = os.environ.get("TRAINGRAPH_TEST_BACKEND") or None
 TIMEOUT = datetime.timedelta(seconds=30)
 MLP_STEPS = 6
@@ -70,7 +71,7 @@ def demo_trainer(folder: Path, checkpoint: Path | None = None) -> Trainer:
     return Trainer.from_artifacts(
         folder,
         checkpoint=checkpoint,
-        device=DEVICE,
+        device=distributed.local_device(DEVICE),
         session_config=SessionConfig(intra_op_threads=1),
     )
 
@@ -124,7 +125,7 @@ def mlp_graph() -> Any:
         [g], loss=losses.CrossEntropyLoss(), optimizer=optim.AdamW(lr=1e-2)
     )
     train.add_inputs({"x": x}, loss_labels={"y": TensorSpec([None], "int64")})
-    return train.compile(DEVICE, CompileOptions(intra_op_threads=1))
+    return train.compile(distributed.local_device(DEVICE), CompileOptions(intra_op_threads=1))
 
 
 def mlp_batches() -> list[tuple[np.ndarray, np.ndarray]]:
@@ -169,8 +170,6 @@ class ExitAt(Callback):
 def agreements(folder: Path) -> list[str]:
     """The errors of what the processes must agree on: a non-finite loss in rank 1's shard
     only, and a failure on rank 0 of what rank_zero_first runs."""
-    from traingraph import distributed
-
     x, y = (np.array(a) for a in next(iter(demo_data()[0])))
     poisoned = x.copy()
     poisoned[-1] = np.nan  # the last sample: rank 1's part
@@ -192,8 +191,6 @@ def agreements(folder: Path) -> list[str]:
 
 def main(folder: Path) -> None:
     import torch
-
-    from traingraph import distributed
 
     torch.set_num_threads(1)
     distributed.init_process_group(TIMEOUT, BACKEND)
