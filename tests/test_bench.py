@@ -124,11 +124,23 @@ def test_zoo_table_on_the_smallest_member(tmp_path):
     assert all(line.count("|") == 8 and line.endswith(" ok |") for line in body)
 
 
+# What a peer cannot run, and the cause its error names.
+PEER_GAPS = {
+    # onnxruntime-training 1.19.2 has no gradient builder for HardSwish
+    ("ort_training", "mobilenet_v3_small"): "HardSwish",
+    # its LSTMGrad kernel takes the forward direction only
+    ("ort_training", "lstm_tagger"): "forward direction",
+    # ExecuTorch's edge dialect has no training-mode BatchNorm
+    ("executorch", "mobilenet_v3_small"): "_native_batch_norm_legit_functional",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["mobilenet_v3_small", "lstm_tagger"])
+@pytest.mark.parametrize("model", ["mobilenet_v3_small", "vit_tiny"])
 def test_zoo_peers_agree(tmp_path, model):
-    """Every zoo peer whose environment exists runs and agrees with torch eager: over the
-    first steps, or on the first loss where it trains with another optimizer."""
+    """Every zoo peer whose environment exists runs, or fails for the reason it is known to,
+    and agrees with torch eager: over the first steps, or on the first loss where it trains
+    with another optimizer."""
     labels = [s.label for s in bench.ZOO_SYSTEMS]
     available = [s.label for s in bench.ZOO_SYSTEMS if bench.python_for(s, BENCH_DIR)]
     args = _zoo_args(tmp_path, available, [model], 2)
@@ -136,7 +148,12 @@ def test_zoo_peers_agree(tmp_path, model):
     rows = bench.run(args)["models"][model]["systems"]
     assert list(rows) == [label for label in labels if label in available]
     for label, row in rows.items():
-        assert "error" not in row, (label, row)
+        gap = PEER_GAPS.get((label, model))
+        if gap is None:
+            assert "error" not in row, (label, row)
+        else:
+            assert gap in row.get("error", ""), (label, row)
     agreement = bench.loss_agreement(rows, steps=bench.AGREEMENT_STEPS)
+    assert set(agreement) == {label for label, row in rows.items() if "error" not in row}
     for label, (diff, steps) in agreement.items():
         assert diff < bench.AGREEMENT_RTOL, (label, diff, steps)
