@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,9 @@ class ExitAt(Callback):
 
 
 def agreements(folder: Path) -> list[str]:
-    """The errors of what the processes must agree on: a non-finite loss in rank 1's shard
-    only, and a failure on rank 0 of what rank_zero_first runs."""
+    """What the processes must agree on: the errors of a non-finite loss in rank 1's shard
+    only and of a failure on rank 0 of what rank_zero_first runs, and the skipping of a batch
+    too small to share."""
     x, y = (np.array(a) for a in next(iter(demo_data()[0])))
     poisoned = x.copy()
     poisoned[-1] = np.nan  # the last sample: rank 1's part
@@ -178,6 +180,12 @@ def agreements(folder: Path) -> list[str]:
         fit(demo_trainer(folder / "demo"), [(x, y), (poisoned, y), (x, y)], progress=False)
     except NonFiniteLossError as exc:
         errors.append(f"NonFiniteLossError: {exc}")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = fit(demo_trainer(folder / "demo"), [(x, y), (x[:1], y[:1])], progress=False)
+    skipped = [str(w.message) for w in caught if "was skipped" in str(w.message)]
+    errors.append(f"steps {state.global_step}, batches {state.batch}: {' '.join(skipped)}")
 
     def fail() -> str:
         raise OSError("no space left for the run folder")

@@ -130,15 +130,16 @@ def test_a_dead_process_stops_the_others_with_an_error(trained):
     assert "Another process probably stopped" in message
 
 
-def test_processes_agree_on_a_nonfinite_loss_and_a_failure_of_rank_zero(trained):
+def test_processes_agree_on_nonfinite_losses_small_batches_and_failures(trained):
     folder = trained[0]
     errors = [(folder / f"agreed{r}.txt").read_text().splitlines() for r in range(2)]
-    for rank, (nonfinite, prepared) in enumerate(errors):
+    for rank, (nonfinite, small, prepared) in enumerate(errors):
+        assert small.startswith("steps 1, batches 0: a batch of 1 samples was skipped"), small
         # rank 1's shard had the NaN: both stop before the update of the same batch
         assert nonfinite.startswith("NonFiniteLossError: training stopped at epoch 1, batch 2")
         expected = "OSError: no space left" if rank == 0 else "DistributedError: rank 1"
         assert prepared.startswith(expected), prepared
-    assert "rank 0 failed to prepare the run" in errors[1][1]
+    assert "rank 0 failed to prepare the run" in errors[1][2]
 
 
 def test_shard_splits_batches_and_weights(monkeypatch):

@@ -36,6 +36,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -635,8 +636,9 @@ def fit(
         catch_interrupt: Let Ctrl-C stop the run cleanly after the step in progress.
         distributed: Train data-parallel over the processes of a ``torch.distributed`` group
             (:class:`~traingraph.distributed.DataParallel`): every process iterates the same
-            global batches and trains on its shard of each, the gradients are averaged before
-            each update, the metrics are over all shards, and rank 0 alone shows progress and
+            global batches and trains on its shard of each (a batch with fewer samples than
+            processes is skipped, with a warning), the gradients are averaged before each
+            update, the metrics are over all shards, and rank 0 alone shows progress and
             writes checkpoints and metrics files. None (the default) trains data-parallel when
             torchrun started several processes or a process group exists.
 
@@ -687,6 +689,10 @@ def fit(
             for batch in _epoch_batches(train_data, state.epoch, state.batch):
                 arrays = trainer._arrays(batch)
                 if replica is not None:
+                    if _batch_size(arrays) < replica.world_size:
+                        _warn_small_batch(_batch_size(arrays), replica.world_size)
+                        state.batch += 1
+                        continue
                     arrays = replica.shard(arrays)
                     replica.stop_requested = interrupt.hit
                 try:
@@ -745,6 +751,15 @@ def fit(
     if replica is not None:
         replica.barrier()  # rank 0's checkpoint is written when fit returns on any rank
     return state
+
+
+def _warn_small_batch(size: int, processes: int) -> None:
+    warnings.warn(
+        f"a batch of {size} samples was skipped: it cannot give each of the {processes}"
+        " data-parallel processes a sample; pass Batches(..., drop_last=True) or a batch size"
+        " that leaves a last batch of at least one sample per process",
+        stacklevel=3,
+    )
 
 
 def _data_parallel(trainer: Trainer, distributed: bool | None) -> DataParallel | None:
