@@ -183,7 +183,9 @@ def _mask_model(extra_use: bool) -> onnx.ModelProto:
 def test_product_with_a_cast_mask_becomes_a_where() -> None:
     model = _mask_model(extra_use=False)
     rewritten = onnx.load_from_string(for_cuda(model.SerializeToString()))
-    assert [n.op_type for n in rewritten.graph.node] == ["Greater", "Where"]
+    assert [n.op_type for n in rewritten.graph.node if n.op_type != "Constant"] == [
+        "Greater", "Where"
+    ]  # fmt: skip
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal(SHAPE).astype(np.float32) for n in ("y", "g")}
     np.testing.assert_array_equal(_run(rewritten, feeds)[0], _run(model, feeds)[0])

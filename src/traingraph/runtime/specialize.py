@@ -30,10 +30,9 @@ On the CPU (:func:`for_cpu`):
 
 On CUDA (:func:`for_cuda`):
 
-- A right ``BitShift`` by a constant becomes a ``Div`` by ``2^k``: the CUDA provider has no
-  BitShift kernel (the CPU one is several times faster than an integer Div), so a model that
-  shifts (e.g. the hash of a lowered training Dropout) would otherwise run those nodes on the
-  CPU, with copies around them, on every step.
+- The rules of :mod:`traingraph.runtime.rewrites` (onnxscript rewriter rules): a right
+  ``BitShift`` by a constant as a ``Div`` by ``2^k``, a product with a cast boolean mask as a
+  ``Where``.
 - A ``ReduceSum`` or ``ReduceMean`` over axes that are not one run of neighbouring axes (the
   per-channel statistics of BatchNormalization and their gradients reduce ``[0, 2, 3]`` of
   ``NCHW``) becomes a chain of reductions over runs, the innermost first. The provider reduces
@@ -45,10 +44,6 @@ On CUDA (:func:`for_cuda`):
   in every group (the one-hot unfold of a convolution's weight gradient) becomes one ungrouped
   Conv over the channels folded into the batch, between two Reshapes. cuDNN runs the grouped
   form with a slow direct kernel; the values and their layout are the same.
-- A product with a cast boolean mask, ``Mul(g, Cast(mask))`` (the gradient of Relu, a Dropout
-  mask), becomes ``Where(mask, g, 0)``: one kernel instead of two, where each launch counts.
-  The two differ only where the mask is off and ``g`` is not finite (0 instead of NaN) or
-  negative (0 instead of -0).
 
 Example:
     >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
@@ -65,7 +60,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
-from traingraph.runtime import nchwc
+from traingraph.runtime import nchwc, rewrites
 
 Source = str | bytes
 
@@ -77,12 +72,11 @@ def for_cuda(source: Source) -> Source:
     if head is not None and not any(_applies(n) for n in head.graph.node):
         return source
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
+    ruled = rewrites.apply(proto, rewrites.CUDA_RULES)
+    changed = ruled is not None
+    proto = ruled if ruled is not None else proto
     constants = constant_tensors(proto.graph)
-    changed = False
-    rewrites = (
-        _shifts_as_divisions, _reductions_over_runs, _shared_filters_as_batch, _masks_as_where
-    )
-    for rewrite in rewrites:
+    for rewrite in (_reductions_over_runs, _shared_filters_as_batch):
         changed = rewrite(proto.graph, constants) or changed
     return proto.SerializeToString() if changed else source
 
@@ -340,77 +334,6 @@ def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
         for a in n.attribute if a.name == "value"
     )  # fmt: skip
     return constants
-
-
-def _shifts_as_divisions(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]) -> bool:
-    """Write each right BitShift by a constant as a Div by ``2^k``; return whether any was."""
-    changed = False
-    for node in graph.node:
-        direction = next((a.s for a in node.attribute if a.name == "direction"), b"")
-        shift = constants.get(node.input[1]) if node.op_type == "BitShift" else None
-        if shift is None or direction != b"RIGHT":
-            continue
-        amount = numpy_helper.to_array(shift)
-        divisor = numpy_helper.from_array(
-            (np.ones_like(amount) << amount).astype(amount.dtype), f"{node.output[0]}_divisor"
-        )
-        graph.initializer.append(divisor)
-        node.op_type, node.input[1] = "Div", divisor.name
-        del node.attribute[:]
-        changed = True
-    return changed
-
-
-_FLOAT_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-     onnx.TensorProto.DOUBLE}
-)  # fmt: skip
-
-
-_BOOLEAN_OPS = frozenset(
-    {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual", "Not", "And", "Or", "Xor"}
-)
-
-
-def _masks_as_where(graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]) -> bool:
-    """Write each ``Mul`` by a cast comparison, where the cast has no other use, as a
-    ``Where`` of the comparison; return whether any was."""
-    del constants
-    producers, uses, outputs = dataflow(graph)
-    masks: dict[str, tuple[str, int]] = {}  # cast output -> (boolean input, float type)
-    for node in graph.node:
-        source = producers.get(node.input[0]) if node.op_type == "Cast" else None
-        to = next((a.i for a in node.attribute if a.name == "to"), 0)
-        if (
-            source is not None
-            and source.op_type in _BOOLEAN_OPS
-            and source.domain in ("", "ai.onnx")
-            and to in _FLOAT_TYPES
-            and uses.get(node.output[0]) == 1
-            and node.output[0] not in outputs
-        ):
-            masks[node.output[0]] = (node.input[0], to)
-    products = {
-        n.output[0]: n for n in graph.node
-        if n.op_type == "Mul" and n.domain in ("", "ai.onnx") and set(n.input) & set(masks)
-    }  # fmt: skip
-    used = {next(i for i in n.input if i in masks) for n in products.values()}
-
-    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        if node.op_type == "Cast" and node.output[0] in used:
-            return []
-        if node.op_type != "Mul" or products.get(node.output[0]) is not node:
-            return None
-        index = 0 if node.input[0] in masks else 1
-        mask, to = masks[node.input[index]]
-        zero = f"{node.output[0]}_zero"
-        graph.initializer.append(
-            numpy_helper.from_array(np.zeros((), helper.tensor_dtype_to_np_dtype(to)), zero)
-        )
-        return [helper.make_node("Where", [mask, node.input[1 - index], zero], [node.output[0]],
-                                 name=f"{node.name or node.output[0]}_where")]  # fmt: skip
-
-    return _expand_nodes(graph, expand)
 
 
 def _reductions_over_runs(

@@ -1,0 +1,95 @@
+"""The provider rewrite rules of traingraph.runtime.rewrites, each on a small model before and
+after, run by onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from traingraph.runtime import rewrites
+
+
+def _model(nodes, inputs, outputs) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "rule",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString()).run(None, feeds)
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node if n.op_type != "Constant"]
+
+
+def _masked_product(
+    extra_use: bool = False, compare: str = "Greater", swap: bool = False
+) -> onnx.ModelProto:
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    product = ["c", "g"] if swap else ["g", "c"]
+    nodes = [
+        helper.make_node("Constant", [], ["zero"], value=zero),
+        helper.make_node(compare, ["x", "zero"], ["m"]),
+        helper.make_node("Cast", ["m"], ["c"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", product, ["y"]),
+    ]
+    outputs = [("y", TensorProto.FLOAT, [2, 3])]
+    if extra_use:
+        nodes.append(helper.make_node("Neg", ["c"], ["n"]))
+        outputs.append(("n", TensorProto.FLOAT, [2, 3]))
+    inputs = [("x", TensorProto.FLOAT, [2, 3]), ("g", TensorProto.FLOAT, [2, 3])]
+    return _model(nodes, inputs, outputs)
+
+
+def test_mask_as_where_is_the_product_where_the_gradient_is_finite():
+    feeds = {
+        "x": np.array([[1, -1, np.nan], [0, 2, -3]], np.float32),
+        "g": np.array([[1, 2, 3], [4, 5, 6]], np.float32),
+    }
+    for swap in (False, True):
+        model = _masked_product(swap=swap)
+        rewritten = rewrites.apply(model, [rewrites.MASK_AS_WHERE])
+        assert rewritten is not None and _ops(rewritten) == ["Greater", "Where"]
+        onnx.checker.check_model(rewritten, full_check=True)
+        np.testing.assert_array_equal(_run(rewritten, feeds)[0], _run(model, feeds)[0])
+    # where the mask is off, an infinite gradient gives 0 (the product gives NaN)
+    feeds["g"][0, 1] = np.inf
+    got = _run(rewrites.apply(_masked_product(), [rewrites.MASK_AS_WHERE]), feeds)[0]
+    assert got[0, 1] == 0 and np.isnan(_run(_masked_product(), feeds)[0][0, 1])
+
+
+def test_mask_as_where_leaves_casts_read_elsewhere_and_non_boolean_sources():
+    assert rewrites.apply(_masked_product(extra_use=True), [rewrites.MASK_AS_WHERE]) is None
+    assert rewrites.apply(_masked_product(compare="Sub"), [rewrites.MASK_AS_WHERE]) is None
+
+
+def _shift(direction: str, constant: bool = True) -> onnx.ModelProto:
+    amount = helper.make_tensor("k", TensorProto.UINT64, [], [3])
+    nodes = [helper.make_node("BitShift", ["n", "k"], ["s"], direction=direction)]
+    inputs = [("n", TensorProto.UINT64, [4])]
+    if constant:
+        nodes.insert(0, helper.make_node("Constant", [], ["k"], value=amount))
+    else:
+        inputs.append(("k", TensorProto.UINT64, []))
+    return _model(nodes, inputs, [("s", TensorProto.UINT64, [4])])
+
+
+def test_shift_as_division_divides_by_the_power_of_two():
+    feeds = {"n": np.array([8, 17, 100, 2**63 + 5], np.uint64)}
+    model = _shift("RIGHT")
+    rewritten = rewrites.apply(model, [rewrites.SHIFT_AS_DIVISION])
+    assert rewritten is not None and _ops(rewritten) == ["Div"]
+    onnx.checker.check_model(rewritten, full_check=True)
+    np.testing.assert_array_equal(_run(rewritten, feeds)[0], _run(model, feeds)[0])
+
+
+def test_shift_as_division_leaves_left_shifts_and_shifts_by_a_variable():
+    assert rewrites.apply(_shift("LEFT"), [rewrites.SHIFT_AS_DIVISION]) is None
+    assert rewrites.apply(_shift("RIGHT", constant=False), [rewrites.SHIFT_AS_DIVISION]) is None
