@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import pytest
@@ -12,6 +14,8 @@ from traingraph import artifacts, optim
 from traingraph.errors import ModelError
 from traingraph.ir.tags import KEY, tagged_kernels
 from traingraph.runtime import conv_grads, kernels
+from traingraph.runtime.batch_norm import BatchNormGrad
+from traingraph.runtime.direct_conv import DirectConv
 from traingraph.runtime.native import AVAILABLE
 from traingraph.runtime.session import SessionConfig
 from traingraph.runtime.specialize import for_cpu
@@ -102,3 +106,25 @@ def test_every_kernel_found_has_the_protocol(training_model):
         assert isinstance(kernel.inputs, list) and isinstance(kernel.outputs, list)
         assert callable(kernel.compute) and nodes
     assert np.all([g.output.endswith("_grad") for g in grads])
+
+
+@pytest.mark.parametrize("kind", [BatchNormGrad, DirectConv])
+def test_a_kernel_that_disagrees_with_its_nodes_is_dropped_with_a_reason(
+    training_model, kind, monkeypatch, caplog
+):
+    compute = kind.compute
+
+    def off_by_one(self, values, out, threads):
+        compute(self, values, out, threads)
+        for name in self.outputs:
+            out[name] += 1
+
+    model, grads = conv_grads.split_weight_grads(training_model)
+    _, found = kernels.find(model, grads)
+    assert any(isinstance(k, kind) for k, _ in found)
+    monkeypatch.setattr(kind, "compute", off_by_one)
+    with caplog.at_level(logging.WARNING, logger="traingraph.runtime.kernels"):
+        _, found = kernels.find(model, grads)
+    assert not any(isinstance(k, kind) for k, _ in found)
+    assert f"native kernel {kind.__name__}" in caplog.text
+    assert "disagrees with its nodes" in caplog.text

@@ -227,7 +227,8 @@ def _verified(
     runs = [feeds, verify.with_non_finite(feeds)]  # then a NaN and infinities in them
     try:
         results = verify.run_subgraph(model, [g.nodes[i] for i in keep], runs, names)
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+        verify.report_dropped([c[1] for c in checks], f"onnxruntime cannot run its nodes ({error})")
         return []
     passed = set()
     for index, grad, _ in checks:
@@ -241,6 +242,8 @@ def _verified(
                     ok = ok and verify.same_values(got[name], want)
         if ok:
             passed.add(index)
+        else:
+            verify.report_dropped([grad], "it disagrees with its nodes")
     return [match for i, match in enumerate(found) if checked_as.get(i) in passed]
 
 

@@ -308,12 +308,16 @@ def _verified(
                 ),
             )
         )
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+        reason = f"onnxruntime cannot run its nodes ({error})"
+        verify.report_dropped([kernel for kernel, *_ in checks], reason)
         return []
-    return [
-        (kernel, nodes) for kernel, nodes, _, _ in checks
-        if verify.kernel_agrees(kernel, values, expected)
-    ]  # fmt: skip
+    agreed = [verify.kernel_agrees(kernel, values, expected) for kernel, *_ in checks]
+    verify.report_dropped(
+        [kernel for (kernel, *_), ok in zip(checks, agreed) if not ok],
+        "it disagrees with its nodes",
+    )
+    return [(kernel, nodes) for (kernel, nodes, _, _), ok in zip(checks, agreed) if ok]
 
 
 __all__ = ["Col2ImSum", "Col2ImTerm", "split_col2ims"]

@@ -60,6 +60,7 @@ from traingraph.runtime.graph_match import (
 from traingraph.runtime.native import AVAILABLE, NATIVE, default_threads, output_array
 from traingraph.runtime.verify import (
     WindowedDraws,
+    report_dropped,
     run_subgraph,
     same_values,
     with_non_finite,
@@ -706,7 +707,9 @@ def _verified(
         results = run_subgraph(
             model, [nodes[i] for i in keep], runs, [grad.output for _, grad, _, _ in checks]
         )
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+        reason = f"onnxruntime cannot run its nodes ({error})"
+        report_dropped([grad for _, grad, _, _ in checks], reason)
         return []
     passed = set()
     for k, (index, grad, _, w_shape) in enumerate(checks):
@@ -721,6 +724,8 @@ def _verified(
             agrees = agrees and same_values(got, outputs[k])
         if agrees:
             passed.add(index)
+        else:
+            report_dropped([grad], "it disagrees with its nodes")
     return [
         (match.grad, match.cone) for i, match in enumerate(found) if checked_as.get(i) in passed
     ]

@@ -275,11 +275,16 @@ def _verified(
             results = verify.run_subgraph(
                 model, [g.nodes[i] for i in nodes], {**shaped_feeds, **seeds}, names
             )
-        except Exception:  # a subgraph onnxruntime rejects stays in the graph
+        except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+            reason = f"onnxruntime cannot run its nodes ({error})"
+            verify.report_dropped([m for m, _, _ in found], reason)
             return []
         for j, ((mask, _, _), got) in enumerate(zip(found, results)):
             want: dict[str, np.ndarray] = {}
             mask.compute({**arrays, **seeds}, want, 1 + k % 2)
             ok = got.dtype == np.float32 and np.array_equal(got, want[mask.mask])
             same[j] = same[j] and ok
+    verify.report_dropped(
+        [m for (m, _, _), ok in zip(found, same) if not ok], "it draws other keep masks"
+    )
     return [(mask, kept) for (mask, kept, _), ok in zip(found, same) if ok]

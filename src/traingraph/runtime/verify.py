@@ -10,8 +10,9 @@ largest magnitude). A match that disagrees is dropped, and the graph computes it
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -26,6 +27,19 @@ from traingraph.runtime.graph_match import (
 
 # Relative tolerance of the numeric check, against the largest magnitude of the result.
 CHECK_RTOL = 1e-4
+
+logger = logging.getLogger("traingraph.runtime.kernels")
+"""Where the verifier says which matches it drops, and why."""
+
+
+def report_dropped(kernels: Iterable[object], reason: str) -> None:
+    """Log that the native ``kernels`` are dropped (the graph computes their values) and why."""
+    for kernel in kernels:
+        outputs = getattr(kernel, "outputs", None) or getattr(kernel, "output", "?")
+        logger.warning(
+            "native kernel %s (writing %s) dropped: %s; the graph computes it",
+            type(kernel).__name__, outputs, reason,
+        )
 
 
 @overload
@@ -132,13 +146,15 @@ def verified_kernels(
     runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
     try:
         results = run_subgraph(model, replaced, runs, wanted)
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
+    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+        report_dropped([k for k, _ in checked], f"onnxruntime cannot run its nodes ({error})")
         return []
     agreed = []
     for kernel, nodes in checked:
-        for inputs, outputs in zip(runs, results):
+        for kind, inputs, outputs in zip(("finite", "non-finite"), runs, results):
             expected = dict(zip(wanted, outputs))
             if not kernel_agrees(kernel, {**inputs, **expected}, expected):
+                report_dropped([kernel], f"it disagrees with its nodes on {kind} inputs")
                 break
         else:
             agreed.append((kernel, nodes))
