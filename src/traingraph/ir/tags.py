@@ -78,6 +78,27 @@ def kernel_of(node: onnx.NodeProto) -> str | None:
     return None
 
 
+def origin(node: onnx.NodeProto) -> str:
+    """The forward node ``node`` stands for: the one its tag names (a lowering's nodes stand
+    for the node they replace), else ``node`` itself, by name."""
+    for entry in node.metadata_props:
+        if entry.key == KEY:
+            return entry.value.partition(":")[2]
+    return node.name
+
+
+def tag_instances(nodes: Iterable[onnx.NodeProto]) -> dict[str, set[str]]:
+    """For each kernel ``nodes`` hold tagged patterns of, the forward nodes (by name) the
+    patterns were made for."""
+    found: dict[str, set[str]] = {}
+    for node in nodes:
+        for entry in node.metadata_props:
+            if entry.key == KEY:
+                kernel, _, instance = entry.value.partition(":")
+                found.setdefault(kernel, set()).add(instance)
+    return found
+
+
 def tagged_kernels(nodes: Iterable[onnx.NodeProto]) -> dict[str, set[int]]:
     """The kernels ``nodes`` hold tagged patterns of, each with the indices of its nodes; {}
     for a model that traingraph's autodiff did not make (an onnxblock or onnxruntime-training

@@ -25,6 +25,9 @@ from onnx import helper
 from traingraph.runtime import conv_grads, graph_match, verify
 from traingraph.runtime.native import NATIVE, NormalizationGrad, output_array
 
+KERNEL = "batch_norm_grad"
+"""The tag of the nodes of a BatchNormalization's gradient."""
+
 
 @dataclass(frozen=True)
 class BatchNormGrad(NormalizationGrad):
@@ -65,6 +68,8 @@ def split_batch_norm_grads(
     found = []
     for node in g.nodes + (f.nodes if f is not g else []):
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            if not g.made_for(node, KERNEL):
+                continue
             match = _match(g, f, node, shapes)
             if match is not None:
                 found.append(match)

@@ -25,6 +25,9 @@ from onnx import numpy_helper
 from traingraph.runtime import graph_match, specialize, verify
 from traingraph.runtime.native import NATIVE, output_array
 
+KERNEL = "batch_norm_forward"
+"""The tag of a lowered training-mode BatchNormalization."""
+
 _DEFAULT = ("", "ai.onnx")
 
 
@@ -115,7 +118,12 @@ def split_batch_norm_forwards(
     matches = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):
-        if i not in claimed and node.op_type == "BatchNormalization" and node.domain in _DEFAULT:
+        if (
+            i not in claimed
+            and node.op_type == "BatchNormalization"
+            and node.domain in _DEFAULT
+            and g.tagged(i, KERNEL)
+        ):
             match = _match(g, i, shapes, constants, claimed)
             if match is not None:  # an Add of two of them goes with the first
                 claimed |= match[1]

@@ -29,6 +29,9 @@ from onnx import shape_inference
 from traingraph.runtime import graph_match, specialize, verify
 from traingraph.runtime.native import NATIVE, OneOutput, output_array
 
+KERNEL = "conv_input_grad"
+"""The tag of the nodes of a Conv's input gradient."""
+
 Pair = tuple[int, int]
 
 
@@ -117,7 +120,7 @@ def split_col2ims(
     transposed = {
         i: t
         for i, n in enumerate(g.nodes)
-        if i not in taken and (t := _term(n, shapes, types)) is not None
+        if i not in taken and g.tagged(i, KERNEL) and (t := _term(n, shapes, types)) is not None
     }
     producers, _, _ = specialize.dataflow(model.graph)
     constants = specialize.constant_tensors(model.graph)

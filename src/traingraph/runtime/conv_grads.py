@@ -399,6 +399,8 @@ def _candidates(
     for node in convs:
         if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
             continue
+        if not g.made_for(node, "conv_weight_grad"):
+            continue
         param, x = node.input[1], node.input[0]
         output = f"{param}_grad"
         if param not in inputs or output not in outputs or output not in producer:

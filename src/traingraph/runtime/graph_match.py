@@ -23,6 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from traingraph import limits
+from traingraph.ir.tags import origin, tag_instances, tagged_kernels
 from traingraph.runtime.native import (
     NATIVE,
 )
@@ -192,6 +193,11 @@ class GraphIndex:
     constants: set[str]
     param_grads: set[str]  # the outputs "<input>_grad"
     initializers: Mapping[str, onnx.TensorProto] = dataclasses.field(default_factory=dict)
+    tags: Mapping[str, set[int]] = dataclasses.field(default_factory=dict)
+    """The nodes of each kernel's tagged patterns (:mod:`traingraph.ir.tags`); {} where the
+    model has no tags."""
+    instances: Mapping[str, set[str]] = dataclasses.field(default_factory=dict)
+    """The forward nodes (by name) each kernel's tagged patterns were made for."""
     _digests: dict[str, bytes] = dataclasses.field(default_factory=dict, compare=False)
 
     @staticmethod
@@ -228,7 +234,19 @@ class GraphIndex:
             constants,
             {f"{name}_grad" for name in graph_reads(graph)} & outputs,
             {t.name: t for t in graph.initializer},
+            tagged_kernels(nodes),
+            tag_instances(nodes),
         )
+
+    def tagged(self, i: int, kernel: str) -> bool:
+        """Whether node ``i`` may be part of a match of ``kernel``: in a model with kernel
+        tags, where it is tagged with ``kernel``; in a model without, always."""
+        return not self.tags or i in self.tags.get(kernel, ())
+
+    def made_for(self, node: onnx.NodeProto, kernel: str) -> bool:
+        """Whether ``kernel``'s pattern may have been made for the forward ``node``: in a model
+        with kernel tags, where a tag of ``kernel`` names it; in a model without, always."""
+        return not self.tags or origin(node) in self.instances.get(kernel, ())
 
     def derived_from(
         self, value: str, sources: set[str], memo: dict[str, bool] | None = None

@@ -27,6 +27,9 @@ from onnx import helper
 from traingraph.runtime import graph_match, verify
 from traingraph.runtime.native import NormalizationGrad
 
+KERNEL = "layer_norm_grad"
+"""The tag of the nodes of a LayerNormalization's gradient."""
+
 
 @dataclass(frozen=True)
 class LayerNormGrad(NormalizationGrad):
@@ -60,6 +63,8 @@ def split_layer_norm_grads(
     found = []
     for node in g.nodes:
         if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            if not g.made_for(node, KERNEL):
+                continue
             match = _match(g, node, shapes)
             if match is not None and not match[1] & taken:
                 found.append(match)

@@ -26,6 +26,9 @@ from traingraph.ir.random import GOLDEN, MIX
 from traingraph.runtime import graph_match, verify
 from traingraph.runtime.native import NATIVE, output_array
 
+KERNEL = "dropout_mask"
+"""The tag of a lowered Dropout's keep mask (:func:`traingraph.ir.random.lower_dropout`)."""
+
 _UINT32 = onnx.TensorProto.UINT32
 _MAX_CONE = 64  # nodes computing the hash: about 30 for one mask
 _CHECK_SEEDS = (0x2545F491, 2**32 - 1, 7)
@@ -99,7 +102,7 @@ def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[i
     found = []
     seeds = _Seeds({o for n in g.nodes if n.op_type == "Shape" for o in n.output})
     for i, node in enumerate(g.nodes):
-        if node.op_type == "Less" and node.domain in ("", "ai.onnx"):
+        if node.op_type == "Less" and node.domain in ("", "ai.onnx") and g.tagged(i, KERNEL):
             match = _match(g, i, constants, shapes, axes, seeds)
             if match is not None:
                 found.append(match)
