@@ -6,8 +6,11 @@ where onnxruntime makes one pass per op. :data:`REGISTRY` lists them in the orde
 looked for; ``SessionConfig(native_kernels=...)`` picks some by name (:func:`select`).
 
 Where a kernel's pattern is made by traingraph's autodiff or lowerings (a gradient, a lowered
-BatchNormalization or Dropout), those tag its nodes (:mod:`traingraph.ir.tags`), and a tagged
-model is searched only for the kernels whose tags it holds. A model without tags (made by
+BatchNormalization or Dropout), those tag its nodes (:mod:`traingraph.ir.tags`): a tagged
+model is searched only for the kernels whose tags it holds, and each matcher starts only from
+the nodes tagged for its kernel, or from the forward nodes its tags were made for
+(:meth:`~traingraph.runtime.graph_match.GraphIndex.tagged`,
+:meth:`~traingraph.runtime.graph_match.GraphIndex.made_for`). A model without tags (made by
 onnxblock, onnxruntime-training or by hand) is searched for every kernel: each match is exact
 (its nodes compute what the kernel computes, checked numerically at load, with non-finite
 values), so these models keep their fast paths. The forward-side kernels (a first Conv of few
