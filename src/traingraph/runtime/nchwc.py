@@ -196,7 +196,8 @@ def _instantiate(
     renamed = {"x": conv.input[0], "y": conv.output[0]}
     for name, positions in form.gathers.items():
         renamed[name] = f"{prefix}_c_{name}"
-        consts.append(numpy_helper.from_array(positions, f"{prefix}_p_{name}"))
+        # int32 positions (all below _EXACT): half the memory of int64, and a faster Gather
+        consts.append(numpy_helper.from_array(positions.astype(np.int32), f"{prefix}_p_{name}"))
         nodes.append(
             helper.make_node("Gather", [f"{prefix}_values", f"{prefix}_p_{name}"], [renamed[name]])
         )

@@ -1,0 +1,233 @@
+"""Where a CPU train step's time goes: onnxruntime segments against the native kernels.
+
+Trains a torchvision classifier (random weights, 10 classes, SGD with momentum, cross-entropy)
+with traingraph and with torch eager, alternating step by step in one process, and prints the
+median step times, then one traingraph step broken down: each onnxruntime segment run and each
+native kernel class (wall time, summed over the timed steps), and with ``--ort-ops`` the
+onnxruntime op types that take the most time in the segments (onnxruntime's profiler).
+
+Run from the repository root::
+
+    python benchmarks/cpu_profile.py --model resnet18 --batch 16 --size 112 --threads 2
+
+With ``--only traingraph`` or ``--only torch`` one side runs, and the peak RSS printed is its
+own (with ``--artifacts``, written by an earlier run, the export is not in it either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import glob
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from traingraph import from_torch, losses, optim
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.artifacts import generate_artifacts
+from traingraph.runtime import segments
+from traingraph.runtime.session import BoundRunner, SessionConfig
+from zoo.torchvision_import import torchvision_models
+
+CLASSES = 10
+
+
+def build(name: str, batch: int, size: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = getattr(torchvision_models(), name)(num_classes=CLASSES).train()
+    images = torch.randn(batch, 3, size, size)
+    labels = torch.randint(0, CLASSES, (batch,))
+    return model, images, labels
+
+
+def write_artifacts(model: torch.nn.Module, images: torch.Tensor, directory: Path) -> None:
+    proto = from_torch(copy.deepcopy(model), (images,), input_names=["input"],
+                       output_names=["output"])  # fmt: skip
+    generate_artifacts(
+        proto,
+        requires_grad=[n for n, p in model.named_parameters() if p.requires_grad],
+        loss=losses.CrossEntropyLoss(),
+        optimizer=optim.SGD(lr=1e-3, momentum=0.9),
+        artifact_directory=directory,
+    )
+
+
+def load(directory: Path, config: SessionConfig) -> tuple[Module, Optimizer]:
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state, session_config=config)
+    return module, Optimizer(directory / "optimizer_model.onnx", module)
+
+
+class Timers:
+    """Wall time per label, summed while :attr:`on`."""
+
+    def __init__(self) -> None:
+        self.total: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.on = False
+
+    @contextlib.contextmanager
+    def timing(self, label: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.on:
+                self.total[label] += time.perf_counter() - start
+                self.calls[label] += 1
+
+
+def instrument(timers: Timers) -> None:
+    """Time every segment run and every native kernel call."""
+    run_kernel = segments.SegmentedRunner._run_kernel
+    bound_run = BoundRunner.run
+
+    def timed_kernel(self: Any, kernel: Any, *args: Any) -> None:
+        with timers.timing(f"kernel {type(kernel).__name__}"):
+            run_kernel(self, kernel, *args)
+
+    def timed_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with timers.timing("onnxruntime segments"):
+            return bound_run(self, *args, **kwargs)
+
+    segments.SegmentedRunner._run_kernel = timed_kernel  # type: ignore[method-assign]
+    BoundRunner.run = timed_run  # type: ignore[method-assign]
+
+
+def ort_ops(directory: str, steps: int, by_node: bool = False) -> list[tuple[str, float, int]]:
+    """Per op type (or node, with ``by_node``) in the profiles under ``directory``: ms per
+    step and runs per step."""
+    total: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for path in glob.glob(os.path.join(directory, "onnxruntime_profile_*.json")):
+        with open(path) as f:
+            events = json.load(f)
+        for event in events:
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                op = event.get("args", {}).get("op_name", "?")
+                if by_node:
+                    op = f"{op} {event['name'].removesuffix('_kernel_time')}"
+                total[op] += event["dur"]
+                count[op] += 1
+    return [(op, us / 1e3 / steps, count[op] // steps) for op, us in total.most_common()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--size", type=int, default=112)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run")
+    parser.add_argument("--ort-ops", action="store_true", help="onnxruntime's profile by op")
+    parser.add_argument(
+        "--only", choices=["traingraph", "torch"], help="run one side (its peak RSS alone)"
+    )
+    parser.add_argument(
+        "--artifacts", type=Path, help="a folder for the artifacts, reused where they exist"
+    )
+    parser.add_argument("--top-nodes", type=int, default=0, help="with --ort-ops: slowest nodes")
+    parser.add_argument(
+        "--no-arena", action="store_true", help="onnxruntime sessions without the memory arena"
+    )
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    model, images, labels = build(args.model, args.batch, args.size)
+    timers = Timers()
+    instrument(timers)
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)  # the profiles land here
+        try:
+
+            def traingraph_steps() -> None:
+                for _ in range(args.steps):
+                    module.lazy_reset_grad()
+                    with timers.timing("forward+backward"):
+                        module(fed)
+                    with timers.timing("optimizer"):
+                        optimizer.step()
+
+            def torch_steps() -> None:
+                for _ in range(args.steps):
+                    sgd.zero_grad(set_to_none=True)
+                    torch.nn.functional.cross_entropy(eager(images), labels).backward()
+                    sgd.step()
+
+            runs: list[tuple[str, Callable[[], None], list[float]]] = []
+            if args.only != "torch":
+                folder = args.artifacts or Path(tmp)
+                if not (folder / "training_model.onnx").exists():
+                    write_artifacts(model, images, folder)
+                config = SessionConfig(
+                    intra_op_threads=args.threads,
+                    profile=args.ort_ops,
+                    memory_arena=not args.no_arena,
+                )
+                module, optimizer = load(folder, config)
+                fed = dict(zip(module.input_names(), (images.numpy(), labels.numpy())))
+                runs.append(("traingraph", traingraph_steps, []))
+            if args.only != "traingraph":
+                eager = copy.deepcopy(model)
+                sgd = torch.optim.SGD(eager.parameters(), lr=1e-3, momentum=0.9)
+                runs.append(("torch eager", torch_steps, []))
+            del model
+
+            for _, run, _ in runs:
+                run()
+            timers.on = True
+            for _ in range(args.repeats):
+                for _, run, times in runs:
+                    start = time.perf_counter()
+                    run()
+                    times.append((time.perf_counter() - start) * 1e3 / args.steps)
+            timers.on = False
+            steps = args.repeats * args.steps
+            size = f"{args.size}x{args.size}"
+            print(f"{args.model} batch {args.batch} {size}, {args.threads} threads")
+            for name, _, times in runs:
+                print(f"  {name}: {statistics.median(times):.1f} ms/step (median of {len(times)})")
+            if len(runs) == 2:
+                ratio = statistics.median(runs[1][2]) / statistics.median(runs[0][2])
+                print(f"  torch / traingraph: {ratio:.2f}")
+            print("  traingraph step, ms per step (mean):")
+            for label, seconds in timers.total.most_common():
+                calls = timers.calls[label] // steps
+                print(f"    {label:40s} {seconds * 1e3 / steps:8.1f}  ({calls} calls)")
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(f"  peak RSS of the process: {rss:.0f} MiB")
+            if args.ort_ops and args.only != "torch":
+                del module, optimizer  # ends the sessions, which writes the profiles
+                import gc
+
+                gc.collect()
+                print("  onnxruntime ops, ms per step (includes the warm-up step):")
+                for op, ms, n in ort_ops(tmp, steps + args.steps)[:20]:
+                    print(f"    {op:30s} {ms:8.1f}  ({n} nodes)")
+                if args.top_nodes:
+                    print("  slowest onnxruntime nodes, ms per step:")
+                    for node, ms, _ in ort_ops(tmp, steps + args.steps, True)[: args.top_nodes]:
+                        print(f"    {node:70s} {ms:8.1f}")
+        finally:
+            os.chdir(cwd)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
