@@ -317,6 +317,7 @@ class _Runner:
             env=env,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._ended = False  # the end of its output was read
         self.stdout: list[str] = []
         self.error: str | None = None
         threading.Thread(target=self._read, daemon=True).start()
@@ -338,6 +339,7 @@ class _Runner:
                 self._process.kill()
                 break
             if line is None:
+                self._ended = True
                 self.error = "ended early"
                 break
             self.stdout.append(line)
@@ -367,7 +369,7 @@ class _Runner:
             self._process.kill()
             self._process.wait()
             return {"error": f"timed out after {timeout:.0f} s"}
-        while (line := self._lines.get()) is not None:
+        while not self._ended and (line := self._lines.get()) is not None:
             self.stdout.append(line)
         self._stderr.seek(0)
         result = _parse_result(self.stdout, self._stderr.read(), self._process.returncode)
