@@ -20,7 +20,14 @@ import pytest
 import torch
 
 import traingraph as tg
-from torch_models import MLP, SmallCNN, classification_data, export, seeded
+from torch_models import (
+    MLP,
+    ResidualNet,
+    SmallCNN,
+    classification_data,
+    export,
+    seeded,
+)
 from traingraph import artifacts, optim
 from traingraph import layers as L
 from traingraph.api import CheckpointState, Module, Optimizer
@@ -588,3 +595,39 @@ def test_wide_concats_are_split_into_groups(count: int) -> None:
     onnx.checker.check_model(split, full_check=True)
     after = ort.InferenceSession(split.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(after.run(None, feed)[0], expected)
+
+
+def test_dynamic_batch_training_graph_prepared_for_capture(tmp_path) -> None:
+    """A residual network exported with a dynamic batch (BatchNorm lowered, a mean over
+    computed axes): once its input shapes are fixed, no Shape or Size is left and no Concat
+    takes more than 32 inputs, and the graph computes what it computed before."""
+    from traingraph.runtime.static_shapes import CAPTURE_CONCAT_INPUTS, for_capture
+
+    artifacts.generate_artifacts(
+        tg.from_torch(seeded(ResidualNet), torch.zeros(4, 3, 10, 10)),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    train = tmp_path / "training_model.onnx"
+    shapes = {"x": (6, 3, 10, 10), "labels": (6,)}
+    static, noise = dropout_from_noise(with_static_inputs(train, shapes))
+    assert not noise
+    prepared = for_capture(static)
+    assert not [n.op_type for n in prepared.graph.node if n.op_type in ("Shape", "Size")]
+    widths = [len(n.input) for n in prepared.graph.node if n.op_type == "Concat"]
+    assert max(widths, default=0) <= CAPTURE_CONCAT_INPUTS
+    rng = np.random.default_rng(0)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    params = {n: p.data for n, p in state.parameters.items()}
+    feed = {
+        "x": rng.standard_normal((6, 3, 10, 10)).astype(np.float32),
+        "labels": rng.integers(0, 5, 6),
+    }
+    session = ort.InferenceSession(str(train), providers=["CPUExecutionProvider"])
+    feed.update({i.name: params[i.name] for i in session.get_inputs() if i.name in params})
+    names = [o.name for o in session.get_outputs()]
+    expected = session.run(names, feed)
+    folded = ort.InferenceSession(prepared.SerializeToString(), providers=["CPUExecutionProvider"])
+    for name, want, got in zip(names, expected, folded.run(names, feed)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
