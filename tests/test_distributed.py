@@ -31,6 +31,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _logs(outputs: list[str]) -> str:
+    """Every rank's output (its last lines): a rank's failure often shows first in another's."""
+    return "\n".join(f"--- rank {r} ---\n{out[-3000:]}" for r, out in enumerate(outputs))
+
+
+def rank_results(folder: Path, outputs: list[str]) -> list[dict[str, np.ndarray]]:
+    """The arrays each rank saved, or a failure showing every rank's output."""
+    ranks = []
+    for rank in range(len(outputs)):
+        path = folder / f"rank{rank}.npz"
+        assert path.is_file(), f"rank {rank} failed:\n{_logs(outputs)}"
+        ranks.append(dict(np.load(path)))
+    return ranks
+
+
 def launch(folder: Path, world: int = 2, timeout: float = 240) -> list[str]:
     """Run the worker in ``world`` processes with torchrun's environment; returns each
     process's output."""
@@ -73,11 +88,7 @@ def trained(tmp_path_factory):
     initial = worker.mlp_graph().get_parameters()
     np.savez(folder / "mlp_initial.npz", **initial)
     outputs = launch(folder)
-    ranks = []
-    for rank, output in enumerate(outputs):
-        path = folder / f"rank{rank}.npz"
-        assert path.is_file(), f"rank {rank} failed:\n{output[-3000:]}"
-        ranks.append(dict(np.load(path)))
+    ranks = rank_results(folder, outputs)
     return folder, initial, ranks, outputs
 
 
@@ -164,7 +175,10 @@ def test_environment_detection(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert distributed.launched() and distributed.rank() == 1
     assert distributed.world_size() == 4
+    monkeypatch.setattr(distributed, "_cuda_device_count", lambda: 8)
     assert distributed.local_device("cuda") == "cuda:3"
+    monkeypatch.setattr(distributed, "_cuda_device_count", lambda: 2)
+    assert distributed.local_device("cuda") == "cuda:1"  # four processes share two GPUs
     assert distributed.local_device("cpu") == "cpu"
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(distributed.DistributedError, match="MASTER_ADDR"):
@@ -187,11 +201,7 @@ def test_two_processes_on_the_gpu_match_one(tmp_path, monkeypatch):
     initial = worker.mlp_graph().get_parameters()
     np.savez(tmp_path / "mlp_initial.npz", **initial)
     outputs = launch(tmp_path)
-    ranks = []
-    for rank, output in enumerate(outputs):
-        path = tmp_path / f"rank{rank}.npz"
-        assert path.is_file(), f"rank {rank} failed:\n{output[-3000:]}"
-        ranks.append(dict(np.load(path)))
+    ranks = rank_results(tmp_path, outputs)
     single, _ = worker.train_demo(tmp_path / "demo", 2)
     np.testing.assert_array_equal(ranks[1]["demo"], ranks[0]["demo"])
     np.testing.assert_allclose(ranks[0]["demo"], single, rtol=1e-4, atol=1e-6)

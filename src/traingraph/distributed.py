@@ -140,10 +140,22 @@ def world_size() -> int:
 
 def local_device(device: str | Device = "cpu") -> str | Device:
     """``device`` for this process: under torchrun, ``"cuda"`` becomes ``cuda:LOCAL_RANK`` (one
-    GPU per process); any other device is returned as given."""
+    GPU per process); where the host has fewer GPUs than processes, the processes share them
+    in turn (``LOCAL_RANK`` modulo the number of GPUs). Any other device is returned as given."""
     if isinstance(device, str) and device.strip().lower() == "cuda" and launched():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        count = _cuda_device_count()
+        return f"cuda:{local % count if count else local}"
     return device
+
+
+def _cuda_device_count() -> int:
+    """The GPUs this process sees (0 when torch or CUDA is missing: then no mapping applies)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
 def init_process_group(
