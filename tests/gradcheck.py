@@ -369,7 +369,7 @@ def artifact_steps(
             patch.setattr(kernels, "REGISTRY", kept)
         state = CheckpointState.load_checkpoint(directory / "checkpoint")
         module = Module(directory / "training_model.onnx", state)
-    kernels_run = getattr(module._train, "_plan", segments.Plan([])).all_kernels
+    kernels_run = getattr(module.step.runner, "_plan", segments.Plan([])).all_kernels
     assert any(isinstance(k, kind) for k in kernels_run) == (without is None)
     optimizer = Optimizer(directory / "optimizer_model.onnx", module)
     return train_steps(module, optimizer, state, batches)

@@ -94,7 +94,7 @@ def test_mlp_matches_pytorch_for_50_steps(tmp_path, kind):
 def test_fused_flat_update_equals_the_optimizer_graph(tmp_path, kind):
     directory = _artifacts(tmp_path, seeded(MLP), kind)
     fused, graph = (_parameters_after(directory, 10, fused=f) for f in (True, False))
-    assert fused[0]._blocks is not None and graph[0]._blocks is None
+    assert fused[0].update.blocks is not None and graph[0].update.blocks is None
     for name, value in fused[1].items():
         np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
 
@@ -128,9 +128,9 @@ def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
     # The update reads the parameters, gradients and the three RMSProp slots as five blocks.
     flat_inputs = [i.name for i in flat[0].graph_model.graph.input]
     assert flat_inputs == ["learning_rate", "step", "flat", "flat_grad"] + [
-        f"flat.{kind}" for kind in flat[0]._flat.kinds
+        f"flat.{kind}" for kind in flat[0].update.flat.kinds
     ]
-    assert len(flat[0]._flat.kinds) == 3
+    assert len(flat[0].update.flat.kinds) == 3
     for name, value in flat[1].items():
         np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
 

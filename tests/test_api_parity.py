@@ -180,7 +180,7 @@ def test_module_takes_onnxruntime_session_options(setup):
     options.intra_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     module = Module(directory / "training_model.onnx", state, session_options=options)
-    session_options = module._train.session.get_session_options()  # type: ignore[union-attr]
+    session_options = module.step.runner.session.get_session_options()  # type: ignore[union-attr]
     assert session_options.intra_op_num_threads == 1
     with pytest.raises(TypeError, match="onnxruntime.SessionOptions"):
         Module(directory / "training_model.onnx", state, session_options={"threads": 1})

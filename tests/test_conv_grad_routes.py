@@ -158,11 +158,11 @@ def test_routed_steps_match_the_graph_and_torch(tmp_path, dynamo):
     runs = {}
     for native in (True, False):
         state, module, opt = _module(directory, native)
-        routes = [g.route for g in module._native_grads if g.route is not None]
+        routes = [g.route for g in module.step.gradients.weight_grads if g.route is not None]
         assert len(routes) == int(native)
         # the second Conv's output gradient also feeds its input gradient: it is routed
         # between two onnxruntime segments
-        kernels = getattr(module._train, "_plan", segments.Plan([])).kernels
+        kernels = getattr(module.step.runner, "_plan", segments.Plan([])).kernels
         routed = [k for ks in kernels for k in ks if isinstance(k, batch_norm.MaxPoolGrad)]
         assert [(k.route.relu, k.route.bias) for k in routed] == [(True, "conv2.bias")] * native
         losses, grads = [], []

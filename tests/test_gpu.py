@@ -178,7 +178,7 @@ def test_cuda_optimizer_updates_the_blocks_as_one_vector(tmp_path) -> None:
     for fused in (True, False):
         state, module, _ = _open(tmp_path, "cuda")
         opt = Optimizer(tmp_path / "optimizer_model.onnx", module, fused=fused)
-        assert (opt._flat is not None) == fused
+        assert (opt.update.flat is not None) == fused
         for x, y in batches:
             module(x, y)
             opt.step()
@@ -524,7 +524,7 @@ def test_cuda_graph_step_trains_in_fp16(tmp_path) -> None:
     x[0, 0] = np.inf
     step(x, y)
     assert module.loss_scaler is not None and module.loss_scaler.skipped_steps == 1
-    assert step.optimizer._state.step == STEPS
+    assert step.optimizer_update.state.step == STEPS
 
 
 def test_static_shapes_fold_into_constants() -> None:

@@ -418,14 +418,14 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: s
     # inputs are saved values of the forward phase); disable_fusion runs the graph as written.
     fast = _strided_cnn_trainer(CompileOptions(), variant)
     plain = _strided_cnn_trainer(CompileOptions(disable_fusion=True), variant)
-    assert len(fast._native_grads) == 3 and plain._native_grads == []
-    routes = [g.route for g in fast._native_grads if g.route is not None]
+    assert len(fast.step.gradients.weight_grads) == 3 and plain.step.gradients.weight_grads == []
+    routes = [g.route for g in fast.step.gradients.weight_grads if g.route is not None]
     assert len(routes) == (variant == "maxpool") and all(r.relu and r.bias for r in routes)
-    runner = fast._runners["gradient"]
+    runner = fast.step.runner
     kernels = [type(k).__name__ for ks in getattr(runner, "_plan", Plan([])).kernels for k in ks]
     # the weight gradients are computed between the segments, as soon as their values are
     # written
-    assert kernels.count("WeightGradKernel") == 3 and not fast._after_run
+    assert kernels.count("WeightGradKernel") == 3 and not fast.step.gradients.after_run
     kernels = [k for k in kernels if k != "WeightGradKernel"]
     # the strided Conv's input gradient is finished natively (its Col2Im, and the Relu mask
     # where no BatchNorm kernel takes it); the 3 x 3 Conv's by Winograd's transforms
@@ -434,7 +434,7 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: s
         "maxpool": ["MaxPoolGrad", "WinogradConv"],
         "batchnorm": ["BatchNormGrad", "Col2ImSum", "BatchNormGrad"],
     }[variant]
-    assert isinstance(plain._runners["gradient"], BoundRunner)
+    assert isinstance(plain.step.runner, BoundRunner)
     rng = np.random.default_rng(0)
     for n in (8, 8, 3):
         x = rng.standard_normal((n, 2, 12, 12)).astype(np.float32)

@@ -121,7 +121,7 @@ def test_loading_work_does_not_grow_with_repeated_blocks(tmp_path, monkeypatch):
     # every BatchNorm gradient of both networks runs natively: a check of one block decides
     # for the blocks of its form
     matched = [
-        sum(isinstance(k, batch_norm.BatchNormGrad) for k in module._train._plan.all_kernels)
+        sum(isinstance(k, batch_norm.BatchNormGrad) for k in module.step.runner._plan.all_kernels)
         for module in (small, large)
     ]
     assert matched == [1 + 2 * 2, 1 + 2 * 5]
@@ -129,4 +129,4 @@ def test_loading_work_does_not_grow_with_repeated_blocks(tmp_path, monkeypatch):
     for key in ("sessions", "inferences", "bn checks", "conv checks"):
         assert many[key] <= few[key], (key, few, many)
     # the step itself has a session per segment, which grows with the blocks
-    assert len(large._train._runners) > len(small._train._runners)
+    assert len(large.step.runner._runners) > len(small.step.runner._runners)

@@ -133,8 +133,8 @@ def _run(directory, native: bool, batches):
     module = Module(directory / "training_model.onnx", state, session_config=config)
     opt = Optimizer(directory / "optimizer_model.onnx", module)
     if native:
-        assert isinstance(module._train, segments.SegmentedRunner)
-        kernels = [k for ks in module._train._plan.kernels for k in ks]
+        assert isinstance(module.step.runner, segments.SegmentedRunner)
+        kernels = [k for ks in module.step.runner._plan.kernels for k in ks]
         assert kernels and all(isinstance(k, masks.DropoutMask) for k in kernels)
     written: dict[str, np.ndarray] = {}
     compute = masks.DropoutMask.compute

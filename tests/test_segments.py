@@ -133,7 +133,7 @@ def test_models_without_a_training_batch_norm_have_nothing_to_split(tmp_path):
 def _run(directory, native: bool, batches):
     module, state = _module(directory, native)
     opt = Optimizer(directory / "optimizer_model.onnx", module)
-    assert isinstance(module._train, segments.SegmentedRunner) == native
+    assert isinstance(module.step.runner, segments.SegmentedRunner) == native
     losses, grads = [], []
     for step, (x, y) in enumerate(batches):
         losses.append(float(module(x, y)))
@@ -173,7 +173,7 @@ def test_segmented_steps_match_the_graph_and_torch(tmp_path):
 
 def test_values_between_segments_are_kept_while_the_batch_keeps_its_shape(tmp_path):
     module, _ = _module(_directory(tmp_path)[1])
-    runner = module._train
+    runner = module.step.runner
     assert isinstance(runner, segments.SegmentedRunner)
     rng = np.random.default_rng(0)
 
@@ -201,7 +201,7 @@ def test_values_between_segments_are_kept_while_the_batch_keeps_its_shape(tmp_pa
 
 def test_values_that_are_not_read_at_once_share_memory(tmp_path):
     module, _ = _module(_directory(tmp_path)[1])
-    runner = module._train
+    runner = module.step.runner
     assert isinstance(runner, segments.SegmentedRunner)
     rng = np.random.default_rng(0)
     for _ in range(2):
@@ -209,7 +209,7 @@ def test_values_that_are_not_read_at_once_share_memory(tmp_path):
     steps = runner._steps
     born = {name: i for i, step in enumerate(steps) for name in segments._writes(step)}
     last = {name: i for i, step in enumerate(steps) for name in segments._reads(step)}
-    for name in module._train_outputs:  # what the caller gets lives to the end
+    for name in module.step.outputs:  # what the caller gets lives to the end
         last[name] = len(steps)
     arrays = {**{name: array for name, (array, _) in runner._cuts.items()}, **runner._kept}
     assert len(arrays) > 10
@@ -229,10 +229,11 @@ def test_values_that_are_not_read_at_once_share_memory(tmp_path):
 def test_weight_gradients_are_computed_between_the_segments(tmp_path):
     _, directory = _directory(tmp_path)
     module, _ = _module(directory)
-    plan = module._train._plan
+    plan = module.step.runner._plan
     weights = [k for k in plan.all_kernels if isinstance(k, conv_grads.WeightGradKernel)]
-    assert {k.grad.param for k in weights} == {g.param for g in module._native_grads}
-    assert len(weights) == 4 and not module._after_run  # the stem, two 3 x 3, the 1 x 1
+    gradients = module.step.gradients
+    assert {k.grad.param for k in weights} == {g.param for g in gradients.weight_grads}
+    assert len(weights) == 4 and not gradients.after_run  # the stem, two 3 x 3, the 1 x 1
     # each runs as soon as the segments let it: after the segment that writes the last of the
     # values it reads, or after the first segment that follows the kernel that does
     for stage, kernels in enumerate(plan.kernels):
@@ -301,9 +302,10 @@ def test_a_segment_onnxruntime_rejects_leaves_the_graph_whole(tmp_path, monkeypa
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     with pytest.warns(RuntimeWarning, match="segment failed to load.*rejected"):
         module = Module(directory / "training_model.onnx", state)
-    assert not isinstance(module._train, segments.SegmentedRunner)
+    assert not isinstance(module.step.runner, segments.SegmentedRunner)
     # the Conv weight gradients are computed after the run instead of between segments
-    assert module._after_run and module._after_run == module._native_grads
+    gradients = module.step.gradients
+    assert gradients.after_run and gradients.after_run == gradients.weight_grads
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4)
     assert np.isfinite(float(module(x, y)))
@@ -349,7 +351,7 @@ def test_the_columns_one_kernel_adds_are_written_in_one_run(tmp_path):
         artifact_directory=tmp_path,
     )
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    plan = Module(tmp_path / "training_model.onnx", state)._train._plan
+    plan = Module(tmp_path / "training_model.onnx", state).step.runner._plan
     sums = [(s, k) for s, ks in enumerate(plan.kernels) for k in ks if isinstance(k, Col2ImSum)]
     ((stage, kernel),) = sums
     assert len(kernel.terms) == 2
@@ -359,7 +361,7 @@ def test_the_columns_one_kernel_adds_are_written_in_one_run(tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(segments, "_merged", lambda nodes, placed, *rest: dict(placed))
         state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-        unmerged = Module(tmp_path / "training_model.onnx", state)._train._plan
+        unmerged = Module(tmp_path / "training_model.onnx", state).step.runner._plan
     assert sum(bool(s.model.graph.node) for s in unmerged.segments) > runs
 
 
@@ -389,6 +391,6 @@ def test_each_segment_writes_its_own_profile(tmp_path, monkeypatch):
     )
     rng = np.random.default_rng(0)
     module(rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4))
-    runners = [r for r in module._train._runners if r is not None]
+    runners = [r for r in module.step.runner._runners if r is not None]
     files = {r.session.end_profiling() for r in runners}
     assert len(runners) > 1 and len(files) == len(runners)

@@ -18,20 +18,14 @@ stay in device buffers bound with IOBinding between steps.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
-from onnx import helper
 
 from traingraph.checkpoint import CheckpointData, load_checkpoint_data, save_checkpoint_data
 from traingraph.checkpoint.state import PropertyTypeError, check_matches_model
@@ -39,27 +33,11 @@ from traingraph.errors import (
     ArgumentTypeError,
     CheckpointError,
     ModelError,
-    NonFiniteLossError,
     TraingraphError,
     UsageError,
     reports_load_errors,
 )
-from traingraph.ir.model import max_ir_version, to_proto
-from traingraph.ir.model import save as save_model
 from traingraph.limits import check_model_proto
-from traingraph.onnxblock._training import (
-    ACCUMULATION_BUFFER,
-    ACCUMULATION_OUT,
-    LAZY_RESET_GRAD,
-)
-from traingraph.optim import (
-    ParamInfo,
-    build_flat_optimizer_model,
-    build_optimizer_model,
-    flattenable,
-    from_hyperparameters,
-    state_slots,
-)
 from traingraph.optim.schedulers import (
     ConstantLRScheduler,
     CosineLRScheduler,
@@ -67,22 +45,19 @@ from traingraph.optim.schedulers import (
     LinearLRScheduler,
     StepLRScheduler,
 )
-from traingraph.precision import GRADS_FINITE, LOSS_SCALE
-from traingraph.program import BUFFER_UPDATE_SUFFIX
-from traingraph.runtime import conv_grads, segments
-from traingraph.runtime.amp import DynamicLossScaler
+from traingraph.program import BUFFER_UPDATE_SUFFIX, export_inference_model
 from traingraph.runtime.device import Device, parse_device
-from traingraph.runtime.fused import fused_update
-from traingraph.runtime.optimizer import FlatLayout, flat_layout, optimizer_step
+from traingraph.runtime.optimizer import OptimizerUpdate
+from traingraph.runtime.segments import SegmentedRunner
 from traingraph.runtime.session import (
     BoundRunner,
     SessionConfig,
+    WithSessionOptions,
     check_feeds,
     create_session,
-    ort_type_to_numpy,
 )
 from traingraph.runtime.state import TrainingState
-from traingraph.runtime.tensors import PingPong, TensorStore
+from traingraph.runtime.step import GradientHook, TrainStep
 
 __all__ = [
     "CheckpointState",
@@ -95,10 +70,6 @@ __all__ = [
     "Parameter",
     "StepLRScheduler",
 ]
-
-# Larger training models keep their Conv weight gradients in the graph: splitting them out
-# means holding the model, weights included, in memory once more.
-_NATIVE_SPLIT_MAX_BYTES = 1 << 30
 
 PropertyValue = int | float | str
 
@@ -377,6 +348,7 @@ class Module:
         loss_scaler: For a model generated with ``mixed_precision``, the
             :class:`~traingraph.runtime.amp.DynamicLossScaler` whose scale each train step
             uses and which :meth:`Optimizer.step` updates; None otherwise.
+        step: The :class:`~traingraph.runtime.step.TrainStep` that runs the training graph.
     """
 
     training: bool
@@ -396,73 +368,30 @@ class Module:
                 f"state must be a CheckpointState, got {type(state).__name__}; load one with"
                 " CheckpointState.load_checkpoint(path)"
             )
-        self._device = parse_device(device)
-        self._config = session_config or SessionConfig()
+        device = parse_device(device)
+        config = session_config or SessionConfig()
         if session_options is not None:
-            self._config = _WithSessionOptions.of(self._config, session_options)
+            config = WithSessionOptions.of(config, session_options)
         self._state = state
-        self._train_uri = Path(train_model_uri)
+        train_uri = Path(train_model_uri)
         self._eval_uri = Path(eval_model_uri) if eval_model_uri is not None else None
-        if not self._train_uri.is_file():
-            raise ModelError(f"training model {str(self._train_uri)!r} does not exist")
+        if not train_uri.is_file():
+            raise ModelError(f"training model {str(train_uri)!r} does not exist")
         if self._eval_uri is not None and not self._eval_uri.is_file():
             raise ModelError(f"eval model {str(self._eval_uri)!r} does not exist")
         params = set(state._data.parameters)
-        inputs, outputs = _model_input_names(self._train_uri, state._data)
+        inputs, outputs = _model_input_names(train_uri, state._data)
         missing = [n for n, r in state._data.requires_grad.items() if r and n not in inputs]
         if missing:
             raise CheckpointError(
                 f"the checkpoint's trainable parameters {missing[:5]} are not inputs of"
-                f" {str(self._train_uri)!r}; the checkpoint and the model do not belong together"
+                f" {str(train_uri)!r}; the checkpoint and the model do not belong together"
             )
-        self._trainable = [n for n in state._data.parameters if state._data.requires_grad.get(n)]
-        # A training model of onnxblock.TrainingBlock names its gradients
-        # "<name>_grad.accumulation.out" and takes gradient buffers and lazy_reset_grad; the
-        # Module accumulates on its own, so it feeds zeros and True (each run's own gradient).
-        self._grad_names = {n: _grad_output(n, outputs) for n in self._trainable}
-        self._accumulation_feeds = _accumulation_feeds(inputs, state._data.parameters)
-        grad_outputs = set(self._grad_names.values())
-        self._buffer_outputs = {
-            o: o[: -len(BUFFER_UPDATE_SUFFIX)]
-            for o in outputs
-            if o.endswith(BUFFER_UPDATE_SUFFIX) and o[: -len(BUFFER_UPDATE_SUFFIX)] in params
-        }
-        self._train_inputs = [
-            n
-            for n in inputs
-            if n not in params and n != LOSS_SCALE and n not in self._accumulation_feeds
-        ]
-        self._train_outputs = [
-            o
-            for o in outputs
-            if o not in grad_outputs and o not in self._buffer_outputs and o != GRADS_FINITE
-        ]
-        # Mixed-precision graphs take a loss scale and say whether their gradients are finite.
-        self.loss_scaler = DynamicLossScaler() if LOSS_SCALE in inputs else None
-        self._grads_finite = True
-        self._runtime = state._attach(self._device, set(self._buffer_outputs.values()))
-        train_model, self._native_grads, kernels = self._split_native()
-        self._native_threads = conv_grads.default_threads(self._config.intra_op_threads)
-        self._train: BoundRunner | segments.SegmentedRunner
-        if kernels:
-            assert isinstance(train_model, onnx.ModelProto)
-            self._train = segments.runner(
-                train_model,
-                kernels,
-                lambda model: create_session(model, self._device, self._config),
-                self._device,
-                self._native_threads,
-                self._native_grads,
-            )
-        else:
-            self._train = BoundRunner(
-                create_session(train_model, self._device, self._config), self._device
-            )
-        # the weight gradients computed after each run, from values the run returns
-        self._after_run = segments.after_run(self._train, self._native_grads)
-        self._native_params = conv_grads.native_params(self._after_run)
-        self._native_values = conv_grads.run_outputs(self._after_run, inputs)
-        self._train_params = [n for n in inputs if n in params]
+        suffix = BUFFER_UPDATE_SUFFIX
+        buffers = {o[: -len(suffix)] for o in outputs if o.endswith(suffix)}
+        runtime = state._attach(device, buffers & params)
+        self.step = TrainStep.for_model(train_uri, runtime, config, inputs, outputs)
+        self.loss_scaler = self.step.loss_scaler
         self._eval: BoundRunner | None = None
         self._eval_inputs: list[str] = []
         self._eval_outputs: list[str] = []
@@ -472,44 +401,13 @@ class Module:
             self._eval_inputs = [n for n in e_inputs if n not in params]
             self._eval_outputs = list(e_outputs)
             self._eval_params = [n for n in e_inputs if n in params]
-        self._accumulator: BoundRunner | None = None
-        self._accumulated: TensorStore | None = None  # the sum's target; swaps with the grads
-        # Outputs of a static shape get buffers once; calls return copies of them.
-        self._fixed_outputs = _preallocated_outputs(self._train, self._train_outputs)
         self._checked: set[tuple[object, ...]] = set()  # input signatures already validated
         self.training = True
-        self._lock = threading.Lock()  # one step at a time: calls from threads are serialized
-        self._loss_finite = True  # every train step since the gradients were reset
 
-    def _split_native(
-        self,
-    ) -> tuple[
-        Path | onnx.ModelProto,
-        list[conv_grads.WeightGrad],
-        list[tuple[segments.Kernel, set[int]]],
-    ]:
-        """The training model to run, the Conv weight gradients computed natively beside it
-        (:mod:`traingraph.runtime.conv_grads`) and the BatchNormalization gradients computed
-        natively between its segments (:mod:`traingraph.runtime.segments`); on the CPU, where
-        enabled and built."""
-        config = self._config
-        native = config.native_conv_grads or config.native_segments
-        if not (self._device.kind == "cpu" and native and conv_grads.AVAILABLE):
-            return self._train_uri, [], []
-        if self._train_uri.stat().st_size > _NATIVE_SPLIT_MAX_BYTES:
-            return self._train_uri, [], []  # with its weights inline the copy grows large
-        proto = onnx.load(self._train_uri)
-        if proto.ByteSize() > _NATIVE_SPLIT_MAX_BYTES:
-            return self._train_uri, [], []
-        model, grads = proto, list[conv_grads.WeightGrad]()
-        if config.native_conv_grads:
-            model, grads = conv_grads.split_weight_grads(proto)
-        kernels: list[tuple[segments.Kernel, set[int]]] = []
-        if config.native_segments:
-            model, kernels = segments.find_kernels(model, grads)
-        if not grads and not kernels:
-            return self._train_uri, [], []
-        return model, grads, kernels
+    @property
+    def device(self) -> Device:
+        """The device the Module runs on."""
+        return self.step.device
 
     # ----------------------------------------------------------------- modes
     def train(self, mode: bool = True) -> Module:
@@ -528,15 +426,15 @@ class Module:
 
     def lazy_reset_grad(self) -> None:
         """Make the next train step overwrite the gradients instead of adding to them."""
-        self._runtime.reset_grads_pending = True
+        self.step.state.reset_grads_pending = True
 
     def input_names(self) -> list[str]:
         """The inputs a call takes, in order, for the current mode."""
-        return list(self._train_inputs if self.training else self._eval_inputs)
+        return list(self.step.inputs if self.training else self._eval_inputs)
 
     def output_names(self) -> list[str]:
         """The outputs a call returns, in order, for the current mode."""
-        return list(self._train_outputs if self.training else self._eval_outputs)
+        return list(self.step.outputs if self.training else self._eval_outputs)
 
     # -------------------------------------------------------------- running
     def __call__(self, *user_inputs: Any, **named_inputs: Any) -> Any:
@@ -546,7 +444,8 @@ class Module:
         name. Returns the outputs, one value or a list when there are several: OrtValues on the
         Module's device when every input is an OrtValue, else numpy arrays.
         """
-        _require_loaded(self._runtime)
+        step = self.step
+        _require_loaded(step.state)
         names = self.input_names()
         if user_inputs and named_inputs:
             raise ModelError("pass the inputs either positionally or by name, not both")
@@ -564,14 +463,10 @@ class Module:
             feeds = dict(zip(names, user_inputs))
         as_ortvalues = bool(feeds) and all(isinstance(v, ort.OrtValue) for v in feeds.values())
         feeds = {k: _as_feed(v) for k, v in feeds.items()}
-        with self._lock, _run_errors(feeds, self.training):
+        with step.lock, _run_errors(feeds, self.training):
             if self.training:
-                runtime = self._runtime
-                accumulating = not runtime.reset_grads_pending and runtime.grads_valid
-                outputs = self._train_step(feeds)
-                fixed = self._fixed_outputs
-                finite = _finite_loss(outputs[self.output_names()[0]])
-                self._loss_finite = finite and (self._loss_finite or not accumulating)
+                self._check_feeds(step.runner, names, feeds)
+                outputs, fixed = step.run(feeds), step.fixed_outputs
             else:
                 outputs, fixed = self._eval_step(feeds), {}
         values: list[Any]
@@ -588,16 +483,13 @@ class Module:
         return values[0] if len(values) == 1 else values
 
     def _device_copy(self, value: ort.OrtValue) -> ort.OrtValue:
-        device = self._device
+        device = self.step.device
         return ort.OrtValue.ortvalue_from_numpy(
             value.numpy().copy(), device.ort_device_type, device.index
         )
 
     def _check_feeds(
-        self,
-        runner: BoundRunner | segments.SegmentedRunner,
-        names: list[str],
-        feeds: dict[str, Any],
+        self, runner: BoundRunner | SegmentedRunner, names: list[str], feeds: dict[str, Any]
     ) -> None:
         """Validate ``feeds`` against the model once per distinct names / shapes / dtypes."""
         signature = tuple(
@@ -612,84 +504,13 @@ class Module:
                 self._checked.clear()
             self._checked.add(signature)
 
-    def _train_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
-        runner, state = self._train, self._runtime
-        self._check_feeds(runner, self._train_inputs, feeds)
-        for name, value in feeds.items():
-            runner.bind_input(name, value)
-        for name in self._train_params:
-            runner.bind_input(name, state.ortvalue(name))
-        for name, value in self._accumulation_feeds.items():
-            runner.bind_input(name, value)
-        if self.loss_scaler is not None:
-            runner.bind_input(LOSS_SCALE, np.array(self.loss_scaler.scale, np.float32))
-        accumulate = not state.reset_grads_pending and state.grads_valid
-        if accumulate and state.grad_scratch is None:
-            state.grad_scratch = state.grads.like()
-        target = state.grad_scratch if accumulate else state.grads
-        assert target is not None
-        outs: dict[str, ort.OrtValue | None] = {
-            self._grad_names[name]: target.ortvalue(name)
-            for name in self._trainable
-            if name not in self._native_params
-        }
-        for name in self._native_values:
-            outs[name] = None
-        for out, buffer in self._buffer_outputs.items():
-            outs[out] = state.buffers.alt.ortvalue(buffer)
-        for name in self._train_outputs:
-            outs[name] = self._fixed_outputs.get(name)
-        if self.loss_scaler is not None:
-            outs[GRADS_FINITE] = None
-        outputs = runner.run(outs)
-        if self._after_run:
-            conv_grads.compute_after_run(
-                self._after_run, outputs, feeds, target, self._native_threads
-            )
-        if self.loss_scaler is not None:
-            finite = bool(outputs[GRADS_FINITE].numpy())
-            self._grads_finite = finite and (self._grads_finite or not accumulate)
-        if accumulate:
-            self._accumulate()
-        if self._buffer_outputs:
-            state.buffers.swap()
-        state.grads_valid = True
-        state.reset_grads_pending = False
-        return outputs
-
-    def _accumulate(self) -> None:
-        state = self._runtime
-        scratch = state.grad_scratch
-        assert scratch is not None
-        if self._device.kind == "cpu":
-            for name in self._trainable:
-                view, extra = state.grads.view(name), scratch.view(name)
-                assert view is not None and extra is not None
-                np.add(view, extra, out=view)
-            return
-        if self._accumulator is None:
-            self._accumulator = BoundRunner(
-                create_session(_accumulator_model(state.grads), self._device, self._config),
-                self._device,
-            )
-        if self._accumulated is None:
-            self._accumulated = state.grads.like()
-        total = self._accumulated
-        outs: dict[str, ort.OrtValue | None] = {}
-        for i, name in enumerate(self._trainable):
-            self._accumulator.bind_input(f"a{i}", state.grads.ortvalue(name))
-            self._accumulator.bind_input(f"b{i}", scratch.ortvalue(name))
-            outs[f"s{i}"] = total.ortvalue(name)
-        self._accumulator.run(outs)
-        self._accumulated, state.grads = state.grads, total
-
     def _eval_step(self, feeds: dict[str, Any]) -> dict[str, ort.OrtValue]:
+        step = self.step
         if self._eval is None:
             assert self._eval_uri is not None
-            self._eval = BoundRunner(
-                create_session(self._eval_uri, self._device, self._config), self._device
-            )
-        runner, state = self._eval, self._runtime
+            session = create_session(self._eval_uri, step.device, step.config)
+            self._eval = BoundRunner(session, step.device)
+        runner, state = self._eval, step.state
         self._check_feeds(runner, self._eval_inputs, feeds)
         for name, value in feeds.items():
             runner.bind_input(name, value)
@@ -701,10 +522,10 @@ class Module:
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """All parameters (or the trainable ones) as one flat OrtValue on the Module's device,
         in checkpoint order."""
-        runtime = self._runtime
+        runtime = self.step.state
         _require_loaded(runtime, runtime.trainable.cur if trainable_only else runtime.names)
         flat = runtime.contiguous(trainable_only)
-        device = self._device
+        device = self.step.device
         # An OrtValue that owns its memory: ortvalue_from_numpy would only borrow ``flat``.
         value = ort.OrtValue.ortvalue_from_shape_and_type(
             list(flat.shape), flat.dtype, device.ort_device_type, device.index
@@ -714,14 +535,14 @@ class Module:
 
     def get_parameters_size(self, trainable_only: bool = True) -> int:
         """Number of elements that :meth:`get_contiguous_parameters` returns."""
-        return self._runtime.parameters_size(trainable_only)
+        return self.step.state.parameters_size(trainable_only)
 
     def copy_buffer_to_parameters(
         self, buffer: ort.OrtValue | np.ndarray, trainable_only: bool = True
     ) -> None:
         """Set the parameters from one flat buffer (as returned by get_contiguous_parameters)."""
         array = buffer.numpy() if isinstance(buffer, ort.OrtValue) else np.asarray(buffer)
-        self._runtime.load_contiguous(array, trainable_only)
+        self.step.state.load_contiguous(array, trainable_only)
 
     # -------------------------------------------------------------- export
     def export_model_for_inferencing(
@@ -734,17 +555,11 @@ class Module:
             )
         export_inference_model(
             onnx.load(os.fspath(self._eval_uri)),
-            {n: self._runtime.read(n) for n in self._runtime.names},
+            {n: self.step.state.read(n) for n in self.step.state.names},
             graph_output_names,
             inference_model_uri,
         )
 
-
-def _finite_loss(value: ort.OrtValue) -> bool:
-    """Whether a scalar loss on the host is finite; True for other outputs and device values."""
-    if value.device_name().lower() != "cpu" or int(np.prod(value.shape())) != 1:
-        return True
-    return bool(np.isfinite(value.numpy()).all())
 
 
 @contextlib.contextmanager
@@ -777,52 +592,6 @@ def _run_errors(feeds: Mapping[str, Any], training: bool) -> Iterator[None]:
         ) from exc
 
 
-def _grad_output(param: str, outputs: Sequence[str]) -> str:
-    """The training model's output holding ``param``'s gradient: ``<param>_grad``, or
-    onnxblock.TrainingBlock's ``<param>_grad.accumulation.out``."""
-    accumulated = f"{param}_grad{ACCUMULATION_OUT}"
-    return accumulated if accumulated in outputs else f"{param}_grad"
-
-
-def _accumulation_feeds(
-    inputs: Sequence[str], parameters: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    """Values for the gradient-buffer inputs and ``lazy_reset_grad`` of an
-    onnxblock.TrainingBlock training model (none for other models): zeros and True."""
-    feeds: dict[str, np.ndarray] = {}
-    for name in inputs:
-        param = name[: -len(ACCUMULATION_BUFFER)] if name.endswith(ACCUMULATION_BUFFER) else None
-        if param is not None and param.endswith("_grad") and param[:-5] in parameters:
-            value = parameters[param[:-5]]
-            feeds[name] = np.zeros(value.shape, value.dtype)
-        elif name == LAZY_RESET_GRAD:
-            feeds[name] = np.ones(1, np.bool_)
-    return feeds if LAZY_RESET_GRAD in feeds else {}
-
-
-def _per_tensor_optimizer(proto: onnx.ModelProto, module: Module) -> onnx.ModelProto:
-    """``proto``, or for an onnxblock.optim model (tensor sequences ``params``, ``gradients``,
-    ...) the per-tensor optimizer model of the optimizer its metadata names."""
-    sequences = {i.name for i in proto.graph.input if i.type.HasField("sequence_type")}
-    if "params" not in sequences:
-        return proto
-    meta = {p.key: p.value for p in proto.metadata_props}
-    name = meta.get("traingraph.optimizer", "")
-    optimizer = from_hyperparameters(name, json.loads(meta.get("traingraph.hyperparameters", "{}")))
-    if optimizer is None:
-        raise ModelError(
-            "the optimizer model takes tensor sequences (onnxruntime-training's layout) and does"
-            " not name a traingraph optimizer in its metadata; build it with"
-            " traingraph.onnxblock.optim or generate it with traingraph.artifacts"
-        )
-    specs = module._runtime.trainable.cur.specs
-    infos = [ParamInfo(n, tuple(specs[n][0]), np.dtype(specs[n][1])) for n in module._trainable]
-    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    model = build_optimizer_model(optimizer, infos, opset)
-    model.metadata_props.extend(proto.metadata_props)
-    return model
-
-
 def _require_loaded(runtime: TrainingState, names: Any = None) -> None:
     """Raise where a nominal checkpoint's parameters (among ``names``; default: all) have no
     values yet."""
@@ -833,97 +602,6 @@ def _require_loaded(runtime: TrainingState, names: Any = None) -> None:
             " values yet; load them with Module.copy_buffer_to_parameters(buffer,"
             " trainable_only=False)."
         )
-
-
-@dataclasses.dataclass
-class _WithSessionOptions(SessionConfig):
-    """A :class:`SessionConfig` whose sessions use the caller's ``onnxruntime.SessionOptions``."""
-
-    options: ort.SessionOptions | None = None
-
-    @classmethod
-    def of(cls, config: SessionConfig, options: ort.SessionOptions) -> _WithSessionOptions:
-        if not isinstance(options, ort.SessionOptions):
-            raise ArgumentTypeError(
-                f"session_options must be an onnxruntime.SessionOptions, got"
-                f" {type(options).__name__}; use session_config= for traingraph's SessionConfig"
-            )
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(SessionConfig)}
-        return cls(**fields, options=options)
-
-    def session_options(self) -> ort.SessionOptions:
-        assert self.options is not None
-        return self.options
-
-
-def export_inference_model(
-    eval_model: onnx.ModelProto,
-    parameters: Mapping[str, np.ndarray],
-    graph_output_names: Sequence[str],
-    path: str | os.PathLike,
-) -> None:
-    """Prune ``eval_model`` to ``graph_output_names``, embed ``parameters`` and save it."""
-    if isinstance(graph_output_names, str) or not graph_output_names:
-        raise ModelError("graph_output_names must be a non-empty list of tensor names")
-    m = ir.from_proto(eval_model)
-    graph = m.graph
-    values = {v.name: v for v in graph.inputs}
-    for node in graph:
-        for o in node.outputs:
-            values[o.name] = o
-    missing = [n for n in graph_output_names if n not in values]
-    if missing:
-        raise ModelError(
-            f"outputs {missing} are not tensors of the eval model; model outputs are"
-            f" {[o.name for o in graph.outputs]}"
-        )
-    graph.outputs.clear()
-    graph.outputs.extend(values[n] for n in graph_output_names)
-    for value in list(graph.inputs):
-        if value.name is not None and value.name in parameters:
-            graph.inputs.remove(value)
-            value.const_value = ir.tensor(
-                np.ascontiguousarray(parameters[value.name]), name=value.name
-            )
-            graph.register_initializer(value)
-    common_passes.RemoveUnusedNodesPass()(m)
-    used = {v for node in graph for v in node.inputs} | set(graph.outputs)
-    for value in list(graph.inputs):
-        if value not in used:
-            graph.inputs.remove(value)
-    for name in [n for n, v in graph.initializers.items() if v not in used]:
-        graph.initializers.pop(name)
-    save_model(to_proto(m), path)
-
-
-def _preallocated_outputs(
-    runner: BoundRunner | segments.SegmentedRunner, names: Sequence[str]
-) -> dict[str, ort.OrtValue]:
-    """Buffers on the runner's device for the outputs among ``names`` whose shape is static."""
-    device, buffers = runner.device, {}
-    for info in runner.output_infos:
-        dtype = ort_type_to_numpy(info.type)
-        static = info.shape is not None and all(isinstance(d, int) for d in info.shape)
-        if info.name in names and static and dtype is not None:
-            buffers[info.name] = ort.OrtValue.ortvalue_from_shape_and_type(
-                list(info.shape), dtype, device.ort_device_type, device.index
-            )
-    return buffers
-
-
-def _accumulator_model(grads: TensorStore) -> onnx.ModelProto:
-    nodes, inputs, outputs = [], [], []
-    for i, (name, (shape, dtype)) in enumerate(grads.specs.items()):
-        elem = helper.np_dtype_to_tensor_dtype(dtype)
-        inputs += [helper.make_tensor_value_info(f"{p}{i}", elem, list(shape)) for p in "ab"]
-        outputs.append(helper.make_tensor_value_info(f"s{i}", elem, list(shape)))
-        nodes.append(
-            helper.make_node("Add", [f"a{i}", f"b{i}"], [f"s{i}"], name=f"accumulate_{name}")
-        )
-    graph = helper.make_graph(nodes, "accumulate_gradients", inputs, outputs)
-    return helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version()
-    )
 
 
 def _as_feed(value: Any) -> Any:
@@ -938,57 +616,7 @@ def _as_feed(value: Any) -> Any:
     return np.ascontiguousarray(value)
 
 
-def _flat_equivalent(
-    proto: onnx.ModelProto,
-    name: str,
-    hyperparameters: Mapping[str, Any],
-    layout: Mapping[str, tuple[int, int]] | None = None,
-    size: int = 0,
-) -> tuple[onnx.ModelProto, FlatLayout | None] | None:
-    """The optimizer model ``proto`` (generated for the optimizer named ``name`` with
-    ``hyperparameters`` in its metadata) computed as one update of all parameters at once; None
-    where that optimizer is not a named, elementwise one or the model's inputs are not the
-    ones it would have.
-
-    With a ``layout`` (:func:`~traingraph.runtime.optimizer.flat_layout`) of the state's blocks
-    (``size`` elements of parameters) that has the optimizer's slot kinds, the model updates the
-    blocks themselves as one vector and the :class:`~traingraph.runtime.optimizer.FlatLayout`
-    says how to bind it; else (:func:`~traingraph.optim.model.build_flat_optimizer_model`) it
-    takes and returns the tensors one by one, as ``proto`` does, and the layout is None.
-    """
-    optimizer = from_hyperparameters(name, hyperparameters)
-    if optimizer is None or not flattenable(optimizer):
-        return None
-    inputs = {i.name: i.type.tensor_type for i in proto.graph.input}
-    params = [n[: -len("_grad")] for n in inputs if n.endswith("_grad") and n[:-5] in inputs]
-    if len(params) < 2:
-        return None
-    infos = [
-        ParamInfo(
-            n,
-            tuple(d.dim_value for d in inputs[n].shape.dim),
-            np.dtype(helper_dtype(inputs[n].elem_type)),
-        )
-        for n in params
-    ]
-    expected = ["learning_rate", "step", *params, *(f"{n}_grad" for n in params)]
-    expected += [slot.name for slot in state_slots(optimizer, infos)]
-    if expected != list(inputs):
-        return None
-    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    flat = ParamInfo("flat", (size,), infos[0].dtype)
-    kinds = {slot.name[len("flat.") :] for slot in state_slots(optimizer, [flat])}
-    if layout is None or kinds != set(layout):
-        return build_flat_optimizer_model(optimizer, infos, opset), None
-    model = build_optimizer_model(optimizer, [flat], opset)
-    model.graph.name = f"{optimizer.name}_flat_step"
-    return model, FlatLayout(flat.name, size, dict(layout))
-
-
 NONFINITE_POLICIES = ("raise", "skip", "apply")
-
-GradientHook = Callable[[TensorStore, bool], bool]
-"""``hook(grads, finite) -> finite``: see :meth:`Optimizer.register_gradient_hook`."""
 
 
 class Optimizer:
@@ -997,7 +625,7 @@ class Optimizer:
     Args:
         optimizer_uri: Path of ``optimizer_model.onnx``.
         module: The :class:`Module` whose parameters it updates.
-        fused: Update all parameters at once: on the CPU in place with
+        fused: Update all parameters at once: on the CPU in place with the fused kernel of
             :mod:`traingraph.runtime.fused` (one pass over flat blocks) when it has this
             optimizer, else with the optimizer graph rewritten as one update of all parameters
             concatenated (:func:`~traingraph.optim.model.build_flat_optimizer_model`: a few
@@ -1011,6 +639,9 @@ class Optimizer:
             ``"skip"`` the update silently, or ``"apply"`` it as onnxruntime-training does.
             Either way but ``"apply"``, the gradients are dropped. A mixed-precision model's
             loss scaler handles non-finite gradients on its own.
+
+    Attributes:
+        update: The :class:`~traingraph.runtime.optimizer.OptimizerUpdate` it applies.
 
     Example:
         >>> optimizer = Optimizer("artifacts/optimizer_model.onnx", module, nonfinite="skip")
@@ -1037,83 +668,16 @@ class Optimizer:
         path = Path(optimizer_uri)
         if not path.is_file():
             raise ModelError(f"optimizer model {str(path)!r} does not exist")
-        self._module = module
-        state = module._runtime
-        self._state = state
-        proto = _per_tensor_optimizer(onnx.load(os.fspath(path)), module)
-        meta = {p.key: p.value for p in proto.metadata_props}
-        inputs = [i.name for i in proto.graph.input]
-        trainable = module._trainable
-        unknown = [n for n in trainable if n not in inputs]
-        if unknown:
-            raise ModelError(
-                f"the optimizer model {str(path)!r} does not update parameters {unknown[:5]};"
-                " it was generated for another model"
-            )
-        no_grads = [n for n in trainable if f"{n}_grad" not in inputs]
-        if no_grads:
-            raise ModelError(
-                f"{str(path)!r} is not an optimizer model: it takes no gradient inputs for"
-                f" {no_grads[:5]} (expected inputs named '<parameter>_grad'); pass the"
-                " optimizer_model.onnx that generate_artifacts wrote, not the training or eval"
-                " model"
-            )
-        known = {"learning_rate", "step", *trainable, *(f"{n}_grad" for n in trainable)}
-        self._params = [n for n in inputs if n in trainable]
-        slot_names = [n for n in inputs if n not in known]
-        slot_init = json.loads(meta.get("traingraph.slot_init", "{}"))
-        value_info = {i.name: i for i in proto.graph.input}
-        # Slots of one kind (all "exp_avg", then all "exp_avg_sq", ...) lie next to each other
-        # in the parameters' order, so a fused update covers each kind as one flat block.
-        owners = {slot: state.slot_owner(slot) for slot in slot_names}
-        order = {name: i for i, name in enumerate(state.trainable.cur)}
-        kinds = list(dict.fromkeys(key for _, key in owners.values()))
-        slot_names.sort(key=lambda s: (kinds.index(owners[s][1]), order.get(owners[s][0], -1)))
-        specs = {}
-        for name in slot_names:
-            t = value_info[name].type.tensor_type
-            dims = tuple(d.dim_value for d in t.shape.dim)
-            specs[name] = (dims, helper_dtype(t.elem_type))
-        if state.optimizer_slots is None or set(state.optimizer_slots.cur) != set(specs):
-            store = TensorStore(state.device, specs)
-            for name, (shape, dtype) in specs.items():
-                if name in state.pending_slot_values:
-                    store.write(name, state.pending_slot_values[name])
-                else:
-                    store.write(name, np.full(shape, slot_init.get(name, 0.0), dtype))
-            state.optimizer_slots = PingPong(store)
-        if state.learning_rate is None:
-            state.learning_rate = float(meta.get("traingraph.learning_rate", 1e-3))
-        # On the CPU a fused in-place update replaces the graph when one exists for this
-        # optimizer; elsewhere the graph runs as one update of all parameters concatenated.
-        # Both give the same numbers.
-        self._fused = None
-        hyperparameters = json.loads(meta.get("traingraph.hyperparameters", "null"))
-        name = meta.get("traingraph.optimizer", "")
-        if fused and state.device.kind == "cpu" and hyperparameters is not None:
-            self._fused = fused_update(name, hyperparameters, threads=module._native_threads)
-        self._clips_by_norm = any(
-            (hyperparameters or {}).get(k) for k in ("clip_grad_norm", "max_grad_norm_per_tensor")
+        self._step = step = module.step
+        self.update = OptimizerUpdate(
+            onnx.load(os.fspath(path)),
+            step.state,
+            step.trainable,
+            step.config,
+            fused=fused,
+            threads=step.gradients.threads,
+            where=f"the optimizer model {str(path)!r}",
         )
-        self._slot_keys = {
-            name: {key: s for s, (owner, key) in owners.items() if owner == name}
-            for name in self._params
-        }
-        layout = flat_layout(state, self._params, self._slot_keys)
-        self._blocks = layout if self._fused is not None else None
-        self._flat: FlatLayout | None = None
-        self.graph_model: onnx.ModelProto = proto
-        """The optimizer model the session runs: the file's, or its flat equivalent."""
-        if fused and self._fused is None and hyperparameters is not None:
-            size = state.trainable.cur.flat_size
-            flat = _flat_equivalent(proto, name, hyperparameters, layout, size)
-            if flat is not None:
-                self.graph_model, self._flat = flat
-        # a session runs the update where no fused update replaces it
-        self._runner: BoundRunner | None = None
-        if self._fused is None:
-            session = create_session(self.graph_model, state.device, module._config)
-            self._runner = BoundRunner(session, state.device)
         self._gradient_hooks: list[GradientHook] = []
 
     def register_gradient_hook(self, hook: GradientHook) -> None:
@@ -1128,6 +692,11 @@ class Optimizer:
         """
         self._gradient_hooks.append(hook)
 
+    @property
+    def graph_model(self) -> onnx.ModelProto:
+        """The optimizer model the session runs: the file's, or its flat equivalent."""
+        return self.update.graph_model
+
     def step(self) -> None:
         """Apply one optimizer update to the parameters with the current gradients.
 
@@ -1135,98 +704,20 @@ class Optimizer:
         gradient is inf or NaN the update is skipped (parameters, slots and the step count stay
         as they are) and the loss scale shrinks.
         """
-        with self._module._lock:
-            self._step()
-
-    def _step(self) -> None:
-        _require_loaded(self._state)
-        if not self._state.grads_valid:
-            raise UsageError(
-                "Optimizer.step() was called before any train step computed gradients; call"
-                " the Module on a batch (in training mode) first, then optimizer.step()"
-            )
-        module = self._module
-        for hook in self._gradient_hooks:
-            if module.loss_scaler is None:
-                module._loss_finite = bool(hook(self._state.grads, module._loss_finite))
-            else:
-                module._grads_finite = bool(hook(self._state.grads, module._grads_finite))
-        if module.loss_scaler is None and not module._loss_finite and self._nonfinite != "apply":
-            self._state.reset_grads_pending = True  # the next train step starts afresh
-            self._module._loss_finite = True
-            if self._nonfinite == "skip":
-                return
-            raise NonFiniteLossError(
-                "the loss of a train step since the last update is NaN or infinite, so its"
-                " gradients are too; the update was not applied and the gradients are dropped."
-                " Check the batch for NaN/Inf values, lower the learning rate, or pass"
-                " Optimizer(..., nonfinite='skip') to skip such updates"
-            )
-        if (
-            module.loss_scaler is None
-            and self._clips_by_norm
-            and self._nonfinite != "apply"
-            and not self._grads_finite()
-        ):
-            self._state.reset_grads_pending = True
-            if self._nonfinite == "skip":
-                return
-            raise NonFiniteLossError(
-                "a gradient is NaN or infinite although the loss is finite, so the norm that"
-                " gradient clipping divides by is too; the update was not applied and the"
-                " gradients are dropped. Look for an op whose derivative is infinite where it"
-                " is evaluated (Sqrt or Log at 0, Pow with a negative exponent), or pass"
-                " Optimizer(..., nonfinite='skip') to skip such updates"
-            )
-        scaler = self._module.loss_scaler
-        if scaler is not None and not scaler.update(self._module._grads_finite):
-            return
-        if self._fused is None:
-            assert self._runner is not None
-            optimizer_step(self._runner, self._state, self._flat)
-            return
-        state = self._state
-        assert state.optimizer_slots is not None and state.learning_rate is not None
-        lr = float(np.float32(state.learning_rate))
-        params, grads, slots = state.trainable.cur.flat, state.grads.flat, state.optimizer_slots.cur
-        if self._blocks is not None and params is not None and grads is not None:
-            assert slots.flat is not None
-            blocks = {key: slots.flat[start:stop] for key, (start, stop) in self._blocks.items()}
-            self._fused(params, grads, blocks, lr=lr, step=state.step + 1)
-            state.step += 1
-            return
-        for name, keys in self._slot_keys.items():
-            self._fused(
-                state.trainable.cur.host_view(name),
-                state.grads.host_view(name),
-                {key: state.optimizer_slots.cur.host_view(slot) for key, slot in keys.items()},
-                lr=lr,
-                step=state.step + 1,
-            )
-        state.step += 1
-
-    def _grads_finite(self) -> bool:
-        """Whether every gradient on the host is finite: one pass, a sum in float64, which is
-        finite exactly where float32 or narrower terms are (float64 terms large enough to
-        overflow it overflow the norm too). Gradients on another device count as finite."""
-        grads = self._state.grads
-        if self._state.device.kind != "cpu":
-            return True
-        views = [grads.flat] if grads.flat is not None else [grads.host_view(n) for n in grads]
-        return all(np.isfinite(np.sum(v, dtype=np.float64)) for v in views)
+        step = self._step
+        with step.lock:
+            _require_loaded(step.state)
+            if not step.state.grads_valid:
+                raise UsageError(
+                    "Optimizer.step() was called before any train step computed gradients; call"
+                    " the Module on a batch (in training mode) first, then optimizer.step()"
+                )
+            step.update(self.update, self._nonfinite, self._gradient_hooks)
 
     def set_learning_rate(self, learning_rate: float) -> None:
         """Set the learning rate used by the next :meth:`step`."""
-        lr = float(learning_rate)
-        if not np.isfinite(lr) or lr < 0:
-            raise ModelError(f"learning rate must be a finite number >= 0, got {learning_rate!r}")
-        self._state.learning_rate = lr
+        self.update.set_learning_rate(learning_rate)
 
     def get_learning_rate(self) -> float:
         """The learning rate of the next :meth:`step`."""
-        assert self._state.learning_rate is not None
-        return float(self._state.learning_rate)
-
-
-def helper_dtype(elem_type: int) -> np.dtype:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+        return self.update.get_learning_rate()

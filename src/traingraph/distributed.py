@@ -683,6 +683,7 @@ def cuda_graph_step(
         ModelError: The model has a loss scaler (fp16 mixed precision), whose decision to skip
             an update is each process's own here; train it with Module and Optimizer.
     """
+    from traingraph.api import Optimizer
     from traingraph.runtime.cuda import CudaGraphStep
 
     if module.loss_scaler is not None:
@@ -700,9 +701,10 @@ def cuda_graph_step(
 
         def _capture_sessions(self, arrays: Mapping[str, np.ndarray]) -> None:
             super()._capture_sessions(arrays)
-            state = self.module._runtime
+            state = self.step.state
             self._optim = _AveragingSession(self._optim, self.replica, lambda: state.grads)
 
-    step = DataParallelCudaGraphStep(module, optimizer_uri)
-    step.replica = DataParallel(module, step.optimizer, bucket_bytes=bucket_bytes)
+    optimizer = Optimizer(optimizer_uri, module)
+    step = DataParallelCudaGraphStep(module, optimizer)
+    step.replica = DataParallel(module, optimizer, bucket_bytes=bucket_bytes)
     return step

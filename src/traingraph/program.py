@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +25,7 @@ from traingraph.autodiff.lowering import lower_training_batch_norm, running_stat
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
+from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
 from traingraph.limits import (
     MAX_ELEMENTS_VARIABLE,
@@ -427,3 +428,43 @@ def _attach_loss(
     if value.type is None:
         value.type = outputs[0].type
     return value, [label.name or "" for label in labels]
+
+
+def export_inference_model(
+    eval_model: onnx.ModelProto,
+    parameters: Mapping[str, np.ndarray],
+    graph_output_names: Sequence[str],
+    path: str | os.PathLike,
+) -> None:
+    """Prune ``eval_model`` to ``graph_output_names``, embed ``parameters`` and save it."""
+    if isinstance(graph_output_names, str) or not graph_output_names:
+        raise ModelError("graph_output_names must be a non-empty list of tensor names")
+    m = ir.from_proto(eval_model)
+    graph = m.graph
+    values = {v.name: v for v in graph.inputs}
+    for node in graph:
+        for o in node.outputs:
+            values[o.name] = o
+    missing = [n for n in graph_output_names if n not in values]
+    if missing:
+        raise ModelError(
+            f"outputs {missing} are not tensors of the eval model; model outputs are"
+            f" {[o.name for o in graph.outputs]}"
+        )
+    graph.outputs.clear()
+    graph.outputs.extend(values[n] for n in graph_output_names)
+    for value in list(graph.inputs):
+        if value.name is not None and value.name in parameters:
+            graph.inputs.remove(value)
+            value.const_value = ir.tensor(
+                np.ascontiguousarray(parameters[value.name]), name=value.name
+            )
+            graph.register_initializer(value)
+    common_passes.RemoveUnusedNodesPass()(m)
+    used = {v for node in graph for v in node.inputs} | set(graph.outputs)
+    for value in list(graph.inputs):
+        if value not in used:
+            graph.inputs.remove(value)
+    for name in [n for n, v in graph.initializers.items() if v not in used]:
+        graph.initializers.pop(name)
+    save_model(to_proto(m), path)

@@ -34,7 +34,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 
-from traingraph.api import export_inference_model
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.autodiff.lowering import lower_training_batch_norm
 from traingraph.checkpoint import CheckpointData
@@ -60,14 +59,15 @@ from traingraph.optim.transforms import ParamInfo
 from traingraph.program import (
     LOSS_OUTPUT,
     batchnorm_buffers,
+    export_inference_model,
     to_inference_mode,
     to_training_mode,
 )
-from traingraph.runtime import conv_grads, segments
 from traingraph.runtime.device import Device, parse_device
-from traingraph.runtime.optimizer import optimizer_step
+from traingraph.runtime.optimizer import OptimizerUpdate
 from traingraph.runtime.session import BoundRunner, check_feeds, create_session
 from traingraph.runtime.state import TrainingState
+from traingraph.runtime.step import TrainStep
 from traingraph.runtime.tensors import PingPong, TensorStore
 
 __all__ = ["TrainingGraph"]
@@ -145,11 +145,10 @@ class TrainingGraph:
         self._tensor_grads: dict[str, ort.OrtValue] = {}
         self._last_shapes: dict[str, tuple[int, ...]] = {}
         self._host_parameters: dict[str, np.ndarray] = {}
-        self._native_grads: list[conv_grads.WeightGrad] = []
-        self._native_threads = 1
-        self._after_run: list[conv_grads.WeightGrad] = []  # computed after the gradient run
-        self._native_params: set[str] = set()
-        self._native_values: list[str] = []
+        self.step: TrainStep | None = None
+        """The compiled gradient phase and optimizer update (None before :meth:`compile`)."""
+        self._forward_runner: BoundRunner | None = None
+        self._update: OptimizerUpdate | None = None
 
     # ---------------------------------------------------------------- definition
     def add_inputs(
@@ -277,52 +276,30 @@ class TrainingGraph:
         self._owners = owners
         self._program = _TrainProgram.build(self, model)
         config = self.options.session_config()
-        gradient, self._native_grads = self._program.phases.gradient, []
-        if (
-            gradient is not None
-            and self.device.kind == "cpu"
-            and config.native_conv_grads
-            and conv_grads.AVAILABLE
-        ):
-            gradient, self._native_grads = conv_grads.split_weight_grads(
-                gradient, self._program.phases.forward
+        program = self._program
+        self._state = state = program.new_state(self.device, previous, owners)
+        forward = program.phases.forward
+        session = create_session(forward, self.device, config)
+        self._forward_runner = BoundRunner(session, self.device)
+        gradient = program.phases.gradient
+        self.step = None
+        if gradient is not None:
+            self.step = TrainStep(
+                gradient,
+                [i.name for i in gradient.graph.input],
+                state,
+                config,
+                inputs=[],
+                outputs=[],
+                grad_outputs={n: f"{n}_grad" for n in state.grads},
+                accumulate=False,
+                forward=forward,
             )
-        self._native_threads = conv_grads.default_threads(config.intra_op_threads)
-        kernels: list[tuple[segments.Kernel, set[int]]] = []
-        if gradient is not None and self.device.kind == "cpu" and config.native_segments:
-            forward = self._program.phases.forward
-            gradient, kernels = segments.find_kernels(gradient, self._native_grads, forward)
-        runners: dict[str, BoundRunner | segments.SegmentedRunner] = {}
-        target = self.device
-        for phase, proto in (
-            ("forward", self._program.phases.forward),
-            ("gradient", gradient),
-            ("optimizer", self._program.optimizer_model),
-        ):
-            if proto is not None and phase == "gradient" and kernels:
-                runners[phase] = segments.runner(
-                    proto,
-                    kernels,
-                    lambda model: create_session(model, target, config),
-                    target,
-                    self._native_threads,
-                    self._native_grads,
-                )
-            elif proto is not None:
-                runners[phase] = BoundRunner(
-                    create_session(proto, self.device, config), self.device
-                )
-        self._runners = runners
-        # the weight gradients computed after each gradient run, from values the run returns
-        gradient_runner = runners.get("gradient")
-        self._after_run = (
-            segments.after_run(gradient_runner, self._native_grads) if gradient_runner else []
-        )
-        self._native_params = conv_grads.native_params(self._after_run)
-        self._native_values = conv_grads.run_outputs(
-            self._after_run, [i.name for i in gradient.graph.input] if gradient else []
-        )
-        self._state = self._program.new_state(self.device, previous, owners)
+        self._update = None
+        if program.optimizer_model is not None:
+            self._update = OptimizerUpdate(
+                program.optimizer_model, state, list(state.grads), config, fused=False
+            )
         self._pending = None
         self._tensor_grads = {}
         self._compiled, self._stale = True, False
@@ -418,7 +395,8 @@ class TrainingGraph:
         device = state.device
         feeds = {**inputs, **(labels or {}), **(weights or {})}
         check_names("feeds", feeds, program.feed_names)
-        runner = self._runners["forward"]
+        runner = self._forward_runner
+        assert runner is not None
         check_feeds(
             runner.inputs,
             [n for n in program.feed_names if n in runner.inputs],
@@ -474,30 +452,12 @@ class TrainingGraph:
                 f"user gradients {unknown} were not allocated; call allocate_user_gradient(t)"
                 " before compile"
             )
-        runner = self._runners["gradient"]
-        fed: dict[str, ort.OrtValue] = {}
-        for name in runner.inputs:
-            if name.endswith("_user_grad") and name[: -len("_user_grad")] in given:
-                value = as_device_feed(
-                    given[name[: -len("_user_grad")]], device.ort_device_type, device.index
-                )
-            elif name in self._pending:
-                value = self._pending[name]
-            else:
-                value = state.ortvalue(name)
-            runner.bind_input(name, value)
-            fed[name] = value
-        bound: dict[str, ort.OrtValue | None] = {
-            f"{n}_grad": state.grads.ortvalue(n) for n in state.grads
-            if n not in self._native_params
-        }  # fmt: skip
-        bound.update({f"{n}_grad": None for n in program.tensor_grads})
-        bound.update({name: None for name in self._native_values})
-        outputs = runner.run(bound)
-        if self._after_run:
-            conv_grads.compute_after_run(
-                self._after_run, outputs, fed, state.grads, self._native_threads
-            )
+        step = self.step
+        assert step is not None
+        fed: dict[str, ort.OrtValue] = dict(self._pending)
+        for name, value in given.items():
+            fed[f"{name}_user_grad"] = as_device_feed(value, device.ort_device_type, device.index)
+        outputs = step.run(fed, {f"{n}_grad": None for n in program.tensor_grads})
         self._tensor_grads = {n: outputs[f"{n}_grad"] for n in program.tensor_grads}
         state.grads_valid = True
         self._pending = None
@@ -509,13 +469,11 @@ class TrainingGraph:
         start = time.perf_counter()
         state = self._require_compiled()
         result = ExecutionResult()
-        runner = self._runners.get("optimizer")
-        if runner is None or not state.grads:
+        if self._update is None or not state.grads:
             return result
-        assert isinstance(runner, BoundRunner)
         if not state.grads_valid:
             raise ModelError("no gradients yet; run execute_gradient(...) before the update")
-        optimizer_step(runner, state, None)
+        self._update.apply()
         self._timed("optimizer", result, start)
         return result
 

@@ -7,10 +7,11 @@ device addresses, so every input and output must be bound to a device buffer tha
 fused into one model where the optimizer runs over flat blocks: one launch and one wait per
 step): each input batch is copied once into a fixed device buffer (one asynchronous copy from
 page-locked memory, :mod:`~traingraph.runtime.cudart`), and parameters, gradients, updated
-buffers and optimizer slots stay in the :class:`~traingraph.runtime.state.TrainingState` that
-the :class:`~traingraph.api.Module` owns. That state double-buffers what a step rewrites (it reads
-one copy and writes the other, then swaps), so the step keeps one captured graph per buffer
-layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id`` run option.
+buffers and optimizer slots stay in the :class:`~traingraph.runtime.state.TrainingState` of
+the module's :class:`~traingraph.runtime.step.TrainStep`. That state double-buffers what a step
+rewrites (it reads one copy and writes the other, then swaps), so the step keeps one captured
+graph per buffer layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id`` run
+option.
 
 Example:
     >>> module = Module("training_model.onnx", state, device="cuda")
@@ -26,7 +27,7 @@ import copy
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx
@@ -41,13 +42,25 @@ from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.runtime.cudart import StagedInputs, shared_stream
 from traingraph.runtime.device import Device
-from traingraph.runtime.optimizer import FlatLayout, optimizer_io
+from traingraph.runtime.optimizer import FlatLayout, OptimizerUpdate, optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
 from traingraph.runtime.static_shapes import for_capture
+from traingraph.runtime.step import TrainStep
 from traingraph.runtime.tensors import Spec, TensorStore
 
-if TYPE_CHECKING:
-    from traingraph.api import Module, Optimizer
+
+class HasTrainStep(Protocol):
+    """What runs a training model through a :class:`~traingraph.runtime.step.TrainStep`
+    (an ``api.Module``)."""
+
+    step: TrainStep
+
+
+class HasOptimizerUpdate(Protocol):
+    """What applies an :class:`~traingraph.runtime.optimizer.OptimizerUpdate` (an
+    ``api.Optimizer``)."""
+
+    update: OptimizerUpdate
 
 
 def create_cuda_session(
@@ -320,24 +333,43 @@ class CudaGraphStep:
     optimizer graphs run as one (:func:`fuse_step_model`).
 
     Args:
-        module: A :class:`~traingraph.api.Module` on a CUDA device, in training mode.
-        optimizer_uri: Path of ``optimizer_model.onnx``; an :class:`~traingraph.api.Optimizer`
-            for it is available as :attr:`optimizer` (learning rate, step count).
+        module: An ``api.Module`` (or anything with a training-model ``step``) on a CUDA
+            device, in training mode.
+        optimizer_uri: Path of ``optimizer_model.onnx`` (its
+            :class:`~traingraph.runtime.optimizer.OptimizerUpdate` is then :attr:`optimizer`),
+            or an ``api.Optimizer`` of ``module`` (then :attr:`optimizer` itself). Either has
+            the learning rate; the step count is ``step.optimizer_update.state.step``.
     """
 
-    def __init__(self, module: Module, optimizer_uri: str | os.PathLike) -> None:
-        from traingraph.api import Optimizer
-
-        device = module._device
+    def __init__(
+        self, module: HasTrainStep, optimizer_uri: str | os.PathLike | HasOptimizerUpdate
+    ) -> None:
+        step = module.step
+        device = step.device
         if device.kind != "cuda":
             raise DeviceError(
                 f"CudaGraphStep needs a Module on a CUDA device; this one runs on {device}."
                 " Create it with Module(..., device='cuda')"
             )
+        if not isinstance(step.model, (str, os.PathLike)):
+            raise ModelError("CudaGraphStep needs the step of a training model file")
         self.module = module
-        self.optimizer: Optimizer = Optimizer(optimizer_uri, module)
+        self.step = step
+        self.optimizer: OptimizerUpdate | HasOptimizerUpdate
+        if isinstance(optimizer_uri, (str, os.PathLike)):
+            self.optimizer = self.optimizer_update = OptimizerUpdate(
+                onnx.load(os.fspath(optimizer_uri)),
+                step.state,
+                step.trainable,
+                step.config,
+                where=f"the optimizer model {os.fspath(optimizer_uri)!r}",
+            )
+        else:
+            self.optimizer, self.optimizer_update = optimizer_uri, optimizer_uri.update
+        if self.optimizer_update.state is not step.state:
+            raise ModelError("the optimizer given to CudaGraphStep belongs to another module")
         self.device = device
-        config = module._config
+        config = step.config
         # The step's sessions share one stream, on which the batch is copied asynchronously
         # from page-locked memory (unless the caller chose a stream of their own).
         self._stream = (
@@ -372,14 +404,15 @@ class CudaGraphStep:
             if self._stream is None
             else StagedInputs(self.device, feeds, self._stream)
         )
+        assert isinstance(self.step.model, (str, os.PathLike))
         static = with_static_inputs(
-            self.module._train_uri, {n: shape for n, (shape, _) in specs.items()}
+            self.step.model, {n: shape for n, (shape, _) in specs.items()}
         )
         static, noise = dropout_from_noise(static)
         static = for_capture(static)
         if noise:
             self._noise = TensorStore(self.device, noise)
-            session = create_cuda_session(noise_model(noise), self.device, self.module._config)
+            session = create_cuda_session(noise_model(noise), self.device, self.step.config)
             self._noise_binding = session.io_binding()
             for name in noise:
                 self._noise_binding.bind_ortvalue_output(name, self._noise.ortvalue(name))
@@ -389,7 +422,7 @@ class CudaGraphStep:
             self._train = create_cuda_session(fused, self.device, self._config)
         else:
             self._train = create_cuda_session(static, self.device, self._config)
-            optimizer = self.optimizer.graph_model
+            optimizer = self.optimizer_update.graph_model
             self._optim = create_cuda_session(optimizer, self.device, self._config)
         self._outputs = TensorStore(self.device, self._static_outputs(self._train))
 
@@ -397,19 +430,19 @@ class CudaGraphStep:
         """The training and optimizer graphs as one model (:func:`fuse_step_model`), where the
         optimizer runs over the state's flat blocks and no loss scaler decides between the
         two whether the update happens; else None."""
-        flat, state = self.optimizer._flat, self.module._runtime
+        flat, state = self.optimizer_update.flat, self.step.state
         offsets = state.grads.offsets
-        if flat is None or self.module.loss_scaler is not None or offsets is None:
+        if flat is None or self.step.loss_scaler is not None or offsets is None:
             return None
-        grads = {n: (offsets[n], state.grads.specs[n]) for n in self.module._trainable}
-        return fuse_step_model(static, self.optimizer.graph_model, flat, grads)
+        grads = {n: (offsets[n], state.grads.specs[n]) for n in self.step.trainable}
+        return fuse_step_model(static, self.optimizer_update.graph_model, flat, grads)
 
     def _static_outputs(
         self, session: ort.InferenceSession
     ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         infos = {o.name: o for o in session.get_outputs()}
         specs = {}
-        for name in self.module._train_outputs:
+        for name in self.step.outputs:
             info = infos[name]
             dtype = ort_type_to_numpy(info.type)
             if dtype is None or not all(isinstance(d, int) for d in info.shape):
@@ -431,8 +464,8 @@ class CudaGraphStep:
         Returns:
             The loss as a numpy array when ``fetch_loss``, else None.
         """
-        module, state = self.module, self.module._runtime
-        names = module._train_inputs
+        step, state = self.step, self.step.state
+        names = step.inputs
         if len(batch) != len(names):
             raise ModelError(f"got {len(batch)} inputs, but the training model takes {names}")
         arrays = {n: np.ascontiguousarray(a) for n, a in zip(names, batch)}
@@ -449,7 +482,7 @@ class CudaGraphStep:
                     " must match the first (drop the last partial batch)"
                 )
         assert state.learning_rate is not None
-        scaler = module.loss_scaler
+        scaler = step.loss_scaler
         feeds = {
             **arrays,
             "learning_rate": np.array(state.learning_rate, np.float32),
@@ -464,7 +497,7 @@ class CudaGraphStep:
         if self._noise_session is not None:
             self._noise_session.run_with_iobinding(self._noise_binding)
         self._train.run_with_iobinding(train_binding, options)
-        if module._buffer_outputs:
+        if step.buffer_outputs:
             state.buffers.swap()
         finite = scaler is None or scaler.update(bool(self._finite.read(GRADS_FINITE)))
         if finite:
@@ -478,11 +511,11 @@ class CudaGraphStep:
         state.reset_grads_pending = True
         if not fetch_loss:
             return None
-        return self._outputs.read(module._train_outputs[0])
+        return self._outputs.read(step.outputs[0])
 
     def _graph_for_layout(self) -> tuple[int, Any, Any, tuple[object, ...]]:
         """The bindings (and graph id) for the state's current buffer layout, made once."""
-        state = self.module._runtime
+        state = self.step.state
         slots = state.optimizer_slots
         assert slots is not None
         stores: tuple[object, ...] = (
@@ -508,24 +541,24 @@ class CudaGraphStep:
         return self._graphs[key]
 
     def _bind_train(self) -> Any:
-        module, state = self.module, self.module._runtime
+        step, state = self.step, self.step.state
         assert self._feeds is not None and self._outputs is not None and self._train is not None
         binding = self._train.io_binding()
-        for name in module._train_inputs:
+        for name in step.inputs:
             binding.bind_ortvalue_input(name, self._feeds.ortvalue(name))
-        for name in module._train_params:
+        for name in step.param_inputs:
             binding.bind_ortvalue_input(name, state.ortvalue(name))
         if self._noise is not None:
             for name in self._noise:
                 binding.bind_ortvalue_input(name, self._noise.ortvalue(name))
         if self._optim is not None:
-            for name in module._trainable:
-                binding.bind_ortvalue_output(f"{name}_grad", state.grads.ortvalue(name))
-        for out, buffer in module._buffer_outputs.items():
+            for name, out in step.grad_outputs.items():
+                binding.bind_ortvalue_output(out, state.grads.ortvalue(name))
+        for out, buffer in step.buffer_outputs.items():
             binding.bind_ortvalue_output(out, state.buffers.alt.ortvalue(buffer))
-        for name in module._train_outputs:
+        for name in step.outputs:
             binding.bind_ortvalue_output(name, self._outputs.ortvalue(name))
-        if module.loss_scaler is not None:
+        if step.loss_scaler is not None:
             binding.bind_ortvalue_input(LOSS_SCALE, self._feeds.ortvalue(LOSS_SCALE))
             binding.bind_ortvalue_output(GRADS_FINITE, self._finite.ortvalue(GRADS_FINITE))
         return binding
@@ -535,8 +568,8 @@ class CudaGraphStep:
         assert self._feeds is not None
         binding.bind_ortvalue_input(f"{prefix}learning_rate", self._feeds.ortvalue("learning_rate"))
         binding.bind_ortvalue_input(f"{prefix}step", self._feeds.ortvalue("step"))
-        flat = self.optimizer._flat
-        inputs, outputs = optimizer_io(self.module._runtime, flat)
+        flat = self.optimizer_update.flat
+        inputs, outputs = optimizer_io(self.step.state, flat)
         for name, value in inputs.items():
             if prefix and flat is not None and name == f"{flat.name}_grad":
                 # The fused graph computes the gradient vector and writes it to the block.

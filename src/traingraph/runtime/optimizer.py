@@ -1,15 +1,37 @@
-"""One optimizer update over a :class:`~traingraph.runtime.state.TrainingState`."""
+"""One optimizer update over a :class:`~traingraph.runtime.state.TrainingState`.
+
+An optimizer has two forms: the portable optimizer graph (:mod:`traingraph.optim`, standard
+ONNX ops, what the artifacts hold) and, for some optimizers on the CPU, a fused native kernel
+(:mod:`traingraph.runtime.fused`) that computes the same numbers in place. :class:`OptimizerUpdate`
+chooses between them, in this one place: the fused kernel where the device is the CPU and the
+kernel exists for the optimizer, else the graph, run over all parameters at once (one flat
+vector) where the optimizer allows it, else as the file holds it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
-from traingraph.runtime.session import BoundRunner
+from traingraph.errors import ModelError
+from traingraph.optim import (
+    ParamInfo,
+    build_flat_optimizer_model,
+    build_optimizer_model,
+    flattenable,
+    from_hyperparameters,
+    state_slots,
+)
+from traingraph.runtime.fused import FusedUpdate, fused_update
+from traingraph.runtime.session import BoundRunner, SessionConfig, create_session
 from traingraph.runtime.state import TrainingState
+from traingraph.runtime.tensors import PingPong, TensorStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +129,241 @@ def optimizer_step(runner: BoundRunner, state: TrainingState, flat: FlatLayout |
     state.trainable.swap()
     slots.swap()
     state.step += 1
+
+
+class OptimizerUpdate:
+    """The optimizer update of a :class:`~traingraph.runtime.state.TrainingState`, in the form
+    its device runs best (the module docstring says which).
+
+    Creating it gives the state its optimizer slots (from the checkpoint's values where it has
+    them, else the slots' initial values) and its learning rate (the model's, where the
+    checkpoint has none).
+
+    Args:
+        model: The optimizer model (inputs ``learning_rate``, ``step``, the parameters,
+            ``<parameter>_grad`` and the slots), or an onnxblock.optim model over tensor
+            sequences whose metadata names a traingraph optimizer.
+        state: The training state it updates.
+        trainable: The parameters it updates, in the state's order.
+        config: The settings of the session that runs the graph.
+        fused: Update all parameters at once (fused kernel or flat graph); False runs ``model``
+            as it is.
+        threads: Threads of the fused kernel.
+        where: How errors name the model (e.g. its path).
+
+    Attributes:
+        graph_model: The optimizer model the session runs: ``model``, or its flat equivalent.
+        flat: How the flat graph binds the state's blocks; None where the graph runs per tensor
+            (or the fused kernel runs).
+        blocks: Slot kind -> its range in the slots' flat block, where the fused kernel
+            updates the flat blocks at once; None where it runs per tensor (or the graph runs).
+        clips_by_norm: Whether the optimizer clips the gradients by a norm (so a gradient that
+            is not finite would make every parameter NaN).
+        state: The training state.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        state: TrainingState,
+        trainable: Sequence[str],
+        config: SessionConfig,
+        *,
+        fused: bool = True,
+        threads: int = 1,
+        where: str = "the optimizer model",
+    ) -> None:
+        self.state = state
+        proto = _per_tensor_optimizer(model, state, trainable)
+        meta = {p.key: p.value for p in proto.metadata_props}
+        inputs = [i.name for i in proto.graph.input]
+        unknown = [n for n in trainable if n not in inputs]
+        if unknown:
+            raise ModelError(
+                f"{where} does not update parameters {unknown[:5]}; it was generated for another"
+                " model"
+            )
+        no_grads = [n for n in trainable if f"{n}_grad" not in inputs]
+        if no_grads:
+            raise ModelError(
+                f"{where} is not an optimizer model: it takes no gradient inputs for"
+                f" {no_grads[:5]} (expected inputs named '<parameter>_grad'); pass the"
+                " optimizer_model.onnx that generate_artifacts wrote, not the training or eval"
+                " model"
+            )
+        known = {"learning_rate", "step", *trainable, *(f"{n}_grad" for n in trainable)}
+        params = [n for n in inputs if n in trainable]
+        slot_keys = self._attach_slots(proto, [n for n in inputs if n not in known], meta)
+        if state.learning_rate is None:
+            state.learning_rate = float(meta.get("traingraph.learning_rate", 1e-3))
+        self._slot_keys = {name: slot_keys.get(name, {}) for name in params}
+        layout = flat_layout(state, params, self._slot_keys)
+        hyperparameters = json.loads(meta.get("traingraph.hyperparameters", "null"))
+        name = meta.get("traingraph.optimizer", "")
+        self.clips_by_norm = any(
+            (hyperparameters or {}).get(k) for k in ("clip_grad_norm", "max_grad_norm_per_tensor")
+        )
+        self._fused: FusedUpdate | None = None
+        if fused and state.device.kind == "cpu" and hyperparameters is not None:
+            self._fused = fused_update(name, hyperparameters, threads=threads)
+        self.blocks = layout if self._fused is not None else None
+        self.flat: FlatLayout | None = None
+        self.graph_model = proto
+        if fused and self._fused is None and hyperparameters is not None:
+            size = state.trainable.cur.flat_size
+            flat = flat_equivalent(proto, name, hyperparameters, layout, size)
+            if flat is not None:
+                self.graph_model, self.flat = flat
+        self._runner: BoundRunner | None = None
+        if self._fused is None:
+            session = create_session(self.graph_model, state.device, config)
+            self._runner = BoundRunner(session, state.device)
+
+    def _attach_slots(
+        self, proto: onnx.ModelProto, slot_names: list[str], meta: Mapping[str, str]
+    ) -> dict[str, dict[str, str]]:
+        """Give the state the model's slots; returns parameter -> slot kind -> slot name.
+
+        Slots of one kind (all "exp_avg", then all "exp_avg_sq", ...) lie next to each other
+        in the parameters' order, so a fused update covers each kind as one flat block.
+        """
+        state = self.state
+        slot_init = json.loads(meta.get("traingraph.slot_init", "{}"))
+        value_info = {i.name: i for i in proto.graph.input}
+        owners = {slot: state.slot_owner(slot) for slot in slot_names}
+        order = {name: i for i, name in enumerate(state.trainable.cur)}
+        kinds = list(dict.fromkeys(key for _, key in owners.values()))
+        slot_names = sorted(
+            slot_names, key=lambda s: (kinds.index(owners[s][1]), order.get(owners[s][0], -1))
+        )
+        specs = {}
+        for name in slot_names:
+            t = value_info[name].type.tensor_type
+            dims = tuple(d.dim_value for d in t.shape.dim)
+            specs[name] = (dims, tensor_dtype(t.elem_type))
+        if state.optimizer_slots is None or set(state.optimizer_slots.cur) != set(specs):
+            store = TensorStore(state.device, specs)
+            for name, (shape, dtype) in specs.items():
+                if name in state.pending_slot_values:
+                    store.write(name, state.pending_slot_values[name])
+                else:
+                    store.write(name, np.full(shape, slot_init.get(name, 0.0), dtype))
+            state.optimizer_slots = PingPong(store)
+        keys: dict[str, dict[str, str]] = {}
+        for slot, (owner, key) in owners.items():
+            keys.setdefault(owner, {})[key] = slot
+        return keys
+
+    def apply(self) -> None:
+        """Update the parameters and slots with the current gradients; count the step."""
+        state = self.state
+        if self._fused is None:
+            assert self._runner is not None
+            optimizer_step(self._runner, state, self.flat)
+            return
+        assert state.optimizer_slots is not None and state.learning_rate is not None
+        lr = float(np.float32(state.learning_rate))
+        params, grads, slots = state.trainable.cur.flat, state.grads.flat, state.optimizer_slots.cur
+        if self.blocks is not None and params is not None and grads is not None:
+            assert slots.flat is not None
+            blocks = {key: slots.flat[start:stop] for key, (start, stop) in self.blocks.items()}
+            self._fused(params, grads, blocks, lr=lr, step=state.step + 1)
+        else:
+            for name, keys in self._slot_keys.items():
+                self._fused(
+                    state.trainable.cur.host_view(name),
+                    state.grads.host_view(name),
+                    {key: slots.host_view(slot) for key, slot in keys.items()},
+                    lr=lr,
+                    step=state.step + 1,
+                )
+        state.step += 1
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Set the learning rate used by the next update."""
+        lr = float(learning_rate)
+        if not np.isfinite(lr) or lr < 0:
+            raise ModelError(f"learning rate must be a finite number >= 0, got {learning_rate!r}")
+        self.state.learning_rate = lr
+
+    def get_learning_rate(self) -> float:
+        """The learning rate of the next update."""
+        assert self.state.learning_rate is not None
+        return float(self.state.learning_rate)
+
+
+def _per_tensor_optimizer(
+    proto: onnx.ModelProto, state: TrainingState, trainable: Sequence[str]
+) -> onnx.ModelProto:
+    """``proto``, or for an onnxblock.optim model (tensor sequences ``params``, ``gradients``,
+    ...) the per-tensor optimizer model of the optimizer its metadata names."""
+    sequences = {i.name for i in proto.graph.input if i.type.HasField("sequence_type")}
+    if "params" not in sequences:
+        return proto
+    meta = {p.key: p.value for p in proto.metadata_props}
+    name = meta.get("traingraph.optimizer", "")
+    optimizer = from_hyperparameters(name, json.loads(meta.get("traingraph.hyperparameters", "{}")))
+    if optimizer is None:
+        raise ModelError(
+            "the optimizer model takes tensor sequences (onnxruntime-training's layout) and does"
+            " not name a traingraph optimizer in its metadata; build it with"
+            " traingraph.onnxblock.optim or generate it with traingraph.artifacts"
+        )
+    specs = state.trainable.cur.specs
+    infos = [ParamInfo(n, tuple(specs[n][0]), np.dtype(specs[n][1])) for n in trainable]
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    model = build_optimizer_model(optimizer, infos, opset)
+    model.metadata_props.extend(proto.metadata_props)
+    return model
+
+
+def flat_equivalent(
+    proto: onnx.ModelProto,
+    name: str,
+    hyperparameters: Mapping[str, Any],
+    layout: Mapping[str, tuple[int, int]] | None = None,
+    size: int = 0,
+) -> tuple[onnx.ModelProto, FlatLayout | None] | None:
+    """The optimizer model ``proto`` (generated for the optimizer named ``name`` with
+    ``hyperparameters`` in its metadata) computed as one update of all parameters at once; None
+    where that optimizer is not a named, elementwise one or the model's inputs are not the
+    ones it would have.
+
+    With a ``layout`` (:func:`flat_layout`) of the state's blocks (``size`` elements of
+    parameters) that has the optimizer's slot kinds, the model updates the blocks themselves as
+    one vector and the :class:`FlatLayout` says how to bind it; else
+    (:func:`~traingraph.optim.model.build_flat_optimizer_model`) it takes and returns the
+    tensors one by one, as ``proto`` does, and the layout is None.
+    """
+    optimizer = from_hyperparameters(name, hyperparameters)
+    if optimizer is None or not flattenable(optimizer):
+        return None
+    inputs = {i.name: i.type.tensor_type for i in proto.graph.input}
+    params = [n[: -len("_grad")] for n in inputs if n.endswith("_grad") and n[:-5] in inputs]
+    if len(params) < 2:
+        return None
+    infos = [
+        ParamInfo(
+            n,
+            tuple(d.dim_value for d in inputs[n].shape.dim),
+            tensor_dtype(inputs[n].elem_type),
+        )
+        for n in params
+    ]
+    expected = ["learning_rate", "step", *params, *(f"{n}_grad" for n in params)]
+    expected += [slot.name for slot in state_slots(optimizer, infos)]
+    if expected != list(inputs):
+        return None
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    flat = ParamInfo("flat", (size,), infos[0].dtype)
+    kinds = {slot.name[len("flat.") :] for slot in state_slots(optimizer, [flat])}
+    if layout is None or kinds != set(layout):
+        return build_flat_optimizer_model(optimizer, infos, opset), None
+    model = build_optimizer_model(optimizer, [flat], opset)
+    model.graph.name = f"{optimizer.name}_flat_step"
+    return model, FlatLayout(flat.name, size, dict(layout))
+
+
+def tensor_dtype(elem_type: int) -> np.dtype:
+    """The numpy dtype of an ONNX tensor element type."""
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))

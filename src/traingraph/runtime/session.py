@@ -5,14 +5,14 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from traingraph.errors import ModelError
+from traingraph.errors import ArgumentTypeError, ModelError
 from traingraph.runtime.device import Device
 from traingraph.runtime.specialize import for_cpu, for_cuda
 
@@ -337,3 +337,24 @@ _ORT_TYPES = {
 def ort_type_to_numpy(type_name: str) -> np.dtype | None:
     t = _ORT_TYPES.get(type_name)
     return None if t is None else np.dtype(t)
+
+
+@dataclass
+class WithSessionOptions(SessionConfig):
+    """A :class:`SessionConfig` whose sessions use the caller's ``onnxruntime.SessionOptions``."""
+
+    options: ort.SessionOptions | None = None
+
+    @classmethod
+    def of(cls, config: SessionConfig, options: ort.SessionOptions) -> WithSessionOptions:
+        if not isinstance(options, ort.SessionOptions):
+            raise ArgumentTypeError(
+                f"session_options must be an onnxruntime.SessionOptions, got"
+                f" {type(options).__name__}; use session_config= for traingraph's SessionConfig"
+            )
+        values = {f.name: getattr(config, f.name) for f in fields(SessionConfig)}
+        return cls(**values, options=options)
+
+    def session_options(self) -> ort.SessionOptions:
+        assert self.options is not None
+        return self.options
