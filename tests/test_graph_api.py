@@ -456,3 +456,62 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: s
             train.execute_optimizer_update()
     for name, value in plain.get_parameters().items():
         np.testing.assert_allclose(fast.get_parameters()[name], value, rtol=1e-4, atol=1e-6)
+
+
+def _mlp_trainer(precision: str | None) -> tg.TrainingGraph:
+    init.manual_seed(0)
+    g = tg.Graph("mlp")
+    x = g.input("x", shape=[None, 20])
+    h = L.ReLU()(L.Linear(20, 32)(x))
+    g.output("logits", L.Linear(32, 5)(h))
+    train = tg.TrainingGraph(
+        [g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.AdamW(lr=1e-2)
+    )
+    train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")})
+    return train.compile("cpu", CompileOptions(mixed_precision=precision))
+
+
+def _mlp_batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [
+        (rng.standard_normal((32, 20)).astype(np.float32), rng.integers(0, 5, 32))
+        for _ in range(n)
+    ]
+
+
+def test_mixed_precision_training_graph_follows_the_float32_curve() -> None:
+    # The graph API builds through traingraph.program, so it computes in float16 (with float32
+    # parameters and a dynamic loss scale) as Module does with mixed-precision artifacts.
+    batches = _mlp_batches(20)
+    curves = {}
+    for precision in (None, "fp16"):
+        train = _mlp_trainer(precision)
+        curves[precision] = np.array(
+            [float(train.execute({"x": x}, loss_labels={"y": y}).loss) for x, y in batches]
+        )
+        step = train.step
+        assert step is not None and (step.loss_scaler is not None) == (precision is not None)
+        assert all(v.dtype == np.float32 for v in train.get_parameters().values())
+    # float16 rounds the Gemm inputs to 11 significant bits (relative error <= 2**-11).
+    np.testing.assert_allclose(curves["fp16"], curves[None], rtol=1e-2, atol=1e-2)
+    assert not np.array_equal(curves["fp16"], curves[None])  # computed in float16
+    assert curves["fp16"][-1] < curves["fp16"][0]
+
+
+def test_mixed_precision_training_graph_skips_a_non_finite_step() -> None:
+    train = _mlp_trainer("fp16")
+    (x, y), (x2, y2) = _mlp_batches(2)
+    train.execute({"x": x}, loss_labels={"y": y})
+    step = train.step
+    assert step is not None and step.loss_scaler is not None
+    before, slots = train.get_parameters(), train.optimizer_state()
+    x2 = x2.copy()
+    x2[0, 0] = np.inf
+    train.execute({"x": x2}, loss_labels={"y": y2})
+    assert step.loss_scaler.scale == 2.0**15 and step.loss_scaler.skipped_steps == 1
+    for name, value in before.items():
+        np.testing.assert_array_equal(train.get_parameters()[name], value, err_msg=name)
+    for name, value in slots.items():
+        np.testing.assert_array_equal(train.optimizer_state()[name], value, err_msg=name)
+    train.execute({"x": x2[1:]}, loss_labels={"y": y2[1:]})
+    assert int(train.optimizer_state()["step"]) == 2

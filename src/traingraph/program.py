@@ -8,10 +8,11 @@ own persistent buffers; their initial values travel in the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,7 @@ from traingraph.limits import (
     data_propagation_allowed,
     max_tensor_elements,
 )
-from traingraph.losses import Loss
+from traingraph.losses import LabelSpec, Loss
 from traingraph.optim.alias import Optimizer
 from traingraph.optim.model import build_optimizer_model, state_slots
 from traingraph.optim.transforms import ParamInfo
@@ -46,6 +47,8 @@ from traingraph.precision import (
 )
 
 LOSS_OUTPUT = "loss"
+MakeLabels = Callable[[list[LabelSpec]], list[ir.Value]]
+"""Makes the label inputs of a loss from its label specs."""
 BATCH_DIM = "batch"
 BUFFER_UPDATE_SUFFIX = "_updated"
 MODEL_FIX = (
@@ -134,39 +137,17 @@ def build_program(
     proto = to_proto(base)
 
     train = ir.from_proto(proto)
-    buffer_updates = to_training_mode(train.graph, params, opset)
-    low = None
-    if mixed_precision is not None:
-        low = low_precision_type(mixed_precision)
-        _infer_shapes(train)
-        autocast(train.graph, opset, low)
-        train.metadata_props["traingraph.mixed_precision"] = mixed_precision
-    loss_value, label_names = _attach_loss(train.graph, opset, loss, loss_input_names)
-    _infer_shapes(train)
-    extra = [values_by_name(train.graph)[n] for n in additional_output_names or ()]
-    wrt = [values_by_name(train.graph)[n] for n, r in params.items() if r]
-    scale = scale_loss(train.graph) if low is not None else None
-    result = differentiate(
-        train.graph, opset, wrt, loss=loss_value, loss_seed=scale, prefix="grad"
+    built = build_train_graph(
+        train,
+        params,
+        loss=loss,
+        loss_input_names=loss_input_names,
+        output_names=additional_output_names or (),
+        mixed_precision=mixed_precision,
+        running_stats=running_stats_default(base) if running_stats is None else running_stats,
     )
-    b = OpBuilder(train.graph, opset, prefix="grad")
-    grads = [_grad_or_zeros(b, result.grads[v.name or ""], v) for v in wrt]
-    finite = []
-    if scale is not None:
-        grads, all_finite = unscale_gradients(b, grads, scale)
-        finite.append(name_output(b, all_finite, GRADS_FINITE, all_finite, rename=True))
-    grad_outputs = [
-        name_output(b, g, f"{v.name}_grad", v, rename=True) for g, v in zip(grads, wrt)
-    ]
-    update_outputs = [
-        name_output(b, value, out_name, value, rename=True)
-        for out_name, value in buffer_updates.items()
-    ]
-    train.graph.outputs.clear()
-    train.graph.outputs.extend([loss_value, *extra, *grad_outputs, *update_outputs, *finite])
-    if running_stats is None:
-        running_stats = running_stats_default(base)
-    lower_training_batch_norm(train.graph, opset, running_stats)
+    low = None if mixed_precision is None else low_precision_type(mixed_precision)
+    label_names, buffer_updates = built.label_names, built.buffer_updates
     _lift_parameters(train.graph, params)
 
     evaluation = ir.from_proto(proto)
@@ -199,8 +180,163 @@ def build_program(
         requires_grad=dict(params),
         input_names=data_inputs + label_names,
         output_names=[LOSS_OUTPUT, *(additional_output_names or ())],
-        buffer_updates={name: name[: -len(BUFFER_UPDATE_SUFFIX)] for name in buffer_updates},
+        buffer_updates=buffer_updates,
     )
+
+
+@dataclass
+class TrainGraph:
+    """A train graph as :func:`build_train_graph` makes it.
+
+    Attributes:
+        label_names: The loss's label inputs (and its label weight input, where there is one).
+        forward_outputs: The outputs of the forward pass: the loss (where there is one), the
+            extra outputs, the updated buffers.
+        grad_outputs: ``<name>_grad`` for each parameter and tensor differentiated, then
+            ``grads_finite`` for mixed precision.
+        buffer_updates: Output name -> the buffer it updates.
+        forward_node_count: How many of the graph's first nodes compute the forward pass (all
+            of them, where the forward nodes are not kept first).
+        has_loss: Whether the graph has a loss.
+    """
+
+    label_names: list[str]
+    forward_outputs: list[str]
+    grad_outputs: list[str]
+    buffer_updates: dict[str, str]
+    forward_node_count: int
+    has_loss: bool
+
+
+def build_train_graph(
+    model: ir.Model,
+    params: Mapping[str, bool],
+    *,
+    loss: Loss | None,
+    attach_loss: bool = True,
+    loss_input_names: Sequence[str] | None = None,
+    labels: MakeLabels | None = None,
+    label_weight: ir.Value | None = None,
+    output_names: Sequence[str] = (),
+    mixed_precision: str | None = None,
+    running_stats: str | None = None,
+    tensor_grads: Sequence[str] = (),
+    stop_gradients: Sequence[str] = (),
+    user_gradients: Sequence[str] = (),
+    forward_first: bool = False,
+) -> TrainGraph:
+    """Turn ``model``'s forward graph into a train graph, in place: training mode, the loss,
+    the gradients, the updated running statistics.
+
+    This is the one builder of train graphs: :func:`build_program` (artifacts) and the graph
+    API's ``TrainingGraph`` both make theirs here.
+
+    Args:
+        model: The forward model; its parameters are initializers or graph inputs.
+        params: Parameter name -> whether it is trained.
+        loss: The loss block; with ``attach_loss`` and None, the model's first output is the
+            loss.
+        attach_loss: False: no loss (gradients come only from ``user_gradients``).
+        loss_input_names: Tensors fed to the loss (default: the model's outputs).
+        labels: Makes the loss's label inputs from the loss's label specs (default: inputs
+            with the specs' names, shapes and dtypes).
+        label_weight: A per-sample weight input ``[N]``: the loss becomes the weighted mean
+            (``reduction="mean"``) or sum (``"sum"``) of the per-sample losses.
+        output_names: Tensors the graph also returns (outputs or intermediate ones).
+        mixed_precision: "fp16" or "bf16" (:mod:`traingraph.precision`), or None.
+        running_stats: How BatchNormalization updates its running variance (see
+            :func:`~traingraph.autodiff.lowering.lower_training_batch_norm`).
+        tensor_grads: Tensors whose gradients the graph also returns.
+        stop_gradients: Tensors the backward pass treats as constants.
+        user_gradients: Tensors whose gradients come from graph inputs ``<name>_user_grad``.
+        forward_first: Keep every forward node before every gradient node (for a graph cut
+            into a forward and a gradient phase).
+    """
+    graph = model.graph
+    opset = default_opset(model)
+    buffer_values = to_training_mode(graph, dict(params), opset)
+    low = None
+    if mixed_precision is not None:
+        low = low_precision_type(mixed_precision)
+        _infer_shapes(model)
+        autocast(graph, opset, low)
+        model.metadata_props["traingraph.mixed_precision"] = mixed_precision
+    loss_value: ir.Value | None = None
+    label_names: list[str] = []
+    if attach_loss:
+        loss_value, label_names = _attach_loss(
+            graph, opset, loss, loss_input_names, labels, label_weight
+        )  # fmt: skip
+    _infer_shapes(model)
+    values = values_by_name(graph)
+    missing = [n for n in [*output_names, *tensor_grads, *stop_gradients, *user_gradients]
+               if n not in values]  # fmt: skip
+    if missing:
+        raise ModelError(
+            f"{missing} are not tensors of the model; expected its outputs"
+            f" {[o.name for o in graph.outputs]} or intermediate tensors"
+        )
+    extra = [values[n] for n in output_names]
+    wrt = [values[n] for n, r in params.items() if r] + [values[n] for n in tensor_grads]
+    scale = scale_loss(graph) if low is not None and loss_value is not None else None
+    forward_node_count = len(graph)
+    result = differentiate(
+        graph, opset, wrt, loss=loss_value, loss_seed=scale,
+        stop_gradients=[values[n] for n in stop_gradients],
+        user_gradients=[values[n] for n in user_gradients], prefix="grad",
+    )  # fmt: skip
+    b = OpBuilder(graph, opset, prefix="grad")
+    grads = [_grad_or_zeros(b, result.grads[v.name or ""], v) for v in wrt]
+    finite = []
+    if scale is not None:
+        grads, all_finite = unscale_gradients(b, grads, scale)
+        finite.append(name_output(b, all_finite, GRADS_FINITE, all_finite, rename=True))
+    grad_outputs = [
+        name_output(b, g, f"{v.name}_grad", v, rename=True) for g, v in zip(grads, wrt)
+    ]
+    update_outputs = [
+        name_output(b, value, out_name, value, rename=True)
+        for out_name, value in buffer_values.items()
+    ]
+    losses = [loss_value] if loss_value is not None else []
+    graph.outputs.clear()
+    graph.outputs.extend([*losses, *extra, *grad_outputs, *update_outputs, *finite])
+    forward_names = [v.name or "" for v in [*losses, *extra, *update_outputs]]
+    grad_names = [v.name or "" for v in [*grad_outputs, *finite]]
+    if forward_first:
+        forward_node_count = _lower_batch_norm(graph, opset, forward_node_count, running_stats)
+    else:
+        lower_training_batch_norm(graph, opset, running_stats)
+        forward_node_count = len(graph)
+    return TrainGraph(
+        label_names=label_names,
+        forward_outputs=forward_names,
+        grad_outputs=grad_names,
+        buffer_updates={n: n[: -len(BUFFER_UPDATE_SUFFIX)] for n in buffer_values},
+        forward_node_count=forward_node_count,
+        has_loss=loss_value is not None,
+    )
+
+
+def _lower_batch_norm(
+    graph: ir.Graph, opset: int, forward_node_count: int, running_stats: str | None
+) -> int:
+    """Lower the training-mode BatchNormalizations of a train graph, keeping forward nodes first.
+
+    :func:`~traingraph.autodiff.lowering.lower_training_batch_norm` re-sorts the graph; its
+    new nodes read only forward tensors, so moving the gradient nodes back behind every other
+    node (in their sorted order) keeps the order topological and the forward nodes first.
+
+    Returns:
+        How many of ``graph``'s first nodes are forward nodes after the lowering.
+    """
+    gradient_nodes = set(list(graph)[forward_node_count:])
+    if not lower_training_batch_norm(graph, opset, running_stats):
+        return forward_node_count
+    moved = [node for node in graph if node in gradient_nodes]
+    graph.remove(moved)
+    graph.extend(moved)
+    return len(graph) - len(moved)
 
 
 def _grad_or_zeros(b: OpBuilder, grad: ir.Value | None, param: ir.Value) -> ir.Value:
@@ -397,8 +533,11 @@ def _attach_loss(
     opset: int,
     loss: Loss | None,
     loss_input_names: Sequence[str] | None,
+    make_labels: MakeLabels | None = None,
+    weight: ir.Value | None = None,
 ) -> tuple[ir.Value, list[str]]:
-    """Append the loss block; returns the loss value and the label input names."""
+    """Append the loss block; returns the loss value and the label input names (see
+    :func:`build_train_graph` for ``make_labels`` and ``weight``)."""
     if not graph.outputs:
         raise ModelError("the model has no outputs; a training graph needs at least one")
     if loss is None:
@@ -418,16 +557,37 @@ def _attach_loss(
             raise ModelError(f"loss inputs {missing} are not tensors of the model")
         outputs = [by_name[n] for n in loss_input_names]
     b = OpBuilder(graph, opset, prefix="loss")
-    labels = []
-    for spec in loss.label_specs(outputs):
-        label = ir.Value(name=spec.name, shape=spec.shape, type=ir.TensorType(spec.dtype))
-        graph.inputs.append(label)
-        labels.append(label)
-    value = loss.build(b, outputs, labels)
+    specs = loss.label_specs(outputs)
+    if make_labels is None:
+        labels = [
+            ir.Value(name=spec.name, shape=spec.shape, type=ir.TensorType(spec.dtype))
+            for spec in specs
+        ]
+    else:
+        labels = make_labels(specs)
+    graph.inputs.extend(labels)
+    names = [label.name or "" for label in labels]
+    if weight is None:
+        value = loss.build(b, outputs, list(labels))
+    else:
+        reduction = getattr(loss, "reduction", None)
+        if reduction not in ("mean", "sum") or not dataclasses.is_dataclass(loss):
+            raise ModelError(
+                f"loss label weights need a loss with reduction 'mean' or 'sum'; got"
+                f" {type(loss).__name__} with reduction {reduction!r}"
+            )
+        per_sample = dataclasses.replace(loss, reduction="none").build(b, outputs, list(labels))
+        graph.inputs.append(weight)
+        weight_cast = b.cast_like(weight, outputs[0])
+        total = b.sum(b.Mul(per_sample, weight_cast), keepdims=False)
+        value = total if reduction == "sum" else b.Div(total, b.sum(weight_cast, keepdims=False))
+        names.append(weight.name or "")
     value = name_output(b, value, LOSS_OUTPUT, value, rename=True)
     if value.type is None:
         value.type = outputs[0].type
-    return value, [label.name or "" for label in labels]
+    if value.shape is None:
+        value.shape = ir.Shape([])
+    return value, names
 
 
 def export_inference_model(

@@ -34,6 +34,9 @@ class CompileOptions:
         profile: Report each phase's execution time in ``ExecutionResult.times``.
         intra_op_threads: onnxruntime threads per op (0: its default).
         memory_arena: Use onnxruntime's CPU memory arena (off for exact memory measurements).
+        mixed_precision: "fp16" or "bf16" to compute in that type with float32 parameters and
+            a dynamic loss scale (:mod:`traingraph.precision`), as
+            :func:`traingraph.artifacts.generate_artifacts` does; None: float32.
     """
 
     debug: bool = False
@@ -42,6 +45,7 @@ class CompileOptions:
     profile: bool = False
     intra_op_threads: int = 0
     memory_arena: bool = True
+    mixed_precision: str | None = None
 
     def session_config(self) -> SessionConfig:
         as_written = self.debug or self.disable_fusion

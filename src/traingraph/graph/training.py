@@ -31,11 +31,9 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 import onnxruntime as ort
 
-from traingraph.autodiff.engine import differentiate, name_output, values_by_name
-from traingraph.autodiff.lowering import lower_training_batch_norm
+from traingraph.autodiff.engine import values_by_name
 from traingraph.checkpoint import CheckpointData
 from traingraph.errors import ModelError
 from traingraph.graph.execution import (
@@ -50,18 +48,18 @@ from traingraph.graph.execution import (
 from traingraph.graph.graph import Graph, Tensor, TensorSpec, compose
 from traingraph.graph.layers import Layer
 from traingraph.graph.phases import MemoryPlan, PhaseModels, plan_memory, split_phases
-from traingraph.ir.builder import OpBuilder, is_float, value_spec
+from traingraph.ir.builder import is_float, value_spec
 from traingraph.ir.model import to_proto
-from traingraph.losses import Loss
+from traingraph.losses import LabelSpec, Loss
 from traingraph.optim.alias import Optimizer
 from traingraph.optim.model import build_optimizer_model, init_state
 from traingraph.optim.transforms import ParamInfo
 from traingraph.program import (
     LOSS_OUTPUT,
     batchnorm_buffers,
+    build_train_graph,
     export_inference_model,
     to_inference_mode,
-    to_training_mode,
 )
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.optimizer import OptimizerUpdate
@@ -260,6 +258,25 @@ class TrainingGraph:
     def _changed(self) -> None:
         if self._compiled:
             self._stale = True
+
+    def _make_labels(self, specs: list[LabelSpec]) -> list[ir.Value]:
+        """The loss's label inputs: as :meth:`add_inputs` declared them, else as the loss's
+        ``specs`` say."""
+        if self.label_specs and len(self.label_specs) != len(specs):
+            raise ModelError(
+                f"{type(self.loss).__name__} takes {len(specs)} label(s)"
+                f" ({[s.name for s in specs]}); add_inputs declared {list(self.label_specs)}"
+            )
+        names = list(self.label_specs) or [s.name for s in specs]
+        labels = []
+        for name, spec in zip(names, specs):
+            user = self.label_specs.get(name)
+            labels.append(
+                user.ir_value(name)
+                if user is not None
+                else ir.Value(name=name, shape=spec.shape, type=ir.TensorType(spec.dtype))
+            )
+        return labels
 
     # ---------------------------------------------------------------- compile
     def compile(
@@ -473,7 +490,10 @@ class TrainingGraph:
             return result
         if not state.grads_valid:
             raise ModelError("no gradients yet; run execute_gradient(...) before the update")
-        self._update.apply()
+        if self.step is not None:
+            self.step.update(self._update)  # a mixed-precision step may skip it
+        else:
+            self._update.apply()
         self._timed("optimizer", result, start)
         return result
 
@@ -668,75 +688,46 @@ class _TrainProgram:
             raise ModelError(f"inputs {undeclared} were not declared; add them with add_inputs")
         values = values_by_name(graph)
         model_outputs = [o.name or "" for o in graph.outputs]
-        eval_model = to_proto(model)
-        eval_ir = ir.from_proto(eval_model)
-        to_inference_mode(eval_ir.graph)
-        eval_model = to_proto(eval_ir)
-
-        buffer_values = to_training_mode(graph, requires_grad, opset)
-        values = values_by_name(graph)
-        for name in [
-            *tg.loss_inputs,
-            *tg.extra_outputs,
-            *tg.stopped,
-            *tg.user_gradients,
-            *tg.tracked,
-        ]:
+        for name in [*tg.loss_inputs, *tg.extra_outputs, *tg.stopped, *tg.user_gradients,
+                     *tg.tracked]:  # fmt: skip
             if name not in values:
                 raise ModelError(f"{name!r} is not a tensor of the graphs; e.g. {model_outputs}")
-        update_builder = OpBuilder(graph, opset, prefix="train_mode")
-        update_outputs = [name_output(update_builder, v, n, v) for n, v in buffer_values.items()]
-        label_names: list[str] = []
-        loss_value = None
-        if tg.loss is not None:
-            loss_value, label_names = _attach_loss(tg, graph, opset, values)
-        common_passes.ShapeInferencePass()(model)
-        values = values_by_name(graph)
-        loss_value = values[LOSS_OUTPUT] if loss_value is not None else None
-        update_outputs = [values[v.name or ""] for v in update_outputs]
-        forward_node_count = len(graph)
-        wrt_names = [n for n in param_order if requires_grad[n]]
+        eval_ir = ir.from_proto(to_proto(model))
+        to_inference_mode(eval_ir.graph)
+        eval_model = to_proto(eval_ir)
         tensor_grads = list(tg.tracked)
         if tg.options.compute_all_gradients:
             tensor_grads += [
                 n for n in data_inputs if n not in tensor_grads and is_float(values[n])
             ]
-        result = differentiate(
-            graph, opset, [values[n] for n in [*wrt_names, *tensor_grads]], loss=loss_value,
-            stop_gradients=[values[n] for n in tg.stopped],
-            user_gradients=[values[n] for n in tg.user_gradients], prefix="grad",
-        )  # fmt: skip
-        b = OpBuilder(graph, opset, prefix="grad")
-        grad_outputs = []
-        for name in [*wrt_names, *tensor_grads]:
-            g = result.grads[name]
-            v = values[name]
-            grad_outputs.append(
-                name_output(b, g if g is not None else b.zeros_like(v), f"{name}_grad", v)
-            )
         output_names = [*model_outputs, *[n for n in tg.extra_outputs if n not in model_outputs]]
-        forward = [*([loss_value] if loss_value is not None else []),
-                   *[values[n] for n in output_names], *update_outputs]  # fmt: skip
-        graph.outputs.clear()
-        graph.outputs.extend([*forward, *grad_outputs])
-        forward_node_count = _lower_batch_norm(graph, opset, forward_node_count)
-        forward_names = [v.name or "" for v in forward]
-        phases = split_phases(to_proto(model), forward_node_count, forward_names,
-                              [v.name or "" for v in grad_outputs])  # fmt: skip
-
+        weight = None
+        if tg.label_weight_specs:
+            ((weight_name, weight_spec),) = tg.label_weight_specs.items()
+            weight = (weight_spec or TensorSpec([None])).ir_value(weight_name)
+        built = build_train_graph(
+            model, requires_grad, loss=tg.loss, attach_loss=tg.loss is not None,
+            loss_input_names=tg.loss_inputs, labels=tg._make_labels, label_weight=weight,
+            output_names=output_names, mixed_precision=tg.options.mixed_precision,
+            tensor_grads=tensor_grads, stop_gradients=tg.stopped,
+            user_gradients=tg.user_gradients, forward_first=True,
+        )  # fmt: skip
+        values = values_by_name(graph)
+        phases = split_phases(
+            to_proto(model), built.forward_node_count, built.forward_outputs, built.grad_outputs
+        )
+        wrt_names = [n for n in param_order if requires_grad[n]]
         optimizer_model = None
         if tg.optimizer is not None and wrt_names:
             infos = [ParamInfo(n, *value_spec(values[n])) for n in wrt_names]
             optimizer_model = build_optimizer_model(tg.optimizer, infos, opset=opset)
-        feed_names = [*data_inputs, *label_names]
+        feed_names = [*data_inputs, *built.label_names]
         return cls(
             phases=phases, optimizer_model=optimizer_model, eval_model=eval_model,
-            requires_grad=requires_grad,
-            buffer_updates={n: n[: -len("_updated")] for n in buffer_values},
-            feed_names=feed_names,
-            feed_specs={n: values[n] for n in feed_names},
+            requires_grad=requires_grad, buffer_updates=built.buffer_updates,
+            feed_names=feed_names, feed_specs={n: values[n] for n in feed_names},
             output_names=output_names, model_outputs=model_outputs, tensor_grads=tensor_grads,
-            has_loss=loss_value is not None, optimizer=tg.optimizer,
+            has_loss=built.has_loss, optimizer=tg.optimizer,
         )  # fmt: skip
 
     def batch_shapes(self, batch_size: int) -> dict[str, tuple[int, ...]]:
@@ -774,76 +765,3 @@ class _TrainProgram:
             state.optimizer_slots = PingPong(TensorStore(device, slot_specs, initial))
         return state
 
-
-def _lower_batch_norm(graph: ir.Graph, opset: int, forward_node_count: int) -> int:
-    """Lower the training-mode BatchNormalizations of a train graph, keeping forward nodes first.
-
-    :func:`~traingraph.autodiff.lowering.lower_training_batch_norm` re-sorts the graph; its
-    new nodes read only forward tensors, so moving the gradient nodes back behind every other
-    node (in their sorted order) keeps the order topological and the forward nodes first, as
-    :func:`~traingraph.graph.phases.split_phases` needs.
-
-    Args:
-        graph: The train graph (forward nodes, then gradient nodes), changed in place.
-        opset: The graph's default-domain opset.
-        forward_node_count: How many of ``graph``'s first nodes are forward nodes.
-
-    Returns:
-        How many of ``graph``'s first nodes are forward nodes after the lowering.
-    """
-    gradient_nodes = set(list(graph)[forward_node_count:])
-    if not lower_training_batch_norm(graph, opset):
-        return forward_node_count
-    moved = [node for node in graph if node in gradient_nodes]
-    graph.remove(moved)
-    graph.extend(moved)
-    return len(graph) - len(moved)
-
-
-def _attach_loss(
-    tg: TrainingGraph, graph: ir.Graph, opset: int, values: dict[str, ir.Value]
-) -> tuple[ir.Value, list[str]]:
-    """Append the loss over ``tg.loss_inputs`` with the user's label names (and weights)."""
-    loss = tg.loss
-    assert loss is not None
-    outputs = [values[n] for n in tg.loss_inputs]
-    specs = loss.label_specs(outputs)
-    if tg.label_specs and len(tg.label_specs) != len(specs):
-        raise ModelError(
-            f"{type(loss).__name__} takes {len(specs)} label(s) ({[s.name for s in specs]});"
-            f" add_inputs declared {list(tg.label_specs)}"
-        )
-    names = list(tg.label_specs) or [s.name for s in specs]
-    labels = []
-    for name, spec in zip(names, specs):
-        user = tg.label_specs.get(name)
-        value = (
-            user.ir_value(name)
-            if user is not None
-            else ir.Value(name=name, shape=spec.shape, type=ir.TensorType(spec.dtype))
-        )
-        graph.inputs.append(value)
-        labels.append(value)
-    b = OpBuilder(graph, opset, prefix="loss")
-    if tg.label_weight_specs:
-        reduction = getattr(loss, "reduction", None)
-        if reduction not in ("mean", "sum") or not dataclasses.is_dataclass(loss):
-            raise ModelError(
-                f"loss_label_weights need a loss with reduction 'mean' or 'sum'; got"
-                f" {type(loss).__name__} with reduction {reduction!r}"
-            )
-        per_sample = dataclasses.replace(loss, reduction="none").build(b, outputs, labels)
-        ((weight_name, weight_spec),) = tg.label_weight_specs.items()
-        weight = (weight_spec or TensorSpec([None])).ir_value(weight_name)
-        graph.inputs.append(weight)
-        weight_cast = b.cast_like(weight, outputs[0])
-        total = b.sum(b.Mul(per_sample, weight_cast), keepdims=False)
-        value = total if reduction == "sum" else b.Div(total, b.sum(weight_cast, keepdims=False))
-        names.append(weight_name)
-    else:
-        value = loss.build(b, outputs, labels)
-    value = name_output(b, value, LOSS_OUTPUT, value)
-    if value.type is None:
-        value.type = outputs[0].type
-    value.shape = ir.Shape([])
-    return value, names
