@@ -20,7 +20,7 @@ from torch import nn
 
 from torch_models import export, seeded
 from traingraph import api, artifacts
-from traingraph.runtime import batch_norm, conv_grads
+from traingraph.runtime import batch_norm, conv_grads, step
 from traingraph.runtime.native import AVAILABLE
 
 pytestmark = pytest.mark.skipif(
@@ -94,8 +94,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         finally:
             depth[0] -= 1
 
-    create_session = api.create_session
-    monkeypatch.setattr(api, "create_session", step_session)
+    create_session = step.create_session
+    monkeypatch.setattr(step, "create_session", step_session)
     monkeypatch.setattr(ort, "InferenceSession", counted("sessions", ort.InferenceSession))
     inference = onnx.shape_inference.infer_shapes
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes", counted("inferences", inference))
