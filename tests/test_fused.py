@@ -1,4 +1,4 @@
-"""The fused CPU optimizer updates give the optimizer graph's numbers, on both backends."""
+"""The fused CPU optimizer updates (the native kernel) give the optimizer graph's numbers."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import pytest
 from traingraph import optim
 from traingraph.optim import build_optimizer_model, init_state
 from traingraph.runtime import fused
-from traingraph.runtime.fused import adamw_step, fused_update, sgd_step
+from traingraph.runtime.fused import fused_update
 
 # Lengths that are not multiples of any vector width, a scalar, and one under a vector.
 SHAPES = {"w": (7, 5), "b": (5,), "odd": (1031,), "m": (3, 67), "s": ()}
 STEPS = 4
 NATIVE = pytest.mark.skipif(
-    fused.BACKEND != "native",
-    reason="traingraph.runtime._fusedc was not built (no C compiler at install time)",
+    not fused.AVAILABLE,
+    reason="traingraph.runtime._fusedc was not built (no C compiler at install time); the"
+    " runtime then runs the optimizer graph (test_fallback_to_the_graph_without_the_extension)",
 )
-BACKENDS = [pytest.param("native", marks=NATIVE), "numpy"]
 OPTIMIZERS = [
     pytest.param(optim.AdamW(lr=1e-2, weight_decay=0.01), id="adamw"),
     pytest.param(
@@ -44,13 +44,13 @@ OPTIMIZERS = [
 ]
 
 
-def _graph_steps(optimizer, params, grads, lr):
-    """Run the optimizer graph ``STEPS`` times; the final parameters and slots."""
+def _graph_steps(optimizer, params, grads, lr, steps=STEPS):
+    """Run the optimizer graph ``steps`` times; the final parameters and slots."""
     proto = build_optimizer_model(optimizer, params)
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     state = init_state(optimizer, params)
     params = dict(params)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         feeds = {"learning_rate": np.array(lr, np.float32), "step": np.array(step, np.int64)}
         feeds.update(params)
         feeds.update({f"{n}_grad": grads[step - 1][n] for n in params})
@@ -61,10 +61,8 @@ def _graph_steps(optimizer, params, grads, lr):
     return params, state
 
 
-def _fused_steps(optimizer, params, grads, lr, backend, threads=None):
-    update = fused_update(
-        optimizer.name, optimizer.hyperparameters, backend=backend, threads=threads
-    )
+def _fused_steps(optimizer, params, grads, lr, threads=None):
+    update = fused_update(optimizer.name, optimizer.hyperparameters, threads=threads)
     assert update is not None
     state = init_state(optimizer, params)
     params = {n: p.copy() for n, p in params.items()}
@@ -90,15 +88,15 @@ def _assert_same(got, expected):
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name, strict=True)
 
 
+@NATIVE
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_fused_matches_optimizer_graph(optimizer, backend, dtype):
+def test_fused_matches_optimizer_graph(optimizer, dtype):
     params, grads = _problem(dtype=dtype)
     # The graph takes the learning rate in float32; the runtime passes it rounded so.
     lr = float(np.float32(optimizer.lr))
     expected_params, expected_state = _graph_steps(optimizer, params, grads, lr)
-    got_params, got_state = _fused_steps(optimizer, params, grads, lr, backend)
+    got_params, got_state = _fused_steps(optimizer, params, grads, lr)
     _assert_same(got_params, expected_params)
     _assert_same(got_state, expected_state)
 
@@ -106,23 +104,23 @@ def test_fused_matches_optimizer_graph(optimizer, backend, dtype):
 @NATIVE
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_native_equals_numpy_on_a_flat_block(optimizer, threads):
-    """One native call over 203,531 elements (odd; shared by 3 threads in aligned ranges)
-    equals the numpy update, step by step."""
+def test_threads_on_a_flat_block_match_the_graph(optimizer, threads):
+    """One call over 203,531 elements (odd; shared by 3 threads in aligned ranges) equals the
+    optimizer graph, step by step, zeros included."""
     params, grads = _problem(2, shapes={"flat": (203_531,)})
     params["flat"][::7] = 0.0
     grads[1]["flat"][::5] = 0.0
     lr = float(np.float32(optimizer.lr))
-    native, state_n = _fused_steps(optimizer, params, grads, lr, "native", threads)
-    numpy, state_p = _fused_steps(optimizer, params, grads, lr, "numpy")
-    _assert_same(native, numpy)
-    _assert_same(state_n, state_p)
+    expected, expected_state = _graph_steps(optimizer, params, grads, lr)
+    got, got_state = _fused_steps(optimizer, params, grads, lr, threads)
+    _assert_same(got, expected)
+    _assert_same(got_state, expected_state)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_flat_blocks_equal_per_parameter_updates(backend):
+@NATIVE
+def test_flat_blocks_equal_per_parameter_updates():
     params, grads = _problem(1)
-    update = fused_update("adamw", optim.AdamW(lr=1e-2).hyperparameters, backend=backend)
+    update = fused_update("adamw", optim.AdamW(lr=1e-2).hyperparameters)
     assert update is not None
     per_param = {n: p.copy() for n, p in params.items()}
     slots = {n: (np.zeros_like(p), np.zeros_like(p)) for n, p in params.items()}
@@ -137,57 +135,50 @@ def test_flat_blocks_equal_per_parameter_updates(backend):
     np.testing.assert_array_equal(flat, np.concatenate([p.ravel() for p in per_param.values()]))
 
 
-@NATIVE
-@pytest.mark.parametrize(
-    "make",
-    [lambda a: a.astype(np.float16), lambda a: a[::2]],
-    ids=["float16", "strided"],
-)
-def test_native_update_hands_other_arrays_to_numpy(make):
-    """Arrays the kernel does not take (float16, non-contiguous) go to the numpy code."""
-    rng = np.random.default_rng(3)
-    base = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
-    hyperparameters = optim.SGD(lr=0.1, momentum=0.9).hyperparameters
-    results = []
-    for backend in ("native", "numpy"):
-        p, g, buf = (make(a) for a in base)
-        update = fused_update("sgd", hyperparameters, backend=backend)
-        assert update is not None
-        for step in (1, 2):
-            update(p, g, {"momentum_buffer": buf}, lr=0.1, step=step)
-        results.append((p, buf))
-    for got, expected in zip(*results):
-        np.testing.assert_array_equal(got, expected, strict=True)
-
-
-def test_fallback_to_numpy_without_the_extension():
-    """Where the extension is missing, the numpy backend is used and gives the same numbers."""
+def test_fallback_to_the_graph_without_the_extension(tmp_path):
+    """Where the extension is missing, there is no fused update and the Optimizer runs the
+    optimizer graph, with the same numbers as the fused update here."""
     script = textwrap.dedent(
         """
         import sys
         sys.modules["traingraph.runtime._fusedc"] = None  # the import now fails
         import numpy as np
         from traingraph.runtime import fused
-        assert fused.BACKEND == "numpy", fused.BACKEND
-        p, g = np.ones(5, np.float32), np.full(5, 0.5, np.float32)
-        m, v = np.zeros_like(p), np.zeros_like(p)
-        fused.fused_update("adamw", {})(p, g, {"exp_avg": m, "exp_avg_sq": v}, lr=0.1, step=1)
-        print(p.tolist())
-        try:
-            fused.fused_update("adamw", {}, backend="native")
-        except ValueError as error:
-            print(error)
+        assert not fused.AVAILABLE and fused.fused_update("adamw", {}) is None
+        from traingraph.runtime.optimizer import OptimizerUpdate
+        from traingraph.runtime.session import SessionConfig
+        from traingraph.runtime.state import TrainingState
+        from traingraph.runtime.device import parse_device
+        from traingraph.checkpoint import CheckpointData
+        from traingraph import optim
+        from traingraph.optim import ParamInfo, build_optimizer_model
+        rng = np.random.default_rng(0)
+        params = {"w": rng.standard_normal((4, 3)).astype(np.float32),
+                  "b": rng.standard_normal(3).astype(np.float32)}
+        data = CheckpointData(parameters=dict(params), requires_grad={"w": True, "b": True},
+                              optimizer_state={}, learning_rate=0.1)
+        state = TrainingState(data, parse_device("cpu"), set())
+        infos = [ParamInfo(n, p.shape, p.dtype) for n, p in params.items()]
+        model = build_optimizer_model(optim.AdamW(lr=0.1), infos)
+        update = OptimizerUpdate(model, state, ["w", "b"], SessionConfig())
+        for name, value in params.items():
+            state.grads.write(name, np.full_like(value, 0.5))
+        update.apply()
+        print({n: state.read(n).tolist() for n in params})
         """
     )
     run = subprocess.run(
         [sys.executable, "-c", script], check=False, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
-    p, g = np.ones(5, np.float32), np.full(5, 0.5, np.float32)
-    adamw_step(p, g, np.zeros_like(p), np.zeros_like(p), lr=0.1, step=1)
-    printed_params, message = run.stdout.splitlines()
-    assert printed_params == str(p.tolist())
-    assert "native backend is not available" in message
+    rng = np.random.default_rng(0)
+    params = {
+        "w": rng.standard_normal((4, 3)).astype(np.float32),
+        "b": rng.standard_normal(3).astype(np.float32),
+    }
+    grads = [{n: np.full_like(p, 0.5) for n, p in params.items()}]
+    expected, _ = _graph_steps(optim.AdamW(lr=0.1), params, grads, 0.1, steps=1)
+    assert run.stdout.strip() == str({n: v.tolist() for n, v in expected.items()})
 
 
 @pytest.mark.parametrize(
@@ -199,29 +190,16 @@ def test_no_fused_form_falls_back_to_the_graph(optimizer):
     assert fused_update(optimizer.name, optimizer.hyperparameters) is None
 
 
-def test_unknown_backend_is_rejected():
-    with pytest.raises(ValueError, match="backend must be 'native' or 'numpy'; got 'c'"):
-        fused_update("sgd", {}, backend="c")
-
-
-def test_mismatched_arrays_are_rejected():
+@NATIVE
+def test_fused_update_rejects_mismatched_arrays():
     p = np.zeros(3, np.float32)
-    with pytest.raises(ValueError, match="exp_avg_sq has shape"):
-        adamw_step(p, p.copy(), p.copy(), np.zeros(4, np.float32), lr=0.1, step=1)
-    with pytest.raises(ValueError, match="needs the momentum_buffer"):
-        sgd_step(p, p.copy(), None, lr=0.1, step=1, momentum=0.9)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fused_update_rejects_mismatched_arrays(backend):
-    p = np.zeros(3, np.float32)
-    adamw = fused_update("adamw", {}, backend=backend)
-    sgd = fused_update("sgd", {"momentum": 0.9}, backend=backend)
+    adamw = fused_update("adamw", {})
+    sgd = fused_update("sgd", {"momentum": 0.9})
     assert adamw is not None and sgd is not None
     with pytest.raises(ValueError, match=r"exp_avg_sq has shape \(4,\)"):
         adamw(p, p.copy(), {"exp_avg": p.copy(), "exp_avg_sq": np.zeros(4, np.float32)},
               lr=0.1, step=1)  # fmt: skip
-    with pytest.raises(ValueError, match="needs the momentum_buffer slot; got None"):
+    with pytest.raises(ValueError, match="needs the momentum_buffer slot"):
         sgd(p, p.copy(), {}, lr=0.1, step=1)
 
 

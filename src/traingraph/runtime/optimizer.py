@@ -1,11 +1,12 @@
 """One optimizer update over a :class:`~traingraph.runtime.state.TrainingState`.
 
 An optimizer has two forms: the portable optimizer graph (:mod:`traingraph.optim`, standard
-ONNX ops, what the artifacts hold) and, for some optimizers on the CPU, a fused native kernel
-(:mod:`traingraph.runtime.fused`) that computes the same numbers in place. :class:`OptimizerUpdate`
-chooses between them, in this one place: the fused kernel where the device is the CPU and the
-kernel exists for the optimizer, else the graph, run over all parameters at once (one flat
-vector) where the optimizer allows it, else as the file holds it.
+ONNX ops, what the artifacts hold, the reference) and, for AdamW and SGD on the CPU, a fused
+native kernel (:mod:`traingraph.runtime.fused`) that computes the same numbers in place.
+:class:`OptimizerUpdate` chooses between them, in this one place: the fused kernel where the
+device is the CPU, the extension was built and the kernel takes the optimizer and the dtypes,
+else the graph, run over all parameters at once (one flat vector) where the optimizer allows
+it, else as the file holds it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from traingraph.optim import (
     from_hyperparameters,
     state_slots,
 )
-from traingraph.runtime.fused import FusedUpdate, fused_update
+from traingraph.runtime.fused import DTYPES, FusedUpdate, fused_update
 from traingraph.runtime.session import BoundRunner, SessionConfig, create_session
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
@@ -204,7 +205,15 @@ class OptimizerUpdate:
             (hyperparameters or {}).get(k) for k in ("clip_grad_norm", "max_grad_norm_per_tensor")
         )
         self._fused: FusedUpdate | None = None
-        if fused and state.device.kind == "cpu" and hyperparameters is not None:
+        dtypes = {np.dtype(d) for _, d in state.trainable.cur.specs.values()}
+        if state.optimizer_slots is not None:
+            dtypes |= {np.dtype(d) for _, d in state.optimizer_slots.cur.specs.values()}
+        if (
+            fused
+            and state.device.kind == "cpu"
+            and hyperparameters is not None
+            and dtypes <= set(DTYPES)
+        ):
             self._fused = fused_update(name, hyperparameters, threads=threads)
         self.blocks = layout if self._fused is not None else None
         self.flat: FlatLayout | None = None
