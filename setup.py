@@ -31,6 +31,7 @@ setup(
                 "src/traingraph/runtime/_gelu.h",
                 "src/traingraph/runtime/_layernorm.h",
                 "src/traingraph/runtime/_permute.h",
+                "src/traingraph/runtime/_clip.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

@@ -2,8 +2,9 @@
 
 Loads artifacts ``A`` and ``B`` of the same model (for example written before and after a
 change to the autodiff), runs ``A`` with the ``_convc`` extension at ``--a-ext`` (a built
-``_convc*.so`` of another checkout) and ``B`` with the installed one, and torch eager, in
-turn, step by step; prints the median ms per step of each. Every ``traingraph.runtime`` module
+``_convc*.so`` of another checkout) and without the native kernels ``--a-without``, ``B``
+with the installed extension and every kernel, and torch eager, in turn, step by step;
+prints the median ms per step of each. Every ``traingraph.runtime`` module
 that holds the extension as ``NATIVE`` gets the one of the side that runs.
 
     python benchmarks/ab_step.py --model resnet18 --a ART_A --a-ext OLD/_convc.so --b ART_B
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_profile
 
 from traingraph import runtime
-from traingraph.runtime import kernels, native  # noqa: F401  (kernels: every holder)
+from traingraph.runtime import kernels, native
 from traingraph.runtime.session import SessionConfig
 
 
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--a", type=Path, required=True, help="artifacts of side A")
-    parser.add_argument("--a-ext", type=Path, required=True, help="_convc build of side A")
+    parser.add_argument("--a-ext", type=Path, help="_convc build of side A (default: installed)")
+    parser.add_argument(
+        "--a-without", nargs="*", default=[], help="native kernels side A runs without"
+    )
     parser.add_argument("--b", type=Path, required=True, help="artifacts of side B")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
@@ -66,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model, images, labels = cpu_profile.build(args.model, args.batch, args.size)
     config = SessionConfig(intra_op_threads=args.threads)
+    without = set(args.a_without)
+    config_a = SessionConfig(
+        intra_op_threads=args.threads,
+        native_kernels=[k for k in kernels.names() if k not in without] if without else None,
+    )
     new = native.NATIVE
-    old = load_extension(args.a_ext)
+    old = load_extension(args.a_ext) if args.a_ext else new
     targets = holders()
 
     def use(ext: ModuleType | None) -> None:
@@ -75,9 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             m.NATIVE = ext  # type: ignore[attr-defined]
 
     sides = {}
-    for name, folder, ext in (("A", args.a, old), ("B", args.b, new)):
+    for name, folder, ext, side_config in (
+        ("A", args.a, old, config_a),
+        ("B", args.b, new, config),
+    ):
         use(ext)  # the kernels are checked at load with their side's build
-        module, optimizer = cpu_profile.load(folder, config)
+        module, optimizer = cpu_profile.load(folder, side_config)
         sides[name] = (module, optimizer, ext)
     eager = copy.deepcopy(model)
     sgd = torch.optim.SGD(eager.parameters(), lr=1e-3, momentum=0.9)

@@ -1865,6 +1865,7 @@ done:
 #include "_gelu.h"
 #include "_layernorm.h"
 #include "_permute.h"
+#include "_clip.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1878,6 +1879,7 @@ static PyMethodDef methods[] = {
     {"gelu", gelu, METH_VARARGS, gelu_doc},
     {"layer_norm_grad", layer_norm_grad, METH_VARARGS, layer_norm_grad_doc},
     {"permute", permute, METH_VARARGS, permute_doc},
+    {"clip_grad", clip_grad, METH_VARARGS, clip_grad_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1887,7 +1889,7 @@ static struct PyModuleDef module_def = {
     .m_doc = "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
              " convolutions' weight gradients, max-pool gradient routing, batch-norm gradients,"
              " Dropout masks, column sums, Winograd convolutions, GELU and layer-norm gradients,"
-             " axis permutations.",
+             " axis permutations, Clip gradients.",
     .m_size = -1,
     .m_methods = methods,
 };

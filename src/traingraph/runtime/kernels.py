@@ -36,6 +36,7 @@ from traingraph.ir.tags import tagged_kernels
 from traingraph.runtime import conv_grads, graph_match
 from traingraph.runtime.batch_norm import split_batch_norm_grads, split_max_pool_grads
 from traingraph.runtime.bn_forward import split_batch_norm_forwards
+from traingraph.runtime.clip_grad import split_clip_grads
 from traingraph.runtime.col2im import split_col2ims
 from traingraph.runtime.direct_conv import split_direct_convs
 from traingraph.runtime.gelu import split_gelus
@@ -143,6 +144,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
     ),
     KernelSpec("winograd", lambda s: list(split_winograd_convs(s.model, s.taken)), None),
     KernelSpec("gelu", lambda s: list(split_gelus(s.model, s.taken, s.read)), None),
+    KernelSpec("clip_grad", lambda s: list(split_clip_grads(s.model, s.taken)), None),
     KernelSpec(
         "layer_norm_grad",
         lambda s: list(split_layer_norm_grads(s.model, s.taken)),

@@ -172,7 +172,7 @@ def random_feeds(
         shape = shapes.get(name)
         if shape is None or None in shape[1:]:
             return None
-        full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])]
+        full = [int(shape[0] or 2), *(int(d or 0) for d in shape[1:])] if shape else []
         feeds[name] = rng.standard_normal(full, dtype=np.float32)
     return feeds
 
