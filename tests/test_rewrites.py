@@ -93,3 +93,36 @@ def test_shift_as_division_divides_by_the_power_of_two():
 def test_shift_as_division_leaves_left_shifts_and_shifts_by_a_variable():
     assert rewrites.apply(_shift("LEFT"), [rewrites.SHIFT_AS_DIVISION]) is None
     assert rewrites.apply(_shift("RIGHT", constant=False), [rewrites.SHIFT_AS_DIVISION]) is None
+
+
+def _column_sum(shape: list, opset: int) -> onnx.ModelProto:
+    if opset >= 13:
+        axes = helper.make_tensor("axes", TensorProto.INT64, [2], [1, 0])
+        nodes = [
+            helper.make_node("Constant", [], ["axes"], value=axes),
+            helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=0),
+        ]
+    else:
+        nodes = [helper.make_node("ReduceSum", ["x"], ["s"], axes=[1, 0], keepdims=0)]
+    model = _model(nodes, [("x", TensorProto.FLOAT, shape)], [("s", TensorProto.FLOAT, None)])
+    model.opset_import[0].version = opset
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_column_sums_as_matmul_sums_the_rows_with_one_product():
+    x = np.random.default_rng(0).standard_normal((6, 5, 80)).astype(np.float32)
+    for opset in (11, 17):
+        model = _column_sum([6, 5, 80], opset)
+        rewritten = rewrites.apply(model, rewrites.CPU_RULES)
+        assert rewritten is not None and _ops(rewritten) == ["Reshape", "MatMul", "Reshape"]
+        (got,), (want,) = _run(rewritten, {"x": x}), _run(model, {"x": x})
+        assert got.shape == want.shape == (80,)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    x[0, 0, 3] = np.nan
+    rewritten = rewrites.apply(_column_sum([6, 5, 80], 17), rewrites.CPU_RULES)
+    assert np.isnan(_run(rewritten, {"x": x})[0][3])
+
+
+def test_column_sums_as_matmul_leaves_dynamic_and_narrow_sums():
+    assert rewrites.apply(_column_sum(["n", 5, 80], 17), rewrites.CPU_RULES) is None
+    assert rewrites.apply(_column_sum([6, 5, 8], 17), rewrites.CPU_RULES) is None

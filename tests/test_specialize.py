@@ -352,7 +352,7 @@ def test_sums_over_the_leading_axes_become_a_matmul_on_the_cpu(
     # a bias's gradient: onnxruntime's GEMV is about twice as fast as its ReduceSum here
     model = _column_sum_model(shape, axes, keepdims, opset)
     rewritten = onnx.load_from_string(for_cpu(model.SerializeToString()))
-    ops = [n.op_type for n in rewritten.graph.node]
+    ops = [n.op_type for n in rewritten.graph.node if n.op_type != "Constant"]
     assert ops == ["Reshape", "MatMul", "Reshape"]
     x = (np.random.default_rng(0).standard_normal(shape) + 3).astype(np.float32)
     (expected,), (got,) = _run(model, {"x": x}), _run(rewritten, {"x": x})

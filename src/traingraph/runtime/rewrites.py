@@ -12,6 +12,15 @@ provider (:data:`CUDA_RULES`):
   only where the mask is off and ``g`` is not finite (0 instead of NaN) or negative (0 instead
   of -0).
 
+The rules of the CPU provider (:data:`CPU_RULES`), on a model whose values carry their
+inferred shapes:
+
+- ``column_sums_as_matmul``: a float32 ``ReduceSum`` over the leading axes of a static shape
+  (a bias's gradient, the sum of the output gradient over the batch and positions), keeping
+  axes of 64 elements or more, is ``MatMul(ones, X)`` between two Reshapes: onnxruntime's
+  MatMul (a GEMV) takes about half the time of its ReduceSum over leading axes (0.023 against
+  0.046 ms for ``[16, 64, 512] -> [512]``). The sums are the same, added in another order.
+
 Example:
     >>> model = apply(model, CUDA_RULES)  # doctest: +SKIP
 """
@@ -76,6 +85,71 @@ def _where(op: Any, mask: ir.Value, g: ir.Value, cast: ir.Value) -> ir.Value:
     assert dtype is not None
     return op.Where(mask, g, op.Constant(value=ir.tensor(np.zeros((), dtype.numpy()))))
 
+
+_MIN_KEPT = 64  # below, a GEMV's call costs what it saves
+
+
+def _column_sums(op: Any, x: ir.Value, axes: ir.Value) -> ir.Value:
+    return op.ReduceSum(x, axes, _allow_other_attributes=True, _outputs=["sums"])
+
+
+def _column_sums_by_attribute(op: Any, x: ir.Value) -> ir.Value:
+    return op.ReduceSum(x, _allow_other_attributes=True, _outputs=["sums"])
+
+
+def _summed_rows(
+    x: ir.Value, sums: ir.Value, axes: ir.Value | None = None
+) -> tuple[int, int, list[int]] | None:
+    """The rows and the kept elements of ``x`` that the ReduceSum writing ``sums`` sums over
+    the leading axes (``axes``, or its attribute), and the shape of the sums; None where it is
+    not such a sum of a static float32 shape."""
+    node = sums.producer()
+    if node is None or x.dtype != ir.DataType.FLOAT or x.shape is None:
+        return None
+    if axes is None:
+        attribute = node.attributes.get_ints("axes")
+        leading = sorted(int(a) for a in attribute) if attribute is not None else []
+    else:
+        given = ir.convenience.get_const_tensor(axes)
+        leading = sorted(int(a) for a in given.numpy().reshape(-1)) if given is not None else []
+    shape = [d for d in x.shape.dims if isinstance(d, int)]
+    k = len(leading)
+    if not k or leading != list(range(k)) or k >= len(shape) or len(shape) != len(x.shape):
+        return None
+    if node.attributes.get_int("noop_with_empty_axes", 0):
+        return None
+    rows, kept = int(np.prod(shape[:k])), int(np.prod(shape[k:]))
+    keepdims = node.attributes.get_int("keepdims", 1)
+    return rows, kept, ([1] * k if keepdims else []) + shape[k:]
+
+
+def _is_column_sum(
+    context: Any, x: ir.Value, sums: ir.Value, axes: ir.Value | None = None, **_: Any
+) -> bool:
+    found = _summed_rows(x, sums, axes)
+    return found is not None and found[0] >= 2 and found[1] >= _MIN_KEPT
+
+
+def _gemv(op: Any, x: ir.Value, sums: ir.Value, axes: ir.Value | None = None) -> ir.Value:
+    found = _summed_rows(x, sums, axes)
+    assert found is not None
+    rows, kept, shape = found
+    matrix = op.Reshape(x, op.Constant(value=ir.tensor(np.array([rows, kept], np.int64))))
+    ones = op.Constant(value=ir.tensor(np.ones((1, rows), np.float32)))
+    return op.Reshape(op.MatMul(ones, matrix), op.Constant(value=ir.tensor(np.array(shape))))
+
+
+COLUMN_SUMS_AS_MATMUL = pattern.RewriteRule(
+    _column_sums, _gemv, _is_column_sum, name="column_sums_as_matmul"
+)
+COLUMN_SUMS_BY_ATTRIBUTE_AS_MATMUL = pattern.RewriteRule(
+    _column_sums_by_attribute, _gemv, _is_column_sum, name="column_sums_by_attribute_as_matmul"
+)
+CPU_RULES: tuple[pattern.RewriteRule, ...] = (
+    COLUMN_SUMS_AS_MATMUL,
+    COLUMN_SUMS_BY_ATTRIBUTE_AS_MATMUL,
+)
+"""The rules of the CPU provider."""
 
 SHIFT_AS_DIVISION = pattern.RewriteRule(
     _right_shift, _division, _is_constant_shift, name="shift_as_division"

@@ -18,11 +18,8 @@ On the CPU (:func:`for_cpu`):
 - The Relu gradient's float32 mask ``Cast(Greater(v, 0))`` stays as written: its vectorized
   forms (``Ceil(Clip(v, 0, 1))``) give NaN where ``v`` is NaN, where the mask is 0, and
   onnxruntime 1.32 casts the booleans as fast (see ``benchmarks/relu_mask_micro.py``).
-- A float32 ``ReduceSum`` over the leading axes of a static shape (a bias's gradient, the sum of
-  the output gradient over the batch and positions) becomes ``MatMul(ones, X)`` between two
-  Reshapes, where the kept axes hold 64 elements or more: onnxruntime's MatMul (a GEMV) takes
-  about half the time of its ReduceSum over leading axes (0.023 against 0.046 ms for
-  ``[16, 64, 512] -> [512]``). The sums are the same, added in another order.
+- The rules of :mod:`traingraph.runtime.rewrites` for the CPU: a float32 ``ReduceSum`` over
+  the leading axes of a static shape as ``MatMul(ones, X)`` between two Reshapes.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph
   (:mod:`traingraph.runtime.nchwc`): onnxruntime blocks only Convs with constant filters, and
@@ -91,10 +88,11 @@ def for_cpu(source: Source) -> Source:
     changed = False
     if any(_leading_axes(n, constants) for n in proto.graph.node):
         try:
-            inferred, types = static_shapes(shape_inference.infer_shapes(proto).graph)
-            changed = _column_sums_as_matmul(proto.graph, constants, inferred, types) or changed
+            ruled = rewrites.apply(shape_inference.infer_shapes(proto), rewrites.CPU_RULES)
         except Exception:  # shape inference failed: the reductions stay
-            pass
+            ruled = None
+        if ruled is not None:
+            proto, changed = ruled, True
     shapes: dict[str, list[int | None]] | None = None  # the Convs' inputs keep their shapes
     if any(is_conv_transpose(n) for n in proto.graph.node):
         try:
@@ -349,61 +347,11 @@ def _reductions_over_runs(
     return _expand_nodes(graph, expand)
 
 
-_MIN_KEPT = 64  # below, a GEMV's call costs what it saves
-
-
 def _leading_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> int:
     """How many leading axes ``node`` sums, where it is a ReduceSum over ``0 .. k-1`` (k >= 1)
     given as constant non-negative axes; else 0."""
     axes = _reduced_axes(node, constants, "ReduceSum")
     return len(axes) if axes is not None and sorted(axes) == list(range(len(axes))) else 0
-
-
-def _column_sums_as_matmul(
-    graph: onnx.GraphProto,
-    constants: Mapping[str, onnx.TensorProto],
-    shapes: Mapping[str, list[int | None]],
-    types: Mapping[str, int],
-) -> bool:
-    """Write each float32 ReduceSum over the leading axes of a static shape, keeping axes of
-    ``_MIN_KEPT`` elements or more, as a MatMul of ones with the rows; return whether any was
-    written."""
-    ones: dict[int, str] = {}
-
-    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        k = _leading_axes(node, constants)
-        inferred = shapes.get(node.input[0]) if k else None
-        if inferred is None or None in inferred or k >= len(inferred):
-            return None
-        shape = [int(d or 0) for d in inferred]
-        if types.get(node.input[0]) != onnx.TensorProto.FLOAT:
-            return None
-        rows, kept = int(np.prod(shape[:k])), int(np.prod(shape[k:]))
-        if kept < _MIN_KEPT or rows < 2:
-            return None
-        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
-        out = [1] * k + list(shape[k:]) if keepdims else list(shape[k:])
-        base = _unused_name(graph, f"{node.output[0]}_columns")
-        if rows not in ones:
-            ones[rows] = _unused_name(graph, f"column_sum_ones_{rows}")
-            graph.initializer.append(
-                numpy_helper.from_array(np.ones((1, rows), np.float32), ones[rows])
-            )
-        graph.initializer.extend([
-            numpy_helper.from_array(np.array([rows, kept], np.int64), f"{base}_rows"),
-            numpy_helper.from_array(np.array(out, np.int64), f"{base}_shape"),
-        ])  # fmt: skip
-        name = node.name or node.output[0]
-        return [
-            helper.make_node("Reshape", [node.input[0], f"{base}_rows"], [f"{base}_matrix"],
-                             name=f"{name}_rows"),
-            helper.make_node("MatMul", [ones[rows], f"{base}_matrix"], [f"{base}_sums"],
-                             name=f"{name}_gemv"),
-            helper.make_node("Reshape", [f"{base}_sums", f"{base}_shape"], [node.output[0]],
-                             name=f"{name}_shape"),
-        ]  # fmt: skip
-
-    return _expand_nodes(graph, expand)
 
 
 def _expand_nodes(
