@@ -14,9 +14,9 @@ import contextlib
 import dataclasses
 import hashlib
 import heapq
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import onnx
@@ -182,6 +182,40 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
     }
 
 
+_Item = TypeVar("_Item", bound=Hashable)
+_Verdict = TypeVar("_Verdict")
+
+
+class Pending(Generic[_Item]):
+    """What :func:`settle`'s ``decide`` returns for an item whose verdict waits on others."""
+
+    def __init__(self, items: list[_Item]) -> None:
+        self.items = items
+
+
+def settle(
+    start: _Item,
+    memo: dict[_Item, _Verdict],
+    decide: Callable[[_Item], _Verdict | Pending[_Item]],
+) -> _Verdict:
+    """The verdict on ``start``, depth first without recursion: ``decide(item)`` gives an
+    item's verdict, or the unsettled items it waits on, which are settled first; ``memo``
+    keeps every verdict."""
+    stack = [start]
+    while stack:
+        item = stack[-1]
+        if item in memo:
+            stack.pop()
+            continue
+        verdict = decide(item)
+        if isinstance(verdict, Pending):
+            stack += verdict.items
+            continue
+        memo[item] = verdict
+        stack.pop()
+    return memo[start]
+
+
 @dataclass(frozen=True)
 class GraphIndex:
     """A training model's nodes and the indexes over them that matching a subgraph uses."""
@@ -255,30 +289,21 @@ class GraphIndex:
         reads nothing but is no Constant, a random draw, is not); ``memo`` keeps the answers
         for values along the way, for further calls with the same ``sources``."""
         memo = {} if memo is None else memo
-        stack = [value]
-        while stack:
-            v = stack[-1]
-            if v in memo:
-                stack.pop()
-                continue
-            node = self.nodes[self.producer[v]] if v in self.producer else None
+
+        def decide(v: str) -> bool | Pending[str]:
             if v in sources or v in self.constants:
-                memo[v] = True
-            elif node is None or not node.input:
-                memo[v] = False
-            else:
-                # one input known not to be derived settles it; else look at the next unknown
-                reads = [r for r in node.input if r]
-                if any(memo.get(r) is False for r in reads):
-                    memo[v] = False
-                else:
-                    pending = next((r for r in reads if r not in memo), None)
-                    if pending is not None:
-                        stack.append(pending)
-                        continue
-                    memo[v] = True
-            stack.pop()
-        return memo[value]
+                return True
+            node = self.nodes[self.producer[v]] if v in self.producer else None
+            if node is None or not node.input:
+                return False
+            # one input known not to be derived settles it; else look at the next unknown
+            reads = [r for r in node.input if r]
+            if any(memo.get(r) is False for r in reads):
+                return False
+            pending = next((r for r in reads if r not in memo), None)
+            return Pending([pending]) if pending is not None else True
+
+        return settle(value, memo, decide)
 
     def only_reader(self, value: str, taken: Collection[int] = ()) -> int | None:
         """The one node that reads ``value``, where ``value`` is no graph output and the node
@@ -324,32 +349,20 @@ class GraphIndex:
     def _computable(self, i: int, sources: set[str], memo: dict[int, bool]) -> bool:
         """Whether every input of node ``i`` is one of ``sources``, a constant, or written by
         an earlier node whose inputs are so too (``memo`` keeps the answers by node)."""
-        stack = [i]
-        while stack:
-            j = stack[-1]
-            if j in memo:
-                stack.pop()
-                continue
-            verdict: bool | None = True
+
+        def decide(j: int) -> bool | Pending[int]:
+            unknown = None
             for v in self.nodes[j].input:
                 if not v or v in sources or v in self.constants:
                     continue
                 p = self.producer.get(v)
                 if p is None or p >= j or memo.get(p) is False:
-                    verdict = False
-                    break
-                if p not in memo:
-                    verdict = None  # known once p is
-            if verdict is None:
-                stack.append(next(
-                    p for v in self.nodes[j].input
-                    if (p := self.producer.get(v, -1)) >= 0 and p not in memo
-                    and v not in sources and v not in self.constants
-                ))  # fmt: skip
-                continue
-            memo[j] = verdict
-            stack.pop()
-        return memo[i]
+                    return False
+                if p not in memo and unknown is None:
+                    unknown = p  # known once p is
+            return Pending([unknown]) if unknown is not None else True
+
+        return settle(i, memo, decide)
 
     def leading_to(self, nodes: set[int], targets: set[str]) -> set[int]:
         """The nodes of ``nodes`` from which one of ``targets`` is reached within ``nodes``."""

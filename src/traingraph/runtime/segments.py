@@ -52,6 +52,7 @@ from onnx import helper
 
 from traingraph.runtime import conv_grads, graph_match
 from traingraph.runtime.device import Device
+from traingraph.runtime.graph_match import Pending, settle
 from traingraph.runtime.kernels import Kernel, find
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
 
@@ -133,22 +134,17 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
 
     # a node's stage: that of its latest input, at least 0; a kernel's: that of its latest
     # input (-1 where it reads only model inputs); each after those of what it reads
+    def decide(item: tuple[bool, int]) -> int | Pending[tuple[bool, int]]:
+        kernel, index = item
+        reads = [v for v in (grads[index][0].inputs if kernel else kept[index].input) if v]
+        unsettled = [w for v in reads if (w := writer(v)) is not None and w not in stages]
+        if unsettled:
+            return Pending(unsettled)
+        latest = max((value_stage(v) for v in reads), default=-1)
+        return latest if kernel else max(0, latest)
+
     for start in [(False, i) for i in range(len(kept))] + [(True, k) for k in range(len(grads))]:
-        pending = [start]
-        while pending:
-            item = pending[-1]
-            if item in stages:
-                pending.pop()
-                continue
-            kernel, index = item
-            reads = [v for v in (grads[index][0].inputs if kernel else kept[index].input) if v]
-            unsettled = [w for v in reads if (w := writer(v)) is not None and w not in stages]
-            if unsettled:
-                pending += unsettled
-                continue
-            latest = max((value_stage(v) for v in reads), default=-1)
-            stages[item] = latest if kernel else max(0, latest)
-            pending.pop()
+        settle(start, stages, decide)
     kernel_stage = [stages[True, k] for k in range(len(grads))]  # -1: before the first segment
     placed = _sunk(kept, {i: stages[False, i] for i in range(len(kept))}, outside)
     kernel_reads: dict[str, int] = {}  # a value -> the first stage whose kernels read it
