@@ -87,26 +87,23 @@ def origin(node: onnx.NodeProto) -> str:
     return node.name
 
 
-def tag_instances(nodes: Iterable[onnx.NodeProto]) -> dict[str, set[str]]:
-    """For each kernel ``nodes`` hold tagged patterns of, the forward nodes (by name) the
-    patterns were made for."""
-    found: dict[str, set[str]] = {}
-    for node in nodes:
+def read_tags(nodes: Iterable[onnx.NodeProto]) -> tuple[dict[str, set[int]], dict[str, set[str]]]:
+    """The kernels ``nodes`` hold tagged patterns of, each with the indices of its nodes, and
+    each with the forward nodes (by name) its patterns were made for; ``({}, {})`` for a model
+    that traingraph's autodiff did not make (an onnxblock or onnxruntime-training model, a
+    hand-written graph)."""
+    indices: dict[str, set[int]] = {}
+    instances: dict[str, set[str]] = {}
+    for i, node in enumerate(nodes):
         for entry in node.metadata_props:
             if entry.key == KEY:
                 kernel, _, instance = entry.value.partition(":")
-                found.setdefault(kernel, set()).add(instance)
-    return found
+                indices.setdefault(kernel, set()).add(i)
+                instances.setdefault(kernel, set()).add(instance)
+    return indices, instances
 
 
 def tagged_kernels(nodes: Iterable[onnx.NodeProto]) -> dict[str, set[int]]:
-    """The kernels ``nodes`` hold tagged patterns of, each with the indices of its nodes; {}
-    for a model that traingraph's autodiff did not make (an onnxblock or onnxruntime-training
-    model, a hand-written graph)."""
-    found: dict[str, set[int]] = {}
-    for i, node in enumerate(nodes):
-        if node.metadata_props:
-            kernel = kernel_of(node)
-            if kernel is not None:
-                found.setdefault(kernel, set()).add(i)
-    return found
+    """The kernels ``nodes`` hold tagged patterns of, each with the indices of its nodes
+    (:func:`read_tags`)."""
+    return read_tags(nodes)[0]

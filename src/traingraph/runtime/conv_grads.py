@@ -44,7 +44,6 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from traingraph.ir.tags import tagged_kernels
 from traingraph.runtime.graph_match import (
     FLOAT,
     GraphIndex,
@@ -330,12 +329,11 @@ def split_weight_grads(
     """
     if NATIVE is None or (kernels is not None and "conv_weight_grad" not in kernels):
         return model, []
-    tags = tagged_kernels(model.graph.node)
-    if tags and "conv_weight_grad" not in tags:
-        return model, []
     graph = model.graph
     with shared_analyses():  # one shape inference and one index of the model
         g = GraphIndex.of(graph)
+        if g.tags and "conv_weight_grad" not in g.tags:
+            return model, []
         found = _verified(model, g, _candidates(model, g, forward))
         if not found:
             return model, []

@@ -23,7 +23,7 @@ import onnx
 from onnx import numpy_helper
 
 from traingraph import limits
-from traingraph.ir.tags import origin, tag_instances, tagged_kernels
+from traingraph.ir.tags import origin, read_tags
 from traingraph.runtime.native import (
     NATIVE,
 )
@@ -260,6 +260,7 @@ class GraphIndex:
             for name in n.output
         }
         outputs = {o.name for o in graph.output}
+        tags, instances = read_tags(nodes)
         return GraphIndex(
             nodes,
             {name: i for i, n in enumerate(nodes) for name in n.output if name},
@@ -268,8 +269,8 @@ class GraphIndex:
             constants,
             {f"{name}_grad" for name in graph_reads(graph)} & outputs,
             {t.name: t for t in graph.initializer},
-            tagged_kernels(nodes),
-            tag_instances(nodes),
+            tags,
+            instances,
         )
 
     def tagged(self, i: int, kernel: str) -> bool:

@@ -32,7 +32,6 @@ import numpy as np
 import onnx
 
 from traingraph.errors import ModelError
-from traingraph.ir.tags import tagged_kernels
 from traingraph.runtime import conv_grads, graph_match
 from traingraph.runtime.batch_norm import split_batch_norm_grads, split_max_pool_grads
 from traingraph.runtime.bn_forward import split_batch_norm_forwards
@@ -193,7 +192,7 @@ def searched(model: onnx.ModelProto, kernels: Collection[str] | None = None) -> 
     """Which of the ``kernels`` (names, all where None) ``model`` may hold: all but those whose
     tag a tagged model lacks."""
     chosen = select(kernels)
-    tags = set(tagged_kernels(model.graph.node))
+    tags = set(graph_match.GraphIndex.of(model.graph).tags)
     if not tags:
         return chosen
     return frozenset(name for name in chosen if TAGS.get(name, name) in tags or name not in TAGS)
@@ -212,9 +211,9 @@ def find(
     Raises:
         ModelError: ``kernels`` names a kernel that does not exist.
     """
-    wanted = searched(model, kernels)
     search = Search(model, weight_grads, forward)
     with graph_match.shared_analyses():  # one shape inference and one index of the model
+        wanted = searched(model, kernels)
         for spec in REGISTRY:
             if spec.name in wanted:
                 search.found += spec.find(search)
