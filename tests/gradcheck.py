@@ -350,25 +350,22 @@ def assert_trains_as_torch_adamw(
 def artifact_steps(
     directory: Any,
     batches: Sequence[tuple[np.ndarray, np.ndarray]],
-    monkeypatch: Any,
     kind: type,
     *,
     without: str | None = None,
 ) -> tuple[list[float], list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """:func:`train_steps` of the artifacts in ``directory`` with ``Module``; ``without`` (a
-    kernel's name in :data:`traingraph.runtime.kernels.REGISTRY`) leaves that native kernel
-    out while the Module is built. Asserts the plan holds a kernel of ``kind`` exactly when it
-    is not left out."""
+    kernel's name, :func:`traingraph.runtime.kernels.names`) leaves that native kernel out
+    (``SessionConfig(native_kernels=...)``). Asserts the plan holds a kernel of ``kind``
+    exactly when it is not left out."""
     from traingraph.api import CheckpointState, Module, Optimizer
     from traingraph.runtime import kernels, segments
+    from traingraph.runtime.session import SessionConfig
 
-    with monkeypatch.context() as patch:
-        if without is not None:
-            kept = tuple(spec for spec in kernels.REGISTRY if spec.name != without)
-            assert len(kept) < len(kernels.REGISTRY), f"no kernel named {without!r}"
-            patch.setattr(kernels, "REGISTRY", kept)
-        state = CheckpointState.load_checkpoint(directory / "checkpoint")
-        module = Module(directory / "training_model.onnx", state)
+    chosen = None if without is None else set(kernels.names()) - {without}
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    config = SessionConfig(native_kernels=chosen)
+    module = Module(directory / "training_model.onnx", state, session_config=config)
     kernels_run = getattr(module.step.runner, "_plan", segments.Plan([])).all_kernels
     assert any(isinstance(k, kind) for k in kernels_run) == (without is None)
     optimizer = Optimizer(directory / "optimizer_model.onnx", module)

@@ -130,16 +130,16 @@ def test_the_forward_is_cut_at_each_kernel(tmp_path):
         assert not kinds or not kinds <= {"Squeeze", "Constant"}
 
 
-def test_module_trains_as_the_graph_does(tmp_path, monkeypatch):
+def test_module_trains_as_the_graph_does(tmp_path):
     directory = residual_artifacts(tmp_path)
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, 3, 10, 10)).astype(np.float32) + 2, rng.integers(0, 5, n))
         for n in (4, 4, 3)  # the batch changes: the kernels' outputs follow it
     ]
-    got = artifact_steps(directory, batches, monkeypatch, bn_forward.BatchNormForward)
+    got = artifact_steps(directory, batches, bn_forward.BatchNormForward)
     expected = artifact_steps(
-        directory, batches, monkeypatch, bn_forward.BatchNormForward, without=NO_BN_FORWARDS
+        directory, batches, bn_forward.BatchNormForward, without=NO_BN_FORWARDS
     )
     assert {"bn.running_mean", "bn.running_var", "bn2.running_var"} <= set(got[2])
     assert_same_training(got, expected, one_scale=True)
@@ -157,7 +157,7 @@ class ChainedNorms(nn.Module):
         return self.fc(torch.relu(self.bn2(self.bn1(self.conv(x)))).mean(dim=(2, 3)))
 
 
-def test_a_batch_norm_reading_another_is_taken_and_trains(tmp_path, monkeypatch):
+def test_a_batch_norm_reading_another_is_taken_and_trains(tmp_path):
     artifacts.generate_artifacts(
         export(seeded(ChainedNorms), torch.zeros(2, 3, 6, 6), training=True),
         loss=artifacts.LossType.CrossEntropyLoss,
@@ -172,8 +172,8 @@ def test_a_batch_norm_reading_another_is_taken_and_trains(tmp_path, monkeypatch)
         (rng.standard_normal((3, 3, 6, 6)).astype(np.float32), rng.integers(0, 2, 3))
         for _ in range(2)
     ]
-    got = artifact_steps(tmp_path, batches, monkeypatch, bn_forward.BatchNormForward)
+    got = artifact_steps(tmp_path, batches, bn_forward.BatchNormForward)
     expected = artifact_steps(
-        tmp_path, batches, monkeypatch, bn_forward.BatchNormForward, without=NO_BN_FORWARDS
+        tmp_path, batches, bn_forward.BatchNormForward, without=NO_BN_FORWARDS
     )
     assert_same_training(got, expected, one_scale=True)

@@ -133,17 +133,15 @@ def test_a_strided_block_is_finished_with_its_sum(tmp_path):
         assert not any(n.op_type in ("ConvTranspose", "Col2Im") for n in segment.model.graph.node)
 
 
-def test_module_trains_the_residual_block_as_the_graph_does(tmp_path, monkeypatch):
+def test_module_trains_the_residual_block_as_the_graph_does(tmp_path):
     directory = residual_artifacts(tmp_path)
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, n))
         for n in (4, 4, 3)  # the batch changes: the kernel's image follows it
     ]
-    got = artifact_steps(directory, batches, monkeypatch, col2im.Col2ImSum)
-    expected = artifact_steps(
-        directory, batches, monkeypatch, col2im.Col2ImSum, without=NO_COLUMN_SUMS
-    )
+    got = artifact_steps(directory, batches, col2im.Col2ImSum)
+    expected = artifact_steps(directory, batches, col2im.Col2ImSum, without=NO_COLUMN_SUMS)
     assert_same_training(got, expected, one_scale=True)
 
 
@@ -162,7 +160,7 @@ class PoolNet(nn.Module):
         return self.fc(h.flatten(1))
 
 
-def test_an_unpadded_conv_input_gradient_is_finished_alone(tmp_path, monkeypatch):
+def test_an_unpadded_conv_input_gradient_is_finished_alone(tmp_path):
     artifacts.generate_artifacts(
         export(seeded(PoolNet), torch.zeros(2, 1, 20, 20), training=True),
         loss=artifacts.LossType.CrossEntropyLoss,
@@ -182,10 +180,8 @@ def test_an_unpadded_conv_input_gradient_is_finished_alone(tmp_path, monkeypatch
         (rng.standard_normal((n, 1, 20, 20)).astype(np.float32), rng.integers(0, 3, n))
         for n in (2, 5, 5)
     ]
-    got = artifact_steps(tmp_path, batches, monkeypatch, col2im.Col2ImSum)
-    expected = artifact_steps(
-        tmp_path, batches, monkeypatch, col2im.Col2ImSum, without=NO_COLUMN_SUMS
-    )
+    got = artifact_steps(tmp_path, batches, col2im.Col2ImSum)
+    expected = artifact_steps(tmp_path, batches, col2im.Col2ImSum, without=NO_COLUMN_SUMS)
     assert_same_training(got, expected, one_scale=True)
 
 

@@ -161,7 +161,7 @@ class SmallLeNet(nn.Module):
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-def test_module_trains_as_the_graph_does(tmp_path, monkeypatch, dynamo):
+def test_module_trains_as_the_graph_does(tmp_path, dynamo):
     model, example = seeded(SmallLeNet), torch.zeros(2, 1, 16, 16)
     artifacts.generate_artifacts(
         export_dynamo(model, example) if dynamo else export(model, example, training=True),
@@ -177,8 +177,6 @@ def test_module_trains_as_the_graph_does(tmp_path, monkeypatch, dynamo):
         (rng.standard_normal((n, 1, 16, 16)).astype(np.float32), rng.integers(0, 4, n))
         for n in (3, 3, 5)  # the batch changes: the kernel's output follows it
     ]
-    got = artifact_steps(tmp_path, batches, monkeypatch, direct_conv.DirectConv)
-    expected = artifact_steps(
-        tmp_path, batches, monkeypatch, direct_conv.DirectConv, without=NO_DIRECT_CONVS
-    )
+    got = artifact_steps(tmp_path, batches, direct_conv.DirectConv)
+    expected = artifact_steps(tmp_path, batches, direct_conv.DirectConv, without=NO_DIRECT_CONVS)
     assert_same_training(got, expected, one_scale=True)

@@ -163,15 +163,15 @@ def test_tanh_approximation_and_shared_values_are_left(tmp_path):
 
 
 @pytest.mark.parametrize("net", [FeedForward, HalfFirst], ids=["exporter", "half-first"])
-def test_module_trains_as_the_graph_and_torch_do(tmp_path, monkeypatch, net):
+def test_module_trains_as_the_graph_and_torch_do(tmp_path, net):
     directory = _artifacts(tmp_path, seeded(net))
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, 6)).astype(np.float32) * 2, rng.integers(0, 3, n))
         for n in (5, 5, 3)  # the batch changes: the kernels' outputs follow it
     ]
-    got = artifact_steps(directory, batches, monkeypatch, gelu.Gelu)
-    expected = artifact_steps(directory, batches, monkeypatch, gelu.Gelu, without=NO_GELUS)
+    got = artifact_steps(directory, batches, gelu.Gelu)
+    expected = artifact_steps(directory, batches, gelu.Gelu, without=NO_GELUS)
     assert_same_training(got, expected)
     # and PyTorch's steps from the same weights
     assert_trains_as_torch_adamw(got, seeded(net), batches, lr=0.01)
@@ -188,7 +188,7 @@ class DroppedFeedForward(FeedForward):
         return self.down(self.drop(self.act(self.up(x))))
 
 
-def test_the_dropout_after_gelu_is_taken_into_its_kernels(tmp_path, monkeypatch):
+def test_the_dropout_after_gelu_is_taken_into_its_kernels(tmp_path):
     net = seeded(DroppedFeedForward)
     directory = adamw_artifacts(tmp_path, export(net, torch.zeros(2, 6), training=True))
     model = onnx.load(directory / "training_model.onnx")
@@ -208,9 +208,9 @@ def test_the_dropout_after_gelu_is_taken_into_its_kernels(tmp_path, monkeypatch)
         for n in (5, 5, 3)
     ]
     ort.set_seed(0)
-    got = artifact_steps(directory, batches, monkeypatch, gelu.Gelu)
+    got = artifact_steps(directory, batches, gelu.Gelu)
     ort.set_seed(0)
-    expected = artifact_steps(directory, batches, monkeypatch, gelu.Gelu, without=NO_GELUS)
+    expected = artifact_steps(directory, batches, gelu.Gelu, without=NO_GELUS)
     assert_same_training(got, expected)
 
 

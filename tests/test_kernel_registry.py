@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -11,6 +12,7 @@ import torch
 
 from torch_models import SmallCNN, export, seeded
 from traingraph import artifacts, optim
+from traingraph.api import CheckpointState, Module
 from traingraph.errors import ModelError
 from traingraph.ir.tags import KEY, tagged_kernels
 from traingraph.runtime import conv_grads, kernels
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.skipif(not AVAILABLE, reason="the native kernels are no
 
 
 @pytest.fixture(scope="module")
-def training_model(tmp_path_factory) -> onnx.ModelProto:
+def directory(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("artifacts")
     artifacts.generate_artifacts(
         export(seeded(SmallCNN, dropout=0.25), torch.zeros(4, 1, 8, 8), training=True),
@@ -32,6 +34,11 @@ def training_model(tmp_path_factory) -> onnx.ModelProto:
         optimizer=optim.SGD(lr=0.05),
         artifact_directory=directory,
     )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def training_model(directory) -> onnx.ModelProto:
     return onnx.load(directory / "training_model.onnx")
 
 
@@ -93,9 +100,13 @@ def test_native_kernels_picks_kernels_by_name(training_model, chosen):
     assert names <= {"DropoutMask", "BatchNormGrad"}
 
 
-def test_an_unknown_kernel_name_is_refused_with_the_known_ones(training_model):
+def test_an_unknown_kernel_name_is_refused_with_the_known_ones(directory, training_model):
     with pytest.raises(ModelError, match=r"unknown native kernels \['gleu'\].*'gelu'"):
         kernels.split(training_model, SessionConfig(native_kernels={"gleu", "winograd"}))
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    config = SessionConfig(native_kernels=("gleu",))
+    with pytest.raises(ModelError, match=r"unknown native kernels \['gleu'\]"):
+        Module(directory / "training_model.onnx", state, session_config=config)
     with pytest.raises(ModelError, match="collection of kernel names"):
         kernels.select("gelu")
 

@@ -124,17 +124,15 @@ def test_layer_norms_the_kernel_does_not_compute_are_left(tmp_path):
     assert layer_norm.split_layer_norm_grads(plain) == []
 
 
-def test_module_trains_as_the_graph_and_torch_do(tmp_path, monkeypatch):
+def test_module_trains_as_the_graph_and_torch_do(tmp_path):
     directory = _artifacts(tmp_path, seeded(Normed))
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, 6)).astype(np.float32) * 2, rng.integers(0, 3, n))
         for n in (5, 5, 3)  # the batch changes: the kernel's outputs follow it
     ]
-    got = artifact_steps(directory, batches, monkeypatch, layer_norm.LayerNormGrad)
-    expected = artifact_steps(
-        directory, batches, monkeypatch, layer_norm.LayerNormGrad, without=NO_LAYER_NORMS
-    )
+    got = artifact_steps(directory, batches, layer_norm.LayerNormGrad)
+    expected = artifact_steps(directory, batches, layer_norm.LayerNormGrad, without=NO_LAYER_NORMS)
     assert_same_training(got, expected)
     # and PyTorch's steps from the same weights
     assert_trains_as_torch_adamw(got, seeded(Normed), batches, lr=0.01)
