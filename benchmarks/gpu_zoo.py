@@ -106,7 +106,7 @@ def build(name: str, small: bool) -> Any:
     info = MODELS[name]
     classes = info.classes[small]
     if torch.version.cuda:  # torchvision's native ops match a CUDA torch: a plain import
-        import torchvision.models as models
+        from torchvision import models
     else:  # transformers imports torchvision too
         sys.path.insert(0, str(ROOT / "tests"))
         from zoo.torchvision_import import torchvision_models
