@@ -15,7 +15,7 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import conv_grads, segments, winograd
+from traingraph.runtime import conv_grads, graph_match, segments, verify, winograd
 from traingraph.runtime.native import AVAILABLE, NATIVE
 
 NO_WINOGRAD = "winograd"
@@ -191,6 +191,42 @@ def test_convs_the_kernel_does_not_take_stay(attributes, shape):
     model.graph.node[0].CopyFrom(helper.make_node("Conv", ["x", "w"], ["y"], **attributes))
     if shape[2] % 2 == 0 and group == 1:  # the same Conv, made one the kernel takes
         assert len(winograd.split_winograd_convs(model)) == 1
+
+
+def test_a_bias_of_open_shape_is_checked_at_its_length_and_costs_no_other_conv():
+    """A zero bias written as an Expand of a computed shape (as the dynamo exporter does) has
+    an open length after inference: the check feeds it at [K] (a Conv's bias is [K]), and a
+    match onnxruntime rejects drops only itself."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Shape", ["w"], ["w_rows"], end=1),
+            helper.make_node("Expand", ["w_rows", "one"], ["w_shape"]),
+            helper.make_node("CastLike", ["zero", "x"], ["zero_like"]),
+            helper.make_node("Expand", ["zero_like", "w_shape"], ["b"]),
+            helper.make_node("Conv", ["x", "w", "b"], ["y"], pads=[1, 1, 1, 1]),
+            helper.make_node("Conv", ["y", "w2"], ["z"], pads=[1, 1, 1, 1]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [6, 3, 3, 3]),
+            helper.make_tensor_value_info("w2", TensorProto.FLOAT, [4, 6, 3, 3]),
+        ],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+        [
+            helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0]),
+            helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    found = winograd.split_winograd_convs(model)
+    assert sorted(k.out for k, _ in found) == ["y", "z"]
+    # fed at an open length's stand-in, the first Conv fails in onnxruntime; the second stays
+    open_shapes = graph_match.inferred_shapes(model)
+    assert None in open_shapes["b"]
+    g = graph_match.GraphIndex.of(model.graph)
+    kept = verify.verified_kernels(model, g, found, open_shapes)
+    assert [k.out for k, _ in kept] == ["z"]
 
 
 def test_the_plan_keeps_no_taken_conv(tmp_path):

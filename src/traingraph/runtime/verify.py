@@ -147,6 +147,11 @@ def verified_kernels(
     try:
         results = run_subgraph(model, replaced, runs, wanted)
     except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+        if len(checked) > 1:  # one match's nodes must not cost the others theirs
+            return [
+                ok for match in checked
+                for ok in verified_kernels(model, g, [match], shapes, offsets)
+            ]  # fmt: skip
         report_dropped([k for k, _ in checked], f"onnxruntime cannot run its nodes ({error})")
         return []
     agreed = []

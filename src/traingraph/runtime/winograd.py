@@ -111,7 +111,13 @@ def split_winograd_convs(
             if match is not None:
                 claimed |= match[1]
                 matches.append(match)
-    return verify.verified_kernels(model, g, matches, shapes)
+    # A Conv's bias is [K] (the ONNX spec) where inference left it open (a zero bias an
+    # exporter writes as an Expand): the check feeds it at that length.
+    refined = dict(shapes)
+    for kernel, _ in matches:
+        if kernel.bias and None in (refined.get(kernel.bias) or [None]):
+            refined[kernel.bias] = [shapes[kernel.weight][0]]
+    return verify.verified_kernels(model, g, matches, refined)
 
 
 def _match(
