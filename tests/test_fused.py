@@ -12,8 +12,8 @@ import pytest
 
 from traingraph import optim
 from traingraph.optim import build_optimizer_model, init_state
-from traingraph.runtime import fused
-from traingraph.runtime.fused import fused_update
+from traingraph.runtime.optimizer import fused
+from traingraph.runtime.optimizer.fused import fused_update
 
 # Lengths that are not multiples of any vector width, a scalar, and one under a vector.
 SHAPES = {"w": (7, 5), "b": (5,), "odd": (1031,), "m": (3, 67), "s": ()}
@@ -143,7 +143,7 @@ def test_fallback_to_the_graph_without_the_extension(tmp_path):
         import sys
         sys.modules["traingraph.runtime._fusedc"] = None  # the import now fails
         import numpy as np
-        from traingraph.runtime import fused
+        from traingraph.runtime.optimizer import fused
         assert not fused.AVAILABLE and fused.fused_update("adamw", {}) is None
         from traingraph.runtime.optimizer import OptimizerUpdate
         from traingraph.runtime.session import SessionConfig

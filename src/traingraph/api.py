@@ -626,7 +626,7 @@ class Optimizer:
         optimizer_uri: Path of ``optimizer_model.onnx``.
         module: The :class:`Module` whose parameters it updates.
         fused: Update all parameters at once: on the CPU in place with the fused kernel of
-            :mod:`traingraph.runtime.fused` (one pass over flat blocks) when it has this
+            :mod:`traingraph.runtime.optimizer.fused` (one pass over flat blocks) when it has this
             optimizer, else with the optimizer graph rewritten as one update of all parameters
             concatenated (:func:`~traingraph.optim.model.build_flat_optimizer_model`: a few
             kernels instead of a few per parameter, which a GPU step needs). The numbers are the

@@ -2,11 +2,11 @@
 
 An optimizer has two forms: the portable optimizer graph (:mod:`traingraph.optim`, standard
 ONNX ops, what the artifacts hold, the reference) and, for AdamW and SGD on the CPU, a fused
-native kernel (:mod:`traingraph.runtime.fused`) that computes the same numbers in place.
-:class:`OptimizerUpdate` chooses between them, in this one place: the fused kernel where the
-device is the CPU, the extension was built and the kernel takes the optimizer and the dtypes,
-else the graph, run over all parameters at once (one flat vector) where the optimizer allows
-it, else as the file holds it.
+native kernel (:mod:`traingraph.runtime.optimizer.fused`) that computes the same numbers in
+place. :class:`OptimizerUpdate` chooses between them, in this one place: the fused kernel where
+the device is the CPU, the extension was built and the kernel takes the optimizer and the
+dtypes, else the graph, run over all parameters at once (one flat vector) where the optimizer
+allows it, else as the file holds it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from traingraph.optim import (
     from_hyperparameters,
     state_slots,
 )
-from traingraph.runtime.fused import DTYPES, FusedUpdate, fused_update
+from traingraph.runtime.optimizer.fused import DTYPES, FusedUpdate, fused_update
 from traingraph.runtime.session import BoundRunner, SessionConfig, create_session
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
