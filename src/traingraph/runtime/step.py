@@ -195,8 +195,15 @@ class TrainStep:
         forward: The forward phase, where ``model`` is a separate gradient phase.
 
     Attributes:
+        gradients: The :class:`GradientRunner` of ``model``.
+        param_inputs: The graph inputs bound from the state at every step.
+        fixed_outputs: Buffers of the ``outputs`` whose shape is static, written by every
+            step (the faces return copies of them).
         loss_scaler: For a mixed-precision graph (one that takes ``loss_scale``), the scaler
             whose scale each step uses and which :meth:`update` updates; else None.
+        grads_finite: Whether every step's gradients since they were reset were finite (as the
+            graph's ``grads_finite`` output says; mixed precision only).
+        loss_finite: Whether every step's loss since the gradients were reset was finite.
         lock: Held by the faces while a step or an update runs.
     """
 
@@ -233,9 +240,8 @@ class TrainStep:
         self._input_set = set(model_inputs)
         self.loss_scaler = DynamicLossScaler() if LOSS_SCALE in model_inputs else None
         self.lock = threading.Lock()
-        self.grads_finite = True  # every step's gradients since they were reset
-        self.loss_finite = True  # every step's loss since the gradients were reset
-        # Outputs of a static shape get buffers once; the faces return copies of them.
+        self.grads_finite = True
+        self.loss_finite = True
         self.fixed_outputs = _preallocated_outputs(self.gradients.runner, self.outputs)
         self._accumulator: BoundRunner | None = None
         self._accumulated: TensorStore | None = None  # the sum's target; swaps with the grads
