@@ -148,7 +148,7 @@ def build_program(
     )
     low = None if mixed_precision is None else low_precision_type(mixed_precision)
     label_names, buffer_updates = built.label_names, built.buffer_updates
-    _lift_parameters(train.graph, params)
+    lift_parameters(train.graph, params)
 
     evaluation = ir.from_proto(proto)
     to_inference_mode(evaluation.graph)
@@ -159,7 +159,7 @@ def build_program(
     eval_extra = [values_by_name(evaluation.graph)[n] for n in additional_output_names or ()]
     evaluation.graph.outputs.clear()
     evaluation.graph.outputs.extend([eval_loss, *eval_extra])
-    _lift_parameters(evaluation.graph, params)
+    lift_parameters(evaluation.graph, params)
 
     initial = {name: _initializer_array(graph, name) for name in params}
     opt_model = None
@@ -170,7 +170,7 @@ def build_program(
             if r
         ]
         opt_model = build_optimizer_model(optimizer, infos, opset=opset)
-        _describe_optimizer(opt_model, optimizer, infos)
+        describe_optimizer(opt_model, optimizer, infos)
     data_inputs = [v.name or "" for v in graph.inputs if v.name not in params]
     return TrainingProgram(
         train_model=to_proto(train),
@@ -392,7 +392,7 @@ class _MemoryErrors(logging.Handler):
             self.error = record.exc_info[1]
 
 
-def _describe_optimizer(
+def describe_optimizer(
     model: onnx.ModelProto, optimizer: Optimizer, infos: list[ParamInfo]
 ) -> None:
     """Record what the runtime needs to start the optimizer: slot initial values and the lr."""
@@ -469,7 +469,7 @@ def _make_batch_dynamic(graph: ir.Graph) -> None:
             v.shape = ir.Shape([BATCH_DIM, *v.shape.dims[1:]])
 
 
-def _lift_parameters(graph: ir.Graph, params: dict[str, bool]) -> None:
+def lift_parameters(graph: ir.Graph, params: dict[str, bool]) -> None:
     """Turn the parameter initializers into graph inputs (the runtime binds them)."""
     for name in params:
         value = graph.initializers.pop(name)

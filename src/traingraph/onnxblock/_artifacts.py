@@ -11,11 +11,11 @@ import onnx
 import onnx_ir as ir
 
 from traingraph.errors import ModelError
-from traingraph.onnxblock import _graph
-from traingraph.onnxblock._training import TrainingBlock, _output_names, _with_shapes
+from traingraph.onnxblock import graph_utils
+from traingraph.onnxblock._training import TrainingBlock, output_names, with_shapes
 from traingraph.onnxblock.blocks import Block
 from traingraph.onnxblock.model_accessor import base
-from traingraph.onnxblock.optim import _OptimizerBlock
+from traingraph.onnxblock.optim import OptimizerBlock
 
 __all__ = ["block_arguments"]
 
@@ -35,7 +35,7 @@ def block_arguments(
             the loss is a ``TrainingBlock`` (which builds its own gradients).
     """
     if isinstance(optimizer, Block):
-        if not isinstance(optimizer, _OptimizerBlock):
+        if not isinstance(optimizer, OptimizerBlock):
             raise ModelError(
                 f"optimizer {type(optimizer).__name__} is an onnxblock block but not one of"
                 " onnxblock.optim's (AdamW, SGD); traingraph builds the optimizer model from a"
@@ -72,16 +72,16 @@ def _apply_loss(
 ) -> onnx.ModelProto:
     with base(model) as accessor:
         names = list(loss_input_names or [o.name for o in accessor.model.graph.output])
-        output = _output_names(loss(*names))[0]
-        result = _with_shapes(accessor.model)
-    info = _graph.find_value_info(result, output)
+        output = output_names(loss(*names))[0]
+        result = with_shapes(accessor.model)
+    info = graph_utils.find_value_info(result, output)
     dims = info.type.tensor_type.shape.dim if info is not None else ()
     if dims and all(d.HasField("dim_value") and d.dim_value == 1 for d in dims):
         # A loss of shape [1] (blocks.Constant's shape) or [1, 1]: the training loss's scalar.
-        [scalar] = _graph.splice(
+        [scalar] = graph_utils.splice(
             result, [output], lambda b, v: [b.Reshape(v[0], b.ints([]))], prefix="loss"
         )
         output = scalar.name or ""
-        result = _with_shapes(result)
-    _graph.register_graph_outputs(result, [output])
+        result = with_shapes(result)
+    graph_utils.register_graph_outputs(result, [output])
     return result

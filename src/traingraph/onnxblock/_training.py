@@ -16,9 +16,9 @@ from traingraph.autodiff.lowering import lower_training_batch_norm, running_stat
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import default_opset, load_ir, max_ir_version, to_proto
-from traingraph.onnxblock import _graph, model_accessor
+from traingraph.onnxblock import graph_utils, model_accessor
 from traingraph.onnxblock.blocks import Block
-from traingraph.program import _lift_parameters, to_inference_mode, to_training_mode
+from traingraph.program import lift_parameters, to_inference_mode, to_training_mode
 
 __all__ = ["ForwardBlock", "TrainingBlock", "build_training_models"]
 
@@ -30,11 +30,11 @@ ACCUMULATION_OUT = ".accumulation.out"
 """Suffixes of ``<name>_grad``: the gradient buffer input and the accumulated gradient output."""
 
 
-def _output_names(output: Any) -> list[str]:
+def output_names(output: Any) -> list[str]:
     return [output] if isinstance(output, str) else [str(name) for name in output]
 
 
-def _with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+def with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the types onnx shape inference finds (a copy)."""
     try:
         return onnx.shape_inference.infer_shapes(model)
@@ -83,8 +83,8 @@ class ForwardBlock(Block):
         accessor = model_accessor.current()
         self.base = accessor.model
         output = self.build(*args, **kwargs)
-        model = _with_shapes(accessor.model)
-        _graph.register_graph_outputs(model, _output_names(output))
+        model = with_shapes(accessor.model)
+        graph_utils.register_graph_outputs(model, output_names(output))
         # No newer IR version than the installed onnxruntime loads (as traingraph writes them).
         model.ir_version = min(model.ir_version, max_ir_version())
         accessor.model.CopyFrom(model)
@@ -163,8 +163,8 @@ class TrainingBlock(Block):
         accessor = model_accessor.current()
         self.base = accessor.model
         output = self.build(*args, **kwargs)
-        model = _with_shapes(accessor.model)
-        _graph.register_graph_outputs(model, _output_names(output))
+        model = with_shapes(accessor.model)
+        graph_utils.register_graph_outputs(model, output_names(output))
         trainable = [t for t in model.graph.initializer if t.name in self._requires_grad]
         frozen = [t for t in model.graph.initializer if t.name in self._frozen_params]
         self._parameters = (copy.deepcopy(trainable), copy.deepcopy(frozen))
@@ -229,10 +229,10 @@ def build_training_models(
     train.graph.outputs.extend([*outputs, *grads, *updates])
     # After the outputs are placed: the lowering keeps each BatchNorm output's graph-output place.
     lower_training_batch_norm(train.graph, opset, running_stats_default(base))
-    _lift_parameters(train.graph, params)
+    lift_parameters(train.graph, params)
     train.graph.inputs.extend([*buffers, reset] if wrt else [])
 
     evaluation = ir.from_proto(proto)
     to_inference_mode(evaluation.graph)
-    _lift_parameters(evaluation.graph, params)
+    lift_parameters(evaluation.graph, params)
     return to_proto(train), to_proto(evaluation)

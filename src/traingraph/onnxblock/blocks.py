@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from traingraph.onnxblock import _graph, model_accessor
+from traingraph.onnxblock import graph_utils, model_accessor
 
 __all__ = [
     "Abs",
@@ -79,12 +79,12 @@ class Block(ABC):
 
     def _node(self, op_type: str, inputs: Sequence[str], domain: str = "", **attrs: Any) -> str:
         """Append one ``op_type`` node reading ``inputs``; return its output's name."""
-        output = _graph.fresh_name(self.base, f"{op_type.lower()}_output")
+        output = graph_utils.fresh_name(self.base, f"{op_type.lower()}_output")
         node = onnx.helper.make_node(
             op_type,
             list(inputs),
             [output],
-            name=_graph.fresh_name(self.base, op_type),
+            name=graph_utils.fresh_name(self.base, op_type),
             domain=domain,
             **attrs,
         )
@@ -93,7 +93,7 @@ class Block(ABC):
 
     def _initializer(self, hint: str, value: Any, dtype: Any = np.float32) -> str:
         """Add ``value`` as an initializer named after ``hint``; return its name."""
-        name = _graph.fresh_name(self.base, hint)
+        name = graph_utils.fresh_name(self.base, hint)
         array = np.asarray(value, dtype=dtype)
         self.base.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
         return name
@@ -252,7 +252,7 @@ class InputLike(Block):
 
     def build(self, input_name: str | None = None) -> str:
         graph = self.base.graph
-        source = _graph.typed_value_info(self.base, self._like)
+        source = graph_utils.typed_value_info(self.base, self._like)
         if source is None:
             raise LookupError(
                 f"InputLike: the type of {self._like!r} is unknown: it is not a graph input or"
@@ -260,7 +260,7 @@ class InputLike(Block):
                 f" {[v.name for v in graph.output]}) and shape inference finds none"
             )
         clone = copy.deepcopy(source)
-        clone.name = input_name or _graph.fresh_name(self.base, "user_input")
+        clone.name = input_name or graph_utils.fresh_name(self.base, "user_input")
         graph.input.append(clone)
         return clone.name
 

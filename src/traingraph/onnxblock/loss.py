@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from traingraph import losses
 from traingraph.ir.builder import OpBuilder
-from traingraph.onnxblock import _graph
+from traingraph.onnxblock import graph_utils
 from traingraph.onnxblock.blocks import Block, InputLike
 
 __all__ = ["BCEWithLogitsLoss", "CrossEntropyLoss", "L1Loss", "MSELoss"]
@@ -38,7 +38,7 @@ class _LossBlock(Block):
         def build(b: OpBuilder, values: list[ir.Value]) -> list[ir.Value]:
             return [self.loss.build(b, values[:1], values[1:])]
 
-        [value] = _graph.splice(self.base, [input_name, label_name], build, prefix="loss")
+        [value] = graph_utils.splice(self.base, [input_name, label_name], build, prefix="loss")
         return value.name or ""
 
 
@@ -56,7 +56,7 @@ class MSELoss(_LossBlock):
     def build(self, loss_input_name: str, target_name: str = "target") -> str:
         """Add the loss of ``loss_input_name`` against ``target_name`` (a new input like the
         prediction where the model has no such tensor); return the loss's name."""
-        if not _graph.node_arg_exists(self.base, target_name):
+        if not graph_utils.node_arg_exists(self.base, target_name):
             target_name = InputLike(loss_input_name)(target_name)
         return self._apply(loss_input_name, target_name)
 
@@ -74,7 +74,7 @@ class L1Loss(_LossBlock):
 
     def build(self, loss_input_name: str, target_name: str = "target") -> str:
         """As :meth:`MSELoss.build`."""
-        if not _graph.node_arg_exists(self.base, target_name):
+        if not graph_utils.node_arg_exists(self.base, target_name):
             target_name = InputLike(loss_input_name)(target_name)
         return self._apply(loss_input_name, target_name)
 
@@ -97,7 +97,7 @@ class BCEWithLogitsLoss(_LossBlock):
 
     def build(self, loss_input_name: str, target_name: str = "target") -> str:
         """As :meth:`MSELoss.build`."""
-        if not _graph.node_arg_exists(self.base, target_name):
+        if not graph_utils.node_arg_exists(self.base, target_name):
             target_name = InputLike(loss_input_name)(target_name)
         return self._apply(loss_input_name, target_name)
 
@@ -127,12 +127,12 @@ class CrossEntropyLoss(_LossBlock):
         """Add the loss of the logits ``scores_input_name`` (N, C, ...) against the int64 class
         indices ``labels_name`` (a new input of shape (N, ...) where the model has no such
         tensor); return the loss's name."""
-        if not _graph.node_arg_exists(self.base, labels_name):
+        if not graph_utils.node_arg_exists(self.base, labels_name):
             self._add_labels(scores_input_name, labels_name)
         return self._apply(scores_input_name, labels_name)
 
     def _add_labels(self, scores_name: str, labels_name: str) -> None:
-        info = _graph.typed_value_info(self.base, scores_name)
+        info = graph_utils.typed_value_info(self.base, scores_name)
         dims = None
         if info is not None and info.type.tensor_type.HasField("shape"):
             shape = info.type.tensor_type.shape.dim

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import onnx
 
 from traingraph.ir.model import max_ir_version
-from traingraph.onnxblock._graph import newest_opset
+from traingraph.onnxblock.graph_utils import newest_opset
 
 __all__ = ["ModelAccessor", "base", "custom_op_library", "empty_base"]
 

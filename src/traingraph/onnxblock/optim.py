@@ -29,10 +29,10 @@ import onnx_ir as ir
 
 from traingraph import optim
 from traingraph.ir.builder import OpBuilder
-from traingraph.onnxblock import _graph
+from traingraph.onnxblock import graph_utils
 from traingraph.onnxblock.blocks import Block
-from traingraph.optim.transforms import ParamInfo, UpdateContext, _clip_coefficient
-from traingraph.program import _describe_optimizer
+from traingraph.optim.transforms import ParamInfo, UpdateContext, clip_coefficient
+from traingraph.program import describe_optimizer
 
 __all__ = ["SGD", "AdamW", "ClipGradNorm"]
 
@@ -60,7 +60,7 @@ class ClipGradNorm(Block):
     def build(self, gradients_name: str) -> str:
         """Add the clipping of the tensor sequence ``gradients_name``; return the name of the
         clipped sequence."""
-        [clipped] = _graph.splice(self.base, [gradients_name], self._clip, prefix="clip_grad")
+        [clipped] = graph_utils.splice(self.base, [gradients_name], self._clip, prefix="clip_grad")
         return clipped.name or ""
 
     def _clip(self, b: OpBuilder, values: list[ir.Value]) -> list[ir.Value]:
@@ -77,7 +77,7 @@ class ClipGradNorm(Block):
         zero = b.const(0.0, element, name="zero")
         [total] = _loop(b, count, [zero], add_square)
         total.dtype, total.shape = element, ir.Shape([])
-        coefficient = _clip_coefficient(b, b.Sqrt(total), self.max_norm, total)
+        coefficient = clip_coefficient(b, b.Sqrt(total), self.max_norm, total)
 
         def scaled(body: OpBuilder, i: ir.Value, carried: list[ir.Value]) -> list[ir.Value]:
             grad = body.Mul(body.SequenceAt(grads, i), coefficient)
@@ -109,7 +109,7 @@ def _loop(
     return [result] if len(initial) == 1 else list(result)
 
 
-class _OptimizerBlock(Block):
+class OptimizerBlock(Block):
     """An optimizer block over the :mod:`traingraph.optim` optimizer :attr:`optimizer`."""
 
     optimizer: optim.Optimizer
@@ -158,8 +158,10 @@ class _OptimizerBlock(Block):
             [onnx.helper.make_tensor_value_info(n, t, [1]) for n, t in scalars]
             + [onnx.helper.make_tensor_sequence_value_info(n, element, None) for n in sequences]
         )
-        flag_name = _graph.fresh_name(model, "updated_flag")
-        updated = [_graph.fresh_name(model, f"updated_{n}") for n in ["params", *sequences[2:]]]
+        flag_name = graph_utils.fresh_name(model, "updated_flag")
+        updated = [
+            graph_utils.fresh_name(model, f"updated_{n}") for n in ["params", *sequences[2:]]
+        ]
 
         def update(b: OpBuilder, values: list[ir.Value]) -> list[ir.Value]:
             lr, *rest = values
@@ -191,7 +193,7 @@ class _OptimizerBlock(Block):
             return [flag, *outputs]
 
         inputs = [n for n, _ in scalars] + sequences
-        _graph.splice(model, inputs, update, prefix="optimizer")
+        graph_utils.splice(model, inputs, update, prefix="optimizer")
         model.graph.output.append(
             onnx.helper.make_tensor_value_info(flag_name, onnx.TensorProto.BOOL, [1])
         )
@@ -199,12 +201,12 @@ class _OptimizerBlock(Block):
             onnx.helper.make_tensor_sequence_value_info(n, element, None) for n in updated
         )
         # What traingraph.api.Optimizer needs to run this optimizer on a Module's buffers.
-        _describe_optimizer(model, self.optimizer, infos)
+        describe_optimizer(model, self.optimizer, infos)
         self._model = model
         return flag_name
 
 
-class AdamW(_OptimizerBlock):
+class AdamW(OptimizerBlock):
     r"""AdamW, as ``torch.optim.AdamW`` (:func:`traingraph.optim.AdamW`).
 
     Args:
@@ -241,7 +243,7 @@ class AdamW(_OptimizerBlock):
         )
 
 
-class SGD(_OptimizerBlock):
+class SGD(OptimizerBlock):
     """Stochastic gradient descent, as ``torch.optim.SGD`` (:func:`traingraph.optim.SGD`).
 
     Args:

@@ -196,7 +196,7 @@ def clip(max_delta: float) -> GradientTransformation:
     return _stateless(fn)
 
 
-def _clip_coefficient(b: OpBuilder, norm: ir.Value, max_norm: float, like: ir.Value) -> ir.Value:
+def clip_coefficient(b: OpBuilder, norm: ir.Value, max_norm: float, like: ir.Value) -> ir.Value:
     r""":math:`\min(1, c / (\lVert u \rVert + 10^{-6}))`, torch's clipping factor."""
     ratio = b.Div(_scalar(b, max_norm, like), b.Add(norm, _scalar(b, 1e-6, like)))
     return b.Min(ratio, _scalar(b, 1.0, like))
@@ -218,7 +218,7 @@ def clip_by_norm(max_norm: float) -> GradientTransformation:
     def fn(ctx: UpdateContext, updates: Values, params: Values) -> Values:
         b = ctx.b
         return [
-            b.Mul(u, _clip_coefficient(b, b.Sqrt(_squared_norm(b, u)), max_norm, p))
+            b.Mul(u, clip_coefficient(b, b.Sqrt(_squared_norm(b, u)), max_norm, p))
             for u, p in zip(updates, params)
         ]
 
@@ -241,7 +241,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         b = ctx.b
         squares = [_squared_norm(b, u) for u in updates]
         total = squares[0] if len(squares) == 1 else b.Sum(*squares)
-        coefficient = _clip_coefficient(b, b.Sqrt(total), max_norm, params[0])
+        coefficient = clip_coefficient(b, b.Sqrt(total), max_norm, params[0])
         return [b.Mul(u, coefficient) for u in updates]
 
     return _stateless(fn)
