@@ -528,9 +528,18 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, its usage line spelled as the other commands' (click's) spell it."""
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None = None) -> None:
+        super().add_usage(usage, actions, groups, "Usage: " if prefix is None else prefix)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="traingraph bench", description="Benchmark traingraph's training step against peers."
+        prog="traingraph bench",
+        description="Benchmark traingraph's training step against peers.",
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--zoo",
