@@ -1,9 +1,9 @@
 r"""Training-mode Dropout as standard integer and elementwise ops.
 
-onnxruntime's CPU ``Dropout`` draws one number at a time from a Mersenne twister (about 4 ns
-per element on this project's 2-core reference machine), which made dropout a quarter of a
-small Transformer's training step. :func:`lower_dropout` writes a training-mode Dropout as a
-counter-based hash instead: every element gets the hash of its position and a per-step seed,
+onnxruntime's CPU ``Dropout`` draws one number at a time from a Mersenne twister, a serial
+chain that one thread walks element by element. :func:`lower_dropout` writes a training-mode
+Dropout as a counter-based hash instead: every element gets the hash of its position and a
+per-step seed,
 
 .. math::
     h_0 = (i \cdot G + s) \bmod 2^{32}, \quad

@@ -2,7 +2,7 @@
  *
  * dst = src.reshape(dims).transpose(perm): the layout changes that onnxruntime's blocked
  * convolution kernels need of a filter every step (OIHW into channel blocks), which a Gather of
- * the filter's positions does at a tenth of memory speed. Each thread writes a share of dst's
+ * the filter's positions does one indexed element at a time. Each thread writes a share of dst's
  * rows (all axes but the last) in order; the reads of a row go along the source at the stride
  * of dst's last axis. Values are copied, never computed: NaN and infinities stay as they are.
  */

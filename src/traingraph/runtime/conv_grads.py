@@ -3,9 +3,13 @@
 In a standard-op training graph the weight gradient of a Conv is an unfold (a grouped Conv
 with one-hot kernels, 9 copies of the input for a 3x3 kernel) and a GEMM. On the CPU the
 native kernel ``traingraph.runtime._convc`` computes the same sums without materializing the
-unfold, reading shifted rows of the input in place, and is 2-4x faster than the graph's form;
-the 3 x 3 Convs of strides 1 and pads 1 of a ResNet go by Winograd's F(4 x 4, 3 x 3) (a
-quarter of the products), about 2x faster again.
+unfold, reading shifted rows of the input in place: one pass over the input instead of writing
+and reading 9 copies of it. The weight gradients of 3 x 3 Convs of strides 1 and pads 1 over 8
+or more channels and filters, with a height and width divisible by 4, go by Winograd's
+F(4 x 4, 3 x 3) (36 products per 4 x 4 tile and filter pair instead of 144). That is the
+weight gradient only: the forward Convs and input gradients of
+:mod:`traingraph.runtime.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
+(its docstring says why that matters there).
 
 :func:`split_weight_grads` finds, in a training model, each gradient output that is the
 weight gradient of one 2-D float32 Conv: the nodes that feed only that output read nothing

@@ -3,8 +3,8 @@
 An exporter writes the exact GELU, ``a * (1 + erf(a / sqrt 2)) / 2``, as five elementwise
 nodes (Div, Erf, Add, Mul, Mul), and the training graph's gradient of it as about ten more
 (the products of both factors, the derivative of Erf through Mul, Neg and Exp, and their Sum),
-each a pass over the activation in onnxruntime: in a small Transformer's feed-forward layers
-about a tenth of the training step. :class:`Gelu` computes the forward in one pass and the
+each a pass over the activation in onnxruntime, about fifteen passes over the feed-forward
+layers' widest activation. :class:`Gelu` computes the forward in one pass and the
 gradient, ``g * (Phi(a) + a phi(a))``, in another (``_convc.gelu``), from ``a`` and the output's
 gradient ``g`` alone. Where a Dropout follows (a Mul by its mask, which only it reads), the
 forward writes the masked output and the gradient reads the masked output's gradient: the two

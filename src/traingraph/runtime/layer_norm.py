@@ -3,9 +3,8 @@
 onnxruntime runs a LayerNormalization's forward as one op, but the training graph writes its
 gradient as about twenty elementwise nodes and reductions (the row statistics recomputed, the
 two means of the scaled output gradient, dx from them, and the sums over the rows that give the
-scale's and bias's gradients), each a pass over the activation: in a small Transformer about a
-tenth of the step. :class:`LayerNormGrad` computes them in one pass over each row while it is in
-the cache (``_convc.layer_norm_grad``).
+scale's and bias's gradients), each a pass over the activation. :class:`LayerNormGrad`
+computes them in one pass over each row while it is in the cache (``_convc.layer_norm_grad``).
 
 :func:`split_layer_norm_grads` finds, for each LayerNormalization over the last axis whose bias
 gradient the graph returns, the nodes computed from the input, the scale and the output's

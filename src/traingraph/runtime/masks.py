@@ -2,8 +2,8 @@
 
 :func:`traingraph.ir.random.lower_dropout` writes a training-mode Dropout's mask as a
 counter-based hash in standard integer ops: the positions, two multiplications, two shifts and
-additions, a comparison, a cast and a scale, each a pass over the mask in onnxruntime. In a
-small Transformer those passes were a fifth of the training step. The mask depends on the
+additions, a comparison, a cast and a scale, each a pass over the mask in onnxruntime, about
+ten passes where one suffices. The mask depends on the
 step's seed alone (and on the shape), so :func:`split_dropout_masks` finds each one, from the
 ``uint32`` seed to the scaled float mask, and a native kernel writes it in one pass; all of a
 graph's masks are ready right after the seed is drawn, before the first Dropout needs one.

@@ -6,8 +6,8 @@ training graph reorders each filter on every step with a ``Gather`` of its posit
 positions are a permutation of the filter's axes split into blocks: ``dst =
 src.reshape(dims).transpose(perm)``. :func:`as_permutation` finds ``dims`` and ``perm`` from
 the positions (checked element by element), and :func:`permute` writes them with the native
-kernel ``_convc.permute``, at memory speed (a 512 x 512 x 3 x 3 filter: 1.4 ms against 49 ms
-for onnxruntime's Gather, one thread). The values are copied, so the result is the Gather's,
+kernel ``_convc.permute``, contiguous runs copied at memory speed where onnxruntime's Gather
+reads one indexed element at a time. The values are copied, so the result is the Gather's,
 NaN and infinities included.
 
 Example:

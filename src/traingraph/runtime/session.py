@@ -43,7 +43,8 @@ class SessionConfig:
             sessions) keeps its cores.
         native_conv_grads: On the CPU, compute the weight gradients of 2-D float32 Convs with
             the native kernel instead of the training graph's nodes (see
-            :mod:`traingraph.runtime.conv_grads`): the same sums, 2-4x faster. Needs the
+            :mod:`traingraph.runtime.conv_grads`): the same sums, without the unfold's 9 copies
+            of the input. Needs the
             extension built at install time; without it, or with False, the graph computes them.
         native_segments: On the CPU, run the training graph as onnxruntime segments with
             native kernels between them (see :mod:`traingraph.runtime.segments`): the gradient

@@ -9,21 +9,22 @@ On the CPU (:func:`for_cpu`):
 - A ``ConvTranspose`` (the input gradient of a strided Conv, or of a Conv whose input has more
   positions than its output) becomes ``Col2Im(MatMul(W^T, G))``: the products of every sample
   in one batched MatMul, then the columns added into the image. onnxruntime's ConvTranspose
-  kernel takes about twice as long for the same sums (0.35 against 0.62 ms for LeNet's second
-  convolution, 0.37 against 0.73 ms for ResNet-8's last strided one; see
-  ``benchmarks/conv_grad_micro.py``). Col2Im exists from opset 18 on, so a model of an older
-  opset is first converted with ``onnx.version_converter``; where that fails, or a shape the
-  rewrite needs is not static, the node stays as it is. Col2Im has no kernel in onnxruntime's
-  CUDA provider and in several other runtimes, which is why artifacts keep ConvTranspose.
+  kernel computes the same sums one sample at a time, a GEMM per sample too small to use the
+  cores well (``benchmarks/conv_grad_micro.py`` times both forms). Col2Im exists from opset 18
+  on, so a model of an older opset is first converted with ``onnx.version_converter``; where
+  that fails, or a shape the rewrite needs is not static, the node stays as it is. Col2Im has
+  no kernel in onnxruntime's CUDA provider and in several other runtimes, which is why
+  artifacts keep ConvTranspose.
 - The Relu gradient's float32 mask ``Cast(Greater(v, 0))`` stays as written: its vectorized
   forms (``Ceil(Clip(v, 0, 1))``) give NaN where ``v`` is NaN, where the mask is 0, and
-  onnxruntime 1.32 casts the booleans as fast (see ``benchmarks/relu_mask_micro.py``).
+  the Cast of the booleans is a single pass as well (``benchmarks/relu_mask_micro.py`` times
+  both forms).
 - The rules of :mod:`traingraph.runtime.rewrites` for the CPU: a float32 ``ReduceSum`` over
   the leading axes of a static shape as ``MatMul(ones, X)`` between two Reshapes.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph
   (:mod:`traingraph.runtime.nchwc`): onnxruntime blocks only Convs with constant filters, and
-  its other kernel runs ResNet-8's 16-channel 3x3 convolutions at about a third of the speed.
+  its other kernel unfolds the input (im2col) before a GEMM, a pass the blocked one avoids.
 
 On CUDA (:func:`for_cuda`):
 
@@ -34,7 +35,7 @@ On CUDA (:func:`for_cuda`):
   per-channel statistics of BatchNormalization and their gradients reduce ``[0, 2, 3]`` of
   ``NCHW``) becomes a chain of reductions over runs, the innermost first. The provider reduces
   a run that starts or ends the tensor with its own row and column kernels, and hands other
-  axis sets to cuDNN's general reduction, which is several times slower on these shapes. Means
+  axis sets to cuDNN's general reduction, which is not tuned for these shapes. Means
   of equal-sized groups are the mean, so the chain computes the same value (summed in another
   order).
 - A grouped ``Conv`` with one input channel per group, no bias and the same constant filters
@@ -170,7 +171,8 @@ def _conv_transposes_as_col2im(
     ConvTranspose's definition. The image has ConvTranspose's output size
     ``(O - 1) * s + output_padding + extent - p_begin - p_end``; Col2Im fits exactly ``O``
     windows into it when every ``output_padding`` is below its stride. Grouped ones stay: their
-    per-group products are too thin for the MatMul to gain (measured equal or slower).
+    per-group products are too thin for one batched MatMul to use the cores better than
+    ConvTranspose's own kernel.
     """
 
     def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:

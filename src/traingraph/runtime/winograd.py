@@ -13,11 +13,12 @@ meeting) is added as the outputs are written.
 It replaces a Conv wherever it sits: it runs between the segments, after the values it reads
 are written. Each match is checked against the nodes it replaces on random inputs. F(2 x 2,
 3 x 3)'s results are within about twice a direct float32 convolution's distance from the exact
-sums (3.4e-7 against 2.6e-7 of the largest output for 128 channels of 16 x 16). The kernel's
-F(4 x 4, 3 x 3) (2.25 multiplications) is not used: its rounding is about 25 times a direct
-convolution's (6.7e-6), which BatchNormalization over few values per channel amplifies
-(densenet121 at batch 2 on 64 x 64 images: parameter gradients 3.6e-2 of the largest off
-float64, against 2.2e-5 with onnxruntime's Conv and 2.4e-5 with F(2 x 2, 3 x 3)). Where the
+sums. F(4 x 4, 3 x 3) (2.25 multiplications per output and channel pair) is not used for
+these Convs: its transforms' larger coefficients give a rounding error about an order of
+magnitude above a direct convolution's, and a BatchNormalization over few values per channel
+that follows the Conv amplifies the error of its output into every parameter gradient (the
+weight-gradient kernel of :mod:`traingraph.runtime.conv_grads` does use F(4 x 4, 3 x 3): its
+result feeds only the optimizer). Where the
 output holds a NaN or an Inf (read from the input, the filters or the addend, or an
 overflow), the Conv is computed again as the direct sums, which propagate them as the Conv's
 do.
