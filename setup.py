@@ -1,9 +1,10 @@
 """Build the optional native kernels; the metadata lives in pyproject.toml.
 
 Both extensions are optional: where no C compiler exists the build warns and the package
-installs without them. Without ``traingraph.runtime._fusedc`` :mod:`traingraph.runtime.fused`
-uses numpy; without ``traingraph.runtime._convc`` convolution weight gradients stay in the
-training graph (:mod:`traingraph.runtime.conv_grads`).
+installs without them. Without ``traingraph.runtime._fusedc`` the optimizer update runs as
+the optimizer's graph in onnxruntime (:mod:`traingraph.runtime.optimizer.fused` has no fused
+form); without ``traingraph.runtime._convc`` every native kernel is left to the training graph
+(:mod:`traingraph.runtime.native`).
 
 For ``_fusedc``, ``-ffp-contract=off`` keeps every multiply and add a separate float
 operation, as in the optimizer graph, so both give the same numbers; ``-fno-math-errno``

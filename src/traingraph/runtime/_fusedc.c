@@ -1,4 +1,4 @@
-/* Native one-pass AdamW and SGD updates for traingraph.runtime.fused.
+/* Native one-pass AdamW and SGD updates for traingraph.runtime.optimizer.fused.
  *
  * Plain CPython C API and the buffer protocol: no numpy headers. Each function updates
  * C-contiguous float32 or float64 buffers in place in one pass, without the GIL, with the
@@ -226,8 +226,8 @@ PyDoc_STRVAR(adamw_doc,
 "adamw(param, grad, exp_avg, exp_avg_sq, lr, step, beta1, beta2, eps, weight_decay,\n"
 "      threads=1)\n--\n\n"
 "One AdamW step in place over C-contiguous float32 or float64 arrays of one shape, in one\n"
-"pass, as traingraph.runtime.fused.adamw_step computes it; up to ``threads`` threads share\n"
-"the elements.");
+"pass, as the optimizer graph's AdamW computes it (traingraph.runtime.optimizer.fused calls\n"
+"it); up to ``threads`` threads share the elements.");
 
 static PyObject *fused_adamw(PyObject *self, PyObject *args)
 {
@@ -264,8 +264,9 @@ PyDoc_STRVAR(sgd_doc,
 "sgd(param, grad, momentum_buffer, lr, step, momentum, dampening, nesterov, weight_decay,\n"
 "    threads=1)\n--\n\n"
 "One SGD step in place over C-contiguous float32 or float64 arrays of one shape, in one\n"
-"pass, as traingraph.runtime.fused.sgd_step computes it; up to ``threads`` threads share the\n"
-"elements. momentum_buffer may be None when momentum is 0; grad is not modified.");
+"pass, as the optimizer graph's SGD computes it (traingraph.runtime.optimizer.fused calls\n"
+"it); up to ``threads`` threads share the elements. momentum_buffer may be None when\n"
+"momentum is 0; grad is not modified.");
 
 static PyObject *fused_sgd(PyObject *self, PyObject *args)
 {
