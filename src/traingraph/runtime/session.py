@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -61,6 +62,10 @@ class SessionConfig:
             forms its kernels lack or run slowly). False runs it as written.
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
+        shared_arena: With ``memory_arena``, CPU sessions allocate from one arena registered
+            once per process (:func:`shared_cpu_arena`) instead of one arena each: a segmented
+            step's many sessions, and several Modules in one process, then reuse the same
+            freed blocks. False gives every session its own arena.
         extra: Further session config entries (``add_session_config_entry``); an entry here
             replaces the one the fields above would set.
         cuda_graph: Capture the session's kernels into a CUDA graph on the first run and replay
@@ -95,6 +100,7 @@ class SessionConfig:
     specialize: bool = True
     profile: bool = False
     memory_arena: bool = True
+    shared_arena: bool = True
     extra: dict[str, str] = field(default_factory=dict)
     cuda_graph: bool = False
     tf32: bool = True
@@ -163,6 +169,27 @@ class SessionConfig:
 
 
 _profiles = itertools.count()
+_arena_lock = threading.Lock()
+_arena_registered = False
+
+
+def shared_cpu_arena() -> None:
+    """Register onnxruntime's process-wide CPU arena allocator, once per process.
+
+    Sessions created with the config entry ``session.use_env_allocators=1`` allocate their
+    CPU tensors from it instead of from an arena of their own. The arena (onnxruntime's BFC
+    arena, default settings) locks around each allocation, so sessions run one after another
+    or from several threads may share it.
+    """
+    global _arena_registered
+    with _arena_lock:
+        if _arena_registered:
+            return
+        info = ort.OrtMemoryInfo(
+            "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+        )
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _arena_registered = True
 
 
 def create_session(
@@ -185,7 +212,17 @@ def create_session(
     if config.specialize:
         source = for_cuda(source) if device.kind == "cuda" else for_cpu(source)
     providers = device.providers(config.cuda_options())
-    return ort.InferenceSession(source, config.session_options(), providers=providers)
+    options = config.session_options()
+    if (
+        device.kind == "cpu"
+        and config.memory_arena
+        and config.shared_arena
+        and not isinstance(config, WithSessionOptions)
+        and "session.use_env_allocators" not in config.extra
+    ):
+        shared_cpu_arena()
+        options.add_session_config_entry("session.use_env_allocators", "1")
+    return ort.InferenceSession(source, options, providers=providers)
 
 
 class BoundRunner:
