@@ -4,7 +4,7 @@ Both extensions are optional: where no C compiler exists the build warns and the
 installs without them. Without ``traingraph.runtime._fusedc`` the optimizer update runs as
 the optimizer's graph in onnxruntime (:mod:`traingraph.runtime.optimizer.fused` has no fused
 form); without ``traingraph.runtime._convc`` every native kernel is left to the training graph
-(:mod:`traingraph.runtime.native`).
+(:mod:`traingraph.runtime.cpu.native`).
 
 For ``_fusedc``, ``-ffp-contract=off`` keeps every multiply and add a separate float
 operation, as in the optimizer graph, so both give the same numbers; ``-fno-math-errno``
@@ -17,22 +17,25 @@ setup(
     ext_modules=[
         Extension(
             "traingraph.runtime._fusedc",
-            sources=["src/traingraph/runtime/_fusedc.c"],
-            depends=["src/traingraph/runtime/_fusedc_kernels.h", "src/traingraph/runtime/_pool.h"],
+            sources=["src/traingraph/runtime/csrc/optimizer.c"],
+            depends=[
+                "src/traingraph/runtime/csrc/optimizer_kernels.h",
+                "src/traingraph/runtime/csrc/pool.h",
+            ],
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,
         ),
         Extension(
             "traingraph.runtime._convc",
-            sources=["src/traingraph/runtime/_convc.c"],
+            sources=["src/traingraph/runtime/csrc/kernels.c"],
             depends=[
-                "src/traingraph/runtime/_pool.h",
-                "src/traingraph/runtime/_winograd.h",
-                "src/traingraph/runtime/_gelu.h",
-                "src/traingraph/runtime/_layernorm.h",
-                "src/traingraph/runtime/_permute.h",
-                "src/traingraph/runtime/_clip.h",
+                "src/traingraph/runtime/csrc/pool.h",
+                "src/traingraph/runtime/csrc/winograd.h",
+                "src/traingraph/runtime/csrc/gelu.h",
+                "src/traingraph/runtime/csrc/layernorm.h",
+                "src/traingraph/runtime/csrc/permute.h",
+                "src/traingraph/runtime/csrc/clip.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

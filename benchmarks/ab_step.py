@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_profile
 
 from traingraph import runtime
-from traingraph.runtime import kernels, native
+from traingraph.runtime.cpu import kernels, native
 from traingraph.runtime.session import SessionConfig
 
 

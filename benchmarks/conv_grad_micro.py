@@ -18,7 +18,7 @@ own backward (``torch.nn.grad.conv2d_weight`` / ``conv2d_input``) on the same nu
 
 - ``conv_transpose``: :func:`~traingraph.autodiff.rules.conv.transposed_conv_to`;
 - ``col2im`` (CPU): the same model as the session runs it on the CPU, rewritten by
-  :func:`traingraph.runtime.specialize.for_cpu` into a batched MatMul and Col2Im;
+  :func:`traingraph.runtime.rewrites.specialize.for_cpu` into a batched MatMul and Col2Im;
 - ``flipped_conv``: a Conv of the output gradient with the flipped, transposed weight
   (:func:`~traingraph.autodiff.rules.conv.conv_input_grad`), timed where
   :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits` lets the rule use it.
@@ -61,8 +61,8 @@ from traingraph.autodiff.rules.conv import (
     weight_grad_by_sample,
 )
 from traingraph.ir.builder import OpBuilder
+from traingraph.runtime.rewrites.specialize import for_cpu
 from traingraph.runtime.session import SessionConfig
-from traingraph.runtime.specialize import for_cpu
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def _session(
     case: Case, build: Build, threads: int, device: str, rewrite: bool = False
 ) -> ort.InferenceSession:
     """A session with inputs ``x``, ``dy`` and ``w`` and the one output ``build`` returns;
-    with ``rewrite``, of the model as :func:`~traingraph.runtime.specialize.for_cpu` writes it."""
+    with ``rewrite``, of the model as :func:`~traingraph.runtime.rewrites.specialize.for_cpu`
+    writes it."""
     inputs = [
         ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
         for name, shape in case.shapes.items()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from traingraph import from_torch, losses, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.artifacts import generate_artifacts
-from traingraph.runtime import segments
+from traingraph.runtime.cpu import segments
 from traingraph.runtime.session import BoundRunner, SessionConfig
 from zoo.torchvision_import import torchvision_models
 

@@ -3,7 +3,7 @@
 For each model (the artifacts that ``gpu_bench.py --zoo`` prepares), the training graph is
 made static for the batch (:func:`~traingraph.runtime.cuda.with_static_inputs`,
 :func:`~traingraph.runtime.cuda.dropout_from_noise`,
-:func:`~traingraph.runtime.static_shapes.for_capture`, as
+:func:`~traingraph.runtime.cuda.static_shapes.for_capture`, as
 :class:`~traingraph.runtime.cuda.CudaGraphStep` does), a CUDA session is created with
 onnxruntime's informational log, and the nodes it places on the CPU and the copies it inserts
 are listed; then a session with ``enable_cuda_graph`` is created and run once on zeros, which
@@ -60,7 +60,7 @@ def check(name: str, batch: int, precision: str, cache: Path, small: bool) -> di
     import onnxruntime as ort
 
     from traingraph.runtime.cuda import dropout_from_noise, with_static_inputs
-    from traingraph.runtime.static_shapes import for_capture
+    from traingraph.runtime.cuda.static_shapes import for_capture
 
     if hasattr(ort, "preload_dlls"):
         ort.preload_dlls()

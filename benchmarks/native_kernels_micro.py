@@ -3,14 +3,17 @@ convolutions, alternating in one process.
 
 - ``weight``: the native weight gradient (``_convc.weight_grads``) against PyTorch's
   ``torch.nn.grad.conv2d_weight`` (oneDNN) on the same threads;
-- ``col2im``: the native column sum (``_convc.col2im_sum``, :mod:`traingraph.runtime.col2im`)
+- ``col2im``: the native column sum (``_convc.col2im_sum``,
+  :mod:`traingraph.runtime.cpu.kernels.col2im`)
   against onnxruntime's ``Col2Im``, for the strided input gradients of ResNet-8 (batch 32) and
   the unpadded one of LeNet's second convolution (batch 64);
 - ``direct``: the first convolution computed directly (``_convc.conv_direct``,
-  :mod:`traingraph.runtime.direct_conv`) against onnxruntime's ``Conv`` (and ``Relu``) with
+  :mod:`traingraph.runtime.cpu.kernels.direct_conv`) against onnxruntime's ``Conv`` (and ``Relu``)
+  with
   every graph optimization, for LeNet's first layer and ResNet-8's stem;
 - ``winograd``: the 3 x 3 convolutions of stride 1 by Winograd's transforms
-  (``_convc.conv_winograd``, :mod:`traingraph.runtime.winograd`) against onnxruntime's ``Conv``,
+  (``_convc.conv_winograd``, :mod:`traingraph.runtime.cpu.kernels.winograd`) against onnxruntime's
+  ``Conv``,
   for ResNet-8's three sizes (forward Convs; the input gradients have the same shapes).
 
 Each result is checked against the peer's before it is timed. Figures are medians of
@@ -31,7 +34,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from traingraph.runtime.native import NATIVE
+from traingraph.runtime.cpu.native import NATIVE
 
 # batch, channels, size, filters, kernel, stride, pad
 WEIGHT_CASES = [

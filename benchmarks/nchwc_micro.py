@@ -1,6 +1,7 @@
 """Time Convs with parameter filters as onnxruntime runs them and in its blocked (NCHWc) form.
 
-``traingraph.runtime.nchwc`` rewrites a Conv whose filter is a graph input into onnxruntime's
+``traingraph.runtime.rewrites.nchwc`` rewrites a Conv whose filter is a graph input into
+onnxruntime's
 blocked kernels, with the filter reordered in the graph. Two comparisons, each alternating the
 two forms in one process:
 
@@ -29,7 +30,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from traingraph.runtime import nchwc
+from traingraph.runtime.rewrites import nchwc
 
 HERE = Path(__file__).resolve().parent
 # (batch, in channels, size, filters, kernel, stride, pad)

@@ -6,7 +6,7 @@ included; ``relu_only`` times ``Relu`` and a ``Mul`` alone, the floor every form
 
 - ``cast``: ``Cast(Greater(y, 0))``, as the training graph writes it;
 - ``ceil_clip``: ``Ceil(Clip(y, 0, 1))``, a vectorized form (0 where ``y`` is NaN, which is
-  why :func:`traingraph.runtime.specialize.for_cpu` keeps ``cast``);
+  why :func:`traingraph.runtime.rewrites.specialize.for_cpu` keeps ``cast``);
 - ``where``: ``Where(Greater(y, 0), g, 0)`` in place of the product.
 
 Every form's result is checked equal to ``cast``'s.

@@ -355,11 +355,11 @@ def artifact_steps(
     without: str | None = None,
 ) -> tuple[list[float], list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """:func:`train_steps` of the artifacts in ``directory`` with ``Module``; ``without`` (a
-    kernel's name, :func:`traingraph.runtime.kernels.names`) leaves that native kernel out
+    kernel's name, :func:`traingraph.runtime.cpu.kernels.names`) leaves that native kernel out
     (``SessionConfig(native_kernels=...)``). Asserts the plan holds a kernel of ``kind``
     exactly when it is not left out."""
     from traingraph.api import CheckpointState, Module, Optimizer
-    from traingraph.runtime import kernels, segments
+    from traingraph.runtime.cpu import kernels, segments
     from traingraph.runtime.session import SessionConfig
 
     chosen = None if without is None else set(kernels.names()) - {without}

@@ -23,7 +23,7 @@ from traingraph.api import (
     StepLRScheduler,
 )
 from traingraph.errors import CheckpointError, ModelError
-from traingraph.runtime import conv_grads
+from traingraph.runtime.cpu.kernels import conv_grads
 from traingraph.runtime.device import physical_cores
 from traingraph.runtime.session import SessionConfig
 

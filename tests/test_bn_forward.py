@@ -1,5 +1,6 @@
 """Training-mode BatchNormalization forward passes run natively between segments
-(runtime/bn_forward.py): the kernel against torch, the matches in a residual network, the plan,
+(runtime/cpu/kernels/bn_forward.py): the kernel against torch, the matches in a residual network,
+the plan,
 and Module's train steps (with the running statistics) against the graph as written."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import bn_forward, conv_grads, segments
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import bn_forward, conv_grads
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 
 NO_BN_FORWARDS = "batch_norm_forward"
 

@@ -9,7 +9,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from traingraph.runtime import clip_grad, native
+from traingraph.runtime.cpu import native
+from traingraph.runtime.cpu.kernels import clip_grad
 
 pytestmark = pytest.mark.skipif(
     native.NATIVE is None or not hasattr(native.NATIVE, "clip_grad"),

@@ -1,4 +1,5 @@
-"""Strided convolutions' input gradients finished natively (runtime/col2im.py): the kernel
+"""Strided convolutions' input gradients finished natively (runtime/cpu/kernels/col2im.py): the
+kernel
 against onnxruntime's Col2Im, the match on a residual block and on an unpadded stride-1 Conv,
 and Module's train steps against the graph as written."""
 
@@ -15,8 +16,9 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, residual_artifacts, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import batch_norm, col2im, conv_grads, segments
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import batch_norm, col2im, conv_grads
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 
 NO_COLUMN_SUMS = "col2im"
 

@@ -15,7 +15,10 @@ from gradcheck import assert_same_training
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import conv_grads, session, specialize, verify
+from traingraph.runtime import session
+from traingraph.runtime.cpu import verify
+from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.rewrites import specialize
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,5 @@
-"""First convolutions computed directly before the first segment (runtime/direct_conv.py): the
+"""First convolutions computed directly before the first segment
+(runtime/cpu/kernels/direct_conv.py): the
 kernel against torch, which Convs it takes, the plan, and Module's train steps against the
 graph as written."""
 
@@ -14,8 +15,9 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import direct_conv, segments
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import direct_conv
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 
 NO_DIRECT_CONVS = "direct_conv"
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch_models import ResidualNet, SmallCNN, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime.native import AVAILABLE
+from traingraph.runtime.cpu.native import AVAILABLE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -279,7 +279,7 @@ def _mobilenet_v2() -> nn.Module:
 @pytest.mark.slow
 def test_mobilenet_v2_gradients_are_as_close_to_float64_as_the_graphs(tmp_path):
     # depthwise Convs down to 2 x 2 maps in onnxruntime's blocked kernels
-    # (traingraph.runtime.nchwc), BatchNorm over 16 values per channel at the end
+    # (traingraph.runtime.rewrites.nchwc), BatchNorm over 16 values per channel at the end
     SLOW_MODELS["mobilenet_v2"] = (_mobilenet_v2, _images((4, 3, 64, 64)))
     _artifacts(tmp_path, "mobilenet_v2")
     rng = np.random.default_rng(1)

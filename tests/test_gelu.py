@@ -1,5 +1,6 @@
 """GELU and its gradient computed natively between onnxruntime segments
-(traingraph.runtime.gelu): the kernel against PyTorch, the match of both exporters' forms and
+(traingraph.runtime.cpu.kernels.gelu): the kernel against PyTorch, the match of both exporters'
+forms and
 of the gradient nodes, and Module's train steps against the graph as written and PyTorch."""
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from gradcheck import (
     assert_trains_as_torch_adamw,
 )
 from torch_models import export, seeded
-from traingraph.runtime import conv_grads, gelu, segments
-from traingraph.runtime.masks import DropoutMask
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import conv_grads, gelu
+from traingraph.runtime.cpu.kernels.masks import DropoutMask
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 
 pytestmark = pytest.mark.skipif(
     not AVAILABLE,

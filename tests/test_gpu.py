@@ -235,7 +235,7 @@ def test_cuda_graph_step_copies_batches_asynchronously(tmp_path) -> None:
 @pytest.mark.gpu
 @needs_cuda
 def test_staged_inputs_land_on_the_device() -> None:
-    from traingraph.runtime.cudart import StagedInputs, shared_stream
+    from traingraph.runtime.cuda.cudart import StagedInputs, shared_stream
 
     device = parse_device("cuda")
     stream = shared_stream(device.index)
@@ -532,7 +532,7 @@ def test_static_shapes_fold_into_constants() -> None:
     same outputs; only small shape values are folded, activations never."""
     from onnx import TensorProto, helper
 
-    from traingraph.runtime.static_shapes import fold_static_shapes
+    from traingraph.runtime.cuda.static_shapes import fold_static_shapes
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 12])
@@ -572,7 +572,7 @@ def test_wide_concats_are_split_into_groups(count: int) -> None:
     inputs each, with the same result."""
     from onnx import TensorProto, helper
 
-    from traingraph.runtime.static_shapes import CAPTURE_CONCAT_INPUTS, split_wide_concats
+    from traingraph.runtime.cuda.static_shapes import CAPTURE_CONCAT_INPUTS, split_wide_concats
 
     inputs = [
         helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [2, i % 3 + 1])
@@ -601,7 +601,7 @@ def test_dynamic_batch_training_graph_prepared_for_capture(tmp_path) -> None:
     """A residual network exported with a dynamic batch (BatchNorm lowered, a mean over
     computed axes): once its input shapes are fixed, no Shape or Size is left and no Concat
     takes more than 32 inputs, and the graph computes what it computed before."""
-    from traingraph.runtime.static_shapes import CAPTURE_CONCAT_INPUTS, for_capture
+    from traingraph.runtime.cuda.static_shapes import CAPTURE_CONCAT_INPUTS, for_capture
 
     artifacts.generate_artifacts(
         tg.from_torch(seeded(ResidualNet), torch.zeros(4, 3, 10, 10)),

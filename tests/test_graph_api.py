@@ -18,7 +18,7 @@ from traingraph import layers as L
 from traingraph.datasets import load_digits
 from traingraph.errors import ModelError
 from traingraph.graph import CompileOptions, InferenceGraph, init
-from traingraph.runtime.segments import Plan
+from traingraph.runtime.cpu.segments import Plan
 from traingraph.runtime.session import BoundRunner
 
 

@@ -15,12 +15,13 @@ from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module
 from traingraph.errors import ModelError
 from traingraph.ir.tags import KEY, tagged_kernels
-from traingraph.runtime import conv_grads, kernels
-from traingraph.runtime.batch_norm import BatchNormGrad
-from traingraph.runtime.direct_conv import DirectConv
-from traingraph.runtime.native import AVAILABLE
+from traingraph.runtime.cpu import kernels
+from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.cpu.kernels.batch_norm import BatchNormGrad
+from traingraph.runtime.cpu.kernels.direct_conv import DirectConv
+from traingraph.runtime.cpu.native import AVAILABLE
+from traingraph.runtime.rewrites.specialize import for_cpu
 from traingraph.runtime.session import SessionConfig
-from traingraph.runtime.specialize import for_cpu
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="the native kernels are not built")
 
@@ -134,7 +135,7 @@ def test_a_kernel_that_disagrees_with_its_nodes_is_dropped_with_a_reason(
     _, found = kernels.find(model, grads)
     assert any(isinstance(k, kind) for k, _ in found)
     monkeypatch.setattr(kind, "compute", off_by_one)
-    with caplog.at_level(logging.WARNING, logger="traingraph.runtime.kernels"):
+    with caplog.at_level(logging.WARNING, logger="traingraph.runtime.cpu.kernels"):
         _, found = kernels.find(model, grads)
     assert not any(isinstance(k, kind) for k, _ in found)
     assert f"native kernel {kind.__name__}" in caplog.text

@@ -1,5 +1,6 @@
 """LayerNormalization gradients computed natively between onnxruntime segments
-(traingraph.runtime.layer_norm): the kernel against PyTorch, the match, and Module's train steps
+(traingraph.runtime.cpu.kernels.layer_norm): the kernel against PyTorch, the match, and Module's
+train steps
 against the graph as written and PyTorch."""
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from gradcheck import (
     assert_trains_as_torch_adamw,
 )
 from torch_models import export, seeded
-from traingraph.runtime import layer_norm, segments
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import layer_norm
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 
 pytestmark = pytest.mark.skipif(
     not AVAILABLE,

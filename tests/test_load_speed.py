@@ -20,8 +20,9 @@ from torch import nn
 
 from torch_models import export, seeded
 from traingraph import api, artifacts
-from traingraph.runtime import batch_norm, conv_grads, step
-from traingraph.runtime.native import AVAILABLE
+from traingraph.runtime import step
+from traingraph.runtime.cpu.kernels import batch_norm, conv_grads
+from traingraph.runtime.cpu.native import AVAILABLE
 
 pytestmark = pytest.mark.skipif(
     not AVAILABLE,

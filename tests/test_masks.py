@@ -1,5 +1,5 @@
 """Dropout keep masks written by the native kernel between onnxruntime segments
-(traingraph.runtime.masks): the kernel against the hash, the match and its check, and
+(traingraph.runtime.cpu.kernels.masks): the kernel against the hash, the match and its check, and
 Module's train steps against the graph as written."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.ir.random import GOLDEN, MIX
-from traingraph.runtime import masks, segments
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import masks
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(

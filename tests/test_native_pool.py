@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime.cpu.kernels import conv_grads
 
 native = conv_grads.NATIVE
 pytestmark = pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """Convs with parameter filters in onnxruntime's blocked (NCHWc) kernels on the CPU
-(traingraph.runtime.nchwc): the rewrite against the plain Conv, what stays, and Module's
+(traingraph.runtime.rewrites.nchwc): the rewrite against the plain Conv, what stays, and Module's
 train steps with and without it."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from gradcheck import assert_same_training, train_steps
 from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import kernels, nchwc
+from traingraph.runtime.cpu import kernels
+from traingraph.runtime.rewrites import nchwc
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(

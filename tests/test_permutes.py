@@ -13,8 +13,9 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from traingraph.runtime import conv_grads, nchwc, permutes
-from traingraph.runtime.permutes import as_permutation
+from traingraph.runtime.cpu.kernels import conv_grads, permutes
+from traingraph.runtime.cpu.kernels.permutes import as_permutation
+from traingraph.runtime.rewrites import nchwc
 
 rng = np.random.default_rng(0)
 

@@ -104,7 +104,7 @@ def test_lowered_dropout_runs_under_cuda_graph_rewrites():
     (``dropout_from_noise``), and the shifts become divisions (the CUDA provider has no
     BitShift); the masks then follow the fed noise exactly."""
     from traingraph.runtime.cuda import dropout_from_noise, with_static_inputs
-    from traingraph.runtime.specialize import for_cuda
+    from traingraph.runtime.rewrites.specialize import for_cuda
 
     program, _, _ = _train_session([0.5])
     static = with_static_inputs(program.train_model, {"x0": SHAPE})

@@ -16,9 +16,10 @@ from gradcheck import assert_same_training
 from torch_models import ResidualNet, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import batch_norm, conv_grads, segments
-from traingraph.runtime.col2im import Col2ImSum
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.kernels import batch_norm, conv_grads
+from traingraph.runtime.cpu.kernels.col2im import Col2ImSum
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(

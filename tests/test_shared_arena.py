@@ -13,8 +13,8 @@ from gradcheck import assert_same_training
 from torch_models import ResidualNet, export, seeded
 from traingraph import artifacts, optim
 from traingraph.api import CheckpointState, Module, Optimizer
-from traingraph.runtime import segments
-from traingraph.runtime.native import AVAILABLE
+from traingraph.runtime.cpu import segments
+from traingraph.runtime.cpu.native import AVAILABLE
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch_models import SmallCNN, export, seeded
 from traingraph.losses import CrossEntropyLoss
 from traingraph.program import build_program
-from traingraph.runtime.specialize import for_cpu, for_cuda
+from traingraph.runtime.rewrites.specialize import for_cpu, for_cuda
 
 SHAPE = [3, 4, 5, 6]
 

@@ -1,5 +1,6 @@
 """3 x 3 convolutions of stride 1 by Winograd's F(2 x 2, 3 x 3) and F(4 x 4, 3 x 3)
-(runtime/winograd.py): the kernel against torch, which Convs of a residual network it takes
+(runtime/cpu/kernels/winograd.py): the kernel against torch, which Convs of a residual network it
+takes
 (forward and input gradient, with the Sum of a residual block's two gradient paths), and
 Module's train steps against the graph as written."""
 
@@ -15,8 +16,9 @@ from torch import nn
 from gradcheck import artifact_steps, assert_same_training
 from torch_models import export, export_dynamo, seeded
 from traingraph import artifacts, optim
-from traingraph.runtime import conv_grads, graph_match, segments, verify, winograd
-from traingraph.runtime.native import AVAILABLE, NATIVE
+from traingraph.runtime.cpu import graph_match, segments, verify
+from traingraph.runtime.cpu.kernels import conv_grads, winograd
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
 
 NO_WINOGRAD = "winograd"
 

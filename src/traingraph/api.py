@@ -46,9 +46,9 @@ from traingraph.optim.schedulers import (
     StepLRScheduler,
 )
 from traingraph.program import BUFFER_UPDATE_SUFFIX, export_inference_model
+from traingraph.runtime.cpu.segments import SegmentedRunner
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.optimizer import OptimizerUpdate
-from traingraph.runtime.segments import SegmentedRunner
 from traingraph.runtime.session import (
     BoundRunner,
     SessionConfig,

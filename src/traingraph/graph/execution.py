@@ -28,8 +28,8 @@ class CompileOptions:
             to the host (``ExecutionResult.parameters`` / ``.gradients``).
         disable_fusion: Run the graphs as written: without onnxruntime's graph optimizations
             (no fusion), the runtime's rewrites for the device
-            (:mod:`traingraph.runtime.specialize`) or the native Conv weight gradients
-            (:mod:`traingraph.runtime.conv_grads`).
+            (:mod:`traingraph.runtime.rewrites.specialize`) or the native Conv weight gradients
+            (:mod:`traingraph.runtime.cpu.kernels.conv_grads`).
         compute_all_gradients: Also compute the gradients of every data input.
         profile: Report each phase's execution time in ``ExecutionResult.times``.
         intra_op_threads: onnxruntime threads per op (0: its default).

@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from traingraph.errors import ArgumentTypeError, ModelError
 from traingraph.runtime.device import Device
-from traingraph.runtime.specialize import for_cpu, for_cuda
+from traingraph.runtime.rewrites.specialize import for_cpu, for_cuda
 
 _LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -44,20 +44,21 @@ class SessionConfig:
             sessions) keeps its cores.
         native_conv_grads: On the CPU, compute the weight gradients of 2-D float32 Convs with
             the native kernel instead of the training graph's nodes (see
-            :mod:`traingraph.runtime.conv_grads`): the same sums, without the unfold's 9 copies
+            :mod:`traingraph.runtime.cpu.kernels.conv_grads`): the same sums, without the unfold's
+            9 copies
             of the input. Needs the
             extension built at install time; without it, or with False, the graph computes them.
         native_segments: On the CPU, run the training graph as onnxruntime segments with
-            native kernels between them (see :mod:`traingraph.runtime.segments`): the gradient
+            native kernels between them (see :mod:`traingraph.runtime.cpu.segments`): the gradient
             of each training-mode BatchNormalization, with the Relu gradient in front of it
             (two passes over the activations instead of about ten), a Conv's output gradient
             routed through the MaxPool after it, and the keep masks of the Dropouts (one pass
             each instead of about twelve). Needs the extension; False runs the graph's nodes.
         native_kernels: Which native kernels to use, by name (those of
-            :func:`traingraph.runtime.kernels.names`, e.g. ``{"gelu", "conv_weight_grad"}``);
+            :func:`traingraph.runtime.cpu.kernels.names`, e.g. ``{"gelu", "conv_weight_grad"}``);
             None uses every one available. An unknown name raises a ModelError listing them.
         specialize: Rewrite the model for the provider that runs it, with the same results
-            (:mod:`traingraph.runtime.specialize`: on the CPU, ConvTranspose as MatMul and
+            (:mod:`traingraph.runtime.rewrites.specialize`: on the CPU, ConvTranspose as MatMul and
             Col2Im, Convs with parameter filters in onnxruntime's blocked kernels; on CUDA,
             forms its kernels lack or run slowly). False runs it as written.
         profile: Write onnxruntime's profile.

@@ -33,8 +33,9 @@ from traingraph.ir.model import max_ir_version
 from traingraph.onnxblock._training import ACCUMULATION_BUFFER, ACCUMULATION_OUT, LAZY_RESET_GRAD
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.program import BUFFER_UPDATE_SUFFIX
-from traingraph.runtime import conv_grads, kernels, segments
 from traingraph.runtime.amp import DynamicLossScaler
+from traingraph.runtime.cpu import kernels, segments
+from traingraph.runtime.cpu.kernels import conv_grads
 from traingraph.runtime.device import Device
 from traingraph.runtime.optimizer import OptimizerUpdate
 from traingraph.runtime.session import BoundRunner, SessionConfig, create_session, ort_type_to_numpy
@@ -57,9 +58,9 @@ scaler: its gradients) is finite; it returns the finiteness the update goes by."
 class GradientRunner:
     """A runner of a graph that computes gradients, with the native CPU kernels wired in.
 
-    This is the one place that wires them: :func:`traingraph.runtime.kernels.split` finds the
+    This is the one place that wires them: :func:`traingraph.runtime.cpu.kernels.split` finds the
     kernels ``SessionConfig.native_kernels`` names (Conv weight gradients split out of the
-    graph, and kernels between onnxruntime segments of it, :mod:`~traingraph.runtime.segments`).
+    graph, and kernels between onnxruntime segments of it, :mod:`~traingraph.runtime.cpu.segments`).
 
     Attributes:
         runner: Runs the (possibly split) graph: a ``BoundRunner`` or a ``SegmentedRunner``.

@@ -22,8 +22,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from traingraph.runtime import graph_match, specialize, verify
-from traingraph.runtime.native import NATIVE, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, output_array
+from traingraph.runtime.rewrites import specialize
 
 KERNEL = "batch_norm_forward"
 """The tag of a lowered training-mode BatchNormalization."""

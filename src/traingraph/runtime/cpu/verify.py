@@ -20,7 +20,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from traingraph.runtime.graph_match import (
+from traingraph.runtime.cpu.graph_match import (
     FLOAT,
     GraphIndex,
 )
@@ -28,7 +28,7 @@ from traingraph.runtime.graph_match import (
 # Relative tolerance of the numeric check, against the largest magnitude of the result.
 CHECK_RTOL = 1e-4
 
-logger = logging.getLogger("traingraph.runtime.kernels")
+logger = logging.getLogger("traingraph.runtime.cpu.kernels")
 """Where the verifier says which matches it drops, and why."""
 
 
@@ -107,7 +107,7 @@ def verified_kernels(
     shapes: Mapping[str, list[int | None]],
     offsets: Mapping[str, float] | None = None,
 ) -> list[tuple[Any, set[int]]]:
-    """The matches (native kernels of :mod:`traingraph.runtime.segments`, each with the indices
+    """The matches (native kernels of :mod:`traingraph.runtime.cpu.segments`, each with the indices
     of the nodes it replaces) whose kernel computes what their nodes compute on random inputs
     (of the model's batch, or 2 where it is open), ``offsets`` added to the named ones, all in
     one single-threaded onnxruntime session. The nodes between matches that stay (the Squeezes
@@ -230,7 +230,7 @@ class WindowedDraws:
 def kernel_agrees(
     kernel: Any, values: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
 ) -> bool:
-    """Whether ``kernel`` (a native kernel of :mod:`traingraph.runtime.segments`), computed
+    """Whether ``kernel`` (a native kernel of :mod:`traingraph.runtime.cpu.segments`), computed
     single-threaded from ``values``, writes each of its outputs as ``expected`` holds it, to
     ``CHECK_RTOL`` of its largest element; False where it refuses the shapes."""
     got: dict[str, np.ndarray] = {}

@@ -6,7 +6,7 @@ device addresses, so every input and output must be bound to a device buffer tha
 :class:`CudaGraphStep` does that for a whole training step (train graph, then optimizer graph,
 fused into one model where the optimizer runs over flat blocks: one launch and one wait per
 step): each input batch is copied once into a fixed device buffer (one asynchronous copy from
-page-locked memory, :mod:`~traingraph.runtime.cudart`), and parameters, gradients, updated
+page-locked memory, :mod:`~traingraph.runtime.cuda.cudart`), and parameters, gradients, updated
 buffers and optimizer slots stay in the :class:`~traingraph.runtime.state.TrainingState` of
 the module's :class:`~traingraph.runtime.step.TrainStep`. That state double-buffers what a step
 rewrites (it reads one copy and writes the other, then swaps), so the step keeps one captured
@@ -40,11 +40,11 @@ from traingraph.errors import DeviceError, ModelError
 from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import default_opset, max_ir_version, to_proto
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
-from traingraph.runtime.cudart import StagedInputs, shared_stream
+from traingraph.runtime.cuda.cudart import StagedInputs, shared_stream
+from traingraph.runtime.cuda.static_shapes import for_capture
 from traingraph.runtime.device import Device
 from traingraph.runtime.optimizer import FlatLayout, OptimizerUpdate, optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
-from traingraph.runtime.static_shapes import for_capture
 from traingraph.runtime.step import TrainStep
 from traingraph.runtime.tensors import Spec, TensorStore
 

@@ -2,7 +2,7 @@
 
 onnxruntime's blocked (NCHWc) convolution kernels read the filter in channel blocks, and the
 training graph reorders each filter on every step with a ``Gather`` of its positions
-(:mod:`traingraph.runtime.nchwc`). Where the channel counts are multiples of the block, the
+(:mod:`traingraph.runtime.rewrites.nchwc`). Where the channel counts are multiples of the block, the
 positions are a permutation of the filter's axes split into blocks: ``dst =
 src.reshape(dims).transpose(perm)``. :func:`as_permutation` finds ``dims`` and ``perm`` from
 the positions (checked element by element), and :func:`permute` writes them with the native
@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from traingraph.runtime import conv_grads
+from traingraph.runtime.cpu.kernels import conv_grads
 
 
 def as_permutation(positions: np.ndarray, size: int) -> tuple[list[int], list[int]] | None:

@@ -23,8 +23,8 @@ import onnx
 from onnx import helper
 
 from traingraph.ir.random import GOLDEN, MIX
-from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, output_array
 
 KERNEL = "dropout_mask"
 """The tag of a lowered Dropout's keep mask (:func:`traingraph.ir.random.lower_dropout`)."""

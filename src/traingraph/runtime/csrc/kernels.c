@@ -1,4 +1,4 @@
-/* Native weight gradients of 2-D convolutions for traingraph.runtime.conv_grads.
+/* Native weight gradients of 2-D convolutions for traingraph.runtime.cpu.kernels.conv_grads.
  *
  * For Y = Conv(X, W) with strides s, dilations d, begin pads p and groups g:
  *
@@ -19,7 +19,7 @@
  * tile and filter pair instead of 144. Samples are split across a pool of persistent worker
  * threads, each summing into its own buffer; the caller adds the buffers at the end.
  *
- * The same pool runs the other kernels here (for traingraph.runtime.segments): a max-pool
+ * The same pool runs the other kernels here (for traingraph.runtime.cpu.segments): a max-pool
  * gradient's routing, the gradient of a training-mode batch normalization, the keep masks
  * of lowered Dropouts, and the columns of strided convolutions' input gradients added into
  * their images.
@@ -50,7 +50,7 @@
 #define ROUTE_PER_THREAD (1 << 16) /* elements below which one thread routes (or masks) them all */
 #define CHUNK_FLOATS 2048        /* enough positions per chunk to amortize each block's sums */
 
-#include "_pool.h"
+#include "pool.h"
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
@@ -1861,11 +1861,11 @@ done:
     return result;
 }
 
-#include "_winograd.h"
-#include "_gelu.h"
-#include "_layernorm.h"
-#include "_permute.h"
-#include "_clip.h"
+#include "winograd.h"
+#include "gelu.h"
+#include "layernorm.h"
+#include "permute.h"
+#include "clip.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},

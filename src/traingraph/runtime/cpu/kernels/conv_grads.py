@@ -8,7 +8,7 @@ and reading 9 copies of it. The weight gradients of 3 x 3 Convs of strides 1 and
 or more channels and filters, with a height and width divisible by 4, go by Winograd's
 F(4 x 4, 3 x 3) (36 products per 4 x 4 tile and filter pair instead of 144). That is the
 weight gradient only: the forward Convs and input gradients of
-:mod:`traingraph.runtime.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
+:mod:`traingraph.runtime.cpu.kernels.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
 (its docstring says why that matters there).
 
 :func:`split_weight_grads` finds, in a training model, each gradient output that is the
@@ -48,7 +48,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from traingraph.runtime.graph_match import (
+from traingraph.runtime.cpu.graph_match import (
     FLOAT,
     GraphIndex,
     elem_type,
@@ -60,8 +60,8 @@ from traingraph.runtime.graph_match import (
     shared_analyses,
     value_dims,
 )
-from traingraph.runtime.native import AVAILABLE, NATIVE, default_threads, output_array
-from traingraph.runtime.verify import (
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE, default_threads, output_array
+from traingraph.runtime.cpu.verify import (
     WindowedDraws,
     report_dropped,
     run_subgraph,
@@ -243,7 +243,7 @@ def run_outputs(grads: Sequence[WeightGrad], inputs: Collection[str]) -> list[st
 @dataclass(frozen=True)
 class WeightGradKernel:
     """A :class:`WeightGrad` computed between two segments of a
-    :class:`~traingraph.runtime.segments.SegmentedRunner`, as soon as the values it reads
+    :class:`~traingraph.runtime.cpu.segments.SegmentedRunner`, as soon as the values it reads
     are written (while the output gradient is still in cache), instead of after the run."""
 
     grad: WeightGrad
@@ -575,7 +575,7 @@ def _route(
     ``dy`` from the MaxPool's input ``y`` and one value ``dp`` of its output's shape alone,
     and (where ``exclusive``) reads ``dy`` only for the weight gradient (``cone``) and the
     bias gradient; else None. Not ``exclusive``, ``dy`` may have other readers (the Conv's
-    input gradient): :mod:`traingraph.runtime.segments` computes it between segments."""
+    input gradient): :mod:`traingraph.runtime.cpu.segments` computes it between segments."""
     conv, relu, max_pool = pool
     y = max_pool.input[0]
     if grad.dy not in g.producer:

@@ -2,7 +2,7 @@
 
 The gradient of a Conv's input is a ConvTranspose of its output gradient. Where the Conv is
 strided (or its input has more positions than its output),
-:func:`traingraph.runtime.specialize.for_cpu` writes that ConvTranspose as one MatMul into
+:func:`traingraph.runtime.rewrites.specialize.for_cpu` writes that ConvTranspose as one MatMul into
 columns and a ``Col2Im`` that adds the columns into the image. onnxruntime's Col2Im adds one
 element at a time, and what follows the ConvTranspose in a training graph is often more passes
 over the same image: the ``Sum`` with the gradient from the input's other readers (a residual
@@ -26,8 +26,9 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
-from traingraph.runtime import graph_match, specialize, verify
-from traingraph.runtime.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.rewrites import specialize
 
 KERNEL = "conv_input_grad"
 """The tag of the nodes of a Conv's input gradient."""
@@ -154,7 +155,7 @@ class _Transposed:
 def _term(
     node: onnx.NodeProto, shapes: Mapping[str, list[int | None]], types: Mapping[str, int]
 ) -> _Transposed | None:
-    """A 2-D ConvTranspose without bias that :func:`~traingraph.runtime.specialize.for_cpu`
+    """A 2-D ConvTranspose without bias that :func:`~traingraph.runtime.rewrites.specialize.for_cpu`
     would write as MatMul and Col2Im; else None."""
     if len(node.input) > 2 and node.input[2]:
         return None

@@ -12,7 +12,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "_pool.h"
+#include "pool.h"
 
 enum sgd_mode { SGD_PLAIN, SGD_MOMENTUM, SGD_NESTEROV, SGD_DAMPENED, SGD_FIRST_DAMPENED };
 
@@ -47,7 +47,7 @@ struct sgd_args {
 #define T float
 #define SQRT sqrtf
 #define SUFFIX f32
-#include "_fusedc_kernels.h"
+#include "optimizer_kernels.h"
 #undef T
 #undef SQRT
 #undef SUFFIX
@@ -55,7 +55,7 @@ struct sgd_args {
 #define T double
 #define SQRT sqrt
 #define SUFFIX f64
-#include "_fusedc_kernels.h"
+#include "optimizer_kernels.h"
 #undef T
 #undef SQRT
 #undef SUFFIX

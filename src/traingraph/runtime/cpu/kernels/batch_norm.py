@@ -22,8 +22,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from traingraph.runtime import conv_grads, graph_match, verify
-from traingraph.runtime.native import NATIVE, NormalizationGrad, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.cpu.native import NATIVE, NormalizationGrad, output_array
 
 KERNEL = "batch_norm_grad"
 """The tag of the nodes of a BatchNormalization's gradient."""
@@ -32,7 +33,7 @@ KERNEL = "batch_norm_grad"
 @dataclass(frozen=True)
 class BatchNormGrad(NormalizationGrad):
     """One training-mode BatchNormalization gradient that the native kernel computes (see
-    :class:`~traingraph.runtime.native.NormalizationGrad`), with the Relu gradient in front of
+    :class:`~traingraph.runtime.cpu.native.NormalizationGrad`), with the Relu gradient in front of
     it where ``y`` is set: ``dy`` is then the gradient of the Relu's output ``y``."""
 
     y: str | None = None
@@ -255,7 +256,8 @@ def _verified(
 @dataclass(frozen=True)
 class MaxPoolGrad:
     """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
-    the Conv (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`), where other nodes read
+    the Conv (:class:`~traingraph.runtime.cpu.kernels.conv_grads.MaxPoolRoute`), where other nodes
+    read
     ``dy`` too (the Conv's input gradient), with the Conv's bias gradient where the graph
     computes it from ``dy`` alone."""
 

@@ -11,21 +11,24 @@ middle of the step:
   Conv's input gradient reads it too (an ArgMax over the windows, two upsamplings, a
   comparison, the masks); :func:`split_max_pool_grads` finds them. The first Conv of a network,
   whose output gradient only its own weight gradient reads, is routed after the run instead
-  (:class:`~traingraph.runtime.conv_grads.MaxPoolRoute`);
-- a lowered Dropout's keep mask (:mod:`traingraph.runtime.masks`), which depends on the step's
+  (:class:`~traingraph.runtime.cpu.kernels.conv_grads.MaxPoolRoute`);
+- a lowered Dropout's keep mask (:mod:`traingraph.runtime.cpu.kernels.masks`), which depends on the
+  step's
   seed alone: every mask is written right after the seed is drawn;
-- a strided Conv's input gradient after its MatMul (:mod:`traingraph.runtime.col2im`): the
+- a strided Conv's input gradient after its MatMul (:mod:`traingraph.runtime.cpu.kernels.col2im`):
+  the
   columns added into the image, with the Sum and Relu mask after them;
 - a first Conv of few input channels (and its Relu), computed directly before the first segment
-  (:mod:`traingraph.runtime.direct_conv`);
+  (:mod:`traingraph.runtime.cpu.kernels.direct_conv`);
 - a training-mode BatchNormalization's forward pass, with the residual Add and Relu after it
-  (:mod:`traingraph.runtime.bn_forward`);
+  (:mod:`traingraph.runtime.cpu.kernels.bn_forward`);
 - a 3 x 3 Conv of stride 1, forward or input gradient, by Winograd's transforms
-  (:mod:`traingraph.runtime.winograd`);
-- a Conv's weight gradient (:class:`~traingraph.runtime.conv_grads.WeightGradKernel`), as
+  (:mod:`traingraph.runtime.cpu.kernels.winograd`);
+- a Conv's weight gradient (:class:`~traingraph.runtime.cpu.kernels.conv_grads.WeightGradKernel`),
+  as
   soon as its output gradient is written, while that is still in cache;
-- GELU and its gradient (:mod:`traingraph.runtime.gelu`), and a LayerNormalization's
-  gradient (:mod:`traingraph.runtime.layer_norm`).
+- GELU and its gradient (:mod:`traingraph.runtime.cpu.kernels.gelu`), and a LayerNormalization's
+  gradient (:mod:`traingraph.runtime.cpu.kernels.layer_norm`).
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
@@ -50,10 +53,10 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from traingraph.runtime import conv_grads, graph_match
+from traingraph.runtime.cpu import graph_match
+from traingraph.runtime.cpu.graph_match import Pending, settle
+from traingraph.runtime.cpu.kernels import Kernel, conv_grads, find
 from traingraph.runtime.device import Device
-from traingraph.runtime.graph_match import Pending, settle
-from traingraph.runtime.kernels import Kernel, find
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
 
 
@@ -63,7 +66,7 @@ def find_kernels(
     forward: onnx.ModelProto | None = None,
     kernels: Collection[str] | None = None,
 ) -> tuple[onnx.ModelProto, list[tuple[Kernel, set[int]]]]:
-    """Every kernel of the registry (:func:`traingraph.runtime.kernels.find`) among
+    """Every kernel of the registry (:func:`traingraph.runtime.cpu.kernels.find`) among
     ``kernels`` (names, as ``SessionConfig.native_kernels``; all where None) that ``model``
     holds, with the nodes each replaces, and ``model`` as they need it: with the columns the
     Col2Im kernels read written after its nodes."""
@@ -516,7 +519,7 @@ def runner(
     not wrong).
 
     ``weight_grads``, split from ``model`` by
-    :func:`~traingraph.runtime.conv_grads.split_weight_grads`, are computed by the
+    :func:`~traingraph.runtime.cpu.kernels.conv_grads.split_weight_grads`, are computed by the
     :class:`SegmentedRunner` as soon as it has their values (and written into the run's
     outputs named ``<param>_grad``); the caller computes them after a :class:`BoundRunner`'s
     run."""

@@ -23,8 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NormalizationGrad
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NormalizationGrad
 
 KERNEL = "layer_norm_grad"
 """The tag of the nodes of a LayerNormalization's gradient."""

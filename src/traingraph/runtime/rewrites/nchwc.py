@@ -34,7 +34,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from traingraph.runtime import verify
+from traingraph.runtime.cpu import verify
 
 DOMAIN = "com.microsoft.nchwc"
 _FLOAT = onnx.TensorProto.FLOAT

@@ -17,7 +17,8 @@ sums. F(4 x 4, 3 x 3) (2.25 multiplications per output and channel pair) is not 
 these Convs: its transforms' larger coefficients give a rounding error about an order of
 magnitude above a direct convolution's, and a BatchNormalization over few values per channel
 that follows the Conv amplifies the error of its output into every parameter gradient (the
-weight-gradient kernel of :mod:`traingraph.runtime.conv_grads` does use F(4 x 4, 3 x 3): its
+weight-gradient kernel of :mod:`traingraph.runtime.cpu.kernels.conv_grads` does use F(4 x 4, 3 x
+3): its
 result feeds only the optimizer). Where the
 output holds a NaN or an Inf (read from the input, the filters or the addend, or an
 overflow), the Conv is computed again as the direct sums, which propagate them as the Conv's
@@ -34,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _TILE = 2  # F(2 x 2, 3 x 3): within about twice a direct convolution's rounding

@@ -24,7 +24,7 @@ from onnx import numpy_helper
 
 from traingraph import limits
 from traingraph.ir.tags import origin, read_tags
-from traingraph.runtime.native import (
+from traingraph.runtime.cpu.native import (
     NATIVE,
 )
 

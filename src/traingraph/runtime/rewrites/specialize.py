@@ -23,7 +23,8 @@ On the CPU (:func:`for_cpu`):
   the leading axes of a static shape as ``MatMul(ones, X)`` between two Reshapes.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph
-  (:mod:`traingraph.runtime.nchwc`): onnxruntime blocks only Convs with constant filters, and
+  (:mod:`traingraph.runtime.rewrites.nchwc`): onnxruntime blocks only Convs with constant filters,
+  and
   its other kernel unfolds the input (im2col) before a GEMM, a pass the blocked one avoids.
 
 On CUDA (:func:`for_cuda`):
@@ -58,7 +59,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
-from traingraph.runtime import nchwc, rewrites
+from traingraph.runtime import rewrites
+from traingraph.runtime.rewrites import nchwc
 
 Source = str | bytes
 

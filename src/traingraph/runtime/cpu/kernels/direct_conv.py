@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
 
 MAX_CHANNELS = 4
 """Input channels up to which a Conv runs directly; with more, onnxruntime's blocked

@@ -9,8 +9,8 @@ Where a kernel's pattern is made by traingraph's autodiff or lowerings (a gradie
 BatchNormalization or Dropout), those tag its nodes (:mod:`traingraph.ir.tags`): a tagged
 model is searched only for the kernels whose tags it holds, and each matcher starts only from
 the nodes tagged for its kernel, or from the forward nodes its tags were made for
-(:meth:`~traingraph.runtime.graph_match.GraphIndex.tagged`,
-:meth:`~traingraph.runtime.graph_match.GraphIndex.made_for`). A model without tags (made by
+(:meth:`~traingraph.runtime.cpu.graph_match.GraphIndex.tagged`,
+:meth:`~traingraph.runtime.cpu.graph_match.GraphIndex.made_for`). A model without tags (made by
 onnxblock, onnxruntime-training or by hand) is searched for every kernel: each match is exact
 (its nodes compute what the kernel computes, checked numerically at load, with non-finite
 values), so these models keep their fast paths. The forward-side kernels (a first Conv of few
@@ -32,17 +32,18 @@ import numpy as np
 import onnx
 
 from traingraph.errors import ModelError
-from traingraph.runtime import conv_grads, graph_match
-from traingraph.runtime.batch_norm import split_batch_norm_grads, split_max_pool_grads
-from traingraph.runtime.bn_forward import split_batch_norm_forwards
-from traingraph.runtime.clip_grad import split_clip_grads
-from traingraph.runtime.col2im import split_col2ims
-from traingraph.runtime.direct_conv import split_direct_convs
-from traingraph.runtime.gelu import split_gelus
-from traingraph.runtime.layer_norm import split_layer_norm_grads
-from traingraph.runtime.masks import split_dropout_masks
+from traingraph.runtime.cpu import graph_match
+from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.cpu.kernels.batch_norm import split_batch_norm_grads, split_max_pool_grads
+from traingraph.runtime.cpu.kernels.bn_forward import split_batch_norm_forwards
+from traingraph.runtime.cpu.kernels.clip_grad import split_clip_grads
+from traingraph.runtime.cpu.kernels.col2im import split_col2ims
+from traingraph.runtime.cpu.kernels.direct_conv import split_direct_convs
+from traingraph.runtime.cpu.kernels.gelu import split_gelus
+from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
+from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
+from traingraph.runtime.cpu.kernels.winograd import split_winograd_convs
 from traingraph.runtime.session import SessionConfig
-from traingraph.runtime.winograd import split_winograd_convs
 
 
 class Kernel(Protocol):
@@ -121,7 +122,8 @@ class KernelSpec:
 
 
 CONV_WEIGHT_GRAD = "conv_weight_grad"
-"""The Conv weight gradients computed beside the run (:mod:`traingraph.runtime.conv_grads`)."""
+"""The Conv weight gradients computed beside the run
+(:mod:`traingraph.runtime.cpu.kernels.conv_grads`)."""
 
 REGISTRY: tuple[KernelSpec, ...] = (
     KernelSpec(
@@ -225,7 +227,8 @@ def split(
 ) -> tuple[onnx.ModelProto, list[conv_grads.WeightGrad], Found]:
     """The native kernels ``config`` asks for in the training model ``model`` on the CPU: the
     model to run, the Conv weight gradients computed beside it
-    (:func:`traingraph.runtime.conv_grads.split_weight_grads`) and the kernels between its
+    (:func:`traingraph.runtime.cpu.kernels.conv_grads.split_weight_grads`) and the kernels between
+    its
     segments (:func:`find`).
 
     Raises:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _ELEMENTWISE = frozenset({"Mul", "Div", "Add", "Sub", "Neg", "Exp", "Erf", "Sum", "Pow", "Sqrt"})

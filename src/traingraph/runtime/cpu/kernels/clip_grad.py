@@ -7,7 +7,7 @@ its elementwise kernels. MobileNet's ReLU6 (a dynamo export's ``Clip(x, 0, 6)``)
 block. :class:`ClipGrad` computes the same selection in one pass with the native kernel
 ``_convc.clip_grad``: the same comparisons (false for a NaN ``x``, which keeps ``g``), so each
 element is the one the graph selects, NaN and infinities included; the load-time check
-(:func:`traingraph.runtime.verify.verified_kernels`) compares the two.
+(:func:`traingraph.runtime.cpu.verify.verified_kernels`) compares the two.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from traingraph.runtime import graph_match, verify
-from traingraph.runtime.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
 
 Scalar = str | float
 """A one-element operand: the name of a value read at run time, or a constant's value."""
