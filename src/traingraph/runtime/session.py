@@ -66,7 +66,10 @@ class SessionConfig:
         shared_arena: With ``memory_arena``, CPU sessions allocate from one arena registered
             once per process (:func:`shared_cpu_arena`) instead of one arena each: a segmented
             step's many sessions, and several Modules in one process, then reuse the same
-            freed blocks. False gives every session its own arena.
+            freed blocks. The shared arena keeps what it has grown to until the process
+            ends, where an arena of its own goes with its session. False gives every
+            session its own arena (sessions created from ``session_options`` or with
+            ``session.use_env_allocators`` in ``extra`` keep what those say).
         extra: Further session config entries (``add_session_config_entry``); an entry here
             replaces the one the fields above would set.
         cuda_graph: Capture the session's kernels into a CUDA graph on the first run and replay
