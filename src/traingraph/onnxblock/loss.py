@@ -42,7 +42,18 @@ class _LossBlock(Block):
         return value.name or ""
 
 
-class MSELoss(_LossBlock):
+class _TargetLossBlock(_LossBlock):
+    """A loss block whose label ``target`` is shaped like the prediction."""
+
+    def build(self, loss_input_name: str, target_name: str = "target") -> str:
+        """Add the loss of ``loss_input_name`` against ``target_name`` (a new input like the
+        prediction where the model has no such tensor); return the loss's name."""
+        if not graph_utils.node_arg_exists(self.base, target_name):
+            target_name = InputLike(loss_input_name)(target_name)
+        return self._apply(loss_input_name, target_name)
+
+
+class MSELoss(_TargetLossBlock):
     """Mean squared error, as ``torch.nn.MSELoss`` (:class:`traingraph.losses.MSELoss`).
 
     Args:
@@ -53,15 +64,8 @@ class MSELoss(_LossBlock):
         super().__init__()
         self.loss = losses.MSELoss(reduction=reduction)
 
-    def build(self, loss_input_name: str, target_name: str = "target") -> str:
-        """Add the loss of ``loss_input_name`` against ``target_name`` (a new input like the
-        prediction where the model has no such tensor); return the loss's name."""
-        if not graph_utils.node_arg_exists(self.base, target_name):
-            target_name = InputLike(loss_input_name)(target_name)
-        return self._apply(loss_input_name, target_name)
 
-
-class L1Loss(_LossBlock):
+class L1Loss(_TargetLossBlock):
     """Mean absolute error, as ``torch.nn.L1Loss`` (:class:`traingraph.losses.L1Loss`).
 
     Args:
@@ -72,14 +76,8 @@ class L1Loss(_LossBlock):
         super().__init__()
         self.loss = losses.L1Loss(reduction=reduction)
 
-    def build(self, loss_input_name: str, target_name: str = "target") -> str:
-        """As :meth:`MSELoss.build`."""
-        if not graph_utils.node_arg_exists(self.base, target_name):
-            target_name = InputLike(loss_input_name)(target_name)
-        return self._apply(loss_input_name, target_name)
 
-
-class BCEWithLogitsLoss(_LossBlock):
+class BCEWithLogitsLoss(_TargetLossBlock):
     """Binary cross-entropy of logits, as ``torch.nn.BCEWithLogitsLoss``
     (:class:`traingraph.losses.BCEWithLogitsLoss`).
 
@@ -94,12 +92,6 @@ class BCEWithLogitsLoss(_LossBlock):
         self.loss = losses.BCEWithLogitsLoss(
             weight=weight, reduction=reduction, pos_weight=pos_weight
         )
-
-    def build(self, loss_input_name: str, target_name: str = "target") -> str:
-        """As :meth:`MSELoss.build`."""
-        if not graph_utils.node_arg_exists(self.base, target_name):
-            target_name = InputLike(loss_input_name)(target_name)
-        return self._apply(loss_input_name, target_name)
 
 
 class CrossEntropyLoss(_LossBlock):
