@@ -305,8 +305,8 @@ def class_labels(model: onnx.ModelProto) -> dict[str, ClassLabels]:
 
 # ------------------------------------------------------------------------ regression
 @dataclass(frozen=True)
-class MSELoss(Loss):
-    r"""Mean squared error, as ``torch.nn.MSELoss``: :math:`\ell_i = (x_i - y_i)^2`.
+class _ElementwiseLoss(Loss):
+    """A loss of the first output against one label of its shape and type, then ``reduction``.
 
     Args:
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
@@ -319,6 +319,15 @@ class MSELoss(Loss):
 
     def label_specs(self, outputs: Values) -> list[LabelSpec]:
         return _same_spec(_first_output(self, outputs))
+
+
+@dataclass(frozen=True)
+class MSELoss(_ElementwiseLoss):
+    r"""Mean squared error, as ``torch.nn.MSELoss``: :math:`\ell_i = (x_i - y_i)^2`.
+
+    Args:
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
+    """
 
     def build(self, b: OpBuilder, outputs: Values, labels: Values) -> ir.Value:
         x = _first_output(self, outputs)
@@ -328,20 +337,12 @@ class MSELoss(Loss):
 
 
 @dataclass(frozen=True)
-class L1Loss(Loss):
+class L1Loss(_ElementwiseLoss):
     r"""Mean absolute error, as ``torch.nn.L1Loss``: :math:`\ell_i = |x_i - y_i|`.
 
     Args:
         reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
     """
-
-    reduction: str = "mean"
-
-    def __post_init__(self) -> None:
-        _check_reduction(self, self.reduction)
-
-    def label_specs(self, outputs: Values) -> list[LabelSpec]:
-        return _same_spec(_first_output(self, outputs))
 
     def build(self, b: OpBuilder, outputs: Values, labels: Values) -> ir.Value:
         x = _first_output(self, outputs)
