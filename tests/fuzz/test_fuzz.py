@@ -8,7 +8,7 @@ from __future__ import annotations
 from fuzz.cases import KINDS
 from fuzz.harness import failures, run_cases, table
 
-CASES_PER_KIND = 40
+CASES_PER_KIND = 300
 SEED = 20_000  # apart from the seeds the full runs start at
 
 
