@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,15 @@ __all__ = ["DEFAULT_OPSET", "Graph", "Tensor", "TensorSpec", "compose"]
 DEFAULT_OPSET = 17
 
 Dim = int | str | None
+
+
+def _binary_operator(op_type: str, reverse: bool = False) -> Callable[[Tensor, Any], Tensor]:
+    """A :class:`Tensor` operator adding an ``op_type`` node; ``reverse`` swaps the operands."""
+
+    def operator(self: Tensor, other: Any) -> Tensor:
+        return self._binary(op_type, other, reverse)
+
+    return operator
 
 
 @dataclass(frozen=True)
@@ -81,32 +90,15 @@ class Tensor:
         a, b = (other_value, self.value) if reverse else (self.value, other_value)
         return self.graph.wrap(self.graph.builder.op(op_type, a, b), like=self)
 
-    def __add__(self, other: Any) -> Tensor:
-        return self._binary("Add", other)
-
-    def __radd__(self, other: Any) -> Tensor:
-        return self._binary("Add", other, reverse=True)
-
-    def __sub__(self, other: Any) -> Tensor:
-        return self._binary("Sub", other)
-
-    def __rsub__(self, other: Any) -> Tensor:
-        return self._binary("Sub", other, reverse=True)
-
-    def __mul__(self, other: Any) -> Tensor:
-        return self._binary("Mul", other)
-
-    def __rmul__(self, other: Any) -> Tensor:
-        return self._binary("Mul", other, reverse=True)
-
-    def __truediv__(self, other: Any) -> Tensor:
-        return self._binary("Div", other)
-
-    def __rtruediv__(self, other: Any) -> Tensor:
-        return self._binary("Div", other, reverse=True)
-
-    def __matmul__(self, other: Any) -> Tensor:
-        return self._binary("MatMul", other)
+    __add__ = _binary_operator("Add")
+    __radd__ = _binary_operator("Add", reverse=True)
+    __sub__ = _binary_operator("Sub")
+    __rsub__ = _binary_operator("Sub", reverse=True)
+    __mul__ = _binary_operator("Mul")
+    __rmul__ = _binary_operator("Mul", reverse=True)
+    __truediv__ = _binary_operator("Div")
+    __rtruediv__ = _binary_operator("Div", reverse=True)
+    __matmul__ = _binary_operator("MatMul")
 
     def __neg__(self) -> Tensor:
         return self.graph.wrap(self.graph.builder.Neg(self.value), like=self)
