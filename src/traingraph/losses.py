@@ -363,7 +363,7 @@ def _quadratic_then_linear(
 
 
 @dataclass(frozen=True)
-class HuberLoss(Loss):
+class HuberLoss(_ElementwiseLoss):
     r"""Huber loss, as ``torch.nn.HuberLoss``.
 
     .. math::
@@ -376,16 +376,12 @@ class HuberLoss(Loss):
         delta: The threshold :math:`\delta > 0`.
     """
 
-    reduction: str = "mean"
     delta: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_reduction(self, self.reduction)
+        super().__post_init__()
         if not self.delta > 0:
             raise ModelError(f"HuberLoss: delta must be positive; got {self.delta}")
-
-    def label_specs(self, outputs: Values) -> list[LabelSpec]:
-        return _same_spec(_first_output(self, outputs))
 
     def build(self, b: OpBuilder, outputs: Values, labels: Values) -> ir.Value:
         x = _first_output(self, outputs)
@@ -395,7 +391,7 @@ class HuberLoss(Loss):
 
 
 @dataclass(frozen=True)
-class SmoothL1Loss(Loss):
+class SmoothL1Loss(_ElementwiseLoss):
     r"""Smooth L1 loss, as ``torch.nn.SmoothL1Loss``.
 
     .. math::
@@ -410,16 +406,12 @@ class SmoothL1Loss(Loss):
         beta: The threshold :math:`\beta \ge 0`.
     """
 
-    reduction: str = "mean"
     beta: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_reduction(self, self.reduction)
+        super().__post_init__()
         if not self.beta >= 0:
             raise ModelError(f"SmoothL1Loss: beta must be non-negative; got {self.beta}")
-
-    def label_specs(self, outputs: Values) -> list[LabelSpec]:
-        return _same_spec(_first_output(self, outputs))
 
     def build(self, b: OpBuilder, outputs: Values, labels: Values) -> ir.Value:
         x = _first_output(self, outputs)
