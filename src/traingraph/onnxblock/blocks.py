@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import onnx
@@ -49,6 +49,8 @@ __all__ = [
     "Sigmoid",
     "Sub",
 ]
+
+_T = TypeVar("_T")
 
 
 class Block(ABC):
@@ -97,6 +99,17 @@ class Block(ABC):
         array = np.asarray(value, dtype=dtype)
         self.base.graph.initializer.append(onnx.numpy_helper.from_array(array, name))
         return name
+
+    @staticmethod
+    def _built(value: _T | None, message: str) -> _T:
+        """``value``, what the block's call built.
+
+        Raises:
+            RuntimeError: ``value`` is None: the block has not been called yet (``message``).
+        """
+        if value is None:
+            raise RuntimeError(message)
+        return value
 
 
 class _BinaryOp(Block):
