@@ -122,12 +122,11 @@ class OptimizerBlock(Block):
         Raises:
             RuntimeError: The block has not been called yet.
         """
-        if self._model is None:
-            raise RuntimeError(
-                "Please build the optimizer model first: call the block on the training block's"
-                " parameters() inside onnxblock.empty_base()"
-            )
-        return self._model
+        return self._built(
+            self._model,
+            "Please build the optimizer model first: call the block on the training block's"
+            " parameters() inside onnxblock.empty_base()",
+        )
 
     def build(
         self, parameters: tuple[Sequence[onnx.TensorProto], Sequence[onnx.TensorProto]]
