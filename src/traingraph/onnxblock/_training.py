@@ -42,6 +42,23 @@ def with_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return copy.deepcopy(model)
 
 
+def build_outputs(
+    block: Block, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[onnx.ModelProto, Any, onnx.ModelProto]:
+    """Run ``block.build(*args, **kwargs)`` on the model of the current context.
+
+    Returns:
+        The edited model (the context's own), ``build``'s output names, and a copy of the
+        edited model with shapes inferred and those names as its graph outputs.
+    """
+    edited = model_accessor.current().model
+    block.base = edited
+    output = block.build(*args, **kwargs)
+    model = with_shapes(edited)
+    graph_utils.register_graph_outputs(model, output_names(output))
+    return edited, output, model
+
+
 class ForwardBlock(Block):
     """A block whose call leaves a forward model with ``build``'s outputs as graph outputs.
 
@@ -73,21 +90,15 @@ class ForwardBlock(Block):
         Raises:
             RuntimeError: The block has not been called yet.
         """
-        if self._model is None:
-            raise RuntimeError(
-                "Please build the forward models first before trying to retrieve it."
-            )
-        return self._model
+        return self._built(
+            self._model, "Please build the forward models first before trying to retrieve it."
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        accessor = model_accessor.current()
-        self.base = accessor.model
-        output = self.build(*args, **kwargs)
-        model = with_shapes(accessor.model)
-        graph_utils.register_graph_outputs(model, output_names(output))
+        edited, output, model = build_outputs(self, args, kwargs)
         # No newer IR version than the installed onnxruntime loads (as traingraph writes them).
         model.ir_version = min(model.ir_version, max_ir_version())
-        accessor.model.CopyFrom(model)
+        edited.CopyFrom(model)
         self._model = model
         return output
 
@@ -141,11 +152,10 @@ class TrainingBlock(Block):
         Raises:
             RuntimeError: The block has not been called yet.
         """
-        if self._parameters is None:
-            raise RuntimeError(
-                "Please build the training model first before trying to retrieve the parameters."
-            )
-        return self._parameters
+        return self._built(
+            self._parameters,
+            "Please build the training model first before trying to retrieve the parameters.",
+        )
 
     def to_model_proto(self) -> tuple[onnx.ModelProto, onnx.ModelProto]:
         """The training and eval models.
@@ -160,18 +170,14 @@ class TrainingBlock(Block):
         return self._training_model, self._eval_model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        accessor = model_accessor.current()
-        self.base = accessor.model
-        output = self.build(*args, **kwargs)
-        model = with_shapes(accessor.model)
-        graph_utils.register_graph_outputs(model, output_names(output))
+        edited, output, model = build_outputs(self, args, kwargs)
         trainable = [t for t in model.graph.initializer if t.name in self._requires_grad]
         frozen = [t for t in model.graph.initializer if t.name in self._frozen_params]
         self._parameters = (copy.deepcopy(trainable), copy.deepcopy(frozen))
         self._training_model, self._eval_model = build_training_models(
             model, self._requires_grad, self._frozen_params
         )
-        accessor.model.CopyFrom(self._training_model)
+        edited.CopyFrom(self._training_model)
         return output
 
 
