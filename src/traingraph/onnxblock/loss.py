@@ -5,13 +5,9 @@ Each block adds its label input where the model has none by that name (``target`
 :mod:`traingraph.losses` class, so the loss equals its ``torch.nn`` namesake.
 
 Example:
-    >>> class Training(onnxblock.TrainingBlock):
-    ...     def __init__(self):
-    ...         super().__init__()
-    ...         self.loss = onnxblock.loss.CrossEntropyLoss()
-    ...
-    ...     def build(self, output_name):
-    ...         return self.loss(output_name)
+    >>> with onnxblock.base(model) as accessor:
+    ...     loss_name = onnxblock.loss.MSELoss(reduction="sum")("output-0")
+    >>> [i.name for i in accessor.model.graph.input]  # the model's inputs, then "target"
 """
 
 from __future__ import annotations
