@@ -384,11 +384,18 @@ def test_optimizer_step_before_any_train_step_raises(seeds):
         np.testing.assert_array_equal(parameter.data, before[name])
 
 
-def test_labels_out_of_range_are_named(seeds):
-    _, module, _ = _module(seeds)
+@pytest.mark.parametrize("label", [CLASSES, CLASSES + 4, -1])
+def test_module_names_labels_out_of_range_before_the_step(seeds, label):
+    _, module, optimizer = _module(seeds)
     x, y = _batch()
-    y[2] = CLASSES + 4
-    with pytest.raises(ModelError, match=r"'labels' int64 \[8\] with values 0\.\.7"):
+    y[2] = label
+    expected = rf"labels 'labels' hold 1 class index\(es\) out of range \(values {label}\);"
+    with pytest.raises(DataError, match=expected + rf" expected \[0, {CLASSES}\)"):
+        module(x, y)
+    with pytest.raises(UsageError, match="before any train step"):  # no step ran
+        optimizer.step()
+    module.eval()
+    with pytest.raises(DataError, match=expected):
         module(x, y)
 
 

@@ -38,6 +38,7 @@ from traingraph.errors import (
     reports_load_errors,
 )
 from traingraph.limits import check_model_proto
+from traingraph.losses import ClassLabels, class_labels
 from traingraph.optim.schedulers import (
     ConstantLRScheduler,
     CosineLRScheduler,
@@ -320,14 +321,16 @@ class CheckpointState:
 
 def _model_input_names(
     path: str | os.PathLike, state: CheckpointData | None = None
-) -> tuple[list[str], list[str]]:
-    """The model's input and output names, once its declared sizes (and, given ``state``, the
-    checkpoint's parameters) are checked against it."""
+) -> tuple[list[str], list[str], dict[str, ClassLabels]]:
+    """The model's input and output names and its class-index label inputs
+    (:func:`traingraph.losses.class_labels`), once its declared sizes (and, given ``state``,
+    the checkpoint's parameters) are checked against it."""
     model = onnx.load(os.fspath(path), load_external_data=False)
     check_model_proto(model, f"model {os.fspath(path)!r}")
     if state is not None:
         check_matches_model(state, model.graph.input, os.fspath(path), "(the CheckpointState)")
-    return [i.name for i in model.graph.input], [o.name for o in model.graph.output]
+    names = [i.name for i in model.graph.input], [o.name for o in model.graph.output]
+    return *names, class_labels(model)
 
 
 class Module:
@@ -380,7 +383,7 @@ class Module:
         if self._eval_uri is not None and not self._eval_uri.is_file():
             raise ModelError(f"eval model {str(self._eval_uri)!r} does not exist")
         params = set(state._data.parameters)
-        inputs, outputs = _model_input_names(train_uri, state._data)
+        inputs, outputs, self._labels = _model_input_names(train_uri, state._data)
         missing = [n for n, r in state._data.requires_grad.items() if r and n not in inputs]
         if missing:
             raise CheckpointError(
@@ -397,7 +400,8 @@ class Module:
         self._eval_outputs: list[str] = []
         self._eval_params: list[str] = []
         if self._eval_uri is not None:
-            e_inputs, e_outputs = _model_input_names(self._eval_uri)
+            e_inputs, e_outputs, e_labels = _model_input_names(self._eval_uri)
+            self._labels = {**e_labels, **self._labels}
             self._eval_inputs = [n for n in e_inputs if n not in params]
             self._eval_outputs = list(e_outputs)
             self._eval_params = [n for n in e_inputs if n in params]
@@ -462,6 +466,9 @@ class Module:
                 )
             feeds = dict(zip(names, user_inputs))
         as_ortvalues = bool(feeds) and all(isinstance(v, ort.OrtValue) for v in feeds.values())
+        for name, allowed in self._labels.items():  # onnxruntime fails late or reads from the end
+            if isinstance(feeds.get(name), np.ndarray):
+                allowed.check(name, feeds[name])
         feeds = {k: _as_feed(v) for k, v in feeds.items()}
         with step.lock, _run_errors(feeds, self.training):
             if self.training:
