@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import onnx
 import onnx_ir as ir
@@ -49,28 +49,34 @@ class _TargetLossBlock(_LossBlock):
         return self._apply(loss_input_name, target_name)
 
 
-class MSELoss(_TargetLossBlock):
+class _ReductionLossBlock(_TargetLossBlock):
+    """A target loss block whose one argument, ``reduction``, goes to :attr:`loss_type`."""
+
+    loss_type: ClassVar[type[losses.MSELoss | losses.L1Loss]]
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.loss = self.loss_type(reduction=reduction)
+
+
+class MSELoss(_ReductionLossBlock):
     """Mean squared error, as ``torch.nn.MSELoss`` (:class:`traingraph.losses.MSELoss`).
 
     Args:
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
     """
 
-    def __init__(self, reduction: str = "mean") -> None:
-        super().__init__()
-        self.loss = losses.MSELoss(reduction=reduction)
+    loss_type = losses.MSELoss
 
 
-class L1Loss(_TargetLossBlock):
+class L1Loss(_ReductionLossBlock):
     """Mean absolute error, as ``torch.nn.L1Loss`` (:class:`traingraph.losses.L1Loss`).
 
     Args:
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
     """
 
-    def __init__(self, reduction: str = "mean") -> None:
-        super().__init__()
-        self.loss = losses.L1Loss(reduction=reduction)
+    loss_type = losses.L1Loss
 
 
 class BCEWithLogitsLoss(_TargetLossBlock):
