@@ -352,7 +352,7 @@ def _split(arrays: Any, rank: int, world: int, allow_empty: bool) -> tuple[Any, 
 
 def _device_of(model: Any) -> Device:
     """The device of a Module or a compiled TrainingGraph."""
-    device = getattr(model, "device", None) or getattr(model, "_device", None)
+    device = getattr(model, "device", None)
     return device if isinstance(device, Device) else parse_device("cpu")
 
 
