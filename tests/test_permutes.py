@@ -10,8 +10,9 @@ import itertools
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from traingraph.runtime.cpu.kernels import conv_grads, permutes
 from traingraph.runtime.cpu.kernels.permutes import as_permutation
@@ -91,34 +92,67 @@ def test_sizes_must_match() -> None:
     ("channels", "filters", "kernel", "group"),
     [(32, 64, 3, 1), (3, 64, 7, 1), (32, 32, 3, 32)],
 )
-def test_the_blocked_conv_filter_gathers_are_permutations(
+def test_the_blocked_conv_filters_are_reordered_by_a_transpose(
     channels: int, filters: int, kernel: int, group: int
 ) -> None:
     """onnxruntime's own blocked filter layouts, as nchwc learns them, for channel counts that
-    are multiples of the block: the native copy equals the Gather the form would run."""
+    are multiples of the block, are permutations: the graph reorders the filter with a
+    Transpose, which onnxruntime runs to the same values as the Gather of the learned
+    positions, NaN, infinities and a negative zero included; the native copy agrees too."""
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, channels, 14, 14])
-    w = helper.make_tensor_value_info(
-        "w", onnx.TensorProto.FLOAT, [filters, channels // group, kernel, kernel]
-    )
+    w_shape = [filters, channels // group, kernel, kernel]
+    w = helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, w_shape)
     y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
     conv = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], group=group)
     model = helper.make_model(
         helper.make_graph([conv], "g", [x, w], [y]), opset_imports=[helper.make_opsetid("", 17)]
     )
-    shapes = {"x": [2, channels, 14, 14], "w": [filters, channels // group, kernel, kernel]}
+    shapes = {"x": [2, channels, 14, 14], "w": w_shape}
     if not nchwc.convs_as_nchwc(model, shapes):  # type: ignore[arg-type]
         pytest.skip("onnxruntime does not block this geometry on this CPU")
-    size = filters * (channels // group) * kernel * kernel
-    gathers = [n for n in model.graph.node if n.op_type == "Gather"]
-    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    filter_positions = [
-        constants[g.input[1]] for g in gathers if constants[g.input[1]].max() <= size
-    ]
-    assert filter_positions
-    for positions in filter_positions:
-        found = as_permutation(positions - 1, size)  # the form's positions count from 1
-        assert found is not None
-        src = _poisoned((size,))
-        dst = np.empty(positions.shape, np.float32)
-        permutes.permute(src, dst, *found, 2)
-        np.testing.assert_array_equal(dst, src[positions - 1])
+    assert not [n for n in model.graph.node if n.op_type == "Gather"]
+    moved = next(n.output[0] for n in model.graph.node if n.op_type == "Transpose")
+    reordered = next(
+        n.output[0] for n in model.graph.node if n.op_type == "Reshape" and moved in n.input
+    )
+    form = nchwc._form_for(conv, shapes, model.opset_import)  # type: ignore[arg-type]
+    assert form is not None
+    size = int(np.prod(w_shape))
+    (positions,) = [p for p in form.gathers.values() if p.max() <= size]
+    weight = _poisoned(tuple(w_shape))
+    wanted = weight.reshape(-1)[positions - 1]
+    got = ort.InferenceSession(
+        _reorder_model(model, reordered).SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run([reordered], {"w": weight})[0]
+    np.testing.assert_array_equal(got, wanted)
+    assert np.array_equal(np.signbit(got), np.signbit(wanted))
+    found = as_permutation(positions - 1, size)  # the form's positions count from 1
+    assert found is not None
+    dst = np.empty(positions.shape, np.float32)
+    permutes.permute(weight.reshape(-1), dst, *found, 2)
+    np.testing.assert_array_equal(dst, wanted)
+
+
+def _reorder_model(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
+    """The nodes of ``model`` that compute ``output`` from the filter ``w``, as a model."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    nodes, used, todo = [], set(), [output]
+    while todo:
+        name = todo.pop()
+        node = producers.get(name)
+        if node is None or id(node) in used:
+            continue
+        used.add(id(node))
+        nodes.append(node)
+        todo.extend(v for v in node.input if v)
+    nodes.sort(key=lambda n: list(model.graph.node).index(n))
+    needed = {v for n in nodes for v in n.input}
+    graph = helper.make_graph(
+        nodes,
+        "reorder",
+        [helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)],
+        [t for name, t in initializers.items() if name in needed],
+    )
+    return helper.make_model(graph, opset_imports=list(model.opset_import))

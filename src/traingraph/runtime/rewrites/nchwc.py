@@ -173,6 +173,81 @@ def _learn(
     return form if _checked(form, x_shape, w_shape, conv, bias, opsets) else None
 
 
+def as_permutation(positions: np.ndarray, size: int) -> tuple[list[int], list[int]] | None:
+    """``(dims, perm)`` such that ``np.arange(size).reshape(dims).transpose(perm)`` has the
+    elements of ``positions`` (0-based, any shape) in order; None where no such pair exists.
+
+    The axes are read from the positions themselves: the innermost run of equal steps, then
+    the run of equal steps between such blocks, and so on; each axis's step is its stride in
+    the source. The strides sorted must then tile the source (each the next one's times its
+    extent), and every position is checked against them.
+    """
+    flat = np.asarray(positions, np.int64).reshape(-1)
+    if flat.size != size or size == 0:
+        return None
+    extents: list[int] = []
+    strides: list[int] = []
+    block = 1
+    while block < size:
+        step = int(flat[block] - flat[0])
+        left = size // block
+        run = 1
+        while run < left and flat[run * block] - flat[0] == run * step:
+            run += 1
+        while left % run:
+            run -= 1
+        if run < 2 or step <= 0:
+            return None
+        extents.append(run)
+        strides.append(step)
+        block *= run
+    if block != size:
+        return None
+    order = sorted(range(len(strides)), key=lambda a: -strides[a])  # the source's axes
+    expected = 1
+    for a in reversed(order):
+        if strides[a] != expected:
+            return None
+        expected *= extents[a]
+    offsets = np.full(1, int(flat[0]), np.int64)
+    for a in reversed(range(len(extents))):  # outermost of dst first
+        offsets = np.add.outer(offsets, np.arange(extents[a], dtype=np.int64) * strides[a])
+        offsets = offsets.reshape(-1)
+    if flat[0] != 0 or not np.array_equal(offsets, flat):
+        return None
+    dims = [extents[a] for a in order]
+    rank = {a: k for k, a in enumerate(order)}
+    perm = [rank[a] for a in reversed(range(len(extents)))]
+    return dims, perm
+
+
+def _as_transpose(
+    weight: str, positions: np.ndarray, prefix: str, out: str
+) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]] | None:
+    """Where ``positions`` (1-based) take every element of the filter once and the block
+    layout only reorders them (no padding of a partial block), the nodes that write the
+    reordered constant ``out`` from ``weight`` as a Reshape, a Transpose and a Reshape (a
+    strided copy, where a Gather reads an index per element), with their shape constants;
+    None otherwise."""
+    size = int(positions.size)
+    if size == 0 or int(positions.min()) != 1 or int(positions.max()) != size:
+        return None
+    found = as_permutation(positions.reshape(-1) - 1, size)
+    if found is None:
+        return None
+    dims, perm = found
+    consts = [
+        numpy_helper.from_array(np.array(dims, np.int64), f"{prefix}_dims"),
+        numpy_helper.from_array(np.array(positions.shape, np.int64), f"{prefix}_shape"),
+    ]
+    nodes = [
+        helper.make_node("Reshape", [weight, f"{prefix}_dims"], [f"{prefix}_split"]),
+        helper.make_node("Transpose", [f"{prefix}_split"], [f"{prefix}_moved"], perm=perm),
+        helper.make_node("Reshape", [f"{prefix}_moved", f"{prefix}_shape"], [out]),
+    ]
+    return consts, nodes
+
+
 def _instantiate(
     graph: onnx.GraphProto | None, conv: onnx.NodeProto, form: _Form, prefix: str
 ) -> list[onnx.NodeProto]:
@@ -197,6 +272,11 @@ def _instantiate(
     renamed = {"x": conv.input[0], "y": conv.output[0]}
     for name, positions in form.gathers.items():
         renamed[name] = f"{prefix}_c_{name}"
+        moved = _as_transpose(conv.input[1], positions, f"{prefix}_{name}", renamed[name])
+        if moved is not None:  # a filter whose form only reorders it: a Transpose
+            consts.extend(moved[0])
+            nodes.extend(moved[1])
+            continue
         # int32 positions (all below _EXACT): half the memory of int64
         # and half the bytes the Gather reads
         consts.append(numpy_helper.from_array(positions.astype(np.int32), f"{prefix}_p_{name}"))

@@ -24,54 +24,9 @@ import math
 import numpy as np
 
 from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.rewrites.nchwc import as_permutation
 
-
-def as_permutation(positions: np.ndarray, size: int) -> tuple[list[int], list[int]] | None:
-    """``(dims, perm)`` such that ``np.arange(size).reshape(dims).transpose(perm)`` has the
-    elements of ``positions`` (0-based, any shape) in order; None where no such pair exists.
-
-    The axes are read from the positions themselves: the innermost run of equal steps, then
-    the run of equal steps between such blocks, and so on; each axis's step is its stride in
-    the source. The strides sorted must then tile the source (each the next one's times its
-    extent), and every position is checked against them.
-    """
-    flat = np.asarray(positions, np.int64).reshape(-1)
-    if flat.size != size or size == 0:
-        return None
-    extents: list[int] = []
-    strides: list[int] = []
-    block = 1
-    while block < size:
-        step = int(flat[block] - flat[0])
-        left = size // block
-        run = 1
-        while run < left and flat[run * block] - flat[0] == run * step:
-            run += 1
-        while left % run:
-            run -= 1
-        if run < 2 or step <= 0:
-            return None
-        extents.append(run)
-        strides.append(step)
-        block *= run
-    if block != size:
-        return None
-    order = sorted(range(len(strides)), key=lambda a: -strides[a])  # the source's axes
-    expected = 1
-    for a in reversed(order):
-        if strides[a] != expected:
-            return None
-        expected *= extents[a]
-    offsets = np.full(1, int(flat[0]), np.int64)
-    for a in reversed(range(len(extents))):  # outermost of dst first
-        offsets = np.add.outer(offsets, np.arange(extents[a], dtype=np.int64) * strides[a])
-        offsets = offsets.reshape(-1)
-    if flat[0] != 0 or not np.array_equal(offsets, flat):
-        return None
-    dims = [extents[a] for a in order]
-    rank = {a: k for k, a in enumerate(order)}
-    perm = [rank[a] for a in reversed(range(len(extents)))]
-    return dims, perm
+__all__ = ["as_permutation", "permute"]
 
 
 def permute(
