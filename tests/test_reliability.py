@@ -583,6 +583,16 @@ while True:
 """
 
 
+def _run_and_kill(code: str, delay: float) -> None:
+    """Runs ``code`` in a new interpreter and SIGKILLs it ``delay`` seconds after it prints
+    "ready"."""
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    threading.Event().wait(delay)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def _kill_during_saves(seeds: Seeds, tmp_path: Path, format: str, kills: int) -> None:
     """SIGKILLs a process that saves in a loop; the checkpoint must load after every kill."""
     target = tmp_path / "ckpt"
@@ -591,11 +601,7 @@ def _kill_during_saves(seeds: Seeds, tmp_path: Path, format: str, kills: int) ->
     rng = np.random.default_rng(0)
     expected = load_checkpoint_data(seeds.native)
     for _ in range(kills):
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
-        threading.Event().wait(float(rng.uniform(0.0, 0.05)))
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+        _run_and_kill(code, float(rng.uniform(0.0, 0.05)))
         if target.exists():
             loaded = load_checkpoint_data(target)
             for name, array in expected.parameters.items():
@@ -637,11 +643,7 @@ def _kill_during_fit(seeds: Seeds, tmp_path: Path, kills: int) -> None:
     rng = np.random.default_rng(1)
     steps = []
     for _ in range(kills):
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
-        threading.Event().wait(float(rng.uniform(0.05, 0.3)))
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+        _run_and_kill(code, float(rng.uniform(0.05, 0.3)))
         if target.exists():
             loaded = load_checkpoint_data(target)
             steps.append(loaded.properties["global_step"])

@@ -266,6 +266,8 @@ class ClassLabels:
         labels = np.asarray(labels)
         if labels.dtype.kind not in "iu" or labels.size == 0:
             return
+        if labels.min() >= 0 and (self.classes is None or labels.max() < self.classes):
+            return  # every step's case: two reductions, no masks
         bad = (labels < 0) & (labels != self.ignore_index)
         if self.classes is not None:
             bad |= labels >= self.classes
