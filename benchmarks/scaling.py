@@ -285,7 +285,9 @@ def launch(spec: dict[str, Any], processes: int, timeout: float) -> dict[str, An
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()),
             "OMP_NUM_THREADS": str(spec.get("threads", 1)),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT), str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
         }
         command = [sys.executable, str(Path(__file__).resolve()), "worker", json.dumps(spec)]
         children = [
