@@ -73,7 +73,7 @@ def demo_trainer(folder: Path, checkpoint: Path | None = None) -> Trainer:
         folder,
         checkpoint=checkpoint,
         device=distributed.local_device(DEVICE),
-        session_config=SessionConfig(intra_op_threads=1),
+        session_config=SessionConfig(intra_op_threads=1, tf32=False),
     )
 
 
@@ -126,7 +126,8 @@ def mlp_graph() -> Any:
         [g], loss=losses.CrossEntropyLoss(), optimizer=optim.AdamW(lr=1e-2)
     )
     train.add_inputs({"x": x}, loss_labels={"y": TensorSpec([None], "int64")})
-    return train.compile(distributed.local_device(DEVICE), CompileOptions(intra_op_threads=1))
+    options = CompileOptions(intra_op_threads=1, tf32=False)  # full float32 on CUDA
+    return train.compile(distributed.local_device(DEVICE), options)
 
 
 def mlp_batches() -> list[tuple[np.ndarray, np.ndarray]]:

@@ -278,7 +278,10 @@ def build_train_graph(
         )
     extra = [values[n] for n in output_names]
     wrt = [values[n] for n, r in params.items() if r] + [values[n] for n in tensor_grads]
-    scale = scale_loss(graph) if low is not None and loss_value is not None else None
+    # float16's range needs loss scaling; bfloat16 has float32's exponent range (as in
+    # PyTorch, where autocast to bfloat16 takes no GradScaler)
+    scaled = low == ir.DataType.FLOAT16 and loss_value is not None
+    scale = scale_loss(graph) if scaled else None
     forward_node_count = len(graph)
     result = differentiate(
         graph, opset, wrt, loss=loss_value, loss_seed=scale,

@@ -37,6 +37,8 @@ class CompileOptions:
         mixed_precision: "fp16" or "bf16" to compute in that type with float32 parameters and
             a dynamic loss scale (:mod:`traingraph.precision`), as
             :func:`traingraph.artifacts.generate_artifacts` does; None: float32.
+        tf32: On CUDA, let float32 MatMul/Gemm/Conv use TensorFloat-32 tensor cores
+            (:attr:`traingraph.runtime.session.SessionConfig.tf32`); False keeps full float32.
     """
 
     debug: bool = False
@@ -46,6 +48,7 @@ class CompileOptions:
     intra_op_threads: int = 0
     memory_arena: bool = True
     mixed_precision: str | None = None
+    tf32: bool = True
 
     def session_config(self) -> SessionConfig:
         as_written = self.debug or self.disable_fusion
@@ -56,6 +59,7 @@ class CompileOptions:
             native_conv_grads=not as_written,
             native_segments=not as_written,
             specialize=not as_written,
+            tf32=self.tf32,
         )
 
 
