@@ -34,7 +34,7 @@ from traingraph.checkpoint import CheckpointData, save_checkpoint_data
 from traingraph.errors import ModelError, reports_load_errors
 from traingraph.ir.export_checks import export_warnings, recorded_requires_grad
 from traingraph.ir.model import ModelLike, save
-from traingraph.onnxblock._artifacts import block_arguments
+from traingraph.onnxblock.artifact_blocks import block_arguments
 from traingraph.onnxblock.blocks import Block
 from traingraph.program import MODEL_FIX, TrainingProgram, build_program
 

@@ -22,10 +22,10 @@ Example:
 """
 
 from traingraph.onnxblock import blocks, loss, optim
-from traingraph.onnxblock._training import ForwardBlock, TrainingBlock
 from traingraph.onnxblock.blocks import Block
 from traingraph.onnxblock.checkpoint_utils import load_checkpoint_to_model, save_checkpoint
 from traingraph.onnxblock.model_accessor import base, custom_op_library, empty_base
+from traingraph.onnxblock.onnxblock import ForwardBlock, TrainingBlock
 
 __all__ = [
     "Block",

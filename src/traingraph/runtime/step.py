@@ -30,7 +30,7 @@ from onnx import helper
 
 from traingraph.errors import NonFiniteLossError
 from traingraph.ir.model import max_ir_version
-from traingraph.onnxblock._training import ACCUMULATION_BUFFER, ACCUMULATION_OUT, LAZY_RESET_GRAD
+from traingraph.onnxblock.onnxblock import ACCUMULATION_BUFFER, ACCUMULATION_OUT, LAZY_RESET_GRAD
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.program import BUFFER_UPDATE_SUFFIX
 from traingraph.runtime.amp import DynamicLossScaler

@@ -1,5 +1,8 @@
 """``ForwardBlock`` and ``TrainingBlock``: blocks that turn the edited model into a forward model,
-or into training and eval models whose gradients traingraph's autodiff builds."""
+or into training and eval models whose gradients traingraph's autodiff builds.
+
+The module sits where onnxruntime-training keeps these classes
+(``onnxruntime.training.onnxblock.onnxblock``), so imports of that path migrate too."""
 
 from __future__ import annotations
 

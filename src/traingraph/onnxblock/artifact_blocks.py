@@ -12,9 +12,9 @@ import onnx_ir as ir
 
 from traingraph.errors import ModelError
 from traingraph.onnxblock import graph_utils
-from traingraph.onnxblock._training import TrainingBlock, output_names, with_shapes
 from traingraph.onnxblock.blocks import Block
 from traingraph.onnxblock.model_accessor import base
+from traingraph.onnxblock.onnxblock import TrainingBlock, output_names, with_shapes
 from traingraph.onnxblock.optim import OptimizerBlock
 
 __all__ = ["block_arguments"]
