@@ -82,6 +82,43 @@ def test_kernel_matches_torch(geometry, tile, threads, bias, addend):
     assert np.abs(y - want).max() <= 2e-6 * scale * np.sqrt(c)
 
 
+@pytest.mark.parametrize(("geometry", "tile"), KERNEL_CASES)
+def test_flipped_filters_are_the_transposed_and_turned_parameter(geometry, tile):
+    """With ``flipped``, the kernel reads a Conv's parameter ``[C, K, 3, 3]`` in place of the
+    input gradient's filters: the same outputs, bit for bit, as the filters written out."""
+    n, c, k, h, w = GEOMETRIES[geometry]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    parameter = rng.standard_normal((c, k, 3, 3)).astype(np.float32)
+    filters = np.ascontiguousarray(parameter.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
+    want, got = (np.full((n, k, h, w), np.nan, np.float32) for _ in range(2))
+    NATIVE.conv_winograd(x, filters, None, None, want, 2, tile)
+    NATIVE.conv_winograd(x, parameter, None, None, got, 2, tile, True)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match=r"\(\[C, K, 3, 3\] flipped\)"):
+        NATIVE.conv_winograd(x, np.zeros((c + 1, k, 3, 3), np.float32), None, None, got, 1,
+                             tile, True)  # fmt: skip
+
+
+def test_flipped_filters_with_a_nan_are_summed_as_the_conv():
+    """A NaN in the parameter read flipped: the direct sums of the turned filters, as the
+    graph's Conv of the Slice of the Transpose gives them."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    parameter = rng.standard_normal((4, 5, 3, 3)).astype(np.float32)
+    parameter[1, 2, 0, 1] = np.nan
+    kernel = winograd.WinogradConv("x", "w", None, None, "y", flipped=True)
+    out: dict[str, np.ndarray] = {}
+    kernel.compute({"x": x, "w": parameter}, out, 2)
+    filters = parameter.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1].astype(np.float64)
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(x).double(), torch.from_numpy(filters.copy()), padding=1
+    ).numpy()
+    np.testing.assert_array_equal(np.isnan(out["y"]), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(out["y"][finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_refuses_arrays_it_cannot_take():
     native = NATIVE
     x, w = np.zeros((2, 3, 6, 6), np.float32), np.zeros((4, 3, 3, 3), np.float32)
@@ -147,19 +184,21 @@ def test_the_three_by_three_convs_of_stride_one_are_taken(tmp_path):
     model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
     found = winograd.split_winograd_convs(model)
     inputs = {i.name for i in model.graph.input}
-    forward = {k.weight: k for k, _ in found if k.weight in inputs}
+    forward = {k.weight: k for k, _ in found if not k.flipped}
     # the stem, the block's two and the head (the strided Conv stays)
     assert set(forward) == {"stem.weight", "conv1.weight", "conv2.weight", "head.weight"}
     assert forward["head.weight"].bias == "head.bias"
     assert forward["conv1.weight"].bias is None
     # input gradients: the Conv of the output gradient with the flipped filters, for the head
-    # and the block's Convs (the stem's input gradient is not computed)
-    gradients = [k for k, _ in found if k.weight not in inputs]
-    assert len(gradients) == 3, [k.weight for k in gradients]
-    summed = [k for k in gradients if k.addend is not None]
-    assert len(summed) == 1  # conv1's input gradient adds the identity path's
-    (kernel, nodes) = next((k, n) for k, n in found if k is summed[0])
-    assert sorted(model.graph.node[i].op_type for i in nodes) == ["Conv", "Sum"]
+    # and the block's Convs (the stem's input gradient is not computed); each reads its
+    # parameter in place of the graph's Transpose and Slice of it
+    gradients = {k.weight: (k, n) for k, n in found if k.flipped}
+    assert set(gradients) == {"conv1.weight", "conv2.weight", "head.weight"}
+    summed = [k for k, _ in gradients.values() if k.addend is not None]
+    assert [k.weight for k in summed] == ["conv1.weight"]  # adds the identity path's
+    ops = sorted(model.graph.node[i].op_type for i in gradients["conv1.weight"][1])
+    assert ops == ["Conv", "Slice", "Sum", "Transpose"]
+    assert all(k.weight in inputs for k, _ in found)
     # nodes another kernel takes stay in the graph
     conv = next(i for i, node in enumerate(model.graph.node) if node.op_type == "Conv")
     assert conv not in set().union(*(n for _, n in winograd.split_winograd_convs(model, {conv})))

@@ -58,14 +58,31 @@ static void wino_rows(const struct wino *p, const float *src, Py_ssize_t channel
     }
 }
 
-/* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3]; `row` holds 16 k
- * floats: one channel's 16 rows of U, written together (U's planes lie a multiple of 4 KiB
- * apart, where stores scattered over them stall). */
-TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_t k, Py_ssize_t c)
+/* Filter (k, c) of the filters g: g[k, c], or with `flipped` (g holds [C, K, 3, 3]) g[c, k]
+ * turned by 180 degrees, copied into `turned` (the filters of a Conv's input gradient). */
+static inline const float *wino_filter(const float *g, Py_ssize_t kk, Py_ssize_t cc, Py_ssize_t k,
+                                       Py_ssize_t c, int flipped, float turned[9])
+{
+    if (!flipped) {
+        return g + (kk * c + cc) * 9;
+    }
+    const float *s = g + (cc * k + kk) * 9;
+    for (int q = 0; q < 9; q++) {
+        turned[q] = s[8 - q];
+    }
+    return turned;
+}
+
+/* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3] (see wino_filter
+ * for `flipped`); `row` holds 16 k floats: one channel's 16 rows of U, written together (U's
+ * planes lie a multiple of 4 KiB apart, where stores scattered over them stall). */
+TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_t k, Py_ssize_t c,
+                                 int flipped)
 {
     for (Py_ssize_t cc = 0; cc < c; cc++) {
         for (Py_ssize_t kk = 0; kk < k; kk++) {
-            const float *t = g + (kk * c + cc) * 9;
+            float turned[9];
+            const float *t = wino_filter(g, kk, cc, k, c, flipped, turned);
             float gt[4][3]; /* G g */
             for (int j = 0; j < 3; j++) {
                 gt[0][j] = t[j];
@@ -395,11 +412,12 @@ static inline void wino4_taps(const float *t, Py_ssize_t stride, float out[6])
 
 /* U[f][c][k] = (G g[k, c] G^T)[f / 6][f % 6]; `row` holds 36 k floats (as in wino_filters). */
 TARGETS static void wino4_filters(const float *g, float *u, float *row, Py_ssize_t k,
-                                  Py_ssize_t c)
+                                  Py_ssize_t c, int flipped)
 {
     for (Py_ssize_t cc = 0; cc < c; cc++) {
         for (Py_ssize_t kk = 0; kk < k; kk++) {
-            const float *t = g + (kk * c + cc) * 9;
+            float turned[9];
+            const float *t = wino_filter(g, kk, cc, k, c, flipped, turned);
             float gt[3][6]; /* (G g)^T: column j of G g */
             for (int j = 0; j < 3; j++) {
                 wino4_taps(t + j, 3, gt[j]);
@@ -669,20 +687,21 @@ static int wino_share(const void *arg, int t, int threads)
 }
 
 PyDoc_STRVAR(conv_winograd_doc,
-"conv_winograd(x, w, b, addend, y, threads, tile=0)\n--\n\n"
+"conv_winograd(x, w, b, addend, y, threads, tile=0, flipped=False)\n--\n\n"
 "Write into ``y`` (float32, C-contiguous, ``[N, K, H, W]``) the convolution of ``x``\n"
 "``[N, C, H, W]`` with the 3 x 3 filters ``w`` ``[K, C, 3, 3]``, strides 1 and pads 1, plus\n"
 "the bias ``b`` ``[K]`` and ``addend`` (``y``'s shape) where not None; H and W even. By\n"
 "Winograd's F(tile x tile, 3 x 3): ``tile`` 4 where H and W are multiples of 4 and W is 8,\n"
 "16, 32 or a multiple of 64, else 2; 0 picks 4 where it can. ``threads`` threads share the\n"
-"tile rows.");
+"tile rows. With ``flipped``, ``w`` is ``[C, K, 3, 3]`` and the filters are\n"
+"``w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]`` (a Conv's input gradient), read in place.");
 
 static PyObject *conv_winograd(PyObject *self, PyObject *args)
 {
     PyObject *objects[5];
-    int threads, tile = 0;
-    if (!PyArg_ParseTuple(args, "OOOOOi|i:conv_winograd", &objects[0], &objects[1], &objects[2],
-                          &objects[3], &objects[4], &threads, &tile)) {
+    int threads, tile = 0, flipped = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOi|ip:conv_winograd", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &objects[4], &threads, &tile, &flipped)) {
         return NULL;
     }
     static const char *names[5] = {"x", "w", "b", "addend", "y"};
@@ -705,8 +724,8 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
         held++;
     }
     const Py_ssize_t *xs = shapes[0], *ws = shapes[1], *ys = shapes[4];
-    const Py_ssize_t n = xs[0], c = xs[1], h = xs[2], w = xs[3], k = ws[0];
-    int fits = ws[1] == c && ws[2] == 3 && ws[3] == 3 && ys[0] == n && ys[1] == k && ys[2] == h &&
+    const Py_ssize_t n = xs[0], c = xs[1], h = xs[2], w = xs[3], k = ws[flipped ? 1 : 0];
+    int fits = ws[flipped ? 0 : 1] == c && ws[2] == 3 && ws[3] == 3 && ys[0] == n && ys[1] == k && ys[2] == h &&
                ys[3] == w && h >= 2 && w >= 2 && h % 2 == 0 && w % 2 == 0 && c >= 1 && k >= 1;
     if (bufs[2] != NULL && shapes[2][0] != k) {
         fits = 0;
@@ -718,8 +737,8 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError,
                      "conv_winograd: x [%zd, %zd, %zd, %zd], w [%zd, %zd, %zd, %zd] and y [%zd,"
                      " %zd, %zd, %zd] are not one 3 x 3 convolution of pads 1 over an even"
-                     " height and width; y must be [N, K, H, W] with w [K, C, 3, 3], b [K] and"
-                     " addend y's shape",
+                     " height and width; y must be [N, K, H, W] with w [K, C, 3, 3] ([C, K, 3,"
+                     " 3] flipped), b [K] and addend y's shape",
                      n, c, h, w, ws[0], ws[1], ws[2], ws[3], ys[0], ys[1], ys[2], ys[3]);
         goto done;
     }
@@ -742,10 +761,10 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
         goto done;
     }
     if (tile == 4) {
-        wino4_filters(bufs[1], u, u + freqs * c * k, k, c);
+        wino4_filters(bufs[1], u, u + freqs * c * k, k, c, flipped);
     }
     else {
-        wino_filters(bufs[1], u, u + freqs * c * k, k, c);
+        wino_filters(bufs[1], u, u + freqs * c * k, k, c, flipped);
     }
     const Py_ssize_t th = h / tile, tw = w / tile, units = n * th;
     /* the block's V and M within WINO_BLOCK_BYTES, with enough blocks for the threads */

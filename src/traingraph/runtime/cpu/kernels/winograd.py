@@ -8,7 +8,10 @@ blocked direct convolution, 9 multiplications per output and channel pair.
 transformed, the 16 places multiplied and summed over the channels as as many matrix products,
 and the sums transformed back into the 2 x 2 outputs (``_convc.conv_winograd`` with tile 2). A
 Sum or Add that alone reads the Conv's output (the two gradient paths of a residual block
-meeting) is added as the outputs are written.
+meeting) is added as the outputs are written. Where the filters are a parameter transposed and
+turned by 180 degrees for this Conv alone (an input gradient's ``Slice(Transpose(W))``), the
+kernel reads the parameter in place and turns each filter as it transforms it: the same values
+the graph's two copies give, without them.
 
 It replaces a Conv wherever it sits: it runs between the segments, after the values it reads
 are written. Each match is checked against the nodes it replaces on random inputs. F(2 x 2,
@@ -54,6 +57,8 @@ class WinogradConv(OneOutput):
         bias: Its bias ``[K]``, or None.
         addend: A value of the output's shape added to it, or None.
         out: The value the kernel writes: the Conv's output, or the Sum's.
+        flipped: Whether ``weight`` is ``[C, K, 3, 3]`` and the filters are
+            ``weight.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]``.
     """
 
     x: str
@@ -61,6 +66,7 @@ class WinogradConv(OneOutput):
     bias: str | None
     addend: str | None
     out: str
+    flipped: bool = False
 
     @property
     def inputs(self) -> list[str]:
@@ -77,19 +83,22 @@ class WinogradConv(OneOutput):
                 f"conv {self.out!r}: x {list(x.shape)} and weight {list(weight.shape)} must be"
                 " 4-D ([N, C, H, W] and [K, C, 3, 3])"
             )
-        shape = (x.shape[0], weight.shape[0], x.shape[2], x.shape[3])
+        shape = (x.shape[0], weight.shape[1 if self.flipped else 0], x.shape[2], x.shape[3])
         target = output_array(out, self.out, shape)
         native = NATIVE
         assert native is not None
         bias = values[self.bias] if self.bias else None
         addend = values[self.addend] if self.addend else None
-        native.conv_winograd(x, weight, bias, addend, target, threads, _TILE)
+        native.conv_winograd(x, weight, bias, addend, target, threads, _TILE, self.flipped)
         if not np.isfinite(target).all():
             # A NaN or Inf read: the transforms spread it over whole tiles (and make NaN of
             # an Inf), where the Conv's sums keep it to the outputs whose windows read it.
+            if self.flipped:
+                weight = np.ascontiguousarray(weight.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1])
             native.conv_direct(x, weight, bias, target, (1, 1), False, threads)
             if addend is not None:
-                np.add(target, addend, out=target)
+                with np.errstate(invalid="ignore"):  # Inf + -Inf: NaN, as the graph's Sum
+                    np.add(target, addend, out=target)
 
 
 def split_winograd_convs(
@@ -105,11 +114,12 @@ def split_winograd_convs(
     graph = model.graph
     shapes = graph_match.inferred_shapes(model)
     g = graph_match.GraphIndex.of(graph)
+    constants = graph_match.constant_values(graph)
     matches = []
     claimed = set(taken)
     for i, node in enumerate(g.nodes):
         if i not in claimed and node.op_type == "Conv" and node.domain in _DEFAULT:
-            match = _match(g, i, shapes, claimed)
+            match = _match(g, i, shapes, claimed, constants)
             if match is not None:
                 claimed |= match[1]
                 matches.append(match)
@@ -122,11 +132,46 @@ def split_winograd_convs(
     return verify.verified_kernels(model, g, matches, refined)
 
 
+def _flipped_source(
+    g: graph_match.GraphIndex,
+    weight: str,
+    taken: Set[int],
+    constants: Mapping[str, np.ndarray],
+) -> tuple[str, set[int]] | None:
+    """Where ``weight`` is ``Slice(Transpose(w, perm=[1, 0, 2, 3]))`` reversing both spatial
+    axes of a 3 x 3 filter, and the Conv alone reads the two (a Conv's input gradient), ``w``
+    and the indices of the two nodes; else None."""
+    if weight not in g.producer or g.only_reader(weight, taken) is None:
+        return None
+    flip = g.nodes[g.producer[weight]]
+    if flip.op_type != "Slice" or flip.domain not in _DEFAULT or len(flip.input) != 5:
+        return None
+    if any(v not in constants for v in flip.input[1:]):
+        return None
+    starts, ends, axes, steps = (constants[v].reshape(-1).tolist() for v in flip.input[1:])
+    if sorted(a % 4 for a in axes) != [2, 3] or any(s != -1 for s in steps):
+        return None
+    # along an axis of 3, a step of -1 from the last place (start 2 or more, or -1) past the
+    # first (end -4 or less) takes the axis whole and reversed
+    if any(not (s >= 2 or s == -1) or e > -4 for s, e in zip(starts, ends)):
+        return None
+    swapped = flip.input[0]
+    if swapped not in g.producer or g.only_reader(swapped, taken) is None:
+        return None
+    swap = g.nodes[g.producer[swapped]]
+    perm = next((list(a.ints) for a in swap.attribute if a.name == "perm"), None)
+    if swap.op_type != "Transpose" or swap.domain not in _DEFAULT or perm != [1, 0, 2, 3]:
+        return None
+    nodes = {g.producer[weight], g.producer[swapped]}
+    return (swap.input[0], nodes) if not nodes & taken else None
+
+
 def _match(
     g: graph_match.GraphIndex,
     i: int,
     shapes: Mapping[str, list[int | None]],
     taken: Set[int],
+    constants: Mapping[str, np.ndarray],
 ) -> tuple[WinogradConv, set[int]] | None:
     node = g.nodes[i]
     if len(node.input) < 2 or len([o for o in node.output if o]) != 1:
@@ -162,6 +207,9 @@ def _match(
             ]:
                 addend, out = other, total.output[0]
                 nodes.add(reader)
+    source = _flipped_source(g, node.input[1], taken, constants)
+    if source is not None:
+        return WinogradConv(node.input[0], source[0], bias, addend, out, True), nodes | source[1]
     return WinogradConv(node.input[0], node.input[1], bias, addend, out), nodes
 
 
