@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -11,7 +11,10 @@ from typing import Any, TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from traingraph.runtime.session import SessionConfig
+from traingraph.errors import ModelError
+from traingraph.graph.graph import Graph, Tensor, TensorSpec
+from traingraph.runtime.device import Device
+from traingraph.runtime.session import BoundRunner, SessionConfig, check_feeds
 
 __all__ = ["CompileOptions", "ExecutionResult", "OnComplete"]
 
@@ -167,3 +170,40 @@ def check_names(kind: str, given: Mapping[str, Any], expected: list[str]) -> Non
     unknown = [n for n in given if n not in expected]
     if missing or unknown:
         raise ValueError(f"{kind}: expected {expected}; missing {missing}, unknown {unknown}")
+
+
+def device_feeds(
+    kind: str, feeds: Mapping[str, Any], expected: list[str], runner: BoundRunner, device: Device
+) -> dict[str, ort.OrtValue]:
+    """``feeds`` checked against the ``expected`` names and the runner's inputs, on ``device``.
+
+    Raises:
+        ValueError: ``feeds`` misses or adds names against ``expected``.
+        ModelError: A feed's rank, fixed dimensions or dtype differ from the runner's input.
+    """
+    check_names(kind, feeds, expected)
+    check_feeds(
+        runner.inputs,
+        [n for n in expected if n in runner.inputs],
+        {n: v for n, v in feeds.items() if n in runner.inputs},
+    )
+    return {n: as_device_feed(v, device.ort_device_type, device.index) for n, v in feeds.items()}
+
+
+def input_specs(
+    graphs: Sequence[Graph], inputs: Mapping[str, Tensor | TensorSpec]
+) -> dict[str, TensorSpec | None]:
+    """The spec of each declared input: its TensorSpec, or None where a Tensor names it.
+
+    Raises:
+        ModelError: A name is no input of ``graphs``.
+    """
+    known = {v.name for g in graphs for v in g.ir_graph.inputs}
+    specs: dict[str, TensorSpec | None] = {}
+    for name, value in inputs.items():
+        if name not in known:
+            raise ModelError(
+                f"{name!r} is not an input of the graphs; inputs: {sorted(map(str, known))}"
+            )
+        specs[name] = value if isinstance(value, TensorSpec) else None
+    return specs

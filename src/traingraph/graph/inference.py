@@ -20,16 +20,16 @@ from traingraph.graph.execution import (
     ExecutionResult,
     OnComplete,
     OrderedExecutor,
-    as_device_feed,
-    check_names,
+    device_feeds,
     host,
+    input_specs,
 )
 from traingraph.graph.graph import Graph, Tensor, TensorSpec, compose
 from traingraph.ir.builder import value_spec
 from traingraph.ir.model import to_proto
 from traingraph.program import to_inference_mode
 from traingraph.runtime.device import Device, parse_device
-from traingraph.runtime.session import BoundRunner, check_feeds, create_session
+from traingraph.runtime.session import BoundRunner, create_session
 from traingraph.runtime.tensors import TensorStore
 
 __all__ = ["InferenceGraph"]
@@ -53,13 +53,7 @@ class InferenceGraph:
 
     def add_inputs(self, inputs: Mapping[str, Tensor | TensorSpec]) -> InferenceGraph:
         """Declare the inputs fed at each execution."""
-        known = {v.name for g in self.graphs for v in g.ir_graph.inputs}
-        for name, value in inputs.items():
-            if name not in known:
-                raise ModelError(
-                    f"{name!r} is not an input of the graphs; inputs: {sorted(map(str, known))}"
-                )
-            self.input_specs[name] = value if isinstance(value, TensorSpec) else None
+        self.input_specs.update(input_specs(self.graphs, inputs))
         return self
 
     def add_outputs(self, outputs: Sequence[Tensor | str]) -> InferenceGraph:
@@ -97,17 +91,12 @@ class InferenceGraph:
         start = time.perf_counter()
         if self._params is None:
             raise ModelError("the inference graph is not compiled; call compile(device=...) first")
-        check_names("inputs", inputs, self.feed_names)
         runner = self._runner
-        check_feeds(runner.inputs, self.feed_names, inputs)
-        device = self.device
+        on_device = device_feeds("inputs", inputs, self.feed_names, runner, self.device)
         for name in runner.inputs:
-            value = (
-                as_device_feed(inputs[name], device.ort_device_type, device.index)
-                if name in inputs
-                else self._params.ortvalue(name)
+            runner.bind_input(
+                name, on_device[name] if name in on_device else self._params.ortvalue(name)
             )
-            runner.bind_input(name, value)
         outputs = runner.run({n: None for n in self.output_names})
         result = ExecutionResult(outputs={n: host(outputs[n]) for n in self.output_names})
         if self.options.profile:

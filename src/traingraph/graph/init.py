@@ -97,29 +97,27 @@ def _fan(shape: Sequence[int], mode: str) -> int:
 
 
 @dataclass(frozen=True)
-class uniform:  # noqa: N801 - used like a function, as torch.nn.init.uniform_
-    """:math:`U(\\mathrm{low}, \\mathrm{high})`."""
+class _Sample:
+    """Draws of the ``numpy.random.Generator`` method ``method`` at ``args``, cast to ``dtype``."""
 
-    low: float = 0.0
-    high: float = 1.0
-
-    def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
-    ) -> np.ndarray:
-        return rng.uniform(self.low, self.high, size=tuple(shape)).astype(dtype)
-
-
-@dataclass(frozen=True)
-class normal:  # noqa: N801 - used like a function, as torch.nn.init.normal_
-    """:math:`N(\\mathrm{mean}, \\mathrm{std}^2)`."""
-
-    mean: float = 0.0
-    std: float = 1.0
+    method: str
+    args: tuple[float, ...]
 
     def __call__(
         self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
     ) -> np.ndarray:
-        return rng.normal(self.mean, self.std, size=tuple(shape)).astype(dtype)
+        draw = getattr(rng, self.method)
+        return draw(*self.args, size=tuple(shape)).astype(dtype)
+
+
+def uniform(low: float = 0.0, high: float = 1.0) -> Initializer:
+    """:math:`U(\\mathrm{low}, \\mathrm{high})`, as ``torch.nn.init.uniform_``."""
+    return _Sample("uniform", (low, high))
+
+
+def normal(mean: float = 0.0, std: float = 1.0) -> Initializer:
+    """:math:`N(\\mathrm{mean}, \\mathrm{std}^2)`, as ``torch.nn.init.normal_``."""
+    return _Sample("normal", (mean, std))
 
 
 @dataclass(frozen=True)
@@ -145,58 +143,59 @@ def ones() -> constant:
 
 
 @dataclass(frozen=True)
-class glorot_uniform:  # noqa: N801 - used like a function, as torch.nn.init.xavier_uniform_
+class _FanScaled:
+    """An initializer whose distribution depends on the weight's fans."""
+
+    def _distribution(self, shape: Sequence[int]) -> Initializer:
+        raise NotImplementedError
+
+    def __call__(
+        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
+    ) -> np.ndarray:
+        return self._distribution(shape)(shape, rng, dtype)
+
+
+@dataclass(frozen=True)
+class _Glorot(_FanScaled):
+    gain: float = 1.0
+
+
+@dataclass(frozen=True)
+class _Kaiming(_FanScaled):
+    a: float = 0.0
+    mode: str = "fan_in"
+    nonlinearity: str = "leaky_relu"
+
+
+class glorot_uniform(_Glorot):  # noqa: N801 - used like a function, as torch.nn.init.xavier_uniform_
     """Glorot (Xavier) uniform initialization with gain ``gain``."""
 
-    gain: float = 1.0
-
-    def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
-    ) -> np.ndarray:
+    def _distribution(self, shape: Sequence[int]) -> Initializer:
         fan_in, fan_out = calculate_fans(shape)
         bound = self.gain * math.sqrt(6.0 / (fan_in + fan_out))
-        return uniform(-bound, bound)(shape, rng, dtype)
+        return uniform(-bound, bound)
 
 
-@dataclass(frozen=True)
-class glorot_normal:  # noqa: N801 - used like a function, as torch.nn.init.xavier_normal_
+class glorot_normal(_Glorot):  # noqa: N801 - used like a function, as torch.nn.init.xavier_normal_
     """Glorot (Xavier) normal initialization with gain ``gain``."""
 
-    gain: float = 1.0
-
-    def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
-    ) -> np.ndarray:
+    def _distribution(self, shape: Sequence[int]) -> Initializer:
         fan_in, fan_out = calculate_fans(shape)
-        return normal(0.0, self.gain * math.sqrt(2.0 / (fan_in + fan_out)))(shape, rng, dtype)
+        return normal(0.0, self.gain * math.sqrt(2.0 / (fan_in + fan_out)))
 
 
-@dataclass(frozen=True)
-class kaiming_uniform:  # noqa: N801 - used like a function, as torch.nn.init.kaiming_uniform_
+class kaiming_uniform(_Kaiming):  # noqa: N801 - used like a function, as torch.nn.init.kaiming_uniform_
     """Kaiming (He) uniform initialization; ``a`` is the negative slope for leaky_relu."""
 
-    a: float = 0.0
-    mode: str = "fan_in"
-    nonlinearity: str = "leaky_relu"
-
-    def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
-    ) -> np.ndarray:
+    def _distribution(self, shape: Sequence[int]) -> Initializer:
         gain = calculate_gain(self.nonlinearity, self.a)
         bound = gain * math.sqrt(3.0 / _fan(shape, self.mode))
-        return uniform(-bound, bound)(shape, rng, dtype)
+        return uniform(-bound, bound)
 
 
-@dataclass(frozen=True)
-class kaiming_normal:  # noqa: N801 - used like a function, as torch.nn.init.kaiming_normal_
+class kaiming_normal(_Kaiming):  # noqa: N801 - used like a function, as torch.nn.init.kaiming_normal_
     """Kaiming (He) normal initialization; ``a`` is the negative slope for leaky_relu."""
 
-    a: float = 0.0
-    mode: str = "fan_in"
-    nonlinearity: str = "leaky_relu"
-
-    def __call__(
-        self, shape: Sequence[int], rng: np.random.Generator, dtype: npt.DTypeLike = np.float32
-    ) -> np.ndarray:
+    def _distribution(self, shape: Sequence[int]) -> Initializer:
         gain = calculate_gain(self.nonlinearity, self.a)
-        return normal(0.0, gain / math.sqrt(_fan(shape, self.mode)))(shape, rng, dtype)
+        return normal(0.0, gain / math.sqrt(_fan(shape, self.mode)))

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -460,7 +461,19 @@ class Dropout(Layer):
 
 # ------------------------------------------------------------------------------- activations
 class _Unary(Layer):
+    """One ONNX op applied to the input, named where a subclass is declared.
+
+    ``class ReLU(_Unary, op_type="Relu")`` runs ``Relu``; the layer's kind (the prefix of its
+    default name) is the op's name in snake case, here ``relu``.
+    """
+
     op_type = "Identity"
+
+    def __init_subclass__(cls, *, op_type: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if op_type is not None:
+            cls.op_type = op_type
+            cls.kind = re.sub(r"(?<=[a-z])(?=[A-Z])", "_", op_type).lower()
 
     def __init__(self, *, name: str | None = None, **attributes: Any) -> None:
         super().__init__(name)
@@ -470,76 +483,56 @@ class _Unary(Layer):
         return g.builder.op(self.op_type, x[0], **self.attributes)
 
 
-class Identity(_Unary):
+class Identity(_Unary, op_type="Identity"):
     """:math:`y = x`."""
 
-    kind, op_type = "identity", "Identity"
 
-
-class ReLU(_Unary):
+class ReLU(_Unary, op_type="Relu"):
     r""":math:`\max(x, 0)`."""
 
-    kind, op_type = "relu", "Relu"
 
-
-class Sigmoid(_Unary):
+class Sigmoid(_Unary, op_type="Sigmoid"):
     r""":math:`1 / (1 + e^{-x})`."""
 
-    kind, op_type = "sigmoid", "Sigmoid"
 
-
-class Tanh(_Unary):
+class Tanh(_Unary, op_type="Tanh"):
     r""":math:`\tanh x`."""
 
-    kind, op_type = "tanh", "Tanh"
 
-
-class Softplus(_Unary):
+class Softplus(_Unary, op_type="Softplus"):
     r""":math:`\log(1 + e^{x})`."""
 
-    kind, op_type = "softplus", "Softplus"
 
-
-class LeakyReLU(_Unary):
+class LeakyReLU(_Unary, op_type="LeakyRelu"):
     r""":math:`x` for :math:`x \ge 0`, else :math:`\alpha x` (torch's ``negative_slope``)."""
-
-    kind, op_type = "leaky_relu", "LeakyRelu"
 
     def __init__(self, negative_slope: float = 0.01, *, name: str | None = None) -> None:
         super().__init__(name=name, alpha=float(negative_slope))
 
 
-class ELU(_Unary):
+class ELU(_Unary, op_type="Elu"):
     r""":math:`x` for :math:`x > 0`, else :math:`\alpha (e^x - 1)`."""
-
-    kind, op_type = "elu", "Elu"
 
     def __init__(self, alpha: float = 1.0, *, name: str | None = None) -> None:
         super().__init__(name=name, alpha=float(alpha))
 
 
-class Softmax(_Unary):
+class Softmax(_Unary, op_type="Softmax"):
     """Softmax along ``dim``, as ``torch.nn.Softmax``."""
 
-    kind, op_type = "softmax", "Softmax"
-
     def __init__(self, dim: int = -1, *, name: str | None = None) -> None:
         super().__init__(name=name, axis=int(dim))
 
 
-class LogSoftmax(_Unary):
+class LogSoftmax(_Unary, op_type="LogSoftmax"):
     """Log-softmax along ``dim``, as ``torch.nn.LogSoftmax``."""
 
-    kind, op_type = "log_softmax", "LogSoftmax"
-
     def __init__(self, dim: int = -1, *, name: str | None = None) -> None:
         super().__init__(name=name, axis=int(dim))
 
 
-class Flatten(_Unary):
+class Flatten(_Unary, op_type="Flatten"):
     """(N, d1, d2, ...) -> (N, d1 * d2 * ...), as ``torch.nn.Flatten()``."""
-
-    kind, op_type = "flatten", "Flatten"
 
     def __init__(self, *, name: str | None = None) -> None:
         super().__init__(name=name, axis=1)

@@ -42,8 +42,9 @@ from traingraph.graph.execution import (
     OnComplete,
     OrderedExecutor,
     as_device_feed,
-    check_names,
+    device_feeds,
     host,
+    input_specs,
 )
 from traingraph.graph.graph import Graph, Tensor, TensorSpec, compose
 from traingraph.graph.layers import Layer
@@ -63,7 +64,7 @@ from traingraph.program import (
 )
 from traingraph.runtime.device import Device, parse_device
 from traingraph.runtime.optimizer import OptimizerUpdate
-from traingraph.runtime.session import BoundRunner, check_feeds, create_session
+from traingraph.runtime.session import BoundRunner, create_session
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.step import TrainStep
 from traingraph.runtime.tensors import PingPong, TensorStore
@@ -161,13 +162,7 @@ class TrainingGraph:
         (shape ``[N]``) scales each sample's loss: ``mean`` becomes the weighted mean
         :math:`\\sum_i w_i \\ell_i / \\sum_i w_i`, ``sum`` the weighted sum.
         """
-        known = {v.name for g in self.graphs for v in g.ir_graph.inputs}
-        for name, value in inputs.items():
-            if name not in known:
-                raise ModelError(
-                    f"{name!r} is not an input of the graphs; inputs: {sorted(map(str, known))}"
-                )
-            self.input_specs[name] = value if isinstance(value, TensorSpec) else None
+        self.input_specs.update(input_specs(self.graphs, inputs))
         self.label_specs.update(loss_labels or {})
         self.label_weight_specs.update(loss_label_weights or {})
         if self.label_weight_specs and self.loss is None:
@@ -409,24 +404,13 @@ class TrainingGraph:
     ) -> ExecutionResult:
         start = time.perf_counter()
         state, program = self._require_compiled(), self._program
-        device = state.device
         feeds = {**inputs, **(labels or {}), **(weights or {})}
-        check_names("feeds", feeds, program.feed_names)
         runner = self._forward_runner
         assert runner is not None
-        check_feeds(
-            runner.inputs,
-            [n for n in program.feed_names if n in runner.inputs],
-            {n: v for n, v in feeds.items() if n in runner.inputs},
-        )
-        device_feeds = {
-            n: as_device_feed(v, device.ort_device_type, device.index) for n, v in feeds.items()
-        }
-        self._last_shapes = {n: tuple(v.shape()) for n, v in device_feeds.items()}
+        on_device = device_feeds("feeds", feeds, program.feed_names, runner, state.device)
+        self._last_shapes = {n: tuple(v.shape()) for n, v in on_device.items()}
         for name in runner.inputs:
-            runner.bind_input(
-                name, device_feeds[name] if name in device_feeds else state.ortvalue(name)
-            )
+            runner.bind_input(name, on_device[name] if name in on_device else state.ortvalue(name))
         bound: dict[str, ort.OrtValue | None] = {
             out: state.buffers.alt.ortvalue(buffer)
             for out, buffer in program.buffer_updates.items()
@@ -435,7 +419,7 @@ class TrainingGraph:
         outputs = runner.run(bound)
         if program.buffer_updates:
             state.buffers.swap()
-        self._pending = {**device_feeds, **{n: outputs[n] for n in program.phases.saved}}
+        self._pending = {**on_device, **{n: outputs[n] for n in program.phases.saved}}
         result = ExecutionResult(
             loss=host(outputs[LOSS_OUTPUT]) if program.has_loss else None,
             outputs={n: host(outputs[n]) for n in program.output_names},

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -98,6 +98,39 @@ def _stateless(fn: Callable[[UpdateContext, Values, Values], Values]) -> Gradien
         return fn(ctx, updates, params), {}
 
     return GradientTransformation(lambda params: [], update)
+
+
+Slots = dict[str, ir.Value]
+"""One parameter's state slots by kind (``exp_avg``, ...)."""
+
+
+def _per_param(
+    kinds: Sequence[str],
+    step: Callable[[OpBuilder, ir.Value, ir.Value, Slots, Any], tuple[ir.Value, Slots]],
+    prepare: Callable[[UpdateContext, ir.Value], Any] | None = None,
+    init: float = 0.0,
+) -> GradientTransformation:
+    """A transformation with slots ``kinds`` per parameter, taken one parameter at a time.
+
+    ``step(b, u, p, slots, shared) -> (u', new slots)`` updates one parameter ``p``'s update
+    ``u``; ``shared`` is what ``prepare(ctx, like)`` builds once a step (``like``: the first
+    parameter, for its dtype), or None without ``prepare``.
+    """
+
+    def update(
+        ctx: UpdateContext, updates: Values, state: State, params: Values
+    ) -> tuple[Values, State]:
+        shared = prepare(ctx, params[0]) if prepare is not None and params else None
+        new_state: State = {}
+        out: Values = []
+        for u, p in zip(updates, params):
+            slots = {kind: state[_slot_name(p, kind)] for kind in kinds}
+            u, new_slots = step(ctx.b, u, p, slots, shared)
+            new_state.update({_slot_name(p, kind): v for kind, v in new_slots.items()})
+            out.append(u)
+        return out, new_state
+
+    return GradientTransformation(_slots(*kinds, init=init), update)
 
 
 def _slots(*kinds: str, init: float = 0.0) -> InitFn:
@@ -272,27 +305,21 @@ def trace(
             f" momentum={momentum}, dampening={dampening}"
         )
 
-    def update(
-        ctx: UpdateContext, updates: Values, state: State, params: Values
-    ) -> tuple[Values, State]:
-        b = ctx.b
-        new_state: State = {}
-        out: Values = []
-        if dampening != 0 and params:
-            first_step = b.Equal(ctx.step, _scalar(b, 1.0, params[0]))
-        for u, p in zip(updates, params):
-            name = _slot_name(p, kind)
-            decayed = b.Mul(state[name], _scalar(b, momentum, p))
-            if dampening == 0:
-                buf = b.Add(decayed, u)
-            else:
-                later = b.Add(decayed, b.Mul(u, _scalar(b, 1.0 - dampening, p)))
-                buf = b.Where(first_step, u, later)
-            new_state[name] = buf
-            out.append(b.Add(u, b.Mul(buf, _scalar(b, momentum, p))) if nesterov else buf)
-        return out, new_state
+    def first_step(ctx: UpdateContext, like: ir.Value) -> ir.Value | None:
+        return ctx.b.Equal(ctx.step, _scalar(ctx.b, 1.0, like)) if dampening != 0 else None
 
-    return GradientTransformation(_slots(kind), update)
+    def step(
+        b: OpBuilder, u: ir.Value, p: ir.Value, slots: Slots, first: ir.Value | None
+    ) -> tuple[ir.Value, Slots]:
+        decayed = b.Mul(slots[kind], _scalar(b, momentum, p))
+        if first is None:
+            buf = b.Add(decayed, u)
+        else:
+            later = b.Add(decayed, b.Mul(u, _scalar(b, 1.0 - dampening, p)))
+            buf = b.Where(first, u, later)
+        return (b.Add(u, b.Mul(buf, _scalar(b, momentum, p))) if nesterov else buf), {kind: buf}
+
+    return _per_param([kind], step, first_step)
 
 
 momentum = trace
@@ -358,28 +385,22 @@ def scale_by_adam(
     _check_non_negative("scale_by_adam", eps=eps)
     kinds = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
 
-    def update(
-        ctx: UpdateContext, updates: Values, state: State, params: Values
-    ) -> tuple[Values, State]:
-        b = ctx.b
-        new_state: State = {}
-        out: Values = []
-        if params:
-            bc1, bc2_sqrt = _bias_corrections(b, b1, b2, ctx.step, params[0])
-        for u, p in zip(updates, params):
-            m_name, v_name = _slot_name(p, "exp_avg"), _slot_name(p, "exp_avg_sq")
-            m = _lerp(b, state[m_name], u, 1.0 - b1, p)
-            v = _average_square(b, state[v_name], u, b2, p)
-            new_state[m_name], new_state[v_name] = m, v
-            if amsgrad:
-                max_name = _slot_name(p, "max_exp_avg_sq")
-                v = b.Max(state[max_name], v)
-                new_state[max_name] = v
-            denom = b.Add(b.Div(b.Sqrt(v), bc2_sqrt), _scalar(b, eps, p))
-            out.append(b.Div(b.Div(m, bc1), denom))
-        return out, new_state
+    def corrections(ctx: UpdateContext, like: ir.Value) -> tuple[ir.Value, ir.Value]:
+        return _bias_corrections(ctx.b, b1, b2, ctx.step, like)
 
-    return GradientTransformation(_slots(*kinds), update)
+    def step(
+        b: OpBuilder, u: ir.Value, p: ir.Value, slots: Slots, bc: tuple[ir.Value, ir.Value]
+    ) -> tuple[ir.Value, Slots]:
+        bc1, bc2_sqrt = bc
+        m = _lerp(b, slots["exp_avg"], u, 1.0 - b1, p)
+        v = _average_square(b, slots["exp_avg_sq"], u, b2, p)
+        new = {"exp_avg": m, "exp_avg_sq": v}
+        if amsgrad:
+            v = new["max_exp_avg_sq"] = b.Max(slots["max_exp_avg_sq"], v)
+        denom = b.Add(b.Div(b.Sqrt(v), bc2_sqrt), _scalar(b, eps, p))
+        return b.Div(b.Div(m, bc1), denom), new
+
+    return _per_param(kinds, step, corrections)
 
 
 def scale_by_rms(
@@ -403,25 +424,17 @@ def scale_by_rms(
     _check_non_negative("scale_by_rms", alpha=alpha, eps=eps)
     kinds = ["square_avg"] + (["grad_avg"] if centered else [])
 
-    def update(
-        ctx: UpdateContext, updates: Values, state: State, params: Values
-    ) -> tuple[Values, State]:
-        b = ctx.b
-        new_state: State = {}
-        out: Values = []
-        for u, p in zip(updates, params):
-            s_name = _slot_name(p, "square_avg")
-            s = _average_square(b, state[s_name], u, alpha, p)
-            new_state[s_name] = s
-            if centered:
-                g_name = _slot_name(p, "grad_avg")
-                g = _lerp(b, state[g_name], u, 1.0 - alpha, p)
-                new_state[g_name] = g
-                s = b.Sub(s, b.Mul(g, g))
-            out.append(b.Div(u, b.Add(b.Sqrt(s), _scalar(b, eps, p))))
-        return out, new_state
+    def step(
+        b: OpBuilder, u: ir.Value, p: ir.Value, slots: Slots, _: None
+    ) -> tuple[ir.Value, Slots]:
+        s = _average_square(b, slots["square_avg"], u, alpha, p)
+        new = {"square_avg": s}
+        if centered:
+            g = new["grad_avg"] = _lerp(b, slots["grad_avg"], u, 1.0 - alpha, p)
+            s = b.Sub(s, b.Mul(g, g))
+        return b.Div(u, b.Add(b.Sqrt(s), _scalar(b, eps, p))), new
 
-    return GradientTransformation(_slots(*kinds), update)
+    return _per_param(kinds, step)
 
 
 def scale_by_adagrad(
@@ -445,26 +458,20 @@ def scale_by_adagrad(
         eps=eps,
     )
 
-    def update(
-        ctx: UpdateContext, updates: Values, state: State, params: Values
-    ) -> tuple[Values, State]:
-        b = ctx.b
-        new_state: State = {}
-        out: Values = []
-        if lr_decay != 0 and params:
-            one = _scalar(b, 1.0, params[0])
-            decay = b.Add(one, b.Mul(b.Sub(ctx.step, one), _scalar(b, lr_decay, params[0])))
-        for u, p in zip(updates, params):
-            name = _slot_name(p, "sum")
-            total = b.Add(state[name], b.Mul(u, u))
-            new_state[name] = total
-            scaled = b.Div(u, b.Add(b.Sqrt(total), _scalar(b, eps, p)))
-            if lr_decay != 0:
-                scaled = b.Div(scaled, decay)
-            out.append(scaled)
-        return out, new_state
+    def decay(ctx: UpdateContext, like: ir.Value) -> ir.Value | None:
+        if lr_decay == 0:
+            return None
+        b, one = ctx.b, _scalar(ctx.b, 1.0, like)
+        return b.Add(one, b.Mul(b.Sub(ctx.step, one), _scalar(b, lr_decay, like)))
 
-    return GradientTransformation(_slots("sum", init=initial_accumulator_value), update)
+    def step(
+        b: OpBuilder, u: ir.Value, p: ir.Value, slots: Slots, rate: ir.Value | None
+    ) -> tuple[ir.Value, Slots]:
+        total = b.Add(slots["sum"], b.Mul(u, u))
+        scaled = b.Div(u, b.Add(b.Sqrt(total), _scalar(b, eps, p)))
+        return (scaled if rate is None else b.Div(scaled, rate)), {"sum": total}
+
+    return _per_param(["sum"], step, decay, init=initial_accumulator_value)
 
 
 # --------------------------------------------------------------------------- chaining

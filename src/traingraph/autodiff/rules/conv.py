@@ -298,24 +298,18 @@ def flipped_weight(
     return b.slice(swapped, flips, [_INT64_MIN] * len(axes), axes, flips)
 
 
-def conv_input_grad(
-    b: OpBuilder,
-    g: ir.Value,
-    w: ir.Value,
-    win: Window,
-    group: int,
-    like: ir.Value,
-    in_dims: Sequence[int | None],
-    out_dims: Sequence[int | None],
-) -> ir.Value:
-    """``dL/dX`` of ``Y = Conv(X, W)``: a Conv of ``g`` with the flipped weight where
-    :func:`flipped_conv_fits`, else :func:`transposed_conv_to` (same arguments)."""
-    channels = channel_count(like, w, group)
+def conv_input_grad(ctx: GradContext, g: ir.Value, win: Window, group: int) -> ir.Value:
+    """``dL/dX`` of the Conv node ``Y = Conv(X, W)`` of ``ctx``, given ``g = dL/dY``: a Conv of
+    ``g`` with the flipped weight where :func:`flipped_conv_fits`, else
+    :func:`transposed_conv_to`."""
+    b, x, w = ctx.b, ctx.x(0), ctx.x(1)
+    channels = channel_count(x, w, group)
     filters = static_dim(w, 0) or static_dim(g, 1)
     fits = flipped_conv_fits(win, channels, filters, group)
     flipped = flipped_weight(b, w, win.kernel, group) if fits else None
     if flipped is None:
-        return transposed_conv_to(b, g, w, win, group, like, in_dims, out_dims)
+        sizes = spatial_dims(x, len(win.kernel))
+        return transposed_conv_to(b, g, w, win, group, x, sizes, win.out_dims(sizes))
     pads = [e - 1 - p for e, p in zip(win.extents, win.begins)]
     pads += [e - 1 - p for e, p in zip(win.extents, win.ends)]
     return b.Conv(
@@ -441,28 +435,34 @@ def bias_grad(b: OpBuilder, g: ir.Value, n: int) -> ir.Value:
     return b.sum(g, [0, *range(2, n + 2)], keepdims=False)
 
 
-@register_gradient("Conv")
-def conv(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """Gradients of ``Conv(X, W[, B])``; see the module docstring."""
-    g = grads[0]
-    if g is None:
-        return []
+def _conv_grads(ctx: GradContext, grads: Grads, transposed: bool) -> list[ir.Value | None]:
+    """The gradients of a Conv, or with ``transposed`` a ConvTranspose, node (see the rules)."""
+    g = ctx.grad_or_zeros(grads, 0)
     b, x, w = ctx.b, ctx.x(0), ctx.x(1)
     kernel = kernel_shape(ctx, 1)
-    win = sliding_window(ctx, kernel, x)
+    win = (transpose_window if transposed else sliding_window)(ctx, kernel, x)
     group = int(ctx.attr("group", 1))
     dx = dw = db = None
     instance = ctx.node.name or "Conv"
-    if ctx.need(0):
-        sizes = spatial_dims(x, len(kernel))
-        with tagging(b, "conv_input_grad", instance):
-            dx = conv_input_grad(b, g, w, win, group, x, sizes, win.out_dims(sizes))
-    if ctx.need(1):
-        with tagging(b, "conv_weight_grad", instance):
-            dw = conv_weight_grad(b, x, g, w, win, group)
+    if transposed:  # the adjoint of a Conv with the same window and weight
+        dx = b.Conv(g, w, group=group, **win.attrs()) if ctx.need(0) else None
+        dw = conv_weight_grad(b, g, x, w, win, group) if ctx.need(1) else None
+    else:
+        if ctx.need(0):
+            with tagging(b, "conv_input_grad", instance):
+                dx = conv_input_grad(ctx, g, win, group)
+        if ctx.need(1):
+            with tagging(b, "conv_weight_grad", instance):
+                dw = conv_weight_grad(b, x, g, w, win, group)
     if ctx.need(2):
         db = bias_grad(b, g, len(kernel))
     return [dx, dw, db][: len(ctx.inputs)]
+
+
+@register_gradient("Conv")
+def conv(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """Gradients of ``Conv(X, W[, B])``; see the module docstring."""
+    return _conv_grads(ctx, grads, transposed=False)
 
 
 def transpose_window(ctx: GradContext, kernel: tuple[int, ...], x: ir.Value) -> Window:
@@ -506,18 +506,4 @@ def conv_transpose(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     ``dL/dX = Conv(G, W)`` with the same window and groups; ``dL/dW`` is the Conv weight
     gradient with input ``G`` and output gradient ``X``; ``dL/dB`` sums ``G``.
     """
-    g = grads[0]
-    if g is None:
-        return []
-    b, x, w = ctx.b, ctx.x(0), ctx.x(1)
-    kernel = kernel_shape(ctx, 1)
-    win = transpose_window(ctx, kernel, x)
-    group = int(ctx.attr("group", 1))
-    dx = dw = db = None
-    if ctx.need(0):
-        dx = b.Conv(g, w, group=group, **win.attrs())
-    if ctx.need(1):
-        dw = conv_weight_grad(b, g, x, w, win, group)
-    if ctx.need(2):
-        db = bias_grad(b, g, len(kernel))
-    return [dx, dw, db][: len(ctx.inputs)]
+    return _conv_grads(ctx, grads, transposed=True)

@@ -155,9 +155,7 @@ def _route_to_first_max(
 @tags("max_pool_grad")
 def max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Gradient of ``MaxPool``: ``dL/dX[i] = sum_{o : argmax(o) = i} G[o]``."""
-    g = grads[0]
-    if g is None:
-        return []
+    g = ctx.grad_or_zeros(grads, 0)
     b, x = ctx.b, ctx.x(0)
     win = sliding_window(ctx, kernel_shape(ctx, None), x)
     counts = _tiling_counts(ctx, win, x)
@@ -205,9 +203,7 @@ def _average_scale(ctx: GradContext, win: Window, x: ir.Value) -> ir.Value:
 @register_gradient("AveragePool")
 def average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Gradient of ``AveragePool``: ``dL/dX = ConvTranspose(G / div, ones)`` per channel."""
-    g = grads[0]
-    if g is None:
-        return []
+    g = ctx.grad_or_zeros(grads, 0)
     b, x = ctx.b, ctx.x(0)
     win = sliding_window(ctx, kernel_shape(ctx, None), x)
     n = len(win.kernel)
@@ -225,9 +221,7 @@ def average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 @register_gradient("GlobalAveragePool")
 def global_average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Gradient of ``GlobalAveragePool``: ``dL/dX[n, c, i] = G[n, c] / prod(D)``."""
-    g = grads[0]
-    if g is None:
-        return []
+    g = ctx.grad_or_zeros(grads, 0)
     b, x = ctx.b, ctx.x(0)
     dims = [None] if x.shape is None else spatial_dims(x, len(x.shape) - 2)
     sizes = [size for size in dims if size is not None]
@@ -241,9 +235,7 @@ def global_average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
 @register_gradient("GlobalMaxPool")
 def global_max_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Gradient of ``GlobalMaxPool``: ``G[n, c]`` goes to the first maximum of ``X[n, c]``."""
-    g = grads[0]
-    if g is None:
-        return []
+    g = ctx.grad_or_zeros(grads, 0)
     b, x = ctx.b, ctx.x(0)
     flat = b.ints([0, 0, -1])
     first_max = b.ArgMax(b.Reshape(x, flat), axis=2, keepdims=1)
