@@ -3,9 +3,11 @@ with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); test_d
 starts two. The models, data and training loops are defined here once, for the worker and for
 the single-process reference the tests compare with.
 
-The worker trains the demo CNN through fit (api.Module / Optimizer, checkpoint, resume) and an
-MLP through the graph API (its gradients in several buckets), and writes ``rank{R}.npz`` with
-the parameters after every step; ``agreed{R}.txt`` with the errors of
+The worker trains the demo CNN through fit (api.Module / Optimizer, checkpoint, resume), an
+MLP through the graph API (its gradients in several buckets), the demo again with gradient
+accumulation over uneven micro-batches, and a BatchNorm model whose running statistics are
+averaged (on a GPU also the CUDA-graph step, in float32 and in fp16 with a loss scaler), and
+writes ``rank{R}.npz`` with the parameters after every step; ``agreed{R}.txt`` with the errors of
 :func:`agreements`; then rank 1 exits during a further run of the demo, and rank 0 writes the
 error it got to ``error.txt``.
 """
@@ -37,14 +39,17 @@ TIMEOUT = datetime.timedelta(seconds=30)
 MLP_STEPS = 6
 
 
-def make_demo_artifacts(folder: Path) -> None:
-    """The demo CNN's artifacts (AdamW) in ``folder``."""
+def make_demo_artifacts(
+    folder: Path, optimizer: Any = None, mixed_precision: str | None = None
+) -> None:
+    """The demo CNN's artifacts (AdamW unless ``optimizer`` is given) in ``folder``."""
     artifacts.generate_artifacts(
         demo.digits_cnn(seed=0),
         loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.AdamW(lr=1e-2),
+        optimizer=optim.AdamW(lr=1e-2) if optimizer is None else optimizer,
         artifact_directory=folder,
         additional_output_names=[demo.OUTPUT_NAME],
+        mixed_precision=mixed_precision,
     )
 
 
@@ -113,6 +118,27 @@ def train_demo_cuda_graph(folder: Path, make: Any = None) -> np.ndarray:
     return np.stack(steps)
 
 
+def train_fp16_cuda_graph(folder: Path, make: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """One epoch of the fp16 demo (with a loss scaler) as CUDA-graph steps, the last sample of
+    the second batch (rank 1's part) an overflow; returns the parameters and the loss scale
+    after each step."""
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    module = demo_trainer(folder).module
+    uri = folder / "optimizer_model.onnx"
+    step = CudaGraphStep(module, uri) if make is None else make(module, uri)
+    steps, scales = [], []
+    for i, (x, y) in enumerate(demo_data()[0].epoch(0)):
+        if i == 1:
+            x = np.array(x)
+            x[-1] = 1e30  # inf in float16: this step's gradients are not finite
+        step(*((x, y) if make is None else step.replica.shard((x, y))))
+        steps.append(module.get_contiguous_parameters(trainable_only=True).numpy().copy())
+        assert module.loss_scaler is not None
+        scales.append(module.loss_scaler.scale)
+    return np.stack(steps), np.array(scales)
+
+
 def mlp_graph() -> Any:
     """A compiled MLP (20 -> 32 -> ReLU -> 5) of the graph API, AdamW."""
     from traingraph import layers as L
@@ -156,6 +182,107 @@ def train_mlp(initial: dict[str, np.ndarray], replica_of: Any = None) -> np.ndar
         values = graph.get_parameters()
         steps.append(np.concatenate([values[n].reshape(-1) for n in sorted(values)]))
     return np.stack(steps)
+
+
+ACCUMULATION = ((9, 7, 1), (5, 6), (3,), (2, 1, 4), (1,))
+"""Micro-batch sizes of each accumulated step: odd sizes split unevenly over two processes, a
+micro-batch of 1 leaves rank 0 without a sample, and the last step gives it none at all."""
+
+
+def accumulation_batches() -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    rng = np.random.default_rng(5)
+    return [
+        [
+            (
+                rng.standard_normal((n, 1, 8, 8)).astype(np.float32),
+                rng.integers(0, demo.CLASSES, n).astype(np.int64),
+            )
+            for n in sizes
+        ]
+        for sizes in ACCUMULATION
+    ]
+
+
+def train_accumulated(folder: Path, distributed_run: bool = False) -> np.ndarray:
+    """The demo with api.Module / Optimizer, several micro-batches accumulated per update;
+    returns the trainable parameters after each update. In a worker, each process trains on
+    its parts of the micro-batches, skipping the forward pass of an empty one."""
+    trainer = demo_trainer(folder)
+    module, optimizer = trainer.module, trainer.optimizer
+    replica = distributed.DataParallel(module, optimizer) if distributed_run else None
+    steps = []
+    for micro_batches in accumulation_batches():
+        for batch in micro_batches:
+            part = batch if replica is None else replica.shard(batch, allow_empty=True)
+            if len(part[0]):
+                module(*part)
+        optimizer.step()
+        module.lazy_reset_grad()
+        steps.append(module.get_contiguous_parameters(trainable_only=True).numpy().copy())
+    return np.stack(steps)
+
+
+BN_BATCHES = (9, 9, 7, 9)
+
+
+def batchnorm_graph() -> Any:
+    """A compiled graph-API model whose first layer is a BatchNorm1d (20 -> BatchNorm -> 5),
+    SGD; its running statistics are of the raw inputs."""
+    from traingraph import layers as L
+    from traingraph import losses
+    from traingraph.graph import CompileOptions, Graph, TensorSpec, TrainingGraph
+
+    g = Graph("bn")
+    x = g.input("x", shape=[None, 20])
+    g.output("logits", L.Linear(20, 5)(L.BatchNorm1d(20)(x)))
+    train = TrainingGraph([g], loss=losses.CrossEntropyLoss(), optimizer=optim.SGD(lr=0.1))
+    train.add_inputs({"x": x}, loss_labels={"y": TensorSpec([None], "int64")})
+    # as written: the CPU runtime's segments miss a BatchNorm that reads a data input
+    options = CompileOptions(intra_op_threads=1, tf32=False, disable_fusion=True)
+    return train.compile(distributed.local_device(DEVICE), options)
+
+
+def batchnorm_batches() -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(13)
+    return [
+        (
+            (rng.standard_normal((n, 20)) * 2 + rng.standard_normal(20)).astype(np.float32),
+            rng.integers(0, 5, n).astype(np.int64),
+        )
+        for n in BN_BATCHES
+    ]
+
+
+def running_statistics(graph: Any) -> dict[str, np.ndarray]:
+    return {k: v for k, v in graph.get_parameters().items() if "running" in k}
+
+
+def train_batchnorm(distributed_run: bool = False) -> dict[str, np.ndarray]:
+    """The BatchNorm model over :func:`batchnorm_batches`: its running statistics after each
+    step (``after:NAME``) and, in a worker, this process's own before they were averaged
+    (``local:NAME``)."""
+    graph = batchnorm_graph()
+    records: dict[str, list[np.ndarray]] = {}
+
+    def record(prefix: str) -> None:
+        for name, value in running_statistics(graph).items():
+            records.setdefault(f"{prefix}:{name}", []).append(value)
+
+    if distributed_run:
+
+        class Recording(distributed.DataParallel):
+            def average_gradients(self, grads: Any, finite: bool) -> bool:
+                record("local")
+                return super().average_gradients(grads, finite)
+
+        replica = Recording(graph)
+    for x, y in batchnorm_batches():
+        if distributed_run:
+            replica.execute({"x": x}, loss_labels={"y": y})
+        else:
+            graph.execute({"x": x}, loss_labels={"y": y})
+        record("after")
+    return {k: np.stack(v) for k, v in records.items()}
 
 
 class ExitAt(Callback):
@@ -212,18 +339,26 @@ def main(folder: Path) -> None:
     # the MLP's gradients average in 4 buckets, apart from the flags (the demo's: packed)
     distributed.PACKED_BYTES = 0
     mlp_steps = train_mlp(initial, partial(distributed.DataParallel, bucket_bytes=1024))
-    graph_steps = (
-        train_demo_cuda_graph(folder / "demo", distributed.cuda_graph_step)
-        if DEVICE.startswith("cuda")
-        else np.zeros(0)
-    )
+    distributed.PACKED_BYTES = 1 << 20
+    accumulated = train_accumulated(folder / "demo", distributed_run=True)
+    batchnorm = train_batchnorm(distributed_run=True)
+    graph_steps = fp16_steps = fp16_scales = np.zeros(0)
+    if DEVICE.startswith("cuda"):
+        graph_steps = train_demo_cuda_graph(folder / "demo", distributed.cuda_graph_step)
+        fp16_steps, fp16_scales = train_fp16_cuda_graph(
+            folder / "demo16", distributed.cuda_graph_step
+        )
     np.savez(
         folder / f"rank{rank}.npz",
         demo=demo_steps,
         resumed=resumed,
         mlp=mlp_steps,
+        accumulated=accumulated,
         cuda_graph=graph_steps,
+        fp16=fp16_steps,
+        fp16_scales=fp16_scales,
         history=json.dumps(history),
+        **{f"bn.{k}": v for k, v in batchnorm.items()},
     )
     (folder / f"agreed{rank}.txt").write_text("\n".join(agreements(folder)))
     trainer = demo_trainer(folder / "demo")

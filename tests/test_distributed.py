@@ -131,6 +131,43 @@ def test_graph_api_mlp_matches_one_process(trained):
     np.testing.assert_allclose(ranks[0]["mlp"], single, rtol=RTOL, atol=ATOL)
 
 
+def test_accumulated_uneven_micro_batches_match_one_process(trained):
+    folder, _, ranks, _ = trained
+    single = worker.train_accumulated(folder / "demo")
+    assert single.shape[0] == len(worker.ACCUMULATION)
+    for rank in ranks:
+        np.testing.assert_array_equal(rank["accumulated"], ranks[0]["accumulated"])
+    # every micro-batch weighs by its own split (4/9, 3/7, 0/1, ...), rank 0's last step has
+    # no sample at all, and the update is the one of the whole micro-batches in one process
+    np.testing.assert_allclose(ranks[0]["accumulated"], single, rtol=RTOL, atol=ATOL)
+    assert np.abs(np.diff(single, axis=0)).max(axis=1).min() > 1e-4  # every step trained
+
+
+def _shares(size: int, world: int = 2) -> np.ndarray:
+    """Each rank's share of a batch of ``size`` (the contiguous split of DataParallel.shard)."""
+    return np.array([size * (r + 1) // world - size * r // world for r in range(world)]) / size
+
+
+def test_batchnorm_statistics_are_averaged_over_the_processes(trained):
+    _, _, ranks, _ = trained
+    single = worker.train_batchnorm()
+    names = sorted(k for k in single if k.startswith("after:"))
+    assert len(names) == 2  # running mean and variance
+    shares = np.stack([_shares(n) for n in worker.BN_BATCHES])  # [step, rank]
+    for name in names:
+        local = name.replace("after:", "local:")
+        for rank in ranks:  # identical replicas after every step
+            np.testing.assert_array_equal(rank[f"bn.{name}"], ranks[0][f"bn.{name}"])
+        # each step's statistics: the ranks' own, weighted by their share of the batch
+        own = np.stack([rank[f"bn.{local}"].astype(np.float64) for rank in ranks], axis=1)
+        expected = np.einsum("sr,sr...->s...", shares, own)
+        np.testing.assert_allclose(ranks[0][f"bn.{name}"], expected, rtol=1e-6, atol=1e-7)
+        assert np.abs(own[:, 0] - own[:, 1]).max() > 1e-2  # the shards' statistics differ
+    # the first layer's running mean is linear in its batches' means: one process's
+    mean = next(n for n in names if "mean" in n)
+    np.testing.assert_allclose(ranks[0][f"bn.{mean}"], single[mean], rtol=RTOL, atol=1e-6)
+
+
 def test_a_dead_process_stops_the_others_with_an_error(trained):
     folder, _, _, outputs = trained
     error = folder / "error.txt"

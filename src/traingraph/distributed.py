@@ -24,9 +24,11 @@ In Python, :func:`traingraph.fit.fit` does all of this under torchrun (or with
     >>> for batch in Batches((x, y), batch_size=256):  # the same global batches everywhere
     ...     trainer.train_step(replica.shard(batch))
 
-The gradients are averaged weighted by each shard's share of the global batch, which is the
-gradient of the global batch for a mean-reduced loss (the losses' default). torch is needed only
-here: ``pip install 'traingraph[distributed]'``.
+The gradients are averaged weighted by each shard's share of its global batch (with gradient
+accumulation, by each micro-batch's), which is the gradient of the global batches for a
+mean-reduced loss (the losses' default). Updated buffers (BatchNorm running statistics) are
+averaged after every step with the same weights, so the replicas keep identical buffers. torch
+is needed only here: ``pip install 'traingraph[distributed]'``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -359,6 +362,19 @@ def _device_of(model: Any) -> Device:
 _REPLICAS: weakref.WeakKeyDictionary[Any, DataParallel] = weakref.WeakKeyDictionary()
 
 
+@dataclass
+class _Parts:
+    """The training parts :meth:`DataParallel.shard` gave this process since the last average."""
+
+    samples: int = 0
+    """This process's samples in them."""
+    total: int = 0
+    """The samples of their global batches."""
+    scale: float | None = None
+    """The weight the accumulated gradients are in units of: the last non-empty part's share
+    of its batch (None while every part was empty)."""
+
+
 class DataParallel:
     """Averages a model's gradients over the processes of a ``torch.distributed`` group.
 
@@ -370,6 +386,11 @@ class DataParallel:
     :class:`~traingraph.errors.NonFiniteLossError` stops all of them at the same step) and on
     a stop that any of them asks for (:attr:`stop_requested`, then :attr:`stop_agreed`).
 
+    Each process's gradients count by its share of the samples: a part that :meth:`shard`
+    gave it of ``n`` samples out of a global batch of ``N`` weighs ``n / N``, and with gradient
+    accumulation (several parts before one step) every part weighs by its own batch, so the
+    average is the single-process gradient of the global batches for a mean-reduced loss.
+
     Args:
         model: A Module (with ``optimizer``) or a compiled TrainingGraph, the same in every
             process.
@@ -378,6 +399,12 @@ class DataParallel:
         broadcast: Copy rank 0's parameters to every process now (all of them: trainable
             ones and buffers). The optimizer state stays each process's own: start every
             process from the same checkpoint.
+        sync_buffers: Average the updated buffers (BatchNorm running statistics) over the
+            processes at every step, in the all-reduce of the gradients, each process's
+            weighted by its share of the step's samples: the replicas keep identical buffers
+            (and rank 0's checkpoint holds those), and a running mean is the one of a single
+            process on the global batches. False leaves each replica the statistics of its
+            own shards.
 
     Raises:
         DistributedError: No process group can be joined, or the processes hold models of
@@ -398,6 +425,7 @@ class DataParallel:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         broadcast: bool = True,
+        sync_buffers: bool = True,
     ) -> None:
         from traingraph.api import Module, Optimizer
         from traingraph.graph.training import TrainingGraph
@@ -425,6 +453,8 @@ class DataParallel:
         self.device: Device = _device_of(model)
         """Where the model's gradients live."""
         self.bucket_bytes = bucket_bytes
+        self.sync_buffers = bool(sync_buffers)
+        """Whether the updated buffers are averaged at every step."""
         self.rank = int(self._dist.get_rank())
         self.world_size = int(self._dist.get_world_size())
         self.steps = 0
@@ -435,8 +465,9 @@ class DataParallel:
         """Whether some process had :attr:`stop_requested` set at the last average."""
         self.global_batch: int | None = None
         """The sample count of the last batch :meth:`shard` split."""
-        self._weight: float | None = None
-        self._views: dict[int, tuple[TensorStore, list[Any], Any]] = {}
+        self._parts = _Parts()
+        self._views: dict[int, tuple[TensorStore, list[Any]]] = {}
+        self._staging: dict[tuple[int, ...], Any] = {}
         if broadcast:
             self.broadcast_parameters()
         if optimizer is not None:
@@ -458,24 +489,65 @@ class DataParallel:
         return self.rank == 0
 
     # ------------------------------------------------------------------ data
-    def shard(self, batch: Any, *, allow_empty: bool = False) -> Any:
+    def shard(self, batch: Any, *, allow_empty: bool = False, train: bool = True) -> Any:
         """This process's contiguous part of a global ``batch`` (a tuple, list or dict of
         arrays sharing their first dimension; other values are passed whole).
 
-        The next gradient average weights this process's gradients by its part's share of the
-        batch, so uneven parts (a batch that does not divide evenly) average exactly.
+        A training part counts in the next gradient average by its share of the batch, so
+        uneven parts (a batch that does not divide evenly) average exactly. Call it for each
+        micro-batch right before that part's forward pass: with gradient accumulation the
+        gradients accumulated so far are rescaled here, so that each micro-batch keeps its own
+        weight.
 
         Args:
             batch: The global batch, the same in every process.
             allow_empty: Return an empty part where the batch has fewer samples than there are
-                processes, for evaluation: such a split leaves the gradients' weights alone.
-                A training batch must have at least one sample per process.
+                processes, instead of raising. A process with an empty training part skips
+                its forward pass but still takes the optimizer step (its gradients count
+                zero there).
+            train: False for evaluation: the part is not counted in any average and may be
+                empty.
+
+        Raises:
+            ModelError: The batch has fewer samples than there are processes (a training
+                part without ``allow_empty``), or is not a tuple, list or dict of arrays.
         """
-        part, count, total = _split(batch, self.rank, self.world_size, allow_empty)
-        if not allow_empty:
-            self._weight = count / total
+        part, count, total = _split(batch, self.rank, self.world_size, allow_empty or not train)
+        if train:
             self.global_batch = total
+            self._count(count, total)
         return part
+
+    def _step(self) -> Any:
+        """The model's :class:`~traingraph.runtime.step.TrainStep`."""
+        return self.model.step
+
+    def _count(self, count: int, total: int) -> None:
+        """Count a training part of ``count`` samples of ``total`` in the next average."""
+        parts, step = self._parts, self._step()
+        state = step.state
+        parts.samples += count
+        parts.total += total
+        if count == 0:
+            # No forward pass here: the step averages zeros from this process.
+            state.grads_valid = True
+            return
+        weight = count / total
+        live = step.accumulate and state.grads_valid and not state.reset_grads_pending
+        if parts.scale is not None and live and parts.scale != weight:
+            # The accumulated gradients are in units of the last part's weight: carry them
+            # into this part's, which the average multiplies by.
+            self._scale_store(state.grads, parts.scale / weight)
+        parts.scale = weight
+
+    def _scale_store(self, store: TensorStore, factor: float) -> None:
+        device = self._device()
+        if device.type == "cuda":  # written and read on onnxruntime's stream
+            self._torch.cuda.synchronize(device)
+        for tensor in self._tensors(store):
+            tensor.mul_(factor)
+        if device.type == "cuda":
+            self._torch.cuda.synchronize(device)
 
     # ------------------------------------------------------------- collectives
     def _device(self) -> Any:
@@ -484,67 +556,110 @@ class DataParallel:
             return self._torch.device("cuda", self.device.index)
         return self._torch.device("cpu")
 
+    def _tensors(self, store: TensorStore) -> list[Any]:
+        """Torch tensors over ``store``'s memory, made once per store."""
+        key = id(store)
+        if key not in self._views or self._views[key][0] is not store:
+            self._views[key] = (store, _store_tensors(self._torch, store))
+        return self._views[key][1]
+
+    def _buffers(self) -> list[Any]:
+        """Torch tensors over the current updated buffers (floating-point ones) to average."""
+        if not self.sync_buffers:
+            return []
+        store = self._step().state.buffers.cur
+        if not len(store):
+            return []
+        return [t for t in self._tensors(store) if t.is_floating_point()]
+
     def average_gradients(self, grads: TensorStore, finite: bool) -> bool:
-        """Average ``grads`` in place over the processes; returns whether every process's step
-        was ``finite``. This is the hook :class:`DataParallel` registers on the Optimizer.
+        """Average ``grads`` in place over the processes (and, with :attr:`sync_buffers`, the
+        updated buffers); returns whether every process's step was ``finite``. This is the hook
+        :class:`DataParallel` registers on the Optimizer.
+
+        The gradients weigh by this process's share of the samples of the parts :meth:`shard`
+        gave it since the last average (``1 / world_size`` without one); a process whose parts
+        were all empty contributes zeros, and its ``finite`` does not count.
 
         Raises:
             DistributedError: The all-reduce failed or timed out (another process stopped).
         """
         torch, dist = self._torch, self._dist
-        weight = self._weight if self._weight is not None else 1.0 / self.world_size
-        self._weight = None
+        parts, self._parts = self._parts, _Parts()
+        if parts.total:
+            weight = parts.scale or 0.0
+            share = parts.samples / parts.total
+            finite = finite or parts.scale is None
+        else:
+            weight = share = 1.0 / self.world_size
         device = self._device()
-        flags = [0.0 if finite else 1.0, 1.0 if self.stop_requested else 0.0]
-        key = id(grads)
-        if key not in self._views or self._views[key][0] is not grads:
-            tensors = _store_tensors(torch, grads)
-            size = sum(t.numel() * t.element_size() for t in tensors)
-            small = len(tensors) == 1 and tensors[0].dtype == torch.float32
-            # A small block travels with the two flags in one buffer: one collective per step.
-            staging = None
-            if small and size <= PACKED_BYTES:
-                staging = torch.empty(tensors[0].numel() + 2, dtype=torch.float32, device=device)
-            self._views[key] = (grads, tensors, staging)
-        _, tensors, staging = self._views[key]
-        control = torch.tensor(flags, dtype=torch.float32, device=device)
+        members = [(t, weight) for t in self._tensors(grads)]
+        members += [(t, share) for t in self._buffers()]
+        control = torch.tensor(
+            [0.0 if finite else 1.0, 1.0 if self.stop_requested else 0.0],
+            dtype=torch.float32,
+            device=device,
+        )
+        size = sum(t.numel() * t.element_size() for t, _ in members)
+        packed = size <= PACKED_BYTES and all(t.dtype == torch.float32 for t, _ in members)
+
+        def scaled(tensor: Any, factor: float, out: Any) -> None:
+            # zeros, not a product: an unused process's stale values may be inf or NaN
+            if factor == 0.0:
+                out.zero_()
+            elif out is tensor:
+                tensor.mul_(factor)
+            else:
+                torch.mul(tensor, factor, out=out)
 
         def reduce_packed() -> None:
-            flat, count = tensors[0], tensors[0].numel()
-            torch.mul(flat, weight, out=staging[:count])
-            staging[count:] = control
+            # A small model travels with the two flags in one buffer: one collective per step.
+            key = tuple(id(t) for t, _ in members)
+            staging = self._staging.get(key)
+            if staging is None:
+                count = sum(t.numel() for t, _ in members) + 2
+                staging = self._staging[key] = torch.empty(
+                    count, dtype=torch.float32, device=device
+                )
+            offset = 0
+            for tensor, factor in members:
+                scaled(tensor, factor, staging[offset : offset + tensor.numel()])
+                offset += tensor.numel()
+            staging[offset:] = control
             dist.all_reduce(staging)
-            flat.copy_(staging[:count])
-            control.copy_(staging[count:])
+            offset = 0
+            for tensor, _ in members:
+                tensor.copy_(staging[offset : offset + tensor.numel()])
+                offset += tensor.numel()
+            control.copy_(staging[offset:])
 
         def reduce() -> None:
             works = [dist.all_reduce(control, async_op=True)]
             groups: dict[Any, list[Any]] = {}
-            for tensor in tensors:
+            for tensor, factor in members:
+                scaled(tensor, factor, tensor)
                 groups.setdefault(tensor.dtype, []).append(tensor)
             packed = []
-            for members in groups.values():
-                flat = members[0] if len(members) == 1 else torch.cat(members)
-                packed.append((flat, members))
-                if weight != 1.0:
-                    flat.mul_(weight)
+            for group in groups.values():
+                flat = group[0] if len(group) == 1 else torch.cat(group)
+                packed.append((flat, group))
                 works += [
                     dist.all_reduce(piece, async_op=True)
                     for piece in _buckets(flat, self.bucket_bytes)
                 ]
             for work in works:
                 work.wait()
-            for flat, members in packed:
-                if len(members) > 1:
+            for flat, group in packed:
+                if len(group) > 1:
                     offset = 0
-                    for member in members:
+                    for member in group:
                         member.copy_(flat[offset : offset + member.numel()])
                         offset += member.numel()
 
         def average() -> None:
             if device.type == "cuda":  # the gradients are written on onnxruntime's stream
                 torch.cuda.synchronize(device)
-            (reduce if staging is None else reduce_packed)()
+            (reduce_packed if packed else reduce)()
             if device.type == "cuda":  # and read there by the update
                 torch.cuda.synchronize(device)
 
@@ -665,6 +780,28 @@ class _AveragingSession:
         return getattr(self._session, name)
 
 
+class _AgreedFinite:
+    """The ``grads_finite`` flag of a step with a loss scaler, read as the processes' verdict.
+
+    Reading it averages the gradients with every process's flag in one all-reduce (the
+    gradients are averaged whether or not they are finite, so every process joins it), and
+    returns whether all of them were finite: the loss scalers of all processes then skip or
+    apply the same updates and keep the same scale.
+    """
+
+    def __init__(self, store: Any, replica: DataParallel, grads: Callable[[], Any]) -> None:
+        self._store = store
+        self._replica = replica
+        self._grads = grads
+
+    def read(self, name: str) -> np.ndarray:
+        local = bool(self._store.read(name))
+        return np.array(self._replica.average_gradients(self._grads(), local))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
 def cuda_graph_step(
     module: Module, optimizer_uri: str | os.PathLike, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> CudaGraphStep:
@@ -674,24 +811,18 @@ def cuda_graph_step(
     the average between them. Its :class:`DataParallel` is ``step.replica`` (rank 0's
     parameters are broadcast when it is made).
 
+    With a loss scaler (fp16 mixed precision), the average happens where the step reads the
+    training graph's ``grads_finite`` flag, and carries every process's flag: all processes
+    skip an update where any of them saw an inf or NaN gradient, and their loss scales stay
+    equal.
+
     Example:
         >>> step = distributed.cuda_graph_step(module, "artifacts/optimizer_model.onnx")
         >>> for batch in batches:
         ...     step(*step.replica.shard(batch))
-
-    Raises:
-        ModelError: The model has a loss scaler (fp16 mixed precision), whose decision to skip
-            an update is each process's own here; train it with Module and Optimizer.
     """
     from traingraph.api import Optimizer
     from traingraph.runtime.cuda import CudaGraphStep
-
-    if module.loss_scaler is not None:
-        raise ModelError(
-            "a data-parallel CUDA-graph step takes no loss scaler (fp16 mixed precision): train"
-            " this model with Module, Optimizer and DataParallel, or generate it with"
-            " mixed_precision='bf16'"
-        )
 
     class DataParallelCudaGraphStep(CudaGraphStep):
         replica: DataParallel
@@ -702,7 +833,11 @@ def cuda_graph_step(
         def _capture_sessions(self, arrays: Mapping[str, np.ndarray]) -> None:
             super()._capture_sessions(arrays)
             state = self.step.state
-            self._optim = _AveragingSession(self._optim, self.replica, lambda: state.grads)
+            if self.step.loss_scaler is None:
+                self._optim = _AveragingSession(self._optim, self.replica, lambda: state.grads)
+            elif not isinstance(self._finite, _AgreedFinite):
+                agreed = _AgreedFinite(self._finite, self.replica, lambda: state.grads)
+                self._finite = cast("TensorStore", agreed)
 
     optimizer = Optimizer(optimizer_uri, module)
     step = DataParallelCudaGraphStep(module, optimizer)

@@ -525,7 +525,7 @@ def evaluate(
     for batch in data:
         arrays = trainer._arrays(batch)
         if replica is not None:
-            arrays = replica.shard(arrays, allow_empty=True)
+            arrays = replica.shard(arrays, train=False)
             if _batch_size(arrays) == 0:
                 continue
         outputs = trainer.eval_step(arrays)
