@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch.distributed", reason="traingraph.distributed needs torch")
 
 import distributed_worker as worker
-from traingraph import distributed
+from traingraph import distributed, optim
 
 WORKER = Path(worker.__file__)
 RTOL, ATOL = 1e-5, 1e-7
@@ -222,31 +222,93 @@ def test_environment_detection(monkeypatch):
         distributed.init_process_group()
 
 
-@pytest.mark.gpu
-def test_two_processes_on_the_gpu_match_one(tmp_path, monkeypatch):
-    """NCCL where there are two GPUs; two processes sharing one GPU use gloo (NCCL takes one
-    GPU per process), still on the device buffers."""
-    import torch
+class _Replica:
+    """What _AgreedFinite calls: a DataParallel whose average reports ``agreed``."""
 
+    def __init__(self, agreed: bool) -> None:
+        self.agreed = agreed
+        self.calls: list[tuple[object, bool]] = []
+
+    def average_gradients(self, grads: object, finite: bool) -> bool:
+        self.calls.append((grads, finite))
+        return self.agreed and finite
+
+
+def test_cuda_graph_steps_read_the_agreed_finite_flag():
+    """A data-parallel CUDA-graph step with a loss scaler reads grads_finite through
+    _AgreedFinite: the read averages the gradients with this process's flag and gives the
+    loss scaler the processes' verdict (the two-process run is the GPU test below)."""
+    from traingraph.precision import GRADS_FINITE
+    from traingraph.runtime.device import parse_device
+    from traingraph.runtime.tensors import TensorStore
+
+    flag = TensorStore(parse_device("cpu"), {GRADS_FINITE: ((), np.dtype(np.bool_))})
+    grads = object()
+    for local in (True, False):
+        for agreed in (True, False):
+            flag.write(GRADS_FINITE, np.array(local))
+            replica = _Replica(agreed)
+            wrapped = distributed._AgreedFinite(flag, replica, lambda: grads)
+            assert bool(wrapped.read(GRADS_FINITE)) is (local and agreed)
+            assert replica.calls == [(grads, local)]  # one average per read, this flag
+            assert wrapped.ortvalue(GRADS_FINITE) is flag.ortvalue(GRADS_FINITE)  # bound as is
+
+
+@pytest.fixture(scope="module")
+def gpu_trained(tmp_path_factory):
+    """The worker on the GPU: NCCL where there are two GPUs; two processes sharing one GPU use
+    gloo (NCCL takes one GPU per process), still on the device buffers."""
+    torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU and a torch build with CUDA")
-    monkeypatch.setenv("TRAINGRAPH_TEST_DEVICE", "cuda")
-    if torch.cuda.device_count() < 2:
-        monkeypatch.setenv("TRAINGRAPH_TEST_BACKEND", "gloo")
-    worker.make_demo_artifacts(tmp_path / "demo")
+    folder = tmp_path_factory.mktemp("gpu")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINGRAPH_TEST_DEVICE", "cuda")
+        if torch.cuda.device_count() < 2:
+            patch.setenv("TRAINGRAPH_TEST_BACKEND", "gloo")
+        patch.setattr(worker, "DEVICE", "cuda")
+        worker.make_demo_artifacts(folder / "demo")
+        worker.make_demo_artifacts(
+            folder / "demo16", optimizer=optim.SGD(lr=0.1), mixed_precision="fp16"
+        )
+        initial = worker.mlp_graph().get_parameters()
+        np.savez(folder / "mlp_initial.npz", **initial)
+        outputs = launch(folder)
+        yield folder, initial, rank_results(folder, outputs)
+
+
+@pytest.mark.gpu
+def test_two_processes_on_the_gpu_match_one(gpu_trained, monkeypatch):
+    folder, initial, ranks = gpu_trained
     monkeypatch.setattr(worker, "DEVICE", "cuda")
-    initial = worker.mlp_graph().get_parameters()
-    np.savez(tmp_path / "mlp_initial.npz", **initial)
-    outputs = launch(tmp_path)
-    ranks = rank_results(tmp_path, outputs)
-    single, _ = worker.train_demo(tmp_path / "demo", 2)
-    np.testing.assert_array_equal(ranks[1]["demo"], ranks[0]["demo"])
+    single, _ = worker.train_demo(folder / "demo", 2)
+    for key in ("demo", "mlp", "accumulated", "cuda_graph"):
+        np.testing.assert_array_equal(ranks[1][key], ranks[0][key], err_msg=key)
     np.testing.assert_allclose(ranks[0]["demo"], single, rtol=1e-4, atol=1e-6)
-    np.testing.assert_array_equal(ranks[1]["mlp"], ranks[0]["mlp"])
     np.testing.assert_allclose(ranks[0]["mlp"], worker.train_mlp(initial), rtol=1e-4, atol=1e-6)
-    captured = worker.train_demo_cuda_graph(tmp_path / "demo")
-    np.testing.assert_array_equal(ranks[1]["cuda_graph"], ranks[0]["cuda_graph"])
+    accumulated = worker.train_accumulated(folder / "demo")
+    np.testing.assert_allclose(ranks[0]["accumulated"], accumulated, rtol=1e-4, atol=1e-6)
+    captured = worker.train_demo_cuda_graph(folder / "demo")
     np.testing.assert_allclose(ranks[0]["cuda_graph"], captured, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_fp16_cuda_graph_steps_skip_together(gpu_trained, monkeypatch):
+    """fp16 with a loss scaler in the data-parallel CUDA-graph step: the second batch
+    overflows in rank 1's part only, and both processes skip that update and halve their loss
+    scale, as one process does on the whole batch."""
+    folder, _, ranks = gpu_trained
+    monkeypatch.setattr(worker, "DEVICE", "cuda")
+    single, scales = worker.train_fp16_cuda_graph(folder / "demo16")
+    assert scales[1] == scales[0] / 2 and scales[2] == scales[1]
+    np.testing.assert_array_equal(single[1], single[0])  # one process skips the update
+    for rank in ranks:
+        np.testing.assert_array_equal(rank["fp16_scales"], scales)
+        np.testing.assert_array_equal(rank["fp16"], ranks[0]["fp16"])
+    np.testing.assert_array_equal(ranks[0]["fp16"][1], ranks[0]["fp16"][0])
+    # float16 products of a part and of the whole batch round apart: SGD keeps that small
+    np.testing.assert_allclose(ranks[0]["fp16"], single, rtol=1e-3, atol=1e-4)
+    assert np.abs(single[-1] - single[0]).max() > 1e-3  # it trained
 
 
 @pytest.mark.slow
