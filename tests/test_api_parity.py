@@ -3,6 +3,8 @@ out, nominal checkpoints, string inputs, session options and ORT-format artifact
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -213,3 +215,53 @@ def test_custom_op_library_must_exist(tmp_path):
     library = onnxblock.custom_op_library(tmp_path / "missing.so")
     with pytest.raises(FileNotFoundError, match="does not exist"), library:
         pass
+
+
+def test_generate_artifacts_takes_onnxruntimes_positional_order(tmp_path):
+    """onnxruntime-training 1.19's parameters, in its order, may be passed by position."""
+    onnxruntime_order = [
+        "model",
+        "requires_grad",
+        "frozen_params",
+        "loss",
+        "optimizer",
+        "artifact_directory",
+        "prefix",
+        "ort_format",
+        "custom_op_library",
+        "additional_output_names",
+        "nominal_checkpoint",
+        "loss_input_names",
+    ]
+    parameters = inspect.signature(artifacts.generate_artifacts).parameters
+    positional = [
+        name for name, p in parameters.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
+    assert positional == onnxruntime_order
+    rng = np.random.default_rng(4)
+    model, params = _mlp(rng)
+    artifacts.generate_artifacts(
+        model,
+        ["w2", "b2"],
+        ["w1", "b1"],
+        artifacts.LossType.CrossEntropyLoss,
+        artifacts.OptimType.SGD,
+        tmp_path,
+        "p_",
+        False,
+        None,
+        ["h"],
+        True,
+        ["logits"],
+    )
+    assert (tmp_path / "p_nominal_checkpoint").is_file()
+    assert not list(tmp_path.glob("*.ort"))
+    state = CheckpointState.load_checkpoint(tmp_path / "p_checkpoint")
+    module = Module(tmp_path / "p_training_model.onnx", state, tmp_path / "p_eval_model.onnx")
+    x = rng.standard_normal((N, D)).astype(np.float32)
+    y = rng.integers(0, C, N).astype(np.int64)
+    loss, h = module(x, y)
+    torch_loss, _ = _torch_loss_and_grads(params, x, y)
+    np.testing.assert_allclose(loss, torch_loss, rtol=1e-5)
+    want_h = x.astype(np.float64) @ params["w1"].T + params["b1"]
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5)

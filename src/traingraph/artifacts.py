@@ -108,7 +108,7 @@ def _header(model: ModelLike) -> onnx.ModelProto | None:
     return ir.to_proto(model) if isinstance(model, ir.Model) else None
 
 
-def _to_ort_format(paths: Sequence[Path], custom_op_library: str | None) -> None:
+def _to_ort_format(paths: Sequence[Path], custom_op_library: str | os.PathLike | None) -> None:
     """Write ``<model>.ort`` beside each model with onnxruntime's converter."""
     try:
         from onnxruntime.tools.convert_onnx_models_to_ort import (
@@ -140,13 +140,13 @@ def generate_artifacts(
     optimizer: OptimType | optim.Optimizer | Block | None = None,
     artifact_directory: str | os.PathLike | None = None,
     prefix: str = "",
+    ort_format: bool = False,
+    custom_op_library: str | os.PathLike | None = None,
     additional_output_names: Sequence[str] | None = None,
     nominal_checkpoint: bool = False,
     loss_input_names: Sequence[str] | None = None,
     *,
-    ort_format: bool = False,
     checkpoint_format: str = "native",
-    custom_op_library: str | None = None,
     mixed_precision: str | None = None,
     example_inputs: Any = None,
 ) -> TrainingProgram:
@@ -167,18 +167,18 @@ def generate_artifacts(
             :mod:`traingraph.onnxblock.optim` optimizer; None writes no optimizer model.
         artifact_directory: Where to write (default: the current directory).
         prefix: Prefix of every file name.
-        additional_output_names: Extra outputs returned by the train and eval models.
-        nominal_checkpoint: Also write ``{prefix}nominal_checkpoint``: shapes and dtypes only,
-            for shipping to a device that receives the weights later.
-        loss_input_names: Model outputs fed to the loss (default: all outputs).
         ort_format: Also write each model in onnxruntime's ORT format (``.ort`` beside the
             ``.onnx``), converted by onnxruntime's own ``convert_onnx_models_to_ort``, for
             onnxruntime's minimal builds.
-        checkpoint_format: "native" (safetensors) or "ort" (onnxruntime-training's format).
         custom_op_library: Path of the shared library of the custom ops the model uses,
             for the ORT-format conversion. Custom ops must lie off the gradient path (traingraph
             differentiates default-domain ops); to run the models, register the library in an
             ``onnxruntime.SessionOptions`` passed to :class:`traingraph.api.Module`.
+        additional_output_names: Extra outputs returned by the train and eval models.
+        nominal_checkpoint: Also write ``{prefix}nominal_checkpoint``: shapes and dtypes only,
+            for shipping to a device that receives the weights later.
+        loss_input_names: Model outputs fed to the loss (default: all outputs).
+        checkpoint_format: "native" (safetensors) or "ort" (onnxruntime-training's format).
         mixed_precision: "fp16" or "bf16": MatMul/Gemm/Conv compute in that type with float32
             parameters, and the training model takes a ``loss_scale`` input and returns a
             ``grads_finite`` flag, which :class:`traingraph.api.Module` drives with a dynamic
