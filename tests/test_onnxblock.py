@@ -443,3 +443,77 @@ def test_training_block_artifacts_train_with_the_api_as_torch(tmp_path):
         np.testing.assert_allclose(
             state.parameters[name].data, tensor.detach().numpy(), rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("block, reduce", [("ReduceMean", np.mean), ("ReduceSum", np.sum)])
+def test_reduce_blocks_keep_dims_as_asked(block, reduce, keepdims):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((N, D)).astype(np.float32)
+    reduce_block = getattr(onnxblock.blocks, block)(keepdims=keepdims)
+    with onnxblock.empty_base() as accessor:
+        accessor.model.graph.input.append(
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", D])
+        )
+        out = reduce_block("x")
+        accessor.model.graph.output.append(helper.make_empty_tensor_value_info(out))
+        model = accessor.model
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {"x": x})
+    want = reduce(x.astype(np.float64), keepdims=keepdims)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_block_takes_a_relative_temp_file_name_and_infers_shapes_on_base():
+    block = onnxblock.blocks.Abs()
+    with pytest.raises(RuntimeError, match="absolute path"):
+        onnxblock.blocks.PassThrough(temp_file_name="/abs/temp.onnx")
+    onnxblock.blocks.PassThrough(temp_file_name="model_temp.onnx")
+    with pytest.raises(RuntimeError, match="no base model"):
+        block.infer_shapes_on_base()
+    model, _ = _two_head_model(np.random.default_rng(0))
+    with onnxblock.base(model) as accessor:
+        out = block("out1")
+        inferred = block.infer_shapes_on_base()
+        assert inferred is not accessor.model
+    info = {v.name: v for v in inferred.graph.value_info}
+    dims = [d.dim_param or d.dim_value for d in info[out].type.tensor_type.shape.dim]
+    assert dims == ["batch", H]
+
+
+def test_base_reads_external_data_from_model_path(tmp_path):
+    rng = np.random.default_rng(3)
+    model, params = _two_head_model(rng)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="model.data", size_threshold=0)
+    bare = onnx.load(path, load_external_data=False)
+
+    class Scaled(onnxblock.ForwardBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mul = onnxblock.blocks.Mul()
+            self.two = onnxblock.blocks.Constant(2.0)
+
+        def build(self, name: str) -> str:
+            return self.mul(self.two(), name)
+
+    block = Scaled()
+    with onnxblock.base(bare, str(path)) as accessor:
+        assert accessor.has_path and accessor.path == str(path)
+        block("out1")
+    forward = block.to_model_proto()
+    x = rng.standard_normal((N, D)).astype(np.float32)
+    sess = ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {"x": x})
+    want = 2.0 * (x.astype(np.float64) @ params["w1"].T + params["b1"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert bare.graph.initializer[0].data_location == TensorProto.EXTERNAL  # left as it was
+
+    with onnxblock.base(model) as accessor:
+        assert not accessor.has_path
+        with pytest.raises(RuntimeError, match="no path"):
+            _ = accessor.path
+    missing = onnxblock.base(model, tmp_path / "missing.onnx")
+    with pytest.raises(FileNotFoundError, match="model_path"), missing:
+        pass

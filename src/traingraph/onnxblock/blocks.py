@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -60,13 +61,24 @@ class Block(ABC):
     context) and returns the names of the tensors it produced. Calling the block runs
     ``build`` and checks the edited model with ``onnx.checker``.
 
+    Args:
+        temp_file_name: Accepted for onnxruntime-training's signature, where it names the file
+            that models with external data are written to while blocks check them. traingraph
+            edits and checks the model in memory and writes no such file; a relative name is
+            required as there.
+
     Attributes:
         base: The ``onnx.ModelProto`` being edited (set when the block is called).
     """
 
     base: onnx.ModelProto
 
-    def __init__(self) -> None:
+    def __init__(self, temp_file_name: str = "temp.onnx") -> None:
+        if os.path.isabs(temp_file_name):
+            raise RuntimeError(
+                f"temp_file_name {temp_file_name!r} is an absolute path; pass a relative file"
+                " name (or leave the default)"
+            )
         self.base = None  # type: ignore[assignment]
 
     @abstractmethod
@@ -78,6 +90,14 @@ class Block(ABC):
         output = self.build(*args, **kwargs)
         onnx.checker.check_model(self.base, full_check=True)
         return output
+
+    def infer_shapes_on_base(self) -> onnx.ModelProto:
+        """A copy of the current context's model with the types onnx shape inference finds.
+
+        Raises:
+            RuntimeError: No :func:`~traingraph.onnxblock.base` context is open.
+        """
+        return onnx.shape_inference.infer_shapes(model_accessor.current().model)
 
     def _node(self, op_type: str, inputs: Sequence[str], domain: str = "", **attrs: Any) -> str:
         """Append one ``op_type`` node reading ``inputs``; return its output's name."""
@@ -177,20 +197,32 @@ class Abs(_UnaryOp):
 class _Reduce(Block):
     op_type = ""
 
+    def __init__(self, keepdims: bool = False) -> None:
+        super().__init__()
+        self.keepdims = keepdims
+
     def build(self, input_name: str) -> str:
-        # Over every axis, to a scalar: a loss built from these blocks is then a scalar, as a
-        # training model's loss must be.
-        return self._node(self.op_type, [input_name], keepdims=0)
+        return self._node(self.op_type, [input_name], keepdims=int(self.keepdims))
 
 
 class ReduceMean(_Reduce):
-    """The mean of every element, as a scalar."""
+    """The mean of every element.
+
+    Args:
+        keepdims: Keep each reduced axis with size 1 (onnxruntime-training's default); the
+            default False gives a scalar, the shape a training loss has.
+    """
 
     op_type = "ReduceMean"
 
 
 class ReduceSum(_Reduce):
-    """The sum of every element, as a scalar."""
+    """The sum of every element.
+
+    Args:
+        keepdims: Keep each reduced axis with size 1 (onnxruntime-training's default); the
+            default False gives a scalar, the shape a training loss has.
+    """
 
     op_type = "ReduceSum"
 

@@ -28,12 +28,32 @@ class ModelAccessor:
         model: The ``onnx.ModelProto`` being built (a copy of the base model).
     """
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, model_path: str | os.PathLike | None = None) -> None:
         self._model = model
+        self._path = None if model_path is None else os.fspath(model_path)
 
     @property
     def model(self) -> onnx.ModelProto:
         return self._model
+
+    @property
+    def path(self) -> str:
+        """The path of the base model's file.
+
+        Raises:
+            RuntimeError: The base model was given without a path.
+        """
+        if self._path is None:
+            raise RuntimeError(
+                "the base model has no path: it was given as an onnx.ModelProto without"
+                " model_path. Pass onnxblock.base(model, model_path) or the model's path."
+            )
+        return self._path
+
+    @property
+    def has_path(self) -> bool:
+        """Whether the base model was given with the path of its file."""
+        return self._path is not None
 
 
 _GLOBAL_ACCESSOR: ModelAccessor | None = None
@@ -52,14 +72,16 @@ def current() -> ModelAccessor:
 
 
 @contextmanager
-def _registered(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
+def _registered(
+    model: onnx.ModelProto, model_path: str | os.PathLike | None = None
+) -> Iterator[ModelAccessor]:
     global _GLOBAL_ACCESSOR
     if _GLOBAL_ACCESSOR is not None:
         raise RuntimeError(
             "a base model is already set: onnxblock.base / empty_base contexts do not nest."
             " Finish the outer context first."
         )
-    _GLOBAL_ACCESSOR = ModelAccessor(model)
+    _GLOBAL_ACCESSOR = ModelAccessor(model, model_path)
     try:
         yield _GLOBAL_ACCESSOR
     finally:
@@ -67,11 +89,17 @@ def _registered(model: onnx.ModelProto) -> Iterator[ModelAccessor]:
 
 
 @contextmanager
-def base(model: onnx.ModelProto | str | os.PathLike) -> Iterator[ModelAccessor]:
+def base(
+    model: onnx.ModelProto | str | os.PathLike, model_path: str | os.PathLike | None = None
+) -> Iterator[ModelAccessor]:
     """Let blocks edit a copy of ``model`` (the given model is left as it is).
 
     Args:
         model: The base model, e.g. an exported inference model, or the path of one.
+        model_path: The path of the file ``model`` was loaded from, for a model whose weights
+            stay in external data files (``onnx.load(path, load_external_data=False)``): the
+            copy that blocks edit reads them from beside that file. None: ``model`` holds its
+            weights (or is itself a path).
 
     Yields:
         The :class:`ModelAccessor` whose ``model`` holds the edited copy.
@@ -82,12 +110,21 @@ def base(model: onnx.ModelProto | str | os.PathLike) -> Iterator[ModelAccessor]:
             " build a model from scratch"
         )
     if isinstance(model, (str, os.PathLike)):
+        model_path = model if model_path is None else model_path
         model = onnx.load(os.fspath(model))
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(
             f"onnxblock.base takes an onnx.ModelProto or a model path, got {type(model).__name__}"
         )
-    with _registered(copy.deepcopy(model)) as accessor:
+    edited = copy.deepcopy(model)
+    if model_path is not None:
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(
+                f"model_path {os.fspath(model_path)!r} does not exist; pass the path of the"
+                " file the base model was loaded from, or None"
+            )
+        onnx.load_external_data_for_model(edited, os.path.dirname(os.path.abspath(model_path)))
+    with _registered(edited, model_path) as accessor:
         yield accessor
 
 
