@@ -1,8 +1,10 @@
 """traingraph.flower: Flower clients on traingraph artifacts, driven by FedAvg without Ray.
 
-The federated rounds run Flower's own FedAvg strategy (``Strategy.start``) over a grid that hands
-each message to the ``ClientApp`` in this process, as Flower's simulation engine does on its
-workers; the example (examples/flower_digits.py) runs the simulation engine itself.
+The federated rounds run in this process through Flower's public API only: a ``ServerApp``
+with Flower's FedAvg (``flwr.server.strategy``) over a grid that hands each message to a
+``ClientApp`` of :class:`traingraph.flower.ArtifactNumPyClient`, as Flower's simulation engine
+does on its workers; the example (examples/flower_digits.py) runs the simulation engine itself,
+with the message-API ``ClientApp`` of :func:`traingraph.flower.client_app`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
@@ -20,10 +23,16 @@ pytest.importorskip(
     "flwr", reason="traingraph.flower needs Flower: pip install 'traingraph[flower]' (in [test])"
 )
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.client import ClientApp
+from flwr.common import (
+    ArrayRecord,
+    Context,
+    Message,
+    RecordDict,
+    ndarrays_to_parameters,
+)
+from flwr.server import Grid, ServerApp, ServerAppComponents, ServerConfig
+from flwr.server.strategy import FedAvg
 
 from traingraph import artifacts, flower
 from traingraph.api import CheckpointState, Module, Optimizer
@@ -69,6 +78,7 @@ class LocalGrid(Grid):
             )
             for i in range(nodes)
         }
+        self._run = SimpleNamespace(run_id=1)
 
     def set_run(self, run) -> None:
         self._run = run
@@ -91,15 +101,6 @@ class LocalGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):
         return [self.app(m, self.contexts[m.metadata.dst_node_id]) for m in messages]
-
-
-@pytest.fixture
-def server_identity():
-    """The process's task identity as a ServerApp's (Flower sets it before a ServerApp runs)."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def _clients(artifact_dir, x, y, parts, **options):
@@ -171,37 +172,56 @@ def test_evaluate_matches_inference_in_float64(artifact_dir, digits):
     assert values["num-examples"] == len(y)
 
 
-def test_fedavg_rounds_average_the_clients_and_learn(
-    artifact_dir, digits, server_identity, tmp_path
-):
+def test_fedavg_rounds_average_the_clients_and_learn(artifact_dir, digits, tmp_path):
     (x, y), (x_test, y_test) = digits
     nodes, rounds = 3, 2
     parts = flower.dirichlet_partition(y, nodes, alpha=0.5, seed=1)
     client_fn = _clients(artifact_dir, x, y, parts)
-    grid = LocalGrid(flower.client_app(client_fn), nodes)
+    app = ClientApp(
+        client_fn=lambda context: flower.ArtifactNumPyClient(
+            client_fn(context), context
+        ).to_client()
+    )
+    grid = LocalGrid(app, nodes)
     evaluator = flower.ArtifactClient(
         artifact_dir, validation=(x_test, y_test), score_output=OUTPUT_NAME
     )
     seen: dict[int, np.ndarray] = {}
+    accuracy: dict[int, float] = {}
+    node_metrics: list[list[tuple[int, dict]]] = []
 
-    def evaluate(server_round: int, arrays: ArrayRecord):
-        seen[server_round] = flower.parameters_from_arrays(arrays)
-        return flower.evaluate_fn(evaluator)(server_round, arrays)
+    def evaluate(server_round, ndarrays, config):
+        seen[server_round] = ndarrays[0]
+        values = evaluator.evaluate(ndarrays[0])
+        accuracy[server_round] = values["accuracy"]
+        return values["loss"], {"accuracy": values["accuracy"]}
 
-    initial = flower.initial_arrays(artifact_dir)
-    result = FedAvg(min_available_nodes=nodes).start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=rounds,
-        train_config=ConfigRecord({"local-epochs": 1}),
+    def collect(metrics):
+        node_metrics.append(metrics)
+        return {}
+
+    start = flower.ArtifactClient(artifact_dir).parameters()
+    strategy = FedAvg(
+        min_fit_clients=nodes,
+        min_evaluate_clients=nodes,
+        min_available_clients=nodes,
+        initial_parameters=ndarrays_to_parameters([start]),
         evaluate_fn=evaluate,
+        on_fit_config_fn=lambda server_round: {"server-round": server_round, "local-epochs": 1},
+        fit_metrics_aggregation_fn=collect,
+        evaluate_metrics_aggregation_fn=collect,
     )
+    server = ServerApp(
+        server_fn=lambda context: ServerAppComponents(
+            strategy=strategy, config=ServerConfig(num_rounds=rounds)
+        )
+    )
+    server(grid=grid, context=Context(1, 0, {}, RecordDict(), {}))
 
     # Round 1: the global model is the mean of the nodes' fits, weighted by their samples.
-    start = flower.parameters_from_arrays(initial)
     fits = []
     for node in range(nodes):
-        context = grid.contexts[node + 1]
+        context = Context(1, node + 1, {"partition-id": node}, RecordDict(), {})
         fits.append(client_fn(context).fit(start, server_round=1, local_epochs=1))
     weights = np.array([fit.num_examples for fit in fits], np.float64)
     stacked = np.stack([fit.parameters.astype(np.float64) for fit in fits])
@@ -214,19 +234,22 @@ def test_fedavg_rounds_average_the_clients_and_learn(
         steps = len(Batches((part[: part.size * 4 // 5],), 32))
         assert (bag["round"], bag["step"]) == (rounds, rounds * steps)
 
-    accuracy = [result.evaluate_metrics_serverapp[r]["accuracy"] for r in range(rounds + 1)]
+    assert sorted(accuracy) == list(range(rounds + 1))
     assert accuracy[0] < 0.2, accuracy  # ten classes: chance
-    assert accuracy[-1] > 0.7, accuracy
-    node_metrics = result.evaluate_metrics_clientapp[rounds]
-    assert {"eval_loss", "eval_acc"} <= set(node_metrics)
-    assert result.train_metrics_clientapp[rounds]["train_loss"] > 0
+    assert accuracy[rounds] > 0.7, accuracy
+    fit_rounds, evaluate_rounds = node_metrics[-2], node_metrics[-1]  # the last round's
+    assert sorted(n for n, _ in fit_rounds) == sorted(fit.num_examples for fit in fits)
+    assert all(m["train_loss"] > 0 and m["step"] > 0 for _, m in fit_rounds)
+    assert len(evaluate_rounds) == nodes
+    assert all(0 <= m["eval_acc"] <= 1 for _, m in evaluate_rounds)
 
     # The global model, written as an inference model, scores as the server's evaluation.
     path = tmp_path / "global.onnx"
-    flower.save_inference_model(result.arrays, artifact_dir, path, [OUTPUT_NAME])
+    final = flower.arrays_from_parameters(seen[rounds])
+    flower.save_inference_model(final, artifact_dir, path, [OUTPUT_NAME])
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (logits,) = session.run(None, {"images": x_test})
-    assert np.mean(logits.argmax(axis=1) == y_test) == pytest.approx(accuracy[-1])
+    assert np.mean(logits.argmax(axis=1) == y_test) == pytest.approx(accuracy[rounds])
 
 
 def test_buffer_of_other_artifacts_is_refused(artifact_dir, digits):

@@ -12,7 +12,8 @@ The round and the node's step count travel in the checkpoint's property bag (``r
 
 Any Flower strategy works on the server side; FedAvg averages the buffers weighted by
 ``num-examples``. :func:`initial_arrays` gives the starting ``ArrayRecord`` and
-:func:`evaluate_fn` a centralized evaluation of the global model.
+:func:`evaluate_fn` a centralized evaluation of the global model. For the strategies of
+``flwr.server.strategy``, :class:`ArtifactNumPyClient` is the same node as a ``NumPyClient``.
 
 Needs the ``flower`` extra: ``pip install "traingraph[flower]"`` (and ``flwr[simulation]`` for
 Flower's simulation engine).
@@ -54,6 +55,7 @@ try:
         MetricRecord,
         RecordDict,
     )
+    from flwr.client import NumPyClient
     from flwr.clientapp import ClientApp
 except ImportError as error:  # pragma: no cover - depends on the installed extras
     raise ImportError(
@@ -64,6 +66,7 @@ except ImportError as error:  # pragma: no cover - depends on the installed extr
 __all__ = [
     "PARAMETERS_KEY",
     "ArtifactClient",
+    "ArtifactNumPyClient",
     "FitResult",
     "arrays_from_parameters",
     "client_app",
@@ -382,19 +385,8 @@ def client_app(client_fn: Callable[[Context], ArtifactClient]) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        client = client_fn(context)
         arrays, config = _unpack(message)
-        saved = context.state.config_records.get(_STATE_KEY)
-        if saved is not None:
-            client.restore_bag(saved)
-        epochs = int(_number(config, "local-epochs")) if "local-epochs" in config else None
-        result = client.fit(
-            parameters_from_arrays(arrays),
-            server_round=int(_number(config, "server-round", 0)),
-            local_epochs=epochs,
-            learning_rate=_number(config, "lr") if "lr" in config else None,
-        )
-        context.state[_STATE_KEY] = ConfigRecord(dict(client.bag()))
+        result = _fit(client_fn(context), parameters_from_arrays(arrays), config, context)
         metrics = MetricRecord(
             {"train_loss": result.loss, "num-examples": result.num_examples, "step": result.step}
         )
@@ -409,15 +401,101 @@ def client_app(client_fn: Callable[[Context], ArtifactClient]) -> ClientApp:
         arrays, _ = _unpack(message)
         values = client.evaluate(parameters_from_arrays(arrays))
         metrics = MetricRecord(
-            {
-                "eval_loss": values["loss"],
-                "num-examples": int(values["num-examples"]),
-                **({"eval_acc": values["accuracy"]} if "accuracy" in values else {}),
-            }
+            {"eval_loss": values["loss"], "num-examples": int(values["num-examples"])}
         )
+        metrics.update(_evaluation_metrics(values))
         return Message(content=RecordDict({"metrics": metrics}), reply_to=message)
 
     return app
+
+
+def _fit(
+    client: ArtifactClient,
+    parameters: np.ndarray,
+    config: Mapping[str, Any],
+    context: Context | None,
+) -> FitResult:
+    """:meth:`ArtifactClient.fit` as a train message's ``config`` asks (``server-round``,
+    ``local-epochs``, ``lr``), with the node's property bag kept in ``context.state``."""
+    if context is not None:
+        saved = context.state.config_records.get(_STATE_KEY)
+        if saved is not None:
+            client.restore_bag(saved)
+    epochs = int(_number(config, "local-epochs")) if "local-epochs" in config else None
+    result = client.fit(
+        parameters,
+        server_round=int(_number(config, "server-round", 0)),
+        local_epochs=epochs,
+        learning_rate=_number(config, "lr") if "lr" in config else None,
+    )
+    if context is not None:
+        context.state[_STATE_KEY] = ConfigRecord(dict(client.bag()))
+    return result
+
+
+def _evaluation_metrics(values: Mapping[str, float]) -> dict[str, float]:
+    """The node's evaluation metrics beyond the loss and the sample count."""
+    return {"eval_acc": values["accuracy"]} if "accuracy" in values else {}
+
+
+class ArtifactNumPyClient(NumPyClient):
+    """An :class:`ArtifactClient` as a Flower ``NumPyClient``, for the strategies of
+    ``flwr.server.strategy`` (Flower's ``ServerApp(server_fn=...)`` and ``ClientApp(client_fn=...)``
+    API); the ``ClientApp`` of :func:`client_app` serves the strategies of
+    ``flwr.serverapp.strategy``.
+
+    The parameters travel as a list holding one array, the flat parameter buffer. ``fit`` reads
+    ``server-round``, ``local-epochs`` and ``lr`` from the config (a legacy strategy sends
+    what its ``on_fit_config_fn`` returns) and returns the trained buffer, the number of
+    samples and the metrics ``train_loss`` and ``step``; ``evaluate`` returns the eval graph's
+    loss, the number of samples and, with a ``score_output``, ``eval_acc``. With a ``context``,
+    the property bag (``round``, ``step``) is kept in its state between rounds.
+
+    Args:
+        client: The node's :class:`ArtifactClient`.
+        context: The node's Flower ``Context`` (the one ``client_fn`` receives).
+
+    Example:
+        >>> from flwr.client import ClientApp
+        >>> app = ClientApp(client_fn=lambda context: flower.ArtifactNumPyClient(
+        ...     node_client(context), context).to_client())  # doctest: +SKIP
+    """
+
+    def __init__(self, client: ArtifactClient, context: Context | None = None) -> None:
+        self.client = client
+        self.node_context = context
+
+    def get_parameters(self, config: Mapping[str, Any]) -> list[np.ndarray]:
+        return [self.client.parameters()]
+
+    def fit(
+        self, parameters: list[np.ndarray], config: Mapping[str, Any]
+    ) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        result = _fit(self.client, _one_buffer(parameters), config, self.node_context)
+        metrics = {"train_loss": result.loss, "step": result.step}
+        return [result.parameters], result.num_examples, metrics
+
+    def evaluate(
+        self, parameters: list[np.ndarray], config: Mapping[str, Any]
+    ) -> tuple[float, int, dict[str, Any]]:
+        values = self.client.evaluate(_one_buffer(parameters))
+        return values["loss"], int(values["num-examples"]), _evaluation_metrics(values)
+
+
+def _one_buffer(parameters: Sequence[np.ndarray]) -> np.ndarray:
+    """The flat parameter buffer of a ``NumPyClient``'s parameter list.
+
+    Raises:
+        ModelError: The list does not hold exactly one one-dimensional array.
+    """
+    if len(parameters) != 1 or np.ndim(parameters[0]) != 1:
+        shapes = [list(np.shape(a)) for a in parameters][:5]
+        raise ModelError(
+            f"the server sent {len(parameters)} arrays of shapes {shapes}; expected one, the"
+            " flat parameter buffer: start the strategy from"
+            " ndarrays_to_parameters([traingraph.flower.ArtifactClient(...).parameters()])"
+        )
+    return np.asarray(parameters[0])
 
 
 def _unpack(message: Message) -> tuple[ArrayRecord, ConfigRecord]:
@@ -433,7 +511,7 @@ def _unpack(message: Message) -> tuple[ArrayRecord, ConfigRecord]:
     return arrays[0], configs[0] if configs else ConfigRecord()
 
 
-def _number(config: ConfigRecord, key: str, default: float = 0) -> float:
+def _number(config: Mapping[str, Any], key: str, default: float = 0) -> float:
     """``config[key]`` as a number (``default`` when absent).
 
     Raises:
