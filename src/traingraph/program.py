@@ -51,6 +51,13 @@ MakeLabels = Callable[[list[LabelSpec]], list[ir.Value]]
 """Makes the label inputs of a loss from its label specs."""
 BATCH_DIM = "batch"
 BUFFER_UPDATE_SUFFIX = "_updated"
+LAZY_RESET_GRAD = "lazy_reset_grad"
+"""An onnxblock training model's bool input: True makes each gradient output the step's own
+gradient, False adds it to the gradient buffer's value."""
+ACCUMULATION_BUFFER = ".accumulation.buffer"
+ACCUMULATION_OUT = ".accumulation.out"
+"""Suffixes of ``<name>_grad`` in an onnxblock training model: the gradient buffer input and the
+accumulated gradient output."""
 MODEL_FIX = (
     "Check the model with onnx.checker.check_model(model, full_check=True) and export it again"
 )

@@ -21,16 +21,17 @@ from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.model import default_opset, load_ir, max_ir_version, to_proto
 from traingraph.onnxblock import graph_utils, model_accessor
 from traingraph.onnxblock.blocks import Block
-from traingraph.program import lift_parameters, to_inference_mode, to_training_mode
+from traingraph.program import (
+    ACCUMULATION_BUFFER,
+    ACCUMULATION_OUT,
+    LAZY_RESET_GRAD,
+    lift_parameters,
+    to_inference_mode,
+    to_training_mode,
+)
 
 __all__ = ["ForwardBlock", "TrainingBlock", "build_training_models"]
 
-LAZY_RESET_GRAD = "lazy_reset_grad"
-"""The training model's bool input: True makes each gradient output the step's own gradient,
-False adds it to the gradient buffer's value."""
-ACCUMULATION_BUFFER = ".accumulation.buffer"
-ACCUMULATION_OUT = ".accumulation.out"
-"""Suffixes of ``<name>_grad``: the gradient buffer input and the accumulated gradient output."""
 
 
 def output_names(output: Any) -> list[str]:

@@ -30,9 +30,13 @@ from onnx import helper
 
 from traingraph.errors import NonFiniteLossError
 from traingraph.ir.model import max_ir_version
-from traingraph.onnxblock.onnxblock import ACCUMULATION_BUFFER, ACCUMULATION_OUT, LAZY_RESET_GRAD
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
-from traingraph.program import BUFFER_UPDATE_SUFFIX
+from traingraph.program import (
+    ACCUMULATION_BUFFER,
+    ACCUMULATION_OUT,
+    BUFFER_UPDATE_SUFFIX,
+    LAZY_RESET_GRAD,
+)
 from traingraph.runtime.amp import DynamicLossScaler
 from traingraph.runtime.cpu import kernels, segments
 from traingraph.runtime.cpu.kernels import conv_grads

@@ -13,23 +13,15 @@ struct clip {
     Py_ssize_t size;
 };
 
-TARGETS static void clip_range(const struct clip *c, Py_ssize_t i0, Py_ssize_t i1)
+TARGETS static void clip_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
 {
+    const struct clip *c = arg;
     const float lo = c->lo, hi = c->hi, fill = c->fill;
     const float *restrict x = c->x, *restrict g = c->g;
     float *restrict out = c->out;
     for (Py_ssize_t i = i0; i < i1; i++) {
         out[i] = (x[i] < lo) | (x[i] > hi) ? fill : g[i];
     }
-}
-
-static int clip_share(const void *arg, int t, int threads)
-{
-    const struct clip *c = arg;
-    Py_ssize_t i0, i1;
-    block_share(c->size, t, threads, &i0, &i1);
-    clip_range(c, i0, i1);
-    return 0;
 }
 
 PyDoc_STRVAR(clip_grad_doc,
@@ -70,12 +62,7 @@ static PyObject *clip_grad(PyObject *self, PyObject *args)
     struct clip c = {.x = views[0].buf, .g = views[4].buf, .out = views[5].buf,
                      .lo = *(const float *)views[1].buf, .hi = *(const float *)views[2].buf,
                      .fill = *(const float *)views[3].buf, .size = size};
-    if (size < ROUTE_PER_THREAD || threads < 1) {
-        threads = 1;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(clip_share, &c, threads);
-    Py_END_ALLOW_THREADS
+    run_elementwise(clip_range, &c, size, threads);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);

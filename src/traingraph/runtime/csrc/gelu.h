@@ -52,8 +52,9 @@ static inline __attribute__((always_inline)) void gelu_phi(v16 a, v16 *phi_cdf, 
     *phi_cdf = gelu_select(a < 0.0f, half_erfc, 1.0f - half_erfc);
 }
 
-TARGETS static void gelu_range(const struct gelu *p, Py_ssize_t i0, Py_ssize_t i1)
+TARGETS static void gelu_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
 {
+    const struct gelu *p = arg;
     for (Py_ssize_t i = i0; i < i1; i += 16) {
         v16 a = {0}, g = {0}, mask = {0};
         const Py_ssize_t count = i1 - i < 16 ? i1 - i : 16;
@@ -93,15 +94,6 @@ TARGETS static void gelu_range(const struct gelu *p, Py_ssize_t i0, Py_ssize_t i
             }
         }
     }
-}
-
-static int gelu_share(const void *arg, int t, int threads)
-{
-    const struct gelu *p = arg;
-    Py_ssize_t i0, i1;
-    block_share(p->size, t, threads, &i0, &i1);
-    gelu_range(p, i0, i1);
-    return 0;
 }
 
 PyDoc_STRVAR(gelu_doc,
@@ -146,12 +138,7 @@ static PyObject *gelu(PyObject *self, PyObject *args)
     }
     struct gelu p = {.a = bufs[0], .g = bufs[1], .mask = bufs[3], .out = (float *)bufs[2],
                      .size = views[0].len / 4};
-    if (p.size < ROUTE_PER_THREAD || threads < 1) {
-        threads = 1;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(gelu_share, &p, threads);
-    Py_END_ALLOW_THREADS
+    run_elementwise(gelu_range, &p, p.size, threads);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);

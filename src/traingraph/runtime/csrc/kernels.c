@@ -52,6 +52,21 @@
 
 #include "pool.h"
 
+/* pool_run(share, arg, threads) without the GIL, on one thread for less than ROUTE_PER_THREAD
+ * elements of work (waking a worker costs more than it saves). */
+static int run_shares(int (*share)(const void *, int, int), const void *arg, Py_ssize_t work,
+                      int threads)
+{
+    int used;
+    if (work < ROUTE_PER_THREAD) {
+        threads = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    used = pool_run(share, arg, threads);
+    Py_END_ALLOW_THREADS
+    return used;
+}
+
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
@@ -806,12 +821,7 @@ static PyObject *route_max_pool(PyObject *self, PyObject *args)
         .bias = count == 4 ? views[3].buf : NULL, .n = ys[0], .c = ys[1], .h = ys[2],
         .w = ys[3], .oh = ps[2], .ow = ps[3], .kh = kh, .kw = kw, .relu = relu,
     };
-    if (r.n * r.c * r.h * r.w < ROUTE_PER_THREAD) {
-        threads = 1; /* waking a worker costs more than it saves */
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(route_share, &r, threads);
-    Py_END_ALLOW_THREADS
+    run_shares(route_share, &r, r.n * r.c * r.h * r.w, threads);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);
@@ -1204,8 +1214,9 @@ static inline uint32_t mask_hash(uint32_t h, uint32_t mix)
     return h + (h >> 16);
 }
 
-TARGETS static void mask_range(const struct mask *m, Py_ssize_t i0, Py_ssize_t i1)
+TARGETS static void mask_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
 {
+    const struct mask *m = arg;
     const v16w lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const v16i scale = (v16i)(m->scale - (v16){0});
     Py_ssize_t i = i0;
@@ -1221,23 +1232,6 @@ TARGETS static void mask_range(const struct mask *m, Py_ssize_t i0, Py_ssize_t i
         const uint32_t h = mask_hash((uint32_t)i * m->golden + m->seed, m->mix);
         m->out[i] = h < m->threshold ? m->scale : 0.0f;
     }
-}
-
-/* Thread t's share [*i0, *i1) of `size` elements: whole 16-element blocks, the last cut short. */
-static void block_share(Py_ssize_t size, int t, int threads, Py_ssize_t *i0, Py_ssize_t *i1)
-{
-    const Py_ssize_t blocks = (size + 15) / 16, end = blocks * (t + 1) / threads * 16;
-    *i0 = blocks * t / threads * 16;
-    *i1 = end < size ? end : size;
-}
-
-static int mask_share(const void *arg, int t, int threads)
-{
-    const struct mask *m = arg;
-    Py_ssize_t i0, i1;
-    block_share(m->size, t, threads, &i0, &i1);
-    mask_range(m, i0, i1);
-    return 0;
 }
 
 PyDoc_STRVAR(dropout_mask_doc,
@@ -1267,12 +1261,7 @@ static PyObject *dropout_mask(PyObject *self, PyObject *args)
         .golden = (uint32_t)golden, .mix = (uint32_t)mix, .threshold = (uint32_t)threshold,
         .scale = scale,
     };
-    if (m.size < ROUTE_PER_THREAD) {
-        threads = 1;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(mask_share, &m, threads);
-    Py_END_ALLOW_THREADS
+    run_elementwise(mask_range, &m, m.size, threads);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -1601,14 +1590,7 @@ static PyObject *col2im_sum(PyObject *self, PyObject *args)
         col2im_layout(&ts[i], cm.h, cm.w, runs + at);
         at += ts[i].run_count;
     }
-    if (cm.n * cm.c * cm.h * cm.w < ROUTE_PER_THREAD) {
-        threads = 1;
-    }
-    int used;
-    Py_BEGIN_ALLOW_THREADS
-    used = pool_run(col2im_share, &cm, threads);
-    Py_END_ALLOW_THREADS
-    if (used < 0) {
+    if (run_shares(col2im_share, &cm, cm.n * cm.c * cm.h * cm.w, threads) < 0) {
         PyErr_NoMemory();
         goto done;
     }

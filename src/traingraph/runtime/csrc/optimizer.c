@@ -60,7 +60,7 @@ struct sgd_args {
 #undef SQRT
 #undef SUFFIX
 
-/* The kernels with an untyped argument, as run_update takes them. */
+/* The kernels with an untyped argument, as run_elementwise takes them. */
 static void adamw_f32_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
 {
     adamw_f32(a, begin, end);
@@ -76,48 +76,6 @@ static void sgd_f32_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
 static void sgd_f64_any(const void *a, Py_ssize_t begin, Py_ssize_t end)
 {
     sgd_f64(a, begin, end);
-}
-
-/* Below this many elements the GIL is kept: releasing it costs more than the loop. */
-#define RELEASE_GIL_MIN 4096
-/* Below this many elements one thread updates them all: waking a worker costs more. */
-#define PER_THREAD_MIN (1 << 16)
-
-/* One update over [0, n), shared by the pool's threads in 16-element-aligned ranges. */
-struct split {
-    void (*kernel)(const void *args, Py_ssize_t begin, Py_ssize_t end);
-    const void *args;
-    Py_ssize_t n;
-};
-
-static int split_share(const void *arg, int t, int threads)
-{
-    const struct split *s = arg;
-    const Py_ssize_t begin = s->n * t / threads & ~(Py_ssize_t)15;
-    const Py_ssize_t end = t == threads - 1 ? s->n : s->n * (t + 1) / threads & ~(Py_ssize_t)15;
-    if (end > begin) {
-        s->kernel(s->args, begin, end);
-    }
-    return 0;
-}
-
-/* Run kernel over n elements, without the GIL where n is large, on up to threads threads. */
-static void run_update(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t), const void *args,
-                       Py_ssize_t n, int threads)
-{
-    if (n < RELEASE_GIL_MIN) {
-        kernel(args, 0, n);
-        return;
-    }
-    const struct split s = {kernel, args, n};
-    Py_BEGIN_ALLOW_THREADS
-    if (n < PER_THREAD_MIN || threads <= 1) {
-        kernel(args, 0, n);
-    }
-    else {
-        pool_run(split_share, &s, threads);
-    }
-    Py_END_ALLOW_THREADS
 }
 
 static PyObject *UnsupportedArray;
@@ -255,7 +213,7 @@ static PyObject *fused_adamw(PyObject *self, PyObject *args)
                          sqrt(1.0 - pow(b2, (double)step)), eps, weight_decay, -lr},
     };
     const Py_ssize_t n = views[0].len / views[0].itemsize;
-    run_update(element_type(&views[0]) == 'f' ? adamw_f32_any : adamw_f64_any, &a, n, threads);
+    run_elementwise(element_type(&views[0]) == 'f' ? adamw_f32_any : adamw_f64_any, &a, n, threads);
     release_all(views, 4);
     Py_RETURN_NONE;
 }
@@ -304,7 +262,7 @@ static PyObject *fused_sgd(PyObject *self, PyObject *args)
         .coefficients = {weight_decay, momentum, 1.0 - dampening, -lr},
     };
     const Py_ssize_t n = views[0].len / views[0].itemsize;
-    run_update(element_type(&views[0]) == 'f' ? sgd_f32_any : sgd_f64_any, &a, n, threads);
+    run_elementwise(element_type(&views[0]) == 'f' ? sgd_f32_any : sgd_f64_any, &a, n, threads);
     release_all(views, count);
     Py_RETURN_NONE;
 }

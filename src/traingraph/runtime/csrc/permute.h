@@ -132,12 +132,7 @@ static PyObject *permute(PyObject *self, PyObject *args)
         }
     }
     if (total > 0) {
-        if (total < ROUTE_PER_THREAD || threads < 1) {
-            threads = 1;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        pool_run(permute_share, &p, threads);
-        Py_END_ALLOW_THREADS
+        run_shares(permute_share, &p, total, threads);
     }
     result = Py_NewRef(Py_None);
 done:

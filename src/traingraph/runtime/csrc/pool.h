@@ -200,4 +200,52 @@ static void register_pool_fork_handler(void)
     }
 }
 
+
+/* ------------------------------------------------------------------ elementwise kernels */
+/* With Python.h included first: kernel(args, begin, end) computes elements [begin, end) of n,
+ * each on its own (an optimizer update, a mask, ...). */
+
+/* Below this many elements the GIL is kept: releasing it costs more than the loop. */
+#define RELEASE_GIL_MIN 4096
+/* Below this many elements one thread computes them all: waking a worker costs more. */
+#define PER_THREAD_MIN (1 << 16)
+
+/* One elementwise kernel over [0, n), shared by the pool's threads in 16-element-aligned
+ * ranges. */
+struct split {
+    void (*kernel)(const void *args, Py_ssize_t begin, Py_ssize_t end);
+    const void *args;
+    Py_ssize_t n;
+};
+
+static int split_share(const void *arg, int t, int threads)
+{
+    const struct split *s = arg;
+    const Py_ssize_t begin = s->n * t / threads & ~(Py_ssize_t)15;
+    const Py_ssize_t end = t == threads - 1 ? s->n : s->n * (t + 1) / threads & ~(Py_ssize_t)15;
+    if (end > begin) {
+        s->kernel(s->args, begin, end);
+    }
+    return 0;
+}
+
+/* Run kernel over n elements, without the GIL where n is large, on up to threads threads. */
+static void run_elementwise(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t),
+                            const void *args, Py_ssize_t n, int threads)
+{
+    if (n < RELEASE_GIL_MIN) {
+        kernel(args, 0, n);
+        return;
+    }
+    const struct split s = {kernel, args, n};
+    Py_BEGIN_ALLOW_THREADS
+    if (n < PER_THREAD_MIN || threads <= 1) {
+        kernel(args, 0, n);
+    }
+    else {
+        pool_run(split_share, &s, threads);
+    }
+    Py_END_ALLOW_THREADS
+}
+
 #endif
