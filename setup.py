@@ -36,6 +36,7 @@ setup(
                 "src/traingraph/runtime/csrc/layernorm.h",
                 "src/traingraph/runtime/csrc/permute.h",
                 "src/traingraph/runtime/csrc/clip.h",
+                "src/traingraph/runtime/csrc/maxpool.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

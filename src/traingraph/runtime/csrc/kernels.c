@@ -1848,6 +1848,7 @@ done:
 #include "layernorm.h"
 #include "permute.h"
 #include "clip.h"
+#include "maxpool.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1862,6 +1863,7 @@ static PyMethodDef methods[] = {
     {"layer_norm_grad", layer_norm_grad, METH_VARARGS, layer_norm_grad_doc},
     {"permute", permute, METH_VARARGS, permute_doc},
     {"clip_grad", clip_grad, METH_VARARGS, clip_grad_doc},
+    {"max_pool_grad", max_pool_grad, METH_VARARGS, max_pool_grad_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -42,6 +42,7 @@ from traingraph.runtime.cpu.kernels.direct_conv import split_direct_convs
 from traingraph.runtime.cpu.kernels.gelu import split_gelus
 from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
 from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
+from traingraph.runtime.cpu.kernels.max_pool import split_max_pool_scatters
 from traingraph.runtime.cpu.kernels.winograd import split_winograd_convs
 from traingraph.runtime.session import SessionConfig
 
@@ -99,6 +100,14 @@ class Search:
         return {v for k, _ in self.found for v in k.inputs}
 
 
+def _max_pool_grads(search: Search) -> Found:
+    """The MaxPool gradients: tiling windows routed into a Conv's output gradient, then any
+    other window's scatter of its maxima."""
+    routes = list(split_max_pool_grads(search.model, search.weight_grads, search.forward))
+    taken = search.taken.union(*(nodes for _, nodes in routes))
+    return routes + list(split_max_pool_scatters(search.model, taken))
+
+
 def _col2ims(search: Search) -> Found:
     search.model, found = split_col2ims(search.model, search.taken)
     return list(found)
@@ -131,11 +140,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
         lambda s: list(split_batch_norm_grads(s.model, s.forward)),
         "batch_norm_grad",
     ),
-    KernelSpec(
-        "max_pool_grad",
-        lambda s: list(split_max_pool_grads(s.model, s.weight_grads, s.forward)),
-        "max_pool_grad",
-    ),
+    KernelSpec("max_pool_grad", _max_pool_grads, "max_pool_grad"),
     KernelSpec("dropout_mask", lambda s: list(split_dropout_masks(s.model)), "dropout_mask"),
     KernelSpec("direct_conv", lambda s: list(split_direct_convs(s.model, s.taken)), None),
     KernelSpec(
