@@ -34,7 +34,8 @@ def _run(label: str, cache: Path, model: str) -> dict:
     system = systems[label]
     if bench.python_for(system, BENCH_DIR) is None:
         pytest.skip(f"{label}'s environment is missing; create it with run.py --setup-envs")
-    result = bench.run_system(system, cache / model, BENCH_DIR, STEPS, 0, timeout=300)
+    measurement = bench.Measurement(cache / model, STEPS, 0)
+    result = bench.run_system(system, measurement, BENCH_DIR, timeout=300)
     assert "error" not in result, result
     return result
 

@@ -217,31 +217,35 @@ def entry_name(model: str, dropout: float | None, batch: int | None = None) -> s
     return f"{model}-nodrop" if model == "transformer" and dropout == 0 else model
 
 
-def _command(
-    python: str,
-    system: System,
-    entry: Path,
-    bench_dir: Path,
-    steps: int,
-    warmup: int,
-    chunk: int = 0,
-    threads: int = 0,
-) -> list[str]:
+@dataclass(frozen=True)
+class Measurement:
+    """What every runner measures: ``steps`` timed steps after ``warmup`` on the model in the
+    folder ``entry`` (see :func:`prepare_models`), in turns of ``chunk`` steps where systems
+    run side by side, with ``threads`` intra-op threads (0: each runner's default)."""
+
+    entry: Path
+    steps: int
+    warmup: int
+    chunk: int = 0
+    threads: int = 0
+
+
+def _command(python: str, system: System, bench_dir: Path, m: Measurement) -> list[str]:
     return [
         python,
         str(bench_dir / "peers" / system.script),
         "--entry",
-        str(entry),
+        str(m.entry),
         "--steps",
-        str(steps),
+        str(m.steps),
         "--warmup",
-        str(warmup),
+        str(m.warmup),
         "--config",
         json.dumps(system.config),
         "--chunk",
-        str(chunk),
+        str(m.chunk),
         "--threads",
-        str(threads),
+        str(m.threads),
     ]
 
 
@@ -274,19 +278,13 @@ def _parse_result(stdout_lines: list[str], stderr: str, returncode: int | None) 
 
 
 def run_system(
-    system: System,
-    entry: Path,
-    bench_dir: Path,
-    steps: int,
-    warmup: int,
-    timeout: float,
-    threads: int = 0,
+    system: System, measurement: Measurement, bench_dir: Path, timeout: float
 ) -> dict[str, Any]:
     """Run one runner subprocess to the end; its JSON result, or ``{"error": ...}``."""
     python = python_for(system, bench_dir)
     if python is None:
         return {"error": MISSING_ENV}
-    command = _command(python, system, entry, bench_dir, steps, warmup, threads=threads)
+    command = _command(python, system, bench_dir, measurement)
     try:
         done = subprocess.run(
             command,
@@ -379,22 +377,19 @@ class _Runner:
 
 def run_interleaved(
     systems: Sequence[System],
-    entry: Path,
+    measurement: Measurement,
     bench_dir: Path,
-    steps: int,
-    warmup: int,
-    chunk: int,
     timeout: float,
     pause: float = 0.01,
-    threads: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """Run ``systems`` side by side on one model, ``chunk`` timed steps at a time in turn.
+    """Run ``systems`` side by side on one model, ``measurement.chunk`` timed steps at a time
+    in turn.
 
     Every runner starts at once and takes its warm-up steps; the timed steps then go round
     the systems chunk by chunk, in an order rotated each time, so that drift in the
     machine's speed falls on all of them alike. Only one system computes at a time; each
     chunk starts ``pause`` seconds after the last one ends, so that threads still spinning
-    in the previous system have gone idle. ``threads`` goes to every runner (0: defaults).
+    in the previous system have gone idle.
 
     Returns:
         Each system's JSON result (or ``{"error": ...}``), by label.
@@ -406,12 +401,12 @@ def run_interleaved(
         if python is None:
             results[system.label] = {"error": MISSING_ENV}
             continue
-        command = _command(python, system, entry, bench_dir, steps, warmup, chunk, threads)
+        command = _command(python, system, bench_dir, measurement)
         runners[system.label] = _Runner(command, _runner_env(bench_dir))
     for runner in runners.values():
         runner.expect(READY, timeout)
     labels = list(runners)
-    for index in range(-(-steps // chunk)):
+    for index in range(-(-measurement.steps // measurement.chunk)):
         shift = index % max(1, len(labels))
         for label in labels[shift:] + labels[:shift]:
             if runners[label].error is None:
@@ -657,22 +652,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 entry = cache / entry_name(model, args.dropout, batch)
                 shift = round_index % len(systems)
                 order = systems[shift:] + systems[:shift]
+                chunk = max(args.chunk, 0)
+                measurement = Measurement(entry, args.steps, args.warmup, chunk, threads)
                 if args.chunk > 0:
-                    results = run_interleaved(
-                        order,
-                        entry,
-                        bench_dir,
-                        args.steps,
-                        args.warmup,
-                        args.chunk,
-                        args.timeout,
-                        threads=threads,
-                    )
+                    results = run_interleaved(order, measurement, bench_dir, args.timeout)
                 else:
                     results = {
-                        s.label: run_system(
-                            s, entry, bench_dir, args.steps, args.warmup, args.timeout, threads
-                        )
+                        s.label: run_system(s, measurement, bench_dir, args.timeout)
                         for s in order
                     }
                 for label, result in results.items():
