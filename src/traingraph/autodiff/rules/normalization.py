@@ -127,8 +127,10 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
         dL/dx = (scale * rstd / M) * (M g - S - xhat * rstd * T) = a g - (k xc + c),
         a = scale * rstd,   k = a * rstd^2 * T / M,   c = a * S / M,
 
-    so the full-size tensors are read for the statistics, the two sums and one affine map.
-    Inference mode uses ``input_mean`` and ``input_var`` as given: with ``s = scale * rstd``,
+    so the full-size tensors are read for the statistics, the two sums and one affine map
+    (and the mean of ``xc``, which corrects for the rounding of the mean: see
+    :func:`_batch_norm_training_grads`). Inference mode uses ``input_mean`` and ``input_var``
+    as given: with ``s = scale * rstd``,
 
         dL/dx = g * s,   dL/dmean = -sum(g) * s,   dL/dvar = -sum(g * (x - mean)) * s * rstd^2 / 2.
     """
@@ -181,31 +183,38 @@ def _batch_norm_training_grads(
 ) -> list[ir.Value | None]:
     """The training-mode gradients of x, scale and bias (see :func:`batch_normalization`).
 
+    ``xc = x - mean`` is taken from the mean rounded to ``x``'s type, up to half a unit in its
+    last place off the true one, so every ``xc`` of a channel is off by the same ``e``, which
+    their mean measures (``e = mean(xc)``, 0 for the exact mean). Where a channel's mean is
+    large against its spread (BatchNorm over few values), that shift is the gradient's largest
+    error: through ``k * xc`` it moves every ``dL/dx`` by ``k e`` and their sum over the
+    channel (0 in exact arithmetic) by ``M k e``. It is taken out: ``T = sum(g * xc) - S e``
+    (``sum(g * (x - true mean))``) and ``dL/dx = a g - (k xc + c - k e)``, whose sum over a
+    channel is then 0 up to the rounding of its terms.
+
     The per-channel arithmetic runs on ``(C,)`` vectors, in as few ops as it takes (each is a
-    kernel launch on a GPU): with ``am = a / M``, ``dL/dx = a g - (k xc + c)`` where
-    ``k = am * rstd * dL/dscale`` and ``c = am * S``. The two sums drop the reduced axes, so
-    ``dL/dbias`` and ``dL/dscale`` come straight out of a reduction and a product.
+    kernel launch on a GPU): with ``am = a / M``, ``dL/dx = a g - (k xc + c')`` where
+    ``k = am * rstd * dL/dscale`` and ``c' = am * S - k e``. The sums drop the reduced axes.
     """
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
     _, centered, var = batch_statistics(b, x, axes)
-    sum_g = b.sum(g, axes, keepdims=False) if ctx.need(0) or ctx.need(2) else None
-    sum_gc = None
-    if ctx.need(0) or ctx.need(1):
-        sum_gc = b.sum(b.Mul(g, centered), axes, keepdims=False)
+    need_gc = ctx.need(0) or ctx.need(1)
+    sum_g = b.sum(g, axes, keepdims=False) if need_gc or ctx.need(2) else None
     out: list[ir.Value | None] = [None] * 5
     out[2] = sum_g if ctx.need(2) else None
-    if sum_gc is None:
+    if sum_g is None or not need_gc:
         return out
+    shift = b.mean(centered, axes, keepdims=False)
+    sum_gc = b.Sub(b.sum(b.Mul(g, centered), axes, keepdims=False), b.Mul(sum_g, shift))
     rstd = b.Pow(b.Add(b.squeeze(var, axes), b.scalar(eps, x)), b.scalar(-0.5, x))
     d_scale = b.Mul(rstd, sum_gc)
     out[1] = d_scale if ctx.need(1) else None
     if ctx.need(0):
-        assert sum_g is not None
         r = len(axes) + 1
         a = b.Mul(scale, rstd)
         am = b.Mul(a, inverse_channel_count(b, x, scale))
         k = b.Mul(b.Mul(am, rstd), d_scale)
-        c = b.Mul(am, sum_g)
+        c = b.Sub(b.Mul(am, sum_g), b.Mul(k, shift))
         shifted = b.Add(b.Mul(_per_channel(b, k, r), centered), _per_channel(b, c, r))
         out[0] = b.Sub(b.Mul(_per_channel(b, a, r), g), shifted)
     return out

@@ -52,19 +52,26 @@
 
 #include "pool.h"
 
-/* pool_run(share, arg, threads) without the GIL, on one thread for less than ROUTE_PER_THREAD
- * elements of work (waking a worker costs more than it saves). */
-static int run_shares(int (*share)(const void *, int, int), const void *arg, Py_ssize_t work,
-                      int threads)
+/* pool_run(share, arg, threads) without the GIL. Returns the thread count used, or -1 with a
+ * MemoryError set where a share could not allocate its scratch memory. */
+static int run_pool(int (*share)(const void *, int, int), const void *arg, int threads)
 {
     int used;
-    if (work < ROUTE_PER_THREAD) {
-        threads = 1;
-    }
     Py_BEGIN_ALLOW_THREADS
     used = pool_run(share, arg, threads);
     Py_END_ALLOW_THREADS
+    if (used < 0) {
+        PyErr_NoMemory();
+    }
     return used;
+}
+
+/* run_pool on one thread for less than ROUTE_PER_THREAD elements of work (waking a worker
+ * costs more than it saves). */
+static int run_shares(int (*share)(const void *, int, int), const void *arg, Py_ssize_t work,
+                      int threads)
+{
+    return run_pool(share, arg, work < ROUTE_PER_THREAD ? 1 : threads);
 }
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
@@ -910,10 +917,13 @@ TARGETS static void bn_sums(const struct bn *b, Py_ssize_t c, float x0, double s
     }
 }
 
-TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k, float bias)
+TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k, float mean,
+                             float bias)
 {
-    /* dx = a g - k x + bias */
-    const v16 av = a - (v16){0}, kv = k - (v16){0}, bv = bias - (v16){0};
+    /* dx = a g - k (x - mean) + bias: x centered first, so that the rounding of k is not
+     * multiplied by x's (possibly large) mean */
+    const v16 av = a - (v16){0}, kv = k - (v16){0}, mv = mean - (v16){0};
+    const v16 bv = bias - (v16){0};
     for (Py_ssize_t n = 0; n < b->n; n++) {
         const Py_ssize_t off = (n * b->c + c) * b->s;
         const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
@@ -924,13 +934,25 @@ TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k,
             if (y != NULL) {
                 g = relu_gate(g, *(const v16u *)(y + i));
             }
-            *(v16u *)(dx + i) = av * g - kv * *(const v16u *)(x + i) + bv;
+            *(v16u *)(dx + i) = av * g - kv * (*(const v16u *)(x + i) - mv) + bv;
         }
         for (; i < b->s; i++) {
             const float g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
-            dx[i] = a * g - k * x[i] + bias;
+            dx[i] = a * g - k * (x[i] - mean) + bias;
         }
     }
+}
+
+/* The mean of the first plane of a channel (its first s values), the shift of its sums: near
+ * the channel's mean, so that sum(g (x - x0)) - mean(x - x0) sum(g) cancels little; 0 where it
+ * is not finite (an Inf shift would make NaN). */
+static float bn_plane_mean(const float *x, Py_ssize_t s)
+{
+    double sum = 0.0;
+    for (Py_ssize_t i = 0; i < s; i++) {
+        sum += x[i];
+    }
+    return finite_or_zero((float)(sum / (double)s));
 }
 
 static int bn_share(const void *arg, int t, int threads)
@@ -938,7 +960,7 @@ static int bn_share(const void *arg, int t, int threads)
     const struct bn *b = arg;
     const double count = (double)b->n * (double)b->s;
     for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
-        const float x0 = finite_or_zero(b->x[c * b->s]); /* an Inf shift would make NaN */
+        const float x0 = bn_plane_mean(b->x + c * b->s, b->s);
         double sums[4] = {0, 0, 0, 0};
         bn_sums(b, c, x0, sums);
         const double shifted_mean = sums[0] / count;
@@ -953,7 +975,10 @@ static int bn_share(const void *arg, int t, int threads)
         }
         b->dbias[c] = (float)sum_g;
         if (b->dx != NULL) {
-            bn_apply(b, c, (float)a, (float)k, (float)(k * mean - cc));
+            /* the graph's dx = a g - (k xc + c - k e), xc = x - mean rounded to float and
+             * e = mean(xc) its shift from the mean */
+            const float mean_f = (float)mean;
+            bn_apply(b, c, (float)a, (float)k, mean_f, (float)(k * (mean - (double)mean_f) - cc));
         }
     }
     return 0;
@@ -1024,9 +1049,7 @@ static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "batch_norm_grad: x has no elements per channel");
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(bn_share, &b, threads);
-    Py_END_ALLOW_THREADS
+    run_pool(bn_share, &b, threads);
     result = Py_NewRef(Py_None);
 done:
     for (int k = 0; k < 7; k++) {
@@ -1180,9 +1203,7 @@ static PyObject *batch_norm_forward(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "batch_norm_forward: x has no elements per channel");
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(bnf_share, &b, threads);
-    Py_END_ALLOW_THREADS
+    run_pool(bnf_share, &b, threads);
     result = Py_NewRef(Py_None);
 done:
     for (int k = 0; k < 7; k++) {
@@ -1591,7 +1612,6 @@ static PyObject *col2im_sum(PyObject *self, PyObject *args)
         at += ts[i].run_count;
     }
     if (run_shares(col2im_share, &cm, cm.n * cm.c * cm.h * cm.w, threads) < 0) {
-        PyErr_NoMemory();
         goto done;
     }
     result = Py_NewRef(Py_None);
@@ -1828,12 +1848,7 @@ static PyObject *conv_direct(PyObject *self, PyObject *args)
         .taps = taps, .n = n, .c = c, .h = h, .w = w, .m = m, .kh = kh, .kw = kw, .oh = oh,
         .ow = ow, .pad_top = top, .pad_left = left, .rows = rows, .pitch = pitch, .relu = relu,
     };
-    int used;
-    Py_BEGIN_ALLOW_THREADS
-    used = pool_run(direct_share, &d, threads);
-    Py_END_ALLOW_THREADS
-    if (used < 0) {
-        PyErr_NoMemory();
+    if (run_pool(direct_share, &d, threads) < 0) {
         goto done;
     }
     result = Py_NewRef(Py_None);
