@@ -296,19 +296,21 @@ def test_two_processes_on_the_gpu_match_one(gpu_trained, monkeypatch):
 def test_fp16_cuda_graph_steps_skip_together(gpu_trained, monkeypatch):
     """fp16 with a loss scaler in the data-parallel CUDA-graph step: the second batch
     overflows in rank 1's part only, and both processes skip that update and halve their loss
-    scale, as one process does on the whole batch."""
+    scale, as one process does on the whole batch (the scale also falls wherever the
+    gradients overflow it, which the processes agree on too)."""
     folder, _, ranks = gpu_trained
     monkeypatch.setattr(worker, "DEVICE", "cuda")
     single, scales = worker.train_fp16_cuda_graph(folder / "demo16")
-    assert scales[1] == scales[0] / 2 and scales[2] == scales[1]
+    assert scales[1] == scales[0] / 2 and scales[-1] == scales[1]
     np.testing.assert_array_equal(single[1], single[0])  # one process skips the update
     for rank in ranks:
         np.testing.assert_array_equal(rank["fp16_scales"], scales)
         np.testing.assert_array_equal(rank["fp16"], ranks[0]["fp16"])
     np.testing.assert_array_equal(ranks[0]["fp16"][1], ranks[0]["fp16"][0])
-    # float16 products of a part and of the whole batch round apart: SGD keeps that small
-    np.testing.assert_allclose(ranks[0]["fp16"], single, rtol=1e-3, atol=1e-4)
-    assert np.abs(single[-1] - single[0]).max() > 1e-3  # it trained
+    # float16 products of a part and of the whole batch round apart (2e-4 at most on an
+    # H100, where the parameters move by up to 0.17): SGD keeps that small
+    np.testing.assert_allclose(ranks[0]["fp16"], single, rtol=1e-3, atol=1e-3)
+    assert np.abs(single[-1] - single[0]).max() > 1e-2  # it trained
 
 
 @pytest.mark.slow
