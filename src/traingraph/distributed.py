@@ -402,9 +402,9 @@ class DataParallel:
         sync_buffers: Average the updated buffers (BatchNorm running statistics) over the
             processes at every step, in the all-reduce of the gradients, each process's
             weighted by its share of the step's samples: the replicas keep identical buffers
-            (and rank 0's checkpoint holds those), and a running mean is the one of a single
-            process on the global batches. False leaves each replica the statistics of its
-            own shards.
+            (and rank 0's checkpoint holds those), and with one part a step a running mean
+            is the one of a single process on the global batches. False leaves each replica
+            the statistics of its own shards.
 
     Raises:
         DistributedError: No process group can be joined, or the processes hold models of
