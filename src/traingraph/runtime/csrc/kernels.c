@@ -1848,10 +1848,7 @@ static PyObject *conv_direct(PyObject *self, PyObject *args)
         .taps = taps, .n = n, .c = c, .h = h, .w = w, .m = m, .kh = kh, .kw = kw, .oh = oh,
         .ow = ow, .pad_top = top, .pad_left = left, .rows = rows, .pitch = pitch, .relu = relu,
     };
-    if (run_pool(direct_share, &d, threads) < 0) {
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    result = run_pool(direct_share, &d, threads) < 0 ? NULL : Py_NewRef(Py_None);
 done:
     release_views(views, held);
     free(taps);

@@ -157,9 +157,7 @@ static PyObject *layer_norm_grad(PyObject *self, PyObject *args)
         .dbias = views[5].buf, .rows = rows, .d = d, .eps = eps, .block = block,
         .partial = partial,
     };
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(lng_share, &p, threads);
-    Py_END_ALLOW_THREADS
+    run_pool(lng_share, &p, threads);
     for (Py_ssize_t j = 0; j < d; j++) {
         double s = 0.0, b = 0.0;
         for (int t = 0; t < threads; t++) {

@@ -787,15 +787,7 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
         .tiles = round16(rows * tw), .v_pitch = c * round16(rows * tw) + 16,
         .m_pitch = k * round16(rows * tw) + 16, .next = &next,
     };
-    int used;
-    Py_BEGIN_ALLOW_THREADS
-    used = pool_run(wino_share, &p, threads);
-    Py_END_ALLOW_THREADS
-    if (used < 0) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    result = Py_NewRef(Py_None);
+    result = run_pool(wino_share, &p, threads) < 0 ? NULL : Py_NewRef(Py_None);
 done:
     release_views(views, held);
     free(u);
