@@ -306,6 +306,17 @@ class GraphIndex:
 
         return settle(value, memo, decide)
 
+    def produced_by(
+        self, value: str, op_type: str, taken: Collection[int] = ()
+    ) -> tuple[int, onnx.NodeProto] | None:
+        """The index and node of ``value``'s producer where it is a default-domain ``op_type``
+        node not in ``taken`` (another kernel's); else None."""
+        i = self.producer.get(value)
+        if i is None or i in taken:
+            return None
+        node = self.nodes[i]
+        return (i, node) if node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
     def only_reader(self, value: str, taken: Collection[int] = ()) -> int | None:
         """The one node that reads ``value``, where ``value`` is no graph output and the node
         is not in ``taken`` (another kernel's); else None."""

@@ -133,16 +133,6 @@ def split_batch_norm_forwards(
     return verify.verified_kernels(model, g, matches, shapes, offsets)
 
 
-def _producer(
-    g: graph_match.GraphIndex, value: str, op_type: str, taken: Set[int]
-) -> tuple[int, onnx.NodeProto] | None:
-    i = g.producer.get(value)
-    if i is None or i in taken:
-        return None
-    node = g.nodes[i]
-    return (i, node) if node.op_type == op_type and node.domain in _DEFAULT else None
-
-
 def _reduced_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> list[int]:
     """The axes a ReduceMean reduces (from its attribute or its constant input), kept dims
     only; [] where they are not known."""
@@ -178,8 +168,8 @@ def _match(
     axes = [0, *range(2, len(shape))]
     found = []
     for value in (mean_in, var_in):
-        squeeze = _producer(g, value, "Squeeze", taken)
-        reduce = squeeze and _producer(g, squeeze[1].input[0], "ReduceMean", taken)
+        squeeze = g.produced_by(value, "Squeeze", taken)
+        reduce = squeeze and g.produced_by(squeeze[1].input[0], "ReduceMean", taken)
         if not reduce:
             return None
         reduced = sorted(a % len(shape) for a in _reduced_axes(reduce[1], constants))
@@ -190,9 +180,11 @@ def _match(
     mean = mean_node.output[0]
     if mean_node.input[0] != x:
         return None
-    square = _producer(g, var_node.input[0], "Mul", taken)
-    centered = square and square[1].input[0] == square[1].input[1] and _producer(
-        g, square[1].input[0], "Sub", taken
+    square = g.produced_by(var_node.input[0], "Mul", taken)
+    centered = (
+        square
+        and square[1].input[0] == square[1].input[1]
+        and g.produced_by(square[1].input[0], "Sub", taken)
     )
     if not square or not centered or list(centered[1].input) != [x, mean]:
         return None

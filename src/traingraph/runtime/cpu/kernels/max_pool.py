@@ -97,21 +97,11 @@ def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _producer(
-    g: graph_match.GraphIndex, value: str, op_type: str, taken: Set[int]
-) -> tuple[int, onnx.NodeProto] | None:
-    i = g.producer.get(value)
-    if i is None or i in taken:
-        return None
-    node = g.nodes[i]
-    return (i, node) if node.op_type == op_type and node.domain in _DEFAULT else None
-
-
 def _flattened(
     g: graph_match.GraphIndex, value: str, constants: Mapping[str, np.ndarray], taken: Set[int]
 ) -> tuple[int, str] | None:
     """Where ``value`` is ``Reshape(v, [-1])``: the Reshape's index and ``v``."""
-    found = _producer(g, value, "Reshape", taken)
+    found = g.produced_by(value, "Reshape", taken)
     if found is None or len(found[1].input) != 2:
         return None
     shape = constants.get(found[1].input[1])
@@ -128,7 +118,7 @@ def _shape_of(
     the Shape node's index, or no index for a constant; else None."""
     if value in constants:
         return set() if constants[value].reshape(-1).tolist() == dims else None
-    found = _producer(g, value, "Shape", taken)
+    found = g.produced_by(value, "Shape", taken)
     if found is None or found[1].input[0] != x or found[1].attribute:
         return None
     return {found[0]}
@@ -159,8 +149,8 @@ def _match(
     data, positions, updates = (_flattened(g, v, constants, taken) for v in scatter.input)
     if data is None or positions is None or updates is None:
         return None
-    pool = _producer(g, positions[1], "MaxPool", taken)
-    zeros = _producer(g, data[1], "ConstantOfShape", taken)
+    pool = g.produced_by(positions[1], "MaxPool", taken)
+    zeros = g.produced_by(data[1], "ConstantOfShape", taken)
     if pool is None or zeros is None or len(pool[1].output) != 2:
         return None
     x, grad = pool[1].input[0], updates[1]
