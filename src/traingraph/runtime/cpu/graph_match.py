@@ -183,6 +183,7 @@ def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 
 _Item = TypeVar("_Item", bound=Hashable)
+_Kernel = TypeVar("_Kernel")
 _Verdict = TypeVar("_Verdict")
 
 
@@ -214,6 +215,33 @@ def settle(
         memo[item] = verdict
         stack.pop()
     return memo[start]
+
+
+def claim_matches(
+    g: GraphIndex,
+    op_type: str,
+    taken: Collection[int],
+    match: Callable[[int, set[int]], tuple[_Kernel, set[int]] | None],
+    kernel: str | None = None,
+) -> list[tuple[_Kernel, set[int]]]:
+    """The matches of the default-domain ``op_type`` nodes, in graph order.
+
+    ``match(i, claimed)`` is asked for each such node ``i`` outside ``claimed``: the nodes in
+    ``taken`` and in the matches found before (a node goes to one match at most); where
+    ``kernel`` is given, only for the nodes tagged for it.
+    """
+    claimed = set(taken)
+    matches = []
+    for i, node in enumerate(g.nodes):
+        if i in claimed or node.op_type != op_type or node.domain not in ("", "ai.onnx"):
+            continue
+        if kernel is not None and not g.tagged(i, kernel):
+            continue
+        found = match(i, claimed)
+        if found is not None:
+            claimed |= found[1]
+            matches.append(found)
+    return matches
 
 
 @dataclass(frozen=True)

@@ -116,19 +116,13 @@ def split_batch_norm_forwards(
     shapes = graph_match.inferred_shapes(model)
     g = graph_match.GraphIndex.of(graph)
     constants = specialize.constant_tensors(graph)
-    matches = []
-    claimed = set(taken)
-    for i, node in enumerate(g.nodes):
-        if (
-            i not in claimed
-            and node.op_type == "BatchNormalization"
-            and node.domain in _DEFAULT
-            and g.tagged(i, KERNEL)
-        ):
-            match = _match(g, i, shapes, constants, claimed)
-            if match is not None:  # an Add of two of them goes with the first
-                claimed |= match[1]
-                matches.append(match)
+    matches = graph_match.claim_matches(  # an Add of two of them goes with the first
+        g,
+        "BatchNormalization",
+        taken,
+        lambda i, claimed: _match(g, i, shapes, constants, claimed),
+        KERNEL,
+    )
     offsets = {kernel.x: 1.5 for kernel, _ in matches}  # statistics off zero
     return verify.verified_kernels(model, g, matches, shapes, offsets)
 

@@ -115,14 +115,9 @@ def split_winograd_convs(
     shapes = graph_match.inferred_shapes(model)
     g = graph_match.GraphIndex.of(graph)
     constants = graph_match.constant_values(graph)
-    matches = []
-    claimed = set(taken)
-    for i, node in enumerate(g.nodes):
-        if i not in claimed and node.op_type == "Conv" and node.domain in _DEFAULT:
-            match = _match(g, i, shapes, claimed, constants)
-            if match is not None:
-                claimed |= match[1]
-                matches.append(match)
+    matches = graph_match.claim_matches(
+        g, "Conv", taken, lambda i, claimed: _match(g, i, shapes, claimed, constants)
+    )
     # A Conv's bias is [K] (the ONNX spec) where inference left it open (a zero bias an
     # exporter writes as an Expand): the check feeds it at that length.
     refined = dict(shapes)
