@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -339,14 +339,13 @@ class TrainingGraph:
         on_complete: OnComplete | None = None,
     ) -> ExecutionResult | Future[ExecutionResult]:
         """One training step: forward, gradient and optimizer update."""
-        self._require_compiled()
 
         def step() -> ExecutionResult:
             result = self._forward(inputs, loss_labels, loss_label_weights)
             result.merge(self._gradient(user_gradients))
             return result.merge(self._optimizer_update())
 
-        return self._executor.run(step, asynchronous, on_complete)
+        return self._submit(step, asynchronous, on_complete)
 
     def execute_forward(
         self,
@@ -358,8 +357,7 @@ class TrainingGraph:
         on_complete: OnComplete | None = None,
     ) -> ExecutionResult | Future[ExecutionResult]:
         """The forward phase: loss and outputs; the saved activations stay on the device."""
-        self._require_compiled()
-        return self._executor.run(
+        return self._submit(
             lambda: self._forward(inputs, loss_labels, loss_label_weights),
             asynchronous,
             on_complete,
@@ -373,15 +371,23 @@ class TrainingGraph:
         on_complete: OnComplete | None = None,
     ) -> ExecutionResult | Future[ExecutionResult]:
         """The gradient phase, from the last forward phase's saved activations."""
-        self._require_compiled()
-        return self._executor.run(lambda: self._gradient(user_gradients), asynchronous, on_complete)
+        return self._submit(lambda: self._gradient(user_gradients), asynchronous, on_complete)
 
     def execute_optimizer_update(
         self, *, asynchronous: bool = False, on_complete: OnComplete | None = None
     ) -> ExecutionResult | Future[ExecutionResult]:
         """The optimizer phase: update the trainable parameters with the current gradients."""
+        return self._submit(self._optimizer_update, asynchronous, on_complete)
+
+    def _submit(
+        self,
+        phases: Callable[[], ExecutionResult],
+        asynchronous: bool,
+        on_complete: OnComplete | None,
+    ) -> ExecutionResult | Future[ExecutionResult]:
+        """Run ``phases`` on the executor, in order with the work submitted before."""
         self._require_compiled()
-        return self._executor.run(self._optimizer_update, asynchronous, on_complete)
+        return self._executor.run(phases, asynchronous, on_complete)
 
     def synchronize_updates(self) -> dict[str, np.ndarray]:
         """Wait for submitted work and bring the parameters to the host (returned by name)."""
