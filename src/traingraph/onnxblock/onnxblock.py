@@ -67,14 +67,9 @@ class ForwardBlock(Block):
     """A block whose call leaves a forward model with ``build``'s outputs as graph outputs.
 
     Example:
-        >>> class WithLoss(ForwardBlock):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.loss = onnxblock.loss.MSELoss()
-        ...
-        ...     def build(self, output_name):
-        ...         return self.loss(output_name)
-        >>> block = WithLoss()
+        With ``MyForwardBlock`` a subclass that defines ``build`` (see the module's example):
+
+        >>> block = MyForwardBlock()
         >>> with onnxblock.base(model):
         ...     block("output-0")
         >>> forward = block.to_model_proto()
