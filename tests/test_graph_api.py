@@ -458,6 +458,34 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: s
         np.testing.assert_allclose(fast.get_parameters()[name], value, rtol=1e-4, atol=1e-6)
 
 
+def _input_norm_trainer(options: CompileOptions) -> tg.TrainingGraph:
+    init.manual_seed(0)
+    g = tg.Graph("input_norm")
+    x = g.input("x", shape=[None, 20])
+    g.output("logits", L.Linear(20, 5)(L.BatchNorm1d(20)(x)))
+    train = tg.TrainingGraph([g], loss=tg.losses.CrossEntropyLoss(), optimizer=tg.optim.SGD(lr=0.1))
+    train.add_inputs({"x": x}, loss_labels={"y": tg.TensorSpec([None], "int64")})
+    return train.compile("cpu", options)
+
+
+def test_batchnorm_of_the_input_trains_with_the_native_kernel_as_the_graph_does() -> None:
+    # Nothing reads the input's gradient: the BatchNorm gradient's native kernel computes the
+    # scale and bias gradients only, and the gradient phase need not read the scale
+    fast, plain = _input_norm_trainer(CompileOptions()), _input_norm_trainer(
+        CompileOptions(disable_fusion=True)
+    )
+    runner = fast.step.gradients.runner
+    kernels = [type(k).__name__ for ks in getattr(runner, "_plan", Plan([])).kernels for k in ks]
+    assert "BatchNormGrad" in kernels
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, y = rng.standard_normal((8, 20)).astype(np.float32), rng.integers(0, 5, 8)
+        losses = [float(t.execute({"x": x}, loss_labels={"y": y}).loss) for t in (fast, plain)]
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    for name, value in plain.get_parameters().items():
+        np.testing.assert_allclose(fast.get_parameters()[name], value, rtol=1e-4, atol=1e-6)
+
+
 def _mlp_trainer(precision: str | None) -> tg.TrainingGraph:
     init.manual_seed(0)
     g = tg.Graph("mlp")

@@ -40,7 +40,8 @@ class BatchNormGrad(NormalizationGrad):
 
     @property
     def inputs(self) -> list[str]:
-        return [self.x, self.dy, self.scale] + ([self.y] if self.y else [])
+        scale = [self.scale] if self.dx else []  # the scale enters dx alone
+        return [self.x, self.dy, *scale] + ([self.y] if self.y else [])
 
     def compute(
         self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
@@ -48,7 +49,10 @@ class BatchNormGrad(NormalizationGrad):
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
-        inputs = [x, values[self.dy], values[self.y] if self.y else None, values[self.scale]]
+        # without dx (nothing reads x's gradient: a first layer), the graph need not hold the
+        # scale; the kernel reads it for dx alone
+        scale = values[self.scale] if self.dx else np.ones(x.shape[1:2], np.float32)
+        inputs = [x, values[self.dy], values[self.y] if self.y else None, scale]
         self.run_native("batch_norm_grad", inputs, out, x.shape[1:2], self.epsilon, threads)
 
 
