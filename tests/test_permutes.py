@@ -12,7 +12,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import helper
+from torch import nn
 
 from traingraph.runtime.cpu.kernels import conv_grads, permutes
 from traingraph.runtime.cpu.kernels.permutes import as_permutation
@@ -156,3 +158,96 @@ def _reorder_model(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
         [t for name, t in initializers.items() if name in needed],
     )
     return helper.make_model(graph, opset_imports=list(model.opset_import))
+
+
+def _blocked_conv_segment() -> onnx.ModelProto:
+    """A Conv of 32 channels to 32 with its filter an input, as a segment of a training step
+    holds it, rewritten for the CPU (the filter reordered into onnxruntime's blocks)."""
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    conv = helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2])
+    graph = helper.make_graph(
+        [conv], "segment",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 32, 9, 9]),
+         helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [32, 32, 3, 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rewritten = for_cpu(model.SerializeToString())
+    assert isinstance(rewritten, bytes)
+    return onnx.load_from_string(rewritten)
+
+
+@pytest.mark.skipif(conv_grads.NATIVE is None, reason="the native kernels were not built")
+def test_filter_reorders_leave_the_segment_and_give_its_values():
+    segment = _blocked_conv_segment()
+    split, reorders = permutes.split_filter_reorders(segment)
+    if not reorders:
+        pytest.skip("onnxruntime's blocked layout of this filter is not a reorder here")
+    assert [r.src for r in reorders] == ["w"]
+    assert not any(n.op_type == "Transpose" for n in split.graph.node)
+    feeds = {"x": _poisoned((2, 32, 9, 9)), "w": rng.standard_normal((32, 32, 3, 3))}
+    feeds["w"] = feeds["w"].astype(np.float32)
+    feeds["w"].flat[5], feeds["w"].flat[40] = np.inf, np.nan
+    out: dict[str, np.ndarray] = {}
+    for reorder in reorders:
+        reorder.compute(feeds, out, 2)
+    sessions = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for m in (segment, split)
+    ]
+    (want,) = sessions[0].run(None, feeds)
+    (got,) = sessions[1].run(None, {**feeds, **out})
+    np.testing.assert_array_equal(got, want)  # the same filter: the same Conv, bit for bit
+    assert permutes.split_filter_reorders(segment, {reorders[0].out})[1] == reorders[1:]
+
+
+class _BlockedNet(nn.Module):
+    """Strided Convs of 16 and 32 channels (left to onnxruntime's blocked kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.down = nn.Conv2d(16, 32, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.down(torch.relu(self.stem(x)))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+@pytest.mark.skipif(conv_grads.NATIVE is None, reason="the native kernels were not built")
+def test_module_with_native_filter_reorders_trains_as_the_graph_does(tmp_path):
+    from gradcheck import assert_same_training, train_steps
+    from torch_models import export, seeded
+    from traingraph import artifacts, optim
+    from traingraph.api import CheckpointState, Module, Optimizer
+    from traingraph.runtime.session import SessionConfig
+
+    artifacts.generate_artifacts(
+        export(seeded(_BlockedNet), torch.zeros(4, 3, 10, 10), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    data = np.random.default_rng(0)
+    batches = [
+        (data.standard_normal((4, 3, 10, 10)).astype(np.float32), data.integers(0, 5, 4))
+        for _ in range(3)
+    ]
+
+    def steps(config: SessionConfig) -> tuple:
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state, session_config=config)
+        plan = getattr(module.step.runner, "_steps", [])
+        reorders = [s for s in plan if isinstance(s, permutes.FilterReorder)]
+        optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+        return train_steps(module, optimizer, state, batches), reorders
+
+    got, reorders = steps(SessionConfig())
+    plain = SessionConfig(native_conv_grads=False, native_segments=False, specialize=False)
+    want, _ = steps(plain)
+    if not reorders:
+        pytest.skip("onnxruntime's blocked layouts of these filters are not reorders here")
+    assert_same_training(got, want, one_scale=True)

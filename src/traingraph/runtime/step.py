@@ -119,6 +119,7 @@ class GradientRunner:
                 device,
                 threads,
                 grads,
+                layouts=config.specialize,
             )
         else:
             runner = BoundRunner(create_session(model, device, config), device)

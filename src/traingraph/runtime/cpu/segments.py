@@ -56,7 +56,9 @@ from onnx import helper
 from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.graph_match import Pending, settle
 from traingraph.runtime.cpu.kernels import Kernel, conv_grads, find
+from traingraph.runtime.cpu.kernels.permutes import FilterReorder, split_filter_reorders
 from traingraph.runtime.device import Device
+from traingraph.runtime.rewrites.specialize import for_cpu
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
 
 
@@ -285,6 +287,10 @@ class SegmentedRunner:
         make_session: Creates the onnxruntime session of a segment's model.
         device: The CPU device.
         threads: The kernels' thread count.
+        layouts: Whether ``make_session`` rewrites the segments for the CPU
+            (``SessionConfig.specialize``): the filter reorders of the rewrite are then
+            taken out of the segments and run natively before them
+            (:func:`~traingraph.runtime.cpu.kernels.permutes.split_filter_reorders`).
     """
 
     def __init__(
@@ -293,18 +299,23 @@ class SegmentedRunner:
         make_session: Callable[[onnx.ModelProto], ort.InferenceSession],
         device: Device,
         threads: int,
+        layouts: bool = False,
     ) -> None:
         self.device = device
         self._plan = plan
         self._threads = threads
-        self._runners = [
-            BoundRunner(_idle(make_session(s.model)), device) if s.model.graph.node else None
-            for s in plan.segments
-        ]
         produced = {o for s in plan.segments for o in s.outputs}
         produced |= {o for k in plan.all_kernels for o in k.outputs}
+        segments, reorders = _with_native_reorders(plan.segments, produced) if layouts else (
+            plan.segments, [[] for _ in plan.segments]
+        )  # fmt: skip
+        produced |= {r.out for rs in reorders for r in rs}
+        self._runners = [
+            BoundRunner(_idle(make_session(s.model)), device) if s.model.graph.node else None
+            for s in segments
+        ]
         self.inputs: dict[str, Any] = {}
-        for runner, segment in zip(self._runners, plan.segments):
+        for runner, segment in zip(self._runners, segments):
             for name in segment.inputs:
                 if runner is not None and name not in produced:
                     self.inputs.setdefault(name, runner.inputs[name])
@@ -321,8 +332,11 @@ class SegmentedRunner:
         ]
         # what runs, in order: an onnxruntime run of a segment, or a kernel
         self._steps: list[tuple[BoundRunner, Segment] | Kernel] = list(plan.first)
-        for runner, segment, kernels in zip(self._runners, plan.segments, plan.kernels):
+        for runner, segment, kernels, before in zip(
+            self._runners, segments, plan.kernels, reorders
+        ):
             if runner is not None:
+                self._steps += before  # a segment's filter reorders, just before it
                 self._steps.append((runner, segment))
             self._steps += kernels
         # the values each step reads for the last time
@@ -475,6 +489,31 @@ class SegmentedRunner:
             values[o] = out[o]
 
 
+def _with_native_reorders(
+    segments: Sequence[Segment], taken: Set[str]
+) -> tuple[list[Segment], list[list[FilterReorder]]]:
+    """``segments`` rewritten for the CPU where that takes filter reorders out of them
+    (:func:`~traingraph.runtime.cpu.kernels.permutes.split_filter_reorders`), each with the
+    reordered filters as inputs, and the reorders of each; the others as they are."""
+    names = set(taken)
+    split_segments: list[Segment] = []
+    reorders: list[list[FilterReorder]] = []
+    for segment in segments:
+        found: list[FilterReorder] = []
+        if segment.model.graph.node:
+            source = segment.model.SerializeToString()
+            rewritten = for_cpu(source)
+            if rewritten is not source:
+                assert isinstance(rewritten, bytes)
+                model, found = split_filter_reorders(onnx.load_from_string(rewritten), names)
+        if found:
+            names |= {r.out for r in found}
+            segment = Segment(model, [*segment.inputs, *(r.out for r in found)], segment.outputs)
+        split_segments.append(segment)
+        reorders.append(found)
+    return split_segments, reorders
+
+
 def _idle(session: ort.InferenceSession) -> ort.InferenceSession:
     """``session``, its worker threads told to stop spinning.
 
@@ -512,6 +551,7 @@ def runner(
     device: Device,
     threads: int,
     weight_grads: Sequence[conv_grads.WeightGrad] = (),
+    layouts: bool = False,
 ) -> BoundRunner | SegmentedRunner:
     """A :class:`SegmentedRunner` of ``model`` cut around ``kernels``, or, where there are none
     or onnxruntime rejects a segment, a :class:`BoundRunner` of ``model`` whole, without the
@@ -522,12 +562,12 @@ def runner(
     :func:`~traingraph.runtime.cpu.kernels.conv_grads.split_weight_grads`, are computed by the
     :class:`SegmentedRunner` as soon as it has their values (and written into the run's
     outputs named ``<param>_grad``); the caller computes them after a :class:`BoundRunner`'s
-    run."""
+    run. ``layouts``: as for :class:`SegmentedRunner`."""
     if kernels:
         moved = [(conv_grads.WeightGradKernel(g), set[int]()) for g in weight_grads]
         try:
             plan = plan_segments(model, [*kernels, *moved])
-            return SegmentedRunner(plan, make_session, device, threads)
+            return SegmentedRunner(plan, make_session, device, threads, layouts)
         except Exception as error:  # the whole graph still runs
             warnings.warn(
                 f"running the training graph whole, without its native kernels: a segment"

@@ -10,6 +10,13 @@ kernel ``_convc.permute``, contiguous runs copied at memory speed where onnxrunt
 reads one indexed element at a time. The values are copied, so the result is the Gather's,
 NaN and infinities included.
 
+Where the blocked layout only reorders the filter, the CPU rewrite writes the reorder as a
+``Reshape``, a ``Transpose`` and a ``Reshape`` (:mod:`traingraph.runtime.rewrites.nchwc`), which
+onnxruntime runs one element at a time too (a 512 x 256 x 3 x 3 filter: about 5.6 ms on one
+thread, against 0.7 for the native copy). :func:`split_filter_reorders` takes such chains out of
+a segment's rewritten model: each becomes a :class:`FilterReorder`, which the segmented run
+computes before the segment and binds as its input.
+
 Example:
     >>> import numpy as np
     >>> positions = np.arange(24).reshape(2, 3, 4).transpose(2, 0, 1)
@@ -20,13 +27,19 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
 
 import numpy as np
+import onnx
+from onnx import helper
 
+from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.cpu.native import OneOutput, output_array
 from traingraph.runtime.rewrites.nchwc import as_permutation
 
-__all__ = ["as_permutation", "permute"]
+__all__ = ["FilterReorder", "as_permutation", "permute", "split_filter_reorders"]
 
 
 def permute(
@@ -48,3 +61,103 @@ def permute(
             f" {math.prod(dims)}: both must hold prod(dims)"
         )
     dst.reshape(-1)[:] = src.reshape(dims).transpose(perm).reshape(-1)
+
+
+@dataclass(frozen=True)
+class FilterReorder(OneOutput):
+    """``out = src.reshape(dims).transpose(perm).reshape(shape)``, float32, by :func:`permute`.
+
+    Attributes:
+        src: The value reordered (a filter the segment reads).
+        out: The reordered value.
+        dims: The axes ``src`` is split into.
+        perm: Their order in ``out``.
+        shape: ``out``'s shape.
+    """
+
+    src: str
+    out: str
+    dims: tuple[int, ...]
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.src]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        target = output_array(out, self.out, self.shape)
+        permute(values[self.src], target, list(self.dims), list(self.perm), threads)
+
+
+def split_filter_reorders(
+    model: onnx.ModelProto, taken: Set[str] = frozenset()
+) -> tuple[onnx.ModelProto, list[FilterReorder]]:
+    """``model`` (a segment, rewritten for the CPU) without each chain ``Reshape(src, dims)``,
+    ``Transpose(perm)``, ``Reshape(shape)`` whose ``src`` is a float32 graph input, whose shapes
+    are constants of positive sizes and whose intermediate values nothing else reads: its
+    result becomes a graph input, and a :class:`FilterReorder` computes it. ``taken``: names
+    the result may not have (values of other segments); such chains stay. ``model`` itself
+    and ``[]`` where the native copy is missing or nothing matches."""
+    native = conv_grads.NATIVE
+    graph = model.graph
+    if native is None or not hasattr(native, "permute"):
+        return model, []
+    if not any(n.op_type == "Transpose" for n in graph.node) or graph_match.has_subgraphs(model):
+        return model, []
+    g = graph_match.GraphIndex.of(graph)
+    constants = graph_match.constant_values(graph)
+    floats = {i.name for i in graph.input if graph_match.elem_type(i) == onnx.TensorProto.FLOAT}
+
+    def sizes(name: str) -> list[int] | None:
+        value = constants.get(name)
+        if value is None or value.dtype != np.int64 or value.ndim != 1:
+            return None
+        dims = [int(d) for d in value]
+        return dims if all(d > 0 for d in dims) else None
+
+    reorders: list[FilterReorder] = []
+    removed: set[int] = set()
+    for i, node in enumerate(g.nodes):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            continue
+        split = g.producer.get(node.input[0])
+        reader = g.only_reader(node.output[0])
+        if split is None or reader is None or g.only_reader(node.input[0]) != i:
+            continue
+        first, last = g.nodes[split], g.nodes[reader]
+        if any(n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") for n in (first, last)):
+            continue
+        src, out = first.input[0], last.output[0]
+        dims, shape = sizes(first.input[1]), sizes(last.input[1])
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        if (
+            src not in floats or dims is None or shape is None or perm is None
+            or sorted(perm) != list(range(len(dims))) or math.prod(dims) != math.prod(shape)
+            or out in g.outputs or out in taken
+        ):  # fmt: skip
+            continue
+        reorders.append(FilterReorder(src, out, tuple(dims), tuple(perm), tuple(shape)))
+        removed |= {split, i, reader}
+    if not reorders:
+        return model, []
+    split_model = onnx.ModelProto()
+    split_model.CopyFrom(model)
+    del split_model.graph.node[:]
+    split_model.graph.node.extend(n for i, n in enumerate(g.nodes) if i not in removed)
+    split_model.graph.input.extend(
+        helper.make_tensor_value_info(r.out, onnx.TensorProto.FLOAT, list(r.shape))
+        for r in reorders
+    )
+    # the shapes' constants, where nothing else reads them
+    read = {v for n in split_model.graph.node for v in n.input}
+    unread = {v for i in removed for v in g.nodes[i].input[1:] if v not in read}
+    nodes = [n for n in split_model.graph.node if not set(n.output) <= unread]
+    initializers = [t for t in split_model.graph.initializer if t.name not in unread]
+    del split_model.graph.node[:], split_model.graph.initializer[:]
+    split_model.graph.node.extend(nodes)
+    split_model.graph.initializer.extend(initializers)
+    return split_model, reorders
