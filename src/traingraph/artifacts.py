@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -52,9 +53,6 @@ class LossType(enum.Enum):
     SmoothL1Loss = "SmoothL1Loss"
     NLLLoss = "NLLLoss"
 
-    def build(self) -> losses.Loss:
-        return getattr(losses, self.value)()
-
 
 class OptimType(enum.Enum):
     """Built-in optimizers with their default hyperparameters (set the learning rate at run time
@@ -67,19 +65,19 @@ class OptimType(enum.Enum):
     RMSProp = "RMSProp"
     Adagrad = "Adagrad"
 
-    def build(self) -> optim.Optimizer:
-        return getattr(optim, self.value)()
 
-
-def _resolve(value: Any, kind: type, members: type[enum.Enum], what: str) -> Any:
-    """``value`` as an instance of ``kind``: given as one, as a ``members`` enum member or by
-    that member's name; None stays None."""
+def _resolve(
+    value: Any, kind: type, members: type[enum.Enum], built_ins: ModuleType, what: str
+) -> Any:
+    """``value`` as an instance of ``kind``: given as one, or as a ``members`` enum member or
+    that member's name, which builds ``built_ins.<name>()`` with its defaults; None stays
+    None."""
     if value is None or isinstance(value, kind):
         return value
-    if isinstance(value, members):
-        return value.build()  # type: ignore[attr-defined]
     if isinstance(value, str) and value in members.__members__:
-        return members[value].build()  # type: ignore[attr-defined]
+        value = members[value]
+    if isinstance(value, members):
+        return getattr(built_ins, value.value)()
     raise ModelError(
         f"{what} must be a {members.__name__} member, a {kind.__module__}.{kind.__name__} or"
         f" None, got {value!r}. Built-in: {', '.join(members.__members__)}"
@@ -226,8 +224,8 @@ def generate_artifacts(
         model,
         requires_grad=requires_grad,
         frozen_params=frozen_params,
-        loss=_resolve(loss, losses.Loss, LossType, "loss"),
-        optimizer=_resolve(optimizer, optim.Optimizer, OptimType, "optimizer"),
+        loss=_resolve(loss, losses.Loss, LossType, losses, "loss"),
+        optimizer=_resolve(optimizer, optim.Optimizer, OptimType, optim, "optimizer"),
         additional_output_names=additional_output_names,
         loss_input_names=loss_input_names,
         mixed_precision=mixed_precision,
