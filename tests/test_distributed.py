@@ -20,6 +20,7 @@ pytest.importorskip("torch.distributed", reason="traingraph.distributed needs to
 
 import distributed_worker as worker
 from traingraph import distributed, optim
+from traingraph.distributed import cuda_graph
 
 WORKER = Path(worker.__file__)
 RTOL, ATOL = 1e-5, 1e-7
@@ -223,7 +224,7 @@ def test_environment_detection(monkeypatch):
 
 
 class _Replica:
-    """What _AgreedFinite calls: a DataParallel whose average reports ``agreed``."""
+    """What AgreedFinite calls: a DataParallel whose average reports ``agreed``."""
 
     def __init__(self, agreed: bool) -> None:
         self.agreed = agreed
@@ -236,7 +237,7 @@ class _Replica:
 
 def test_cuda_graph_steps_read_the_agreed_finite_flag():
     """A data-parallel CUDA-graph step with a loss scaler reads grads_finite through
-    _AgreedFinite: the read averages the gradients with this process's flag and gives the
+    AgreedFinite: the read averages the gradients with this process's flag and gives the
     loss scaler the processes' verdict (the two-process run is the GPU test below)."""
     from traingraph.precision import GRADS_FINITE
     from traingraph.runtime.device import parse_device
@@ -248,7 +249,7 @@ def test_cuda_graph_steps_read_the_agreed_finite_flag():
         for agreed in (True, False):
             flag.write(GRADS_FINITE, np.array(local))
             replica = _Replica(agreed)
-            wrapped = distributed._AgreedFinite(flag, replica, lambda: grads)
+            wrapped = cuda_graph.AgreedFinite(flag, replica, lambda: grads)
             assert bool(wrapped.read(GRADS_FINITE)) is (local and agreed)
             assert replica.calls == [(grads, local)]  # one average per read, this flag
             assert wrapped.ortvalue(GRADS_FINITE) is flag.ortvalue(GRADS_FINITE)  # bound as is
