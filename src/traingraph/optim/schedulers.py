@@ -97,59 +97,11 @@ def _step_counts(name: str, warmup_step_count: Any, total_step_count: Any) -> tu
     return warmup, total
 
 
-class LinearLRScheduler(LRScheduler):
-    r"""Linear warmup from 0 to ``initial_lr``, then linear decay to 0.
+class _WarmupDecay(LRScheduler):
+    r"""Linear warmup from 0 to ``initial_lr``, then a decay to ``min_lr``.
 
-    .. math::
-        \eta_t = \begin{cases} \eta_0\, t / w & t < w \\
-                 \eta_0 \max\big(0, \frac{T - t}{\max(1, T - w)}\big) & t \ge w \end{cases}
-
-    with :math:`w` = ``warmup_step_count`` and :math:`T` = ``total_step_count``. The names are
-    those of ``onnxruntime.training.api.LinearLRScheduler``; onnxruntime-training 1.19.2 swaps
-    the warmup and total step counts internally, while this scheduler applies them as named.
-
-    Args:
-        optimizer: Any object with ``set_learning_rate(lr)`` and ``get_learning_rate()``.
-        warmup_step_count: Steps of warmup :math:`w \ge 0`.
-        total_step_count: Step :math:`T \ge \max(w, 1)` at which the rate reaches 0.
-        initial_lr: The peak learning rate :math:`\eta_0`.
-    """
-
-    def __init__(
-        self,
-        optimizer: LearningRateSetter,
-        warmup_step_count: int,
-        total_step_count: int,
-        initial_lr: float,
-    ) -> None:
-        self.warmup_step_count, self.total_step_count = _step_counts(
-            type(self).__name__, warmup_step_count, total_step_count
-        )
-        super().__init__(optimizer, initial_lr)
-
-    def lr_at(self, step: int) -> float:
-        warmup, total = self.warmup_step_count, self.total_step_count
-        if step < warmup:
-            return self.initial_lr * step / warmup
-        return self.initial_lr * max(0.0, (total - step) / max(1, total - warmup))
-
-
-class CosineLRScheduler(LRScheduler):
-    r"""Linear warmup from 0 to ``initial_lr``, then cosine decay to ``min_lr``.
-
-    .. math::
-        \eta_t = \begin{cases} \eta_0\, t / w & t < w \\
-                 \eta_{\min} + \tfrac12(\eta_0 - \eta_{\min})(1 + \cos \pi p_t) & t \ge w
-                 \end{cases}, \quad p_t = \min\Big(1, \frac{t - w}{\max(1, T - w)}\Big)
-
-    The rate stays at ``min_lr`` after step :math:`T`.
-
-    Args:
-        optimizer: Any object with ``set_learning_rate(lr)`` and ``get_learning_rate()``.
-        warmup_step_count: Steps of warmup :math:`w \ge 0`.
-        total_step_count: Step :math:`T \ge \max(w, 1)` at which the rate reaches ``min_lr``.
-        initial_lr: The peak learning rate :math:`\eta_0`.
-        min_lr: The final learning rate :math:`0 \le \eta_{\min} \le \eta_0`.
+    :math:`\eta_t = \eta_0\, t / w` for :math:`t < w`, else :math:`\eta_{\min} + (\eta_0 -
+    \eta_{\min})\, f_t` with the fraction :math:`f_t` that :meth:`remaining` gives.
     """
 
     def __init__(
@@ -160,25 +112,72 @@ class CosineLRScheduler(LRScheduler):
         initial_lr: float,
         min_lr: float = 0.0,
     ) -> None:
+        r"""Check and keep the schedule's parameters; set the rate of step 0.
+
+        Args:
+            optimizer: Any object with ``set_learning_rate(lr)`` and ``get_learning_rate()``.
+            warmup_step_count: Steps of warmup :math:`w \ge 0`.
+            total_step_count: Step :math:`T \ge \max(w, 1)` at which the rate reaches
+                ``min_lr``.
+            initial_lr: The peak learning rate :math:`\eta_0`.
+            min_lr: The final learning rate :math:`0 \le \eta_{\min} \le \eta_0`.
+        """
         name = type(self).__name__
         self.warmup_step_count, self.total_step_count = _step_counts(
             name, warmup_step_count, total_step_count
         )
         _require(
             name,
-            0 <= min_lr <= initial_lr,
+            0 <= min_lr <= max(initial_lr, 0),
             f"min_lr must be in [0, initial_lr={initial_lr}]; got {min_lr}",
         )
         self.min_lr = float(min_lr)
+        self._decay_steps = max(1, self.total_step_count - self.warmup_step_count)
         super().__init__(optimizer, initial_lr)
 
+    def remaining(self, step: int) -> float:
+        r"""The fraction :math:`f_t \in [0, 1]` of the rate above ``min_lr`` left at a step
+        :math:`t \ge w`."""
+        raise NotImplementedError
+
     def lr_at(self, step: int) -> float:
-        warmup, total = self.warmup_step_count, self.total_step_count
-        if step < warmup:
-            return self.initial_lr * step / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr + (self.initial_lr - self.min_lr) * cosine
+        if step < self.warmup_step_count:
+            return self.initial_lr * step / self.warmup_step_count
+        return self.min_lr + (self.initial_lr - self.min_lr) * self.remaining(step)
+
+
+class LinearLRScheduler(_WarmupDecay):
+    r"""Linear warmup from 0 to ``initial_lr``, then linear decay to ``min_lr`` (default 0).
+
+    .. math::
+        \eta_t = \begin{cases} \eta_0\, t / w & t < w \\
+                 \eta_{\min} + (\eta_0 - \eta_{\min})
+                 \max\big(0, \frac{T - t}{\max(1, T - w)}\big) & t \ge w \end{cases}
+
+    with :math:`w` = ``warmup_step_count`` and :math:`T` = ``total_step_count``. The names are
+    those of ``onnxruntime.training.api.LinearLRScheduler`` (which decays to 0);
+    onnxruntime-training 1.19.2 swaps the warmup and total step counts internally, while this
+    scheduler applies them as named.
+    """
+
+    def remaining(self, step: int) -> float:
+        return max(0.0, (self.total_step_count - step) / self._decay_steps)
+
+
+class CosineLRScheduler(_WarmupDecay):
+    r"""Linear warmup from 0 to ``initial_lr``, then cosine decay to ``min_lr``.
+
+    .. math::
+        \eta_t = \begin{cases} \eta_0\, t / w & t < w \\
+                 \eta_{\min} + \tfrac12(\eta_0 - \eta_{\min})(1 + \cos \pi p_t) & t \ge w
+                 \end{cases}, \quad p_t = \min\Big(1, \frac{t - w}{\max(1, T - w)}\Big)
+
+    The rate stays at ``min_lr`` after step :math:`T`.
+    """
+
+    def remaining(self, step: int) -> float:
+        progress = min(1.0, (step - self.warmup_step_count) / self._decay_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class StepLRScheduler(LRScheduler):
