@@ -841,7 +841,8 @@ done:
  * whose output is y: with g = dy where y > 0 (dy itself without a Relu), per channel
  *     dscale = rstd * sum(g * (x - mean)),   dbias = sum(g),
  *     dx = a g - (k (x - mean) + cc),   a = scale rstd,   k = a rstd dscale / M,   cc = a dbias / M
- * with the batch statistics recomputed (sums shifted by the channel's first element). */
+ * with the batch statistics recomputed (in double, the sums shifted by the mean of the
+ * channel's first plane) and x - mean taken before k scales it. */
 struct bn {
     const float *x, *dy, *y, *scale;
     float *dx, *dscale, *dbias;
@@ -1879,19 +1880,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "traingraph.runtime._convc",
-    .m_doc = "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
-             " convolutions' weight gradients, max-pool gradient routing, batch-norm gradients,"
-             " Dropout masks, column sums, Winograd convolutions, GELU and layer-norm gradients,"
-             " axis permutations, Clip gradients.",
-    .m_size = -1,
-    .m_methods = methods,
-};
-
 PyMODINIT_FUNC PyInit__convc(void)
 {
-    register_pool_fork_handler();
-    return PyModule_Create(&module_def);
+    return pool_module("traingraph.runtime._convc",
+                       "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
+                       " convolutions' weight gradients, max-pool gradient routing, batch-norm"
+                       " gradients, Dropout masks, column sums, Winograd convolutions, GELU and"
+                       " layer-norm gradients, axis permutations, Clip gradients.",
+                       methods);
 }

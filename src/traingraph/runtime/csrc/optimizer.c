@@ -273,18 +273,11 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "traingraph.runtime._fusedc",
-    .m_doc = "Native one-pass AdamW and SGD updates over contiguous float buffers.",
-    .m_size = -1,
-    .m_methods = methods,
-};
-
 PyMODINIT_FUNC PyInit__fusedc(void)
 {
-    register_pool_fork_handler();
-    PyObject *module = PyModule_Create(&module_def);
+    PyObject *module = pool_module(
+        "traingraph.runtime._fusedc",
+        "Native one-pass AdamW and SGD updates over contiguous float buffers.", methods);
     if (module == NULL) {
         return NULL;
     }

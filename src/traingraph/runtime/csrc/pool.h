@@ -5,8 +5,9 @@
  * yet: worker t claims share t when it wakes, and a worker that the scheduler lets wait (a
  * busy machine) leaves its share to the caller instead of holding up the task. The workers
  * sleep between tasks, and are kept off the caller's CPU before they are woken. Each
- * extension that includes this file has its own pool; call register_pool_fork_handler() from
- * its module init so that a fork()ed child starts its own workers.
+ * extension that includes this file has its own pool; its module init creates the module with
+ * pool_module(), which registers a fork handler so that a fork()ed child starts its own
+ * workers.
  */
 #ifndef TRAINGRAPH_POOL_H
 #define TRAINGRAPH_POOL_H
@@ -201,9 +202,22 @@ static void register_pool_fork_handler(void)
 }
 
 
-/* ------------------------------------------------------------------ elementwise kernels */
-/* With Python.h included first: kernel(args, begin, end) computes elements [begin, end) of n,
- * each on its own (an optimizer update, a mask, ...). */
+/* ---------------------------------------------------- Python (Python.h included first) */
+
+/* The extension module `name` (docstring `doc`) of the functions in `methods`, for its
+ * PyInit function: one per extension, created once, with the pool's fork handler registered. */
+static PyObject *pool_module(const char *name, const char *doc, PyMethodDef *methods)
+{
+    static struct PyModuleDef def;
+    def = (struct PyModuleDef){
+        PyModuleDef_HEAD_INIT, .m_name = name, .m_doc = doc, .m_size = -1, .m_methods = methods,
+    };
+    register_pool_fork_handler();
+    return PyModule_Create(&def);
+}
+
+/* Elementwise kernels: kernel(args, begin, end) computes elements [begin, end) of n, each on its
+ * own (an optimizer update, a mask, ...). */
 
 /* Below this many elements the GIL is kept: releasing it costs more than the loop. */
 #define RELEASE_GIL_MIN 4096
