@@ -120,7 +120,10 @@ def test_the_blocked_conv_filters_are_reordered_by_a_transpose(
     form = nchwc._form_for(conv, shapes, model.opset_import)  # type: ignore[arg-type]
     assert form is not None
     size = int(np.prod(w_shape))
-    (positions,) = [p for p in form.gathers.values() if p.max() <= size]
+    (reorder,) = [p for p in form.gathers.values() if isinstance(p, nchwc._Reorder)]
+    # kept as the reorder it is, not as positions
+    positions = np.arange(1, size + 1).reshape(reorder.dims).transpose(reorder.perm)
+    positions = positions.reshape(reorder.shape)
     weight = _poisoned(tuple(w_shape))
     wanted = weight.reshape(-1)[positions - 1]
     got = ort.InferenceSession(

@@ -28,6 +28,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -42,14 +43,24 @@ _EXACT = 2**24  # positions up to here are exact in float32
 _CHECK_RTOL = 1e-4
 
 
+class _Reorder(NamedTuple):
+    """Positions that only reorder the filter: ``arange(size).reshape(dims).transpose(perm)``,
+    of the constant's ``shape``."""
+
+    dims: list[int]
+    perm: list[int]
+    shape: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class _Form:
     """How onnxruntime runs one Conv geometry blocked: its nodes, reading ``x`` and writing
     ``y``, and for each constant they read, the positions (1-based in the filter, then the
-    bias; 0 for zeros) of its elements."""
+    bias; 0 for zeros) of its elements, or, once learned and kept (:func:`_compact`), the
+    :class:`_Reorder` they are."""
 
     nodes: list[onnx.NodeProto]
-    gathers: dict[str, np.ndarray]  # constant name -> int64 positions of its shape
+    gathers: dict[str, np.ndarray | _Reorder]  # constant name -> positions of its shape
 
 
 _learned: dict[tuple, _Form | None] = {}
@@ -109,10 +120,23 @@ def _form_for(
     key = (tuple(x_shape[1:]), tuple(w_shape), attrs, bias)
     if key not in _learned:
         try:
-            _learned[key] = _learn(x_shape, w_shape, list(node.attribute), bias, opsets)
+            _learned[key] = _compact(_learn(x_shape, w_shape, list(node.attribute), bias, opsets))
         except Exception:  # a geometry onnxruntime cannot take stays as it is
             _learned[key] = None
     return _learned[key]
+
+
+def _compact(form: _Form | None) -> _Form | None:
+    """``form`` as it is kept for the process: positions that only reorder the filter as their
+    :class:`_Reorder` (a few numbers where the positions take 8 bytes per element), the
+    others as int32 (all below ``_EXACT``)."""
+    if form is None:
+        return None
+    gathers: dict[str, np.ndarray | _Reorder] = {}
+    for name, positions in form.gathers.items():
+        reorder = _reorder_of(positions) if isinstance(positions, np.ndarray) else positions
+        gathers[name] = reorder if reorder is not None else np.asarray(positions, np.int32)
+    return _Form(form.nodes, gathers)
 
 
 def _conv_model(
@@ -161,7 +185,7 @@ def _learn(
         optimized = onnx.load(options.optimized_model_filepath)
     if not any(n.domain == DOMAIN for n in optimized.graph.node):
         return None
-    gathers = {}
+    gathers: dict[str, np.ndarray | _Reorder] = {}
     for tensor in optimized.graph.initializer:
         values = numpy_helper.to_array(tensor)
         if values.dtype != np.float32 or not np.all((values >= 0) & (values <= size + channels)):
@@ -221,24 +245,32 @@ def as_permutation(positions: np.ndarray, size: int) -> tuple[list[int], list[in
     return dims, perm
 
 
-def _as_transpose(
-    weight: str, positions: np.ndarray, prefix: str, out: str
-) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]] | None:
+def _reorder_of(positions: np.ndarray) -> _Reorder | None:
     """Where ``positions`` (1-based) take every element of the filter once and the block
-    layout only reorders them (no padding of a partial block), the nodes that write the
-    reordered constant ``out`` from ``weight`` as a Reshape, a Transpose and a Reshape (a
-    strided copy, where a Gather reads an index per element), with their shape constants;
-    None otherwise."""
+    layout only reorders them (no padding of a partial block), that reorder; else None."""
     size = int(positions.size)
     if size == 0 or int(positions.min()) != 1 or int(positions.max()) != size:
         return None
     found = as_permutation(positions.reshape(-1) - 1, size)
     if found is None:
         return None
-    dims, perm = found
+    return _Reorder(found[0], found[1], tuple(positions.shape))
+
+
+def _as_transpose(
+    weight: str, positions: np.ndarray | _Reorder, prefix: str, out: str
+) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]] | None:
+    """Where ``positions`` only reorder the filter (:func:`_reorder_of`), the nodes that write
+    the reordered constant ``out`` from ``weight`` as a Reshape, a Transpose and a Reshape (a
+    strided copy, where a Gather reads an index per element), with their shape constants;
+    None otherwise."""
+    reorder = positions if isinstance(positions, _Reorder) else _reorder_of(positions)
+    if reorder is None:
+        return None
+    dims, perm, shape = reorder
     consts = [
         numpy_helper.from_array(np.array(dims, np.int64), f"{prefix}_dims"),
-        numpy_helper.from_array(np.array(positions.shape, np.int64), f"{prefix}_shape"),
+        numpy_helper.from_array(np.array(shape, np.int64), f"{prefix}_shape"),
     ]
     nodes = [
         helper.make_node("Reshape", [weight, f"{prefix}_dims"], [f"{prefix}_split"]),
@@ -279,6 +311,7 @@ def _instantiate(
             continue
         # int32 positions (all below _EXACT): half the memory of int64
         # and half the bytes the Gather reads
+        assert isinstance(positions, np.ndarray)
         consts.append(numpy_helper.from_array(positions.astype(np.int32), f"{prefix}_p_{name}"))
         nodes.append(
             helper.make_node("Gather", [f"{prefix}_values", f"{prefix}_p_{name}"], [renamed[name]])
