@@ -123,8 +123,9 @@ def torch_rnn(op, names, attrs):
     return fn
 
 
-def check_rnn(op, inputs, attrs, *, opset=17, symbolic_batch=True, compare_torch=True):
-    """Finite differences (and torch when it has the variant) on every float input."""
+def check_rnn(op, inputs, attrs, *, opset=17, symbolic_batch=True, compare_torch=True, used=None):
+    """Finite differences (and torch when it has the variant) on every float input, of a loss
+    on the outputs at positions ``used`` (default: all of them)."""
     attrs = {"hidden_size": HIDDEN, **attrs}
     num_outputs = 3 if op == "LSTM" else 2
     model = make_op_model(
@@ -135,16 +136,18 @@ def check_rnn(op, inputs, attrs, *, opset=17, symbolic_batch=True, compare_torch
         model = _symbolic_batch(model, attrs.get("layout", 0))
     data = {k: v for k, v in inputs.items() if v is not None and k != "sequence_lens"}
     outs = session(model).run(None, data)
-    out_names = [f"y{k}" for k in range(num_outputs)]
-    loss_model = add_weighted_sum_loss(model, out_names, outs)
+    used = range(num_outputs) if used is None else used
+    out_names = [f"y{k}" for k in used]
+    loss_model = add_weighted_sum_loss(model, out_names, [outs[k] for k in used])
     rng = np.random.default_rng(1)
     weights = {f"w_{n}": rng.uniform(0.5, 1.5, o.shape).astype(np.float32)
-               for n, o in zip(out_names, outs)}
+               for n, o in zip(out_names, (outs[k] for k in used))}
     wrt = list(data)
     analytic = check_model_gradient(loss_model, {**data, **weights}, wrt, **F32)
     if compare_torch:
+        fn = torch_rnn(op, list(data), attrs)
         compare_with_torch(
-            torch_rnn(op, list(data), attrs), data, wrt, analytic, weights, out_names,
+            lambda *t: [fn(*t)[k] for k in used], data, wrt, analytic, weights, out_names,
             rtol=F32["rtol"], atol=F32["atol"],
         )
 
@@ -168,6 +171,30 @@ def test_gru(direction, bias, h0, linear_before_reset):
         # torch's GRU is ONNX's linear_before_reset=1; the other variant has no torch twin.
         compare_torch=bool(linear_before_reset),
     )
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("used", [(0,), (1,), (2,), (1, 2)])
+def test_lstm_gradient_of_some_outputs(direction, used):
+    # Gradients reach the steps through Y alone (a tagger), or through the final states alone.
+    inputs = rnn_inputs("LSTM", direction, h0=True, c0=True)
+    check_rnn("LSTM", inputs, {"direction": direction}, used=used)
+
+
+def test_lstm_without_y_output():
+    # Without Y there are no hidden states to read, so the gradient unrolls the forward.
+    inputs = rnn_inputs("LSTM", "bidirectional", h0=True)
+    model = make_op_model("LSTM", inputs, {"hidden_size": HIDDEN, "direction": "bidirectional"},
+                          num_outputs=3, dynamic="none")  # fmt: skip
+    model.graph.node[0].output[0] = ""
+    del model.graph.output[0]
+    data = {k: v for k, v in inputs.items() if v is not None}
+    outs = session(model).run(None, data)
+    loss_model = add_weighted_sum_loss(model, ["y1", "y2"], outs)
+    rng = np.random.default_rng(1)
+    weights = {f"w_y{k}": rng.uniform(0.5, 1.5, o.shape).astype(np.float32)
+               for k, o in zip((1, 2), outs)}  # fmt: skip
+    check_model_gradient(loss_model, {**data, **weights}, list(data), **F32)
 
 
 def test_lstm_peepholes():

@@ -1,11 +1,25 @@
-"""Gradients of LSTM and GRU, by unrolling the recurrence over its static time steps.
+"""Gradients of LSTM and GRU over the static time steps of the recurrence.
 
-The rule rebuilds the node's forward computation from primitive ops (``MatMul``, ``Add``,
-``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...) in a scratch graph, one step per
-time step and direction (:func:`unroll`), differentiates that graph with
-:func:`traingraph.autodiff.engine.differentiate` (backpropagation through time), and moves the
-rebuilt forward and its gradient into the model's graph. The original node keeps computing the
-forward outputs; the rebuilt copy provides the activations the backward pass needs.
+LSTM (without peepholes, its output ``Y`` present) differentiates over all steps at once
+(:func:`_lstm_gradient`): the previous hidden states are the node's ``Y`` shifted by a step, so
+the gates of every step are one pair of ``Gemm`` (``X W^T + Wb + Rb`` and ``+ H_prev R^T``);
+only the cell state and the backward recurrence
+
+    c_t = f_t c_{t-1} + i_t g_t
+    dh_t = dY_t + dG_{t+1} R,   dc_t = dh_t o_t (1 - tanh^2 c_t) + dc_{t+1} f_{t+1}
+    dG_t = [dc_t g_t, dh_t tanh c_t, dc_t c_{t-1}, dc_t i_t] * [i', o', f', 1 - g_t^2]
+
+run step by step on ``[batch, hidden]`` pieces (``i' = i_t (1 - i_t)`` and so on, gate order
+``i, o, f, c``; ``t + 1`` is the step after ``t`` in the direction's order). The weight, bias
+and input gradients are then one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
+``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``.
+
+Otherwise (GRU, peepholes, no ``Y``) the rule rebuilds the node's forward computation from
+primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
+in a scratch graph, one step per time step and direction (:func:`unroll`), differentiates that
+graph with :func:`traingraph.autodiff.engine.differentiate` (backpropagation through time), and
+moves the rebuilt forward and its gradient into the model's graph. Either way the original node
+keeps computing the forward outputs; the gradient recomputes the activations it needs.
 
 With ``x_t`` the input at step ``t``, ``h``/``c`` the previous hidden and cell states and ``W``,
 ``R``, ``Wb``, ``Rb``, ``P`` the weights, recurrences, biases and peepholes of one direction
@@ -318,9 +332,7 @@ def _recurrent_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
         i: ir.Value(name=ctx.b.fresh_name(f"input{i}"), shape=v.shape, type=v.type)
         for i, v in real.items()
     }
-    scratch = ir.Graph(
-        list(placeholders.values()), [], nodes=[], opset_imports={"": ctx.opset}
-    )
+    scratch = ir.Graph(list(placeholders.values()), [], nodes=[], opset_imports={"": ctx.opset})
     rebuilt = OpBuilder(scratch, ctx.opset, prefix=ctx.b.fresh_name("unrolled"))
     stand_ins = [placeholders.get(i) for i in range(len(ctx.inputs))]
     outputs = unroll(ctx, rebuilt, stand_ins, [g is not None for g in grads])
@@ -348,5 +360,186 @@ def _recurrent_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     ]
 
 
-register_gradient("LSTM")(_recurrent_gradient)
+def _time_major(b: OpBuilder, v: ir.Value | None, layout: int, perm: list[int]) -> ir.Value | None:
+    """``v`` in layout 0 (``perm`` takes a layout-1 tensor there); None stays None."""
+    return b.Transpose(v, perm=perm) if v is not None and layout else v
+
+
+def _steps(b: OpBuilder, rows: ir.Value, steps: int) -> tuple[ir.Value, ...]:
+    """Split time-major rows ``[steps * batch, n]`` into ``steps`` pieces ``[batch, n]``."""
+    if steps == 1:
+        return (rows,)
+    if b.opset >= 18:
+        count = ir.AttrInt64("num_outputs", steps)
+        return tuple(b.op("Split", rows, axis=0, num_outputs=steps, count=count))
+    return tuple(b.op("Split", rows, axis=0, num_outputs=steps))
+
+
+@dataclass(frozen=True)
+class _Direction:
+    """The inputs of one LSTM direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[4H, I]``,
+    ``r`` ``[4H, H]``, ``bias`` ``Wb + Rb`` ``[4H]``, the initial and final states ``[N, H]``,
+    ``y`` the hidden states ``[T, N, H]`` the node computed and ``dy`` their gradient;
+    ``needs`` says for each node input whether its gradient is wanted."""
+
+    x: ir.Value
+    w: ir.Value
+    r: ir.Value
+    bias: ir.Value | None
+    h0: ir.Value
+    c0: ir.Value
+    y: ir.Value
+    dy: ir.Value | None
+    dy_h: ir.Value | None
+    dy_c: ir.Value | None
+    reverse: bool
+    needs: Sequence[bool]
+
+
+def _lstm_direction_gradient(
+    b: OpBuilder, d: _Direction, spec: RecurrentSpec
+) -> dict[int, ir.Value]:
+    """The gradients of one LSTM direction by node input where wanted: X (as ``[T*N, I]``),
+    W, R, B (``[4H]``, the same for ``Wb`` and ``Rb``), initial_h and initial_c.
+
+    The gates of every step come from one pair of ``Gemm`` over all steps, reading the
+    previous hidden states from the node's output ``Y``; only the cell state
+    ``c_t = f_t c_{t-1} + i_t g_t`` and the backward recurrence run step by step (on
+    ``[N, H]`` pieces). The weight gradients are again one ``Gemm`` over all steps.
+    """
+    steps, hidden = spec.steps, spec.hidden
+    order = list(range(steps - 1, -1, -1)) if d.reverse else list(range(steps))
+    x2 = b.Flatten(d.x, axis=2)
+    h_prev = d.h0
+    if steps > 1:  # the hidden state before each step, in time order
+        h0 = b.unsqueeze(d.h0, [0])
+        before = [h0, b.slice(d.y, [0], [steps - 1], [0])]
+        if d.reverse:
+            before = [b.slice(d.y, [1], [steps], [0]), h0]
+        h_prev = b.Flatten(b.Concat(*before, axis=0), axis=2)
+    projected = b.Gemm(x2, d.w, *([] if d.bias is None else [d.bias]), transB=1)
+    gates = b.Gemm(h_prev, d.r, projected, transB=1)
+    iof, candidate = b.split(gates, [3 * hidden, hidden], axis=1)
+    sig = b.Sigmoid(iof)
+    g = b.Tanh(candidate)
+    i, o, f = b.split(sig, [hidden] * 3, axis=1)
+    f_t = _steps(b, f, steps)
+    ig_t = _steps(b, b.Mul(i, g), steps)
+    cells: dict[int, ir.Value] = {}
+    c = d.c0
+    for t in order:
+        c = b.Add(b.Mul(f_t[t], c), ig_t[t])
+        cells[t] = c
+    c_all = b.Concat(*(cells[t] for t in range(steps)), axis=0) if steps > 1 else c
+    cells[steps if d.reverse else -1] = d.c0
+    shift = 1 if d.reverse else -1
+    c_prev = b.Concat(*(cells[t + shift] for t in range(steps)), axis=0) if steps > 1 else d.c0
+    tanh_c = b.Tanh(c_all)
+    one = b.scalar(1.0, like=d.x)
+    sig_slope = b.Mul(sig, b.Sub(one, sig))
+    di, do, df = b.split(sig_slope, [hidden] * 3, axis=1)
+    # dgates_t = [dc_t, dh_t, dc_t, dc_t] * slopes, dc_t = dh_t * through + dc_{t+1} * f_{t+1}
+    slopes = b.Concat(
+        b.Mul(g, di),
+        b.Mul(tanh_c, do),
+        b.Mul(c_prev, df),
+        b.Mul(i, b.Sub(one, b.Mul(g, g))),
+        axis=1,
+    )
+    through = b.Mul(o, b.Sub(one, b.Mul(tanh_c, tanh_c)))
+    slope_t, through_t = _steps(b, slopes, steps), _steps(b, through, steps)
+    dy_t = _steps(b, b.Flatten(d.dy, axis=2), steps) if d.dy is not None else None
+    # the gradients reaching h_t and c_t from the step after t (Y_h's and Y_c's at the end)
+    h_back, c_back = d.dy_h, d.dy_c
+    dgates: dict[int, ir.Value] = {}
+    dc = after = None
+    for t in reversed(order):
+        if after is not None and dc is not None:
+            h_back, c_back = b.MatMul(dgates[after], d.r), b.Mul(dc, f_t[after])
+        dh = h_back
+        if dy_t is not None:
+            dh = dy_t[t] if dh is None else b.Add(dy_t[t], dh)
+        if dh is None:  # no gradient reaches the hidden state of this step
+            dh = b.zeros_like(d.h0)
+        from_h = b.Mul(dh, through_t[t])
+        dc = from_h if c_back is None else b.Add(from_h, c_back)
+        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), slope_t[t])
+        after = t
+    assert after is not None and dc is not None
+    dg = b.Concat(*(dgates[t] for t in range(steps)), axis=0) if steps > 1 else dgates[0]
+    wanted = {
+        0: lambda: b.MatMul(dg, d.w),
+        1: lambda: b.Gemm(dg, x2, transA=1),
+        2: lambda: b.Gemm(dg, h_prev, transA=1),
+        3: lambda: b.sum(dg, [0], keepdims=False),
+        5: lambda: b.MatMul(dgates[after], d.r),
+        6: lambda: b.Mul(dc, f_t[after]),
+    }
+    return {i: make() for i, make in wanted.items() if i < len(d.needs) and d.needs[i]}
+
+
+def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """The LSTM gradient over all steps at once where the node's ``Y`` is there to read the
+    hidden states from and there are no peepholes; else :func:`_recurrent_gradient`."""
+    spec = recurrent_spec(ctx)
+    outputs = ctx.outputs
+    if ctx.has_input(7) or not outputs or not outputs[0].name or outputs[0].dtype is None:
+        return _recurrent_gradient(ctx, grads)
+    b, layout, count = ctx.b, spec.layout, len(spec.reverses)
+    dtype = outputs[0].dtype
+
+    def optional(i: int) -> ir.Value | None:
+        return ctx.inputs[i] if ctx.has_input(i) else None
+
+    def grad(k: int) -> ir.Value | None:
+        return grads[k] if k < len(grads) else None
+
+    x = _time_major(b, ctx.x(0), layout, [1, 0, 2])
+    y = _time_major(b, outputs[0], layout, [1, 2, 0, 3])
+    assert x is not None and y is not None
+    dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
+    states = [
+        _time_major(b, v, layout, [1, 0, 2]) for v in (optional(5), optional(6), grad(1), grad(2))
+    ]
+    zeros = _zeros_state(b, x, spec.hidden, dtype)
+    per = [_per_direction(b, v, count) for v in states]
+    ws, rs = _per_direction(b, ctx.x(1), count), _per_direction(b, ctx.x(2), count)
+    biases = _per_direction(b, optional(3), count)
+
+    def direction_of(v: ir.Value, k: int) -> ir.Value:
+        """Direction ``k`` of a ``[T, D, N, H]`` tensor: ``[T, N, H]``."""
+        return b.Gather(v, b.const(np.int64(k)), axis=1)
+
+    results = []
+    for k, reverse in enumerate(spec.reverses):
+        w, r, bias = ws[k], rs[k], biases[k]
+        assert w is not None and r is not None
+        if bias is not None:
+            w_bias, r_bias = b.split(bias, [4 * spec.hidden] * 2, axis=0)
+            bias = b.Add(w_bias, r_bias)
+        direction = _Direction(
+            x, w, r, bias, per[0][k] or zeros, per[1][k] or zeros, direction_of(y, k),
+            None if dy is None else direction_of(dy, k), per[2][k], per[3][k], reverse, ctx.needs,
+        )  # fmt: skip
+        results.append(_lstm_direction_gradient(b, direction, spec))
+    out: list[ir.Value | None] = [None] * len(ctx.inputs)
+    if ctx.need(0):
+        dx_rows = results[0][0]
+        for other in results[1:]:
+            dx_rows = b.Add(dx_rows, other[0])
+        dx = b.reshape_like(dx_rows, x)
+        out[0] = b.Transpose(dx, perm=[1, 0, 2]) if layout else dx
+    for i in (1, 2):
+        if ctx.need(i):
+            out[i] = _stack(b, [res[i] for res in results], 0)
+    if ctx.need(3):
+        out[3] = _stack(b, [b.Concat(res[3], res[3], axis=0) for res in results], 0)
+    for i in (5, 6):
+        if ctx.need(i):
+            state = _stack(b, [res[i] for res in results], 0)
+            out[i] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
+    return out
+
+
+register_gradient("LSTM")(_lstm_gradient)
 register_gradient("GRU")(_recurrent_gradient)
