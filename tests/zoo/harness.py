@@ -8,7 +8,10 @@ exporter, writes its artifacts, runs traingraph's training graph and compares wi
   (``copy.deepcopy(model).double()``, same batch, train mode). A parameter passes when its
   gradient is within ``grad_rtol`` of the reference, relative to the reference gradient's norm,
   or within twice the distance of torch's own float32 gradient from float64 (BatchNorm over few
-  values makes float32 itself that far off);
+  values makes float32 itself that far off; one of torch's float32 runs has its parameters
+  moved by a unit in their last place, to measure that, see :class:`GradientReport`); a
+  gradient that is zero in exact arithmetic is bounded against a floor (see
+  :data:`ZERO_GRADIENT_TOL`);
 - the loss curve: ``steps`` optimizer steps on the same batches as ``torch.optim`` in float64
   (see :func:`curve_tolerance`);
 - the inference model: ``Module.export_model_for_inferencing`` after training computes the eval
@@ -53,6 +56,22 @@ the output's largest magnitude: the same graph with the loss cut off, but the Mo
 session and a plain onnxruntime session rewrite it for the CPU in their own ways, and the
 rounding of a 50-layer ResNet's output then differs by up to 1.6e-5; a wrong weight or
 running statistic moves it by far more."""
+
+ZERO_GRADIENT_FLOOR = 1e-6
+"""Gradient errors are relative to the float64 gradient's norm, or to this fraction of the
+largest gradient norm where the gradient's own is smaller: a gradient that is zero in exact
+arithmetic (float64 leaves ~1e-16) has no relative error."""
+ZERO_GRADIENT_TOL = 0.1
+"""The largest error, relative to the floor, of a gradient that is zero in exact arithmetic
+(its float64 norm is below the floor): 1e-7 of the largest gradient norm, about one unit in
+the last place of a float32 number of that size. The biases of the BatchNorms after projection Convs
+(MobileNetV2, EfficientNet, the MobileNetV3 segmentation backbones) have such gradients: the
+next block's 1x1 Conv and BatchNorm make every sum of their output gradient over a channel 0.
+What is left of them is the float32 rounding of those sums, and it measures the rounding of
+the terms, not their accuracy: mobilenet_v2 leaves 2e-4 to 1e-2 of the floor in torch float32
+and in traingraph alike, and from block to block one is up to 2.1x the other. A missing or
+wrong term moves such a gradient to the size of the gradients around it, 1e3 to 1e5 times the
+floor."""
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
@@ -141,22 +160,35 @@ class GradientReport:
     float64 gradient's norm) and traingraph's distance from torch float32.
 
     Torch float32's distance is the larger of two float32 runs that differ only in rounding:
-    on the batch and on the batch in reverse order (the loss, a mean, is the same; its sums
-    are not taken in the same order), so that one lucky float32 run does not set the bar.
+    on the batch, and on the batch in reverse order (the loss, a mean, is the same; its sums
+    are not taken in the same order) with every parameter moved by about one unit in its last
+    place (:func:`nudge_parameters`), so that one lucky float32 run does not set the bar. The
+    move measures the problem's conditioning, which the order of the sums alone does not: a
+    float32 gradient is as accurate as float32 can give it when it is as close to float64 as
+    the gradient of parameters that float32 rounding moved. Where a BatchNorm over few values
+    per channel feeds a ReLU (ResNet-50's layer4 at the zoo's image size sees 8 values per
+    channel), an output within float32 rounding of 0 can land on either side of the kink, and
+    the gradient of its channel, every parameter gradient before it, moves by 1e-2 of its norm:
+    torch float32's two runs differ so.
     """
 
     traingraph: dict[str, float]
     torch32: dict[str, float]
     traingraph_vs_torch32: dict[str, float]
     rtol: float
+    zero: set[str] = dataclasses.field(default_factory=set)
+    """The parameters whose float64 gradient is zero up to rounding (see
+    :func:`compare_gradients`): their errors are relative to the floor and bounded by
+    :data:`ZERO_GRADIENT_TOL`."""
 
     def failures(self) -> dict[str, tuple[float, float]]:
         """The parameters over tolerance: name -> (traingraph error, torch float32 error)."""
         return {
             n: (e, self.torch32[n])
             for n, e in self.traingraph.items()
-            if not e <= max(self.rtol, 2 * self.torch32[n])
-        }
+            if not e <= max(ZERO_GRADIENT_TOL if n in self.zero else self.rtol,
+                            2 * self.torch32[n])
+        }  # fmt: skip
 
     def worst(self) -> tuple[float, float, float]:
         """The largest of each of the three errors."""
@@ -169,8 +201,9 @@ class GradientReport:
 
 @dataclasses.dataclass
 class CurveReport:
-    """The loss at each step: traingraph's, torch float64's and torch float32's (on the batches
-    and on the batches in reverse order, see :class:`GradientReport`)."""
+    """The loss at each step: traingraph's, torch float64's and torch float32's (on the batches,
+    and on the batches in reverse order with the parameters moved, see
+    :class:`GradientReport`)."""
 
     traingraph: list[float]
     torch64: list[float]
@@ -300,11 +333,29 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
+def nudge_parameters(model: nn.Module, seed: int = 0) -> None:
+    """Move every float32 parameter of ``model`` by about one unit in its last place, up or
+    down at random (``p * (1 +- 2^-23)``), in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.float32:
+                sign = torch.randint(0, 2, p.shape, generator=g).to(p.dtype) * 2 - 1
+                p.mul_(1 + sign * 2.0**-23)
+
+
 def torch_run(
-    model: nn.Module, case: ZooCase, batches: Sequence[Batch], dtype: torch.dtype
+    model: nn.Module,
+    case: ZooCase,
+    batches: Sequence[Batch],
+    dtype: torch.dtype,
+    nudged: bool = False,
 ) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Train a copy of ``model`` in ``dtype``: the first step's gradients and each step's loss."""
+    """Train a copy of ``model`` in ``dtype``: the first step's gradients and each step's loss;
+    where ``nudged``, with its parameters first moved by :func:`nudge_parameters`."""
     model = copy.deepcopy(model).to(dtype).train()
+    if nudged:
+        nudge_parameters(model)
     opt = case.optimizer.torch(model.parameters())
     grads: dict[str, np.ndarray] = {}
     curve = []
@@ -416,11 +467,14 @@ def compare_gradients(
     rtol: float,
 ) -> GradientReport:
     """Each parameter's gradient errors, relative to the float64 gradient's norm (floored at
-    1e-6 of the largest gradient norm, for gradients that are zero up to rounding); torch
-    float32's is the largest of its runs ``t32``, and traingraph is compared with the first."""
-    floor = 1e-6 * max(float(np.linalg.norm(g)) for g in t64.values())
+    :data:`ZERO_GRADIENT_FLOOR` of the largest gradient norm, for gradients that are zero up
+    to rounding, which the report lists as ``zero``); torch float32's is the largest of its
+    runs ``t32``, and traingraph is compared with the first."""
+    floor = ZERO_GRADIENT_FLOOR * max(float(np.linalg.norm(g)) for g in t64.values())
     report = GradientReport({}, {}, {}, rtol)
     for name, ref in t64.items():
+        if float(np.linalg.norm(ref)) < floor:
+            report.zero.add(name)
         scale = max(float(np.linalg.norm(ref)), floor, np.finfo(np.float64).tiny)
         got = tg[name].reshape(ref.shape)
         report.traingraph[name] = _relative(got, ref, scale)
@@ -467,7 +521,9 @@ def run_case(
         tg_grads, tg_curve = traingraph_run(state, module, optimizer, case, batches, names)
         g64, c64 = torch_run(model, case, batches, torch.float64)
         g32, c32 = torch_run(model, case, batches, torch.float32)
-        g32r, c32r = torch_run(model, case, reversed_batches(batches), torch.float32)
+        g32r, c32r = torch_run(
+            model, case, reversed_batches(batches), torch.float32, nudged=True
+        )
         report = CaseReport(
             case=case.name,
             exporter=exporter,
