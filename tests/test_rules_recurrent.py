@@ -13,6 +13,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
+from onnx.reference import ReferenceEvaluator
 
 from gradcheck import (
     add_weighted_sum_loss,
@@ -179,6 +180,34 @@ def test_lstm_gradient_of_some_outputs(direction, used):
     # Gradients reach the steps through Y alone (a tagger), or through the final states alone.
     inputs = rnn_inputs("LSTM", direction, h0=True, c0=True)
     check_rnn("LSTM", inputs, {"direction": direction}, used=used)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("used", [(0,), (0, 1, 2)])
+def test_lstm_float64_against_torch(direction, layout, used):
+    # onnxruntime's LSTM is float32-only and rejects layout=1: onnx's reference evaluator runs
+    # the gradient graph in float64, checked against torch.autograd in float64.
+    inputs = rnn_inputs("LSTM", direction, h0=True, c0=True, layout=layout)
+    inputs = {k: None if v is None else v.astype(np.float64) for k, v in inputs.items()}
+    attrs = {"hidden_size": HIDDEN, "direction": direction, "layout": layout}
+    model = _symbolic_batch(
+        make_op_model("LSTM", inputs, attrs, num_outputs=3, dynamic="none"), layout
+    )
+    data = {k: v for k, v in inputs.items() if v is not None}
+    outs = ReferenceEvaluator(model).run(None, data)
+    out_names = [f"y{k}" for k in used]
+    loss_model = add_weighted_sum_loss(model, out_names, [outs[k] for k in used])
+    rng = np.random.default_rng(1)
+    weights = {f"w_y{k}": rng.uniform(0.5, 1.5, outs[k].shape) for k in used}
+    grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
+    onnx.checker.check_model(grad_model, full_check=True)
+    got = ReferenceEvaluator(grad_model).run([f"{x}_grad" for x in data], {**data, **weights})
+    fn = torch_rnn("LSTM", list(data), attrs)
+    compare_with_torch(
+        lambda *t: [fn(*t)[k] for k in used], data, list(data), dict(zip(data, got)), weights,
+        out_names, rtol=1e-9, atol=1e-12,
+    )  # fmt: skip
 
 
 def test_lstm_without_y_output():
