@@ -39,6 +39,7 @@ from traingraph.runtime.cpu.kernels.bn_forward import split_batch_norm_forwards
 from traingraph.runtime.cpu.kernels.clip_grad import split_clip_grads
 from traingraph.runtime.cpu.kernels.col2im import split_col2ims
 from traingraph.runtime.cpu.kernels.direct_conv import split_direct_convs
+from traingraph.runtime.cpu.kernels.flipped_filter import split_flipped_filters
 from traingraph.runtime.cpu.kernels.gelu import split_gelus
 from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
 from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
@@ -149,6 +150,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
         "batch_norm_forward",
     ),
     KernelSpec("winograd", lambda s: list(split_winograd_convs(s.model, s.taken)), None),
+    KernelSpec("flipped_filter", lambda s: list(split_flipped_filters(s.model, s.taken)), None),
     KernelSpec("gelu", lambda s: list(split_gelus(s.model, s.taken, s.read)), None),
     KernelSpec("clip_grad", lambda s: list(split_clip_grads(s.model, s.taken)), None),
     KernelSpec(

@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.kernels.flipped_filter import flipped_source
 from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
 
 _DEFAULT = ("", "ai.onnx")
@@ -127,40 +128,6 @@ def split_winograd_convs(
     return verify.verified_kernels(model, g, matches, refined)
 
 
-def _flipped_source(
-    g: graph_match.GraphIndex,
-    weight: str,
-    taken: Set[int],
-    constants: Mapping[str, np.ndarray],
-) -> tuple[str, set[int]] | None:
-    """Where ``weight`` is ``Slice(Transpose(w, perm=[1, 0, 2, 3]))`` reversing both spatial
-    axes of a 3 x 3 filter, and the Conv alone reads the two (a Conv's input gradient), ``w``
-    and the indices of the two nodes; else None."""
-    if weight not in g.producer or g.only_reader(weight, taken) is None:
-        return None
-    flip = g.nodes[g.producer[weight]]
-    if flip.op_type != "Slice" or flip.domain not in _DEFAULT or len(flip.input) != 5:
-        return None
-    if any(v not in constants for v in flip.input[1:]):
-        return None
-    starts, ends, axes, steps = (constants[v].reshape(-1).tolist() for v in flip.input[1:])
-    if sorted(a % 4 for a in axes) != [2, 3] or any(s != -1 for s in steps):
-        return None
-    # along an axis of 3, a step of -1 from the last place (start 2 or more, or -1) past the
-    # first (end -4 or less) takes the axis whole and reversed
-    if any(not (s >= 2 or s == -1) or e > -4 for s, e in zip(starts, ends)):
-        return None
-    swapped = flip.input[0]
-    if swapped not in g.producer or g.only_reader(swapped, taken) is None:
-        return None
-    swap = g.nodes[g.producer[swapped]]
-    perm = next((list(a.ints) for a in swap.attribute if a.name == "perm"), None)
-    if swap.op_type != "Transpose" or swap.domain not in _DEFAULT or perm != [1, 0, 2, 3]:
-        return None
-    nodes = {g.producer[weight], g.producer[swapped]}
-    return (swap.input[0], nodes) if not nodes & taken else None
-
-
 def _match(
     g: graph_match.GraphIndex,
     i: int,
@@ -202,7 +169,7 @@ def _match(
             ]:
                 addend, out = other, total.output[0]
                 nodes.add(reader)
-    source = _flipped_source(g, node.input[1], taken, constants)
+    source = flipped_source(g, node.input[1], taken, constants)
     if source is not None:
         return WinogradConv(node.input[0], source[0], bias, addend, out, True), nodes | source[1]
     return WinogradConv(node.input[0], node.input[1], bias, addend, out), nodes
