@@ -379,7 +379,8 @@ def _steps(b: OpBuilder, rows: ir.Value, steps: int) -> tuple[ir.Value, ...]:
 class _Direction:
     """The inputs of one LSTM direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[4H, I]``,
     ``r`` ``[4H, H]``, ``bias`` ``Wb + Rb`` ``[4H]``, the initial and final states ``[N, H]``,
-    ``y`` the hidden states ``[T, N, H]`` the node computed and ``dy`` their gradient;
+    ``y`` the hidden states ``[T, D, N, H]`` the node computed (this direction at ``index``),
+    ``dy`` the gradients of this direction's hidden states by step (``[N, H]`` each);
     ``needs`` says for each node input whether its gradient is wanted."""
 
     x: ir.Value
@@ -389,7 +390,8 @@ class _Direction:
     h0: ir.Value
     c0: ir.Value
     y: ir.Value
-    dy: ir.Value | None
+    index: int
+    dy: Sequence[ir.Value] | None
     dy_h: ir.Value | None
     dy_c: ir.Value | None
     reverse: bool
@@ -412,17 +414,15 @@ def _lstm_direction_gradient(
     x2 = b.Flatten(d.x, axis=2)
     h_prev = d.h0
     if steps > 1:  # the hidden state before each step, in time order
-        h0 = b.unsqueeze(d.h0, [0])
-        before = [h0, b.slice(d.y, [0], [steps - 1], [0])]
+        h0, k = b.unsqueeze(d.h0, [0, 1]), d.index
+        before = [h0, b.slice(d.y, [0, k], [steps - 1, k + 1], [0, 1])]
         if d.reverse:
-            before = [b.slice(d.y, [1], [steps], [0]), h0]
-        h_prev = b.Flatten(b.Concat(*before, axis=0), axis=2)
+            before = [b.slice(d.y, [1, k], [steps, k + 1], [0, 1]), h0]
+        h_prev = b.Flatten(b.Concat(*before, axis=0), axis=3)
     projected = b.Gemm(x2, d.w, *([] if d.bias is None else [d.bias]), transB=1)
     gates = b.Gemm(h_prev, d.r, projected, transB=1)
-    iof, candidate = b.split(gates, [3 * hidden, hidden], axis=1)
-    sig = b.Sigmoid(iof)
-    g = b.Tanh(candidate)
-    i, o, f = b.split(sig, [hidden] * 3, axis=1)
+    pre_i, pre_o, pre_f, pre_g = b.split(gates, [hidden] * 4, axis=1)
+    i, o, f, g = b.Sigmoid(pre_i), b.Sigmoid(pre_o), b.Sigmoid(pre_f), b.Tanh(pre_g)
     f_t = _steps(b, f, steps)
     ig_t = _steps(b, b.Mul(i, g), steps)
     cells: dict[int, ir.Value] = {}
@@ -436,8 +436,7 @@ def _lstm_direction_gradient(
     c_prev = b.Concat(*(cells[t + shift] for t in range(steps)), axis=0) if steps > 1 else d.c0
     tanh_c = b.Tanh(c_all)
     one = b.scalar(1.0, like=d.x)
-    sig_slope = b.Mul(sig, b.Sub(one, sig))
-    di, do, df = b.split(sig_slope, [hidden] * 3, axis=1)
+    di, do, df = (b.Mul(s, b.Sub(one, s)) for s in (i, o, f))
     # dgates_t = [dc_t, dh_t, dc_t, dc_t] * slopes, dc_t = dh_t * through + dc_{t+1} * f_{t+1}
     slopes = b.Concat(
         b.Mul(g, di),
@@ -448,7 +447,7 @@ def _lstm_direction_gradient(
     )
     through = b.Mul(o, b.Sub(one, b.Mul(tanh_c, tanh_c)))
     slope_t, through_t = _steps(b, slopes, steps), _steps(b, through, steps)
-    dy_t = _steps(b, b.Flatten(d.dy, axis=2), steps) if d.dy is not None else None
+    dy_t = d.dy
     # the gradients reaching h_t and c_t from the step after t (Y_h's and Y_c's at the end)
     h_back, c_back = d.dy_h, d.dy_c
     dgates: dict[int, ir.Value] = {}
@@ -506,10 +505,8 @@ def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     ws, rs = _per_direction(b, ctx.x(1), count), _per_direction(b, ctx.x(2), count)
     biases = _per_direction(b, optional(3), count)
 
-    def direction_of(v: ir.Value, k: int) -> ir.Value:
-        """Direction ``k`` of a ``[T, D, N, H]`` tensor: ``[T, N, H]``."""
-        return b.Gather(v, b.const(np.int64(k)), axis=1)
-
+    # dY by step and direction: [N, H] pieces in (step, direction) order
+    dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), spec.steps * count)
     results = []
     for k, reverse in enumerate(spec.reverses):
         w, r, bias = ws[k], rs[k], biases[k]
@@ -518,8 +515,9 @@ def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
             w_bias, r_bias = b.split(bias, [4 * spec.hidden] * 2, axis=0)
             bias = b.Add(w_bias, r_bias)
         direction = _Direction(
-            x, w, r, bias, per[0][k] or zeros, per[1][k] or zeros, direction_of(y, k),
-            None if dy is None else direction_of(dy, k), per[2][k], per[3][k], reverse, ctx.needs,
+            x, w, r, bias, per[0][k] or zeros, per[1][k] or zeros, y, k,
+            None if dy_steps is None else dy_steps[k::count], per[2][k], per[3][k], reverse,
+            ctx.needs,
         )  # fmt: skip
         results.append(_lstm_direction_gradient(b, direction, spec))
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
