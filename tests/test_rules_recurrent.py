@@ -20,6 +20,7 @@ from gradcheck import (
     check_model_gradient,
     compare_with_torch,
     make_op_model,
+    numeric_gradient,
     session,
 )
 from traingraph.autodiff import build_gradient_graph
@@ -182,17 +183,32 @@ def test_lstm_gradient_of_some_outputs(direction, used):
     check_rnn("LSTM", inputs, {"direction": direction}, used=used)
 
 
+@pytest.mark.parametrize("direction", ["reverse", "bidirectional"])
+@pytest.mark.parametrize("used", [(0,), (1,)])
+@pytest.mark.parametrize("linear_before_reset", [0, 1])
+def test_gru_gradient_of_some_outputs(direction, used, linear_before_reset):
+    inputs = rnn_inputs("GRU", direction, h0=True)
+    attrs = {"direction": direction, "linear_before_reset": linear_before_reset}
+    check_rnn("GRU", inputs, attrs, used=used, compare_torch=bool(linear_before_reset))
+
+
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("layout", [0, 1])
-@pytest.mark.parametrize("used", [(0,), (0, 1, 2)])
-def test_lstm_float64_against_torch(direction, layout, used):
-    # onnxruntime's LSTM is float32-only and rejects layout=1: onnx's reference evaluator runs
-    # the gradient graph in float64, checked against torch.autograd in float64.
-    inputs = rnn_inputs("LSTM", direction, h0=True, c0=True, layout=layout)
+@pytest.mark.parametrize("used", [(0,), (0, 1)])
+@pytest.mark.parametrize("op,lbr", [("LSTM", None), ("GRU", 1), ("GRU", 0)])
+def test_float64(op, lbr, direction, layout, used):
+    # onnxruntime's LSTM and GRU are float32-only and reject layout=1: onnx's reference
+    # evaluator runs the gradient graph in float64, checked against torch.autograd in float64
+    # (finite differences for GRU's linear_before_reset=0, which torch lacks).
+    inputs = rnn_inputs(op, direction, h0=True, c0=True, layout=layout)
     inputs = {k: None if v is None else v.astype(np.float64) for k, v in inputs.items()}
     attrs = {"hidden_size": HIDDEN, "direction": direction, "layout": layout}
+    if lbr is not None:
+        attrs["linear_before_reset"] = lbr
+    used = used + (2,) if op == "LSTM" and len(used) > 1 else used
+    num_outputs = 3 if op == "LSTM" else 2
     model = _symbolic_batch(
-        make_op_model("LSTM", inputs, attrs, num_outputs=3, dynamic="none"), layout
+        make_op_model(op, inputs, attrs, num_outputs=num_outputs, dynamic="none"), layout
     )
     data = {k: v for k, v in inputs.items() if v is not None}
     outs = ReferenceEvaluator(model).run(None, data)
@@ -202,11 +218,20 @@ def test_lstm_float64_against_torch(direction, layout, used):
     weights = {f"w_y{k}": rng.uniform(0.5, 1.5, outs[k].shape) for k in used}
     grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
     onnx.checker.check_model(grad_model, full_check=True)
-    got = ReferenceEvaluator(grad_model).run([f"{x}_grad" for x in data], {**data, **weights})
-    fn = torch_rnn("LSTM", list(data), attrs)
+    feeds = {**data, **weights}
+    got = dict(zip(data, ReferenceEvaluator(grad_model).run([f"{x}_grad" for x in data], feeds)))
+    if lbr == 0:
+        forward = ReferenceEvaluator(loss_model)
+        for name in data:
+            expected = numeric_gradient(
+                lambda f: float(forward.run(["loss"], f)[0]), feeds, name, 1e-6
+            )
+            np.testing.assert_allclose(got[name], expected, rtol=1e-6, atol=1e-8, err_msg=name)
+        return
+    fn = torch_rnn(op, list(data), attrs)
     compare_with_torch(
-        lambda *t: [fn(*t)[k] for k in used], data, list(data), dict(zip(data, got)), weights,
-        out_names, rtol=1e-9, atol=1e-12,
+        lambda *t: [fn(*t)[k] for k in used], data, list(data), got, weights, out_names,
+        rtol=1e-9, atol=1e-12,
     )  # fmt: skip
 
 

@@ -1,20 +1,21 @@
 """Gradients of LSTM and GRU over the static time steps of the recurrence.
 
-LSTM (without peepholes, its output ``Y`` present) differentiates over all steps at once
-(:func:`_lstm_gradient`): the previous hidden states are the node's ``Y`` shifted by a step, so
-the gates of every step are one pair of ``Gemm`` (``X W^T + Wb + Rb`` and ``+ H_prev R^T``);
-only the cell state and the backward recurrence
+Where the node's output ``Y`` is present (and an LSTM has no peepholes) the gradient runs over
+all steps at once (:func:`_batched_gradient`): the previous hidden states are ``Y`` shifted by
+a step, so the gates of every step come from a few ``Gemm`` over all steps (``X W^T + Wb + Rb``,
+``+ H_prev R^T``); only LSTM's cell state and the backward recurrence run step by step on
+``[batch, hidden]`` pieces, for LSTM
 
     c_t = f_t c_{t-1} + i_t g_t
     dh_t = dY_t + dG_{t+1} R,   dc_t = dh_t o_t (1 - tanh^2 c_t) + dc_{t+1} f_{t+1}
     dG_t = [dc_t g_t, dh_t tanh c_t, dc_t c_{t-1}, dc_t i_t] * [i', o', f', 1 - g_t^2]
 
-run step by step on ``[batch, hidden]`` pieces (``i' = i_t (1 - i_t)`` and so on, gate order
-``i, o, f, c``; ``t + 1`` is the step after ``t`` in the direction's order). The weight, bias
-and input gradients are then one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
+(``i' = i_t (1 - i_t)`` and so on, gate order ``i, o, f, c``; ``t + 1`` is the step after
+``t`` in the direction's order) and for GRU as :func:`_gru_direction_gradient` says. The weight,
+bias and input gradients are then one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
 ``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``.
 
-Otherwise (GRU, peepholes, no ``Y``) the rule rebuilds the node's forward computation from
+Otherwise (peepholes, no ``Y``) the rule rebuilds the node's forward computation from
 primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
 in a scratch graph, one step per time step and direction (:func:`unroll`), differentiates that
 graph with :func:`traingraph.autodiff.engine.differentiate` (backpropagation through time), and
@@ -41,7 +42,7 @@ length everywhere, and the default activations. Anything else raises an error na
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -377,18 +378,19 @@ def _steps(b: OpBuilder, rows: ir.Value, steps: int) -> tuple[ir.Value, ...]:
 
 @dataclass(frozen=True)
 class _Direction:
-    """The inputs of one LSTM direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[4H, I]``,
-    ``r`` ``[4H, H]``, ``bias`` ``Wb + Rb`` ``[4H]``, the initial and final states ``[N, H]``,
-    ``y`` the hidden states ``[T, D, N, H]`` the node computed (this direction at ``index``),
-    ``dy`` the gradients of this direction's hidden states by step (``[N, H]`` each);
-    ``needs`` says for each node input whether its gradient is wanted."""
+    """The inputs of one direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[G*H, I]``, ``r``
+    ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G`` gates), the initial states ``[N, H]`` (no cell
+    state for GRU), ``y`` the hidden states ``[T, D, N, H]`` the node computed (this direction
+    at ``index``), ``dy`` the gradients of this direction's hidden states by step (``[N, H]``
+    each) and ``dy_h`` / ``dy_c`` those of the final states; ``needs`` says for each node input
+    whether its gradient is wanted; ``dtype`` is the node's float type."""
 
     x: ir.Value
     w: ir.Value
     r: ir.Value
     bias: ir.Value | None
     h0: ir.Value
-    c0: ir.Value
+    c0: ir.Value | None
     y: ir.Value
     index: int
     dy: Sequence[ir.Value] | None
@@ -396,13 +398,46 @@ class _Direction:
     dy_c: ir.Value | None
     reverse: bool
     needs: Sequence[bool]
+    dtype: ir.DataType
+
+    def order(self, steps: int) -> list[int]:
+        """The time steps in the order the direction runs them."""
+        return list(range(steps - 1, -1, -1)) if self.reverse else list(range(steps))
+
+    def previous_hidden(self, b: OpBuilder, steps: int) -> ir.Value:
+        """The hidden state before each step, time-major rows ``[T*N, H]``: ``Y`` shifted by
+        a step, the initial state first."""
+        if steps == 1:
+            return self.h0
+        h0, k = b.unsqueeze(self.h0, [0, 1]), self.index
+        before = [h0, b.slice(self.y, [0, k], [steps - 1, k + 1], [0, 1])]
+        if self.reverse:
+            before = [b.slice(self.y, [1, k], [steps, k + 1], [0, 1]), h0]
+        return b.Flatten(b.Concat(*before, axis=0), axis=3)
+
+    def hidden_gradient(self, b: OpBuilder, t: int, back: ir.Value | None) -> ir.Value:
+        """``dh_t``: the gradient of ``Y_t`` plus ``back``, what flows back from the step after
+        ``t`` (None for the last step, which takes ``Y_h``'s gradient)."""
+        dh = self.dy_h if back is None else back
+        if self.dy is not None:
+            dh = self.dy[t] if dh is None else b.Add(self.dy[t], dh)
+        return dh if dh is not None else b.zeros_like(self.h0)
+
+    def wanted(self, gradients: dict[int, Callable[[], ir.Value]]) -> dict[int, ir.Value]:
+        """The gradients of the wanted node inputs, built from their makers."""
+        return {i: make() for i, make in gradients.items() if i < len(self.needs) and self.needs[i]}
+
+
+def _time_rows(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
+    """``[N, X]`` pieces by time step as time-major rows ``[T*N, X]``."""
+    return b.Concat(*(pieces[t] for t in range(steps)), axis=0) if steps > 1 else pieces[0]
 
 
 def _lstm_direction_gradient(
     b: OpBuilder, d: _Direction, spec: RecurrentSpec
 ) -> dict[int, ir.Value]:
     """The gradients of one LSTM direction by node input where wanted: X (as ``[T*N, I]``),
-    W, R, B (``[4H]``, the same for ``Wb`` and ``Rb``), initial_h and initial_c.
+    W, R, B, initial_h and initial_c.
 
     The gates of every step come from one pair of ``Gemm`` over all steps, reading the
     previous hidden states from the node's output ``Y``; only the cell state
@@ -410,16 +445,14 @@ def _lstm_direction_gradient(
     ``[N, H]`` pieces). The weight gradients are again one ``Gemm`` over all steps.
     """
     steps, hidden = spec.steps, spec.hidden
-    order = list(range(steps - 1, -1, -1)) if d.reverse else list(range(steps))
-    x2 = b.Flatten(d.x, axis=2)
-    h_prev = d.h0
-    if steps > 1:  # the hidden state before each step, in time order
-        h0, k = b.unsqueeze(d.h0, [0, 1]), d.index
-        before = [h0, b.slice(d.y, [0, k], [steps - 1, k + 1], [0, 1])]
-        if d.reverse:
-            before = [b.slice(d.y, [1, k], [steps, k + 1], [0, 1]), h0]
-        h_prev = b.Flatten(b.Concat(*before, axis=0), axis=3)
-    projected = b.Gemm(x2, d.w, *([] if d.bias is None else [d.bias]), transB=1)
+    order = d.order(steps)
+    assert d.c0 is not None
+    x2, h_prev = b.Flatten(d.x, axis=2), d.previous_hidden(b, steps)
+    bias = None
+    if d.bias is not None:
+        w_bias, r_bias = b.split(d.bias, [4 * hidden] * 2, axis=0)
+        bias = b.Add(w_bias, r_bias)
+    projected = b.Gemm(x2, d.w, *([] if bias is None else [bias]), transB=1)
     gates = b.Gemm(h_prev, d.r, projected, transB=1)
     pre_i, pre_o, pre_f, pre_g = b.split(gates, [hidden] * 4, axis=1)
     i, o, f, g = b.Sigmoid(pre_i), b.Sigmoid(pre_o), b.Sigmoid(pre_f), b.Tanh(pre_g)
@@ -430,10 +463,10 @@ def _lstm_direction_gradient(
     for t in order:
         c = b.Add(b.Mul(f_t[t], c), ig_t[t])
         cells[t] = c
-    c_all = b.Concat(*(cells[t] for t in range(steps)), axis=0) if steps > 1 else c
+    c_all = _time_rows(b, cells, steps)
     cells[steps if d.reverse else -1] = d.c0
     shift = 1 if d.reverse else -1
-    c_prev = b.Concat(*(cells[t + shift] for t in range(steps)), axis=0) if steps > 1 else d.c0
+    c_prev = _time_rows(b, {t: cells[t + shift] for t in range(steps)}, steps)
     tanh_c = b.Tanh(c_all)
     one = b.scalar(1.0, like=d.x)
     di, do, df = (b.Mul(s, b.Sub(one, s)) for s in (i, o, f))
@@ -447,45 +480,163 @@ def _lstm_direction_gradient(
     )
     through = b.Mul(o, b.Sub(one, b.Mul(tanh_c, tanh_c)))
     slope_t, through_t = _steps(b, slopes, steps), _steps(b, through, steps)
-    dy_t = d.dy
-    # the gradients reaching h_t and c_t from the step after t (Y_h's and Y_c's at the end)
-    h_back, c_back = d.dy_h, d.dy_c
+    c_back = d.dy_c
     dgates: dict[int, ir.Value] = {}
     dc = after = None
     for t in reversed(order):
+        h_back = None
         if after is not None and dc is not None:
             h_back, c_back = b.MatMul(dgates[after], d.r), b.Mul(dc, f_t[after])
-        dh = h_back
-        if dy_t is not None:
-            dh = dy_t[t] if dh is None else b.Add(dy_t[t], dh)
-        if dh is None:  # no gradient reaches the hidden state of this step
-            dh = b.zeros_like(d.h0)
+        dh = d.hidden_gradient(b, t, h_back)
         from_h = b.Mul(dh, through_t[t])
         dc = from_h if c_back is None else b.Add(from_h, c_back)
         dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), slope_t[t])
         after = t
     assert after is not None and dc is not None
-    dg = b.Concat(*(dgates[t] for t in range(steps)), axis=0) if steps > 1 else dgates[0]
-    wanted = {
-        0: lambda: b.MatMul(dg, d.w),
-        1: lambda: b.Gemm(dg, x2, transA=1),
-        2: lambda: b.Gemm(dg, h_prev, transA=1),
-        3: lambda: b.sum(dg, [0], keepdims=False),
-        5: lambda: b.MatMul(dgates[after], d.r),
-        6: lambda: b.Mul(dc, f_t[after]),
-    }
-    return {i: make() for i, make in wanted.items() if i < len(d.needs) and d.needs[i]}
+    dg = _time_rows(b, dgates, steps)
+
+    def bias_gradient() -> ir.Value:
+        db = b.sum(dg, [0], keepdims=False)
+        return b.Concat(db, db, axis=0)
+
+    return d.wanted(
+        {
+            0: lambda: b.MatMul(dg, d.w),
+            1: lambda: b.Gemm(dg, x2, transA=1),
+            2: lambda: b.Gemm(dg, h_prev, transA=1),
+            3: bias_gradient,
+            5: lambda: b.MatMul(dgates[after], d.r),
+            6: lambda: b.Mul(dc, f_t[after]),
+        }
+    )
 
 
-def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """The LSTM gradient over all steps at once where the node's ``Y`` is there to read the
-    hidden states from and there are no peepholes; else :func:`_recurrent_gradient`."""
+def _gru_direction_gradient(
+    b: OpBuilder, d: _Direction, spec: RecurrentSpec
+) -> dict[int, ir.Value]:
+    """The gradients of one GRU direction by node input where wanted: X (as ``[T*N, I]``),
+    W, R, B and initial_h.
+
+    With the previous hidden states read from ``Y``, every gate of every step is a ``Gemm``
+    over all steps (a GRU has no cell state); only the backward recurrence runs step by step::
+
+        dn_t = dh_t (1 - z_t) (1 - n_t^2),   dz_t = dh_t (h_{t-1} - n_t) z_t (1 - z_t)
+        linear_before_reset=1 (u_t = h_{t-1} R_h^T + Rb_h):
+            dr_t = dn_t u_t r_t (1 - r_t),   dh_{t-1} = dh_t z_t + [dz_t, dr_t, dn_t r_t] R
+        linear_before_reset=0 (e_t = dn_t R_h):
+            dr_t = e_t h_{t-1} r_t (1 - r_t),   dh_{t-1} = dh_t z_t + e_t r_t + [dz_t, dr_t] R_zr
+    """
+    steps, hidden = spec.steps, spec.hidden
+    order = d.order(steps)
+    x2, h_prev = b.Flatten(d.x, axis=2), d.previous_hidden(b, steps)
+    x_bias, rb_h = _projection_bias(b, d.bias, spec, d.dtype)
+    projected = b.Gemm(x2, d.w, *([] if x_bias is None else [x_bias]), transB=1)
+    p_zr, p_h = b.split(projected, [2 * hidden, hidden], axis=1)
+    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
+    z, r = b.split(b.Sigmoid(b.Gemm(h_prev, r_zr, p_zr, transB=1)), [hidden, hidden], axis=1)
+    one = b.scalar(1.0, like=d.x)
+    if spec.linear_before_reset:
+        u = b.Gemm(h_prev, r_h, *([] if rb_h is None else [rb_h]), transB=1)
+        n = b.Tanh(b.Add(p_h, b.Mul(r, u)))
+    else:
+        rh = b.Mul(r, h_prev)
+        n = b.Tanh(b.Gemm(rh, r_h, p_h, transB=1))
+    to_n = b.Mul(b.Sub(one, z), b.Sub(one, b.Mul(n, n)))  # dn_t = dh_t * to_n
+    to_z = b.Mul(b.Sub(h_prev, n), b.Mul(z, b.Sub(one, z)))  # dz_t = dh_t * to_z
+    r_slope = b.Mul(r, b.Sub(one, r))
+    z_t = _steps(b, z, steps)
+    dh_t: dict[int, ir.Value] = {}
+    dgates: dict[int, ir.Value] = {}  # the rows that multiply R (R_zr without linear_before_reset)
+    if spec.linear_before_reset:
+        # dgates_t = [dz_t, dr_t, dn_t r_t] = [dh_t, dh_t, dh_t] * slopes
+        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(u, r_slope)), b.Mul(to_n, r), axis=1)
+        slope_t = _steps(b, slopes, steps)
+        after = None
+        for t in reversed(order):
+            back = None
+            if after is not None:
+                back = b.Gemm(dgates[after], d.r, b.Mul(dh_t[after], z_t[after]))
+            dh = dh_t[t] = d.hidden_gradient(b, t, back)
+            dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=1), slope_t[t])
+            after = t
+        assert after is not None
+        first = after  # the step the direction runs first
+        dh_all = _time_rows(b, dh_t, steps)
+        d_r_rows = _time_rows(b, dgates, steps)  # [dz, dr, dn r]
+        d_zr = b.slice(d_r_rows, [0], [2 * hidden], [1])
+        d_n = b.Mul(dh_all, to_n)
+        d_x_rows = b.Concat(d_zr, d_n, axis=1)  # [dz, dr, dn]
+
+        def recurrence_gradient() -> ir.Value:
+            return b.Gemm(d_r_rows, h_prev, transA=1)
+
+        def bias_gradient() -> ir.Value:
+            return b.Concat(
+                b.sum(d_x_rows, [0], keepdims=False), b.sum(d_r_rows, [0], keepdims=False), axis=0
+            )
+
+        def initial_gradient() -> ir.Value:
+            return b.Gemm(dgates[first], d.r, b.Mul(dh_t[first], z_t[first]))
+
+    else:
+        to_n_t, to_z_t = _steps(b, to_n, steps), _steps(b, to_z, steps)
+        r_t, to_r_t = _steps(b, r, steps), _steps(b, b.Mul(h_prev, r_slope), steps)
+        d_n_t: dict[int, ir.Value] = {}
+        reset: dict[int, ir.Value] = {}  # e_t = dn_t R_h
+        after = None
+        for t in reversed(order):
+            back = None
+            if after is not None:
+                direct = b.Add(b.Mul(dh_t[after], z_t[after]), b.Mul(reset[after], r_t[after]))
+                back = b.Gemm(dgates[after], r_zr, direct)
+            dh = dh_t[t] = d.hidden_gradient(b, t, back)
+            d_n_t[t] = b.Mul(dh, to_n_t[t])
+            reset[t] = b.MatMul(d_n_t[t], r_h)
+            dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=1)
+            after = t
+        assert after is not None
+        first = after
+        d_zr = _time_rows(b, dgates, steps)
+        d_n = _time_rows(b, d_n_t, steps)
+        d_x_rows = b.Concat(d_zr, d_n, axis=1)
+
+        def recurrence_gradient() -> ir.Value:
+            return b.Concat(b.Gemm(d_zr, h_prev, transA=1), b.Gemm(d_n, rh, transA=1), axis=0)
+
+        def bias_gradient() -> ir.Value:
+            db = b.sum(d_x_rows, [0], keepdims=False)
+            return b.Concat(db, db, axis=0)
+
+        def initial_gradient() -> ir.Value:
+            direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], r_t[first]))
+            return b.Gemm(dgates[first], r_zr, direct)
+
+    return d.wanted(
+        {
+            0: lambda: b.MatMul(d_x_rows, d.w),
+            1: lambda: b.Gemm(d_x_rows, x2, transA=1),
+            2: recurrence_gradient,
+            3: bias_gradient,
+            5: initial_gradient,
+        }
+    )
+
+
+_DIRECTION_GRADIENTS = {"LSTM": _lstm_direction_gradient, "GRU": _gru_direction_gradient}
+
+
+def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """The gradient over all steps at once where the node's ``Y`` is there to read the hidden
+    states from and there are no peepholes; else :func:`_recurrent_gradient`."""
     spec = recurrent_spec(ctx)
+    lstm = spec.op_type == "LSTM"
     outputs = ctx.outputs
-    if ctx.has_input(7) or not outputs or not outputs[0].name or outputs[0].dtype is None:
+    if (lstm and ctx.has_input(7)) or not outputs or not outputs[0].name:
+        return _recurrent_gradient(ctx, grads)
+    dtype = outputs[0].dtype
+    if dtype is None:
         return _recurrent_gradient(ctx, grads)
     b, layout, count = ctx.b, spec.layout, len(spec.reverses)
-    dtype = outputs[0].dtype
 
     def optional(i: int) -> ir.Value | None:
         return ctx.inputs[i] if ctx.has_input(i) else None
@@ -498,28 +649,25 @@ def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     assert x is not None and y is not None
     dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
     states = [
-        _time_major(b, v, layout, [1, 0, 2]) for v in (optional(5), optional(6), grad(1), grad(2))
+        _time_major(b, v, layout, [1, 0, 2])
+        for v in (optional(5), optional(6) if lstm else None, grad(1), grad(2))
     ]
     zeros = _zeros_state(b, x, spec.hidden, dtype)
     per = [_per_direction(b, v, count) for v in states]
     ws, rs = _per_direction(b, ctx.x(1), count), _per_direction(b, ctx.x(2), count)
     biases = _per_direction(b, optional(3), count)
-
     # dY by step and direction: [N, H] pieces in (step, direction) order
     dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), spec.steps * count)
     results = []
     for k, reverse in enumerate(spec.reverses):
-        w, r, bias = ws[k], rs[k], biases[k]
+        w, r = ws[k], rs[k]
         assert w is not None and r is not None
-        if bias is not None:
-            w_bias, r_bias = b.split(bias, [4 * spec.hidden] * 2, axis=0)
-            bias = b.Add(w_bias, r_bias)
         direction = _Direction(
-            x, w, r, bias, per[0][k] or zeros, per[1][k] or zeros, y, k,
+            x, w, r, biases[k], per[0][k] or zeros, (per[1][k] or zeros) if lstm else None, y, k,
             None if dy_steps is None else dy_steps[k::count], per[2][k], per[3][k], reverse,
-            ctx.needs,
+            ctx.needs, dtype,
         )  # fmt: skip
-        results.append(_lstm_direction_gradient(b, direction, spec))
+        results.append(_DIRECTION_GRADIENTS[spec.op_type](b, direction, spec))
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if ctx.need(0):
         dx_rows = results[0][0]
@@ -527,11 +675,9 @@ def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
             dx_rows = b.Add(dx_rows, other[0])
         dx = b.reshape_like(dx_rows, x)
         out[0] = b.Transpose(dx, perm=[1, 0, 2]) if layout else dx
-    for i in (1, 2):
+    for i in (1, 2, 3):
         if ctx.need(i):
             out[i] = _stack(b, [res[i] for res in results], 0)
-    if ctx.need(3):
-        out[3] = _stack(b, [b.Concat(res[3], res[3], axis=0) for res in results], 0)
     for i in (5, 6):
         if ctx.need(i):
             state = _stack(b, [res[i] for res in results], 0)
@@ -539,5 +685,5 @@ def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     return out
 
 
-register_gradient("LSTM")(_lstm_gradient)
-register_gradient("GRU")(_recurrent_gradient)
+register_gradient("LSTM")(_batched_gradient)
+register_gradient("GRU")(_batched_gradient)
