@@ -234,3 +234,49 @@ def test_native_kernel_errors_name_what_was_received():
     with pytest.raises(ValueError, match="sgd: momentum > 0 needs the momentum_buffer slot"):
         native.sgd(p, p.copy(), None, 0.1, 1, 0.9, 0.0, False, 0.0)
     assert issubclass(native.UnsupportedArray, TypeError)
+
+
+@NATIVE
+@pytest.mark.parametrize("fused_form", [True, False], ids=["fused", "graph"])
+def test_bytes_held_by_the_state(fused_form):
+    """The fused update writes the parameters and slots in place: the state holds one copy of
+    the parameters, the gradients and each slot kind. The graph writes second copies, which it
+    allocates on its first update; both give the same numbers."""
+    from traingraph.checkpoint import CheckpointData
+    from traingraph.optim import ParamInfo
+    from traingraph.program import describe_optimizer
+    from traingraph.runtime.device import parse_device
+    from traingraph.runtime.optimizer import OptimizerUpdate
+    from traingraph.runtime.session import SessionConfig
+    from traingraph.runtime.state import TrainingState
+
+    params, grads = _problem(2, shapes={"w": (7, 5), "b": (5,), "odd": (1031,)})
+    optimizer = optim.SGD(lr=0.05, momentum=0.9)
+    nbytes = sum(p.nbytes for p in params.values())
+    data = CheckpointData(
+        parameters=dict(params),
+        requires_grad=dict.fromkeys(params, True),
+        optimizer_state={},
+        learning_rate=0.05,
+    )
+    state = TrainingState(data, parse_device("cpu"), set())
+    infos = [ParamInfo(n, p.shape, p.dtype) for n, p in params.items()]
+    model = build_optimizer_model(optimizer, infos)
+    describe_optimizer(model, optimizer, infos)
+    update = OptimizerUpdate(model, state, list(params), SessionConfig(), fused=fused_form)
+    assert (update.blocks is not None) == fused_form
+    copies = 1 if fused_form else 2
+    for step in range(STEPS):
+        state.grads.write_all(grads[step])
+        update.apply()
+        assert state.held_bytes() == {
+            "parameters": copies * nbytes,
+            "buffers": 0,
+            "fixed": 0,
+            "gradients": nbytes,
+            "gradient_scratch": 0,
+            "optimizer_slots": copies * nbytes,
+        }
+    expected, _ = _graph_steps(optimizer, params, grads, 0.05)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(state.read(name), value)

@@ -19,7 +19,8 @@ class TrainingState:
 
     Trainable parameters, updated buffers (BatchNorm running statistics) and optimizer slots
     are double-buffered (:class:`PingPong`): a graph reads the current copy and writes the other,
-    then the two swap, so nothing is allocated or copied per step.
+    then the two swap, so nothing is allocated or copied per step. The second copy is allocated
+    when a graph first writes it: the fused CPU update writes the first in place and holds none.
     """
 
     def __init__(
@@ -67,6 +68,22 @@ class TrainingState:
         if name not in self.grads or not self.grads_valid:
             return None
         return self.grads.read(name)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of the device memory the state has allocated, by block: ``"parameters"``,
+        ``"buffers"``, ``"fixed"``, ``"gradients"``, ``"gradient_scratch"`` (the step's own
+        gradients while others accumulate) and ``"optimizer_slots"``; a double-buffered block
+        counts its second copy once a graph has written it (an update in place never does)."""
+        slots = self.optimizer_slots
+        held = {
+            "parameters": self.trainable.allocated,
+            "buffers": self.buffers.allocated,
+            "fixed": [self.fixed],
+            "gradients": [self.grads],
+            "gradient_scratch": [] if self.grad_scratch is None else [self.grad_scratch],
+            "optimizer_slots": [] if slots is None else slots.allocated,
+        }
+        return {name: sum(s.allocated_bytes for s in stores) for name, stores in held.items()}
 
     # ----------------------------------------------------------- contiguity
     def contiguous(self, trainable_only: bool) -> np.ndarray:

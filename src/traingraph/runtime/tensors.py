@@ -132,6 +132,14 @@ class TensorStore:
         return sum(int(np.prod(s)) * d.itemsize for s, d in self.specs.values())
 
     @property
+    def allocated_bytes(self) -> int:
+        """Bytes the store allocated: its flat block (padding included), or its tensors."""
+        if self.offsets is not None:
+            dtype = next(iter(self.specs.values()))[1] if self.specs else np.dtype(np.float32)
+            return self.flat_size * dtype.itemsize
+        return self.nbytes
+
+    @property
     def size(self) -> int:
         """Number of elements over all tensors."""
         return sum(int(np.prod(s)) for s, _ in self.specs.values())
@@ -207,11 +215,27 @@ class TensorStore:
 
 
 class PingPong:
-    """Two stores of the same tensors: a graph reads ``cur`` and writes ``alt``; then swap."""
+    """Two stores of the same tensors: a graph reads ``cur`` and writes ``alt``; then swap.
+
+    The second store is allocated when ``alt`` is first used: an update that writes the
+    tensors in place (the fused CPU optimizer) never holds it.
+    """
 
     def __init__(self, store: TensorStore) -> None:
         self.cur = store
-        self.alt = store.like()
+        self._alt: TensorStore | None = None
+
+    @property
+    def alt(self) -> TensorStore:
+        """The store a graph writes (allocated, as zeros, on first use)."""
+        if self._alt is None:
+            self._alt = self.cur.like()
+        return self._alt
+
+    @property
+    def allocated(self) -> list[TensorStore]:
+        """The stores allocated so far: ``cur``, and ``alt`` once it has been used."""
+        return [self.cur] if self._alt is None else [self.cur, self._alt]
 
     def swap(self) -> None:
-        self.cur, self.alt = self.alt, self.cur
+        self.cur, self._alt = self.alt, self.cur
