@@ -18,6 +18,7 @@ stay in device buffers bound with IOBinding between steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -311,12 +312,20 @@ class CheckpointState:
     def _attach(self, device: Device, buffers: set[str]) -> TrainingState:
         if self._runtime is None:
             self._runtime = TrainingState(self._data, device, buffers)
+            # the runtime holds the values from now on: keep their shapes and dtypes only
+            stubs = {n: _stub(a) for n, a in self._data.parameters.items()}
+            self._data = dataclasses.replace(self._data, parameters=stubs)
         elif self._runtime.device != device:
             raise ModelError(
                 f"this checkpoint state already lives on {self._runtime.device}; a Module on"
                 f" {device} needs its own state: load the checkpoint again"
             )
         return self._runtime
+
+
+def _stub(array: np.ndarray) -> np.ndarray:
+    """A read-only array of ``array``'s shape and dtype that holds one element."""
+    return np.broadcast_to(np.zeros((), array.dtype), array.shape)
 
 
 def _model_input_names(
