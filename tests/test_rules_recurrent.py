@@ -200,6 +200,17 @@ def test_float64(op, lbr, direction, layout, used):
     # onnxruntime's LSTM and GRU are float32-only and reject layout=1: onnx's reference
     # evaluator runs the gradient graph in float64, checked against torch.autograd in float64
     # (finite differences for GRU's linear_before_reset=0, which torch lacks).
+    check_float64(op, lbr, direction, layout, used)
+
+
+def test_float64_lstm_of_unknown_input_size():
+    # The weight gradients of an input size known only at run time take two Gemms.
+    check_float64("LSTM", None, "bidirectional", 0, (0,), symbolic_input=True)
+
+
+def check_float64(op, lbr, direction, layout, used, symbolic_input=False):
+    """The float64 gradient check of ``test_float64``; ``symbolic_input`` makes the input size
+    of X and W a dimension name."""
     inputs = rnn_inputs(op, direction, h0=True, c0=True, layout=layout)
     inputs = {k: None if v is None else v.astype(np.float64) for k, v in inputs.items()}
     attrs = {"hidden_size": HIDDEN, "direction": direction, "layout": layout}
@@ -207,9 +218,11 @@ def test_float64(op, lbr, direction, layout, used):
         attrs["linear_before_reset"] = lbr
     used = used + (2,) if op == "LSTM" and len(used) > 1 else used
     num_outputs = 3 if op == "LSTM" else 2
-    model = _symbolic_batch(
-        make_op_model(op, inputs, attrs, num_outputs=num_outputs, dynamic="none"), layout
-    )
+    model = make_op_model(op, inputs, attrs, num_outputs=num_outputs, dynamic="none")
+    for vi in model.graph.input if symbolic_input else ():
+        if vi.name in ("X", "W"):
+            vi.type.tensor_type.shape.dim[2].dim_param = "input"
+    model = _symbolic_batch(model, layout)
     data = {k: v for k, v in inputs.items() if v is not None}
     outs = ReferenceEvaluator(model).run(None, data)
     out_names = [f"y{k}" for k in used]

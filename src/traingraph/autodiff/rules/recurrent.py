@@ -383,7 +383,8 @@ class _Direction:
     state for GRU), ``y`` the hidden states ``[T, D, N, H]`` the node computed (this direction
     at ``index``), ``dy`` the gradients of this direction's hidden states by step (``[N, H]``
     each) and ``dy_h`` / ``dy_c`` those of the final states; ``needs`` says for each node input
-    whether its gradient is wanted; ``dtype`` is the node's float type."""
+    whether its gradient is wanted; ``dtype`` is the node's float type and ``input_size`` ``I``
+    where it is static."""
 
     x: ir.Value
     w: ir.Value
@@ -399,6 +400,7 @@ class _Direction:
     reverse: bool
     needs: Sequence[bool]
     dtype: ir.DataType
+    input_size: int | None
 
     def order(self, steps: int) -> list[int]:
         """The time steps in the order the direction runs them."""
@@ -452,8 +454,12 @@ def _lstm_direction_gradient(
     if d.bias is not None:
         w_bias, r_bias = b.split(d.bias, [4 * hidden] * 2, axis=0)
         bias = b.Add(w_bias, r_bias)
-    projected = b.Gemm(x2, d.w, *([] if bias is None else [bias]), transB=1)
-    gates = b.Gemm(h_prev, d.r, projected, transB=1)
+    bias_input = [] if bias is None else [bias]
+    if d.input_size is not None:  # one Gemm over [x_t, h_{t-1}] and [W, R]
+        xh = b.Concat(x2, h_prev, axis=1)
+        gates = b.Gemm(xh, b.Concat(d.w, d.r, axis=1), *bias_input, transB=1)
+    else:
+        gates = b.Gemm(h_prev, d.r, b.Gemm(x2, d.w, *bias_input, transB=1), transB=1)
     pre_i, pre_o, pre_f, pre_g = b.split(gates, [hidden] * 4, axis=1)
     i, o, f, g = b.Sigmoid(pre_i), b.Sigmoid(pre_o), b.Sigmoid(pre_f), b.Tanh(pre_g)
     f_t = _steps(b, f, steps)
@@ -495,6 +501,19 @@ def _lstm_direction_gradient(
     assert after is not None and dc is not None
     dg = _time_rows(b, dgates, steps)
 
+    pair: list[tuple[ir.Value, ...]] = []
+
+    def weight_gradient(k: int) -> ir.Value:
+        """``dW`` (``k`` 0) or ``dR`` (1): one Gemm over ``[x_t, h_{t-1}]`` where ``I`` is
+        static."""
+        if pair:
+            return pair[0][k]
+        if d.input_size is None:
+            pair.append((b.Gemm(dg, x2, transA=1), b.Gemm(dg, h_prev, transA=1)))
+        else:
+            pair.append(b.split(b.Gemm(dg, xh, transA=1), [d.input_size, hidden], axis=1))
+        return pair[0][k]
+
     def bias_gradient() -> ir.Value:
         db = b.sum(dg, [0], keepdims=False)
         return b.Concat(db, db, axis=0)
@@ -502,8 +521,8 @@ def _lstm_direction_gradient(
     return d.wanted(
         {
             0: lambda: b.MatMul(dg, d.w),
-            1: lambda: b.Gemm(dg, x2, transA=1),
-            2: lambda: b.Gemm(dg, h_prev, transA=1),
+            1: lambda: weight_gradient(0),
+            2: lambda: weight_gradient(1),
             3: bias_gradient,
             5: lambda: b.MatMul(dgates[after], d.r),
             6: lambda: b.Mul(dc, f_t[after]),
@@ -656,6 +675,9 @@ def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     per = [_per_direction(b, v, count) for v in states]
     ws, rs = _per_direction(b, ctx.x(1), count), _per_direction(b, ctx.x(2), count)
     biases = _per_direction(b, optional(3), count)
+    w_shape = ctx.x(1).shape
+    input_size = w_shape.dims[-1] if w_shape is not None and len(w_shape) == 3 else None
+    input_size = input_size if isinstance(input_size, int) else None
     # dY by step and direction: [N, H] pieces in (step, direction) order
     dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), spec.steps * count)
     results = []
@@ -665,7 +687,7 @@ def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         direction = _Direction(
             x, w, r, biases[k], per[0][k] or zeros, (per[1][k] or zeros) if lstm else None, y, k,
             None if dy_steps is None else dy_steps[k::count], per[2][k], per[3][k], reverse,
-            ctx.needs, dtype,
+            ctx.needs, dtype, input_size,
         )  # fmt: skip
         results.append(_DIRECTION_GRADIENTS[spec.op_type](b, direction, spec))
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
