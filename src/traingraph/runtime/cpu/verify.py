@@ -1,18 +1,22 @@
 """The numeric check of every native kernel: a match is used only where the nodes it replaces
 compute what the kernel computes.
 
-Each kernel's matches are run at load, in one onnxruntime session for all of them
-(:func:`run_subgraph`), on random inputs and then on the same inputs with a NaN and infinities
-in them (:func:`with_non_finite`), and compared with the kernel's results (:func:`same_values`:
-the same non-finite values in the same places, the others within :data:`CHECK_RTOL` of the
-largest magnitude). A match that disagrees is dropped, and the graph computes it.
+:func:`verified_kernels` is the one entry: each kernel's finder hands it its matches, with a
+:class:`Check` where the kernel needs more than the defaults (inputs with ties or zeros, windows
+of one draw, a random mask's seeds, one check for the matches of one form). The nodes of the
+matches run at load in one single-threaded onnxruntime session (:func:`run_subgraph`; a second
+one only where a match is fed a value another's nodes compute), on random inputs and then on
+the same inputs with a NaN and infinities in them (:func:`with_non_finite`), and the kernel's
+results are compared with theirs (:func:`same_values`: the same non-finite values in the same
+places, the others within :data:`CHECK_RTOL` of the largest magnitude). A match that disagrees
+is dropped with a warning that says why, and the graph computes it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -27,6 +31,9 @@ from traingraph.runtime.cpu.graph_match import (
 
 # Relative tolerance of the numeric check, against the largest magnitude of the result.
 CHECK_RTOL = 1e-4
+
+Values = Mapping[str, np.ndarray]
+"""Arrays by value name: a check's inputs, or what its nodes computed."""
 
 logger = logging.getLogger("traingraph.runtime.cpu.kernels")
 """Where the verifier says which matches it drops, and why."""
@@ -100,26 +107,192 @@ def run_subgraph(
     return results if isinstance(feeds, list) else results[0]
 
 
+class Check:
+    """How :func:`verified_kernels` checks one kind of kernel: the defaults, which a kernel's
+    module overrides where its matches need more (inputs with ties, windows of one draw, seeds
+    of a random mask; one check for the matches of one form).
+
+    By default each match is checked on its own, on standard-normal inputs of the nodes'
+    shapes drawn for all matches at once, then on the same inputs with a NaN and infinities in
+    them, the kernel computed single-threaded and compared by :func:`same_values`.
+    """
+
+    def form(self, kernel: Any, nodes: set[int]) -> Hashable | None:
+        """A key that the matches of one form and shapes share: the check of the first decides
+        for all (the same layer repeated). None (the default): checked on its own."""
+        return None
+
+    def inputs(
+        self, matches: Sequence[tuple[Any, set[int]]]
+    ) -> list[dict[str, np.ndarray] | None] | None:
+        """For each match, the values of the inputs its nodes read (None: not checked, so not
+        used); None (the default) to draw standard-normal values of their inferred shapes, the
+        values between matches computed by the nodes that stay (:func:`verified_kernels`)."""
+        return None
+
+    def runs(self, feeds: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The inputs of each run: ``feeds``, then with a NaN and infinities in them."""
+        return [feeds, with_non_finite(feeds)]
+
+    def run_names(self) -> Sequence[str]:
+        """What each of :meth:`runs` is, for the warning of a dropped match."""
+        return ("finite inputs", "non-finite inputs")
+
+    def agrees(self, kernel: Any, values: Values, expected: Values, run: int) -> bool:
+        """Whether ``kernel`` computes from ``values`` what the nodes computed in run ``run``
+        (``expected``): :func:`kernel_agrees`."""
+        return kernel_agrees(kernel, values, expected)
+
+
 def verified_kernels(
     model: onnx.ModelProto,
     g: GraphIndex,
     matches: Sequence[tuple[Any, set[int]]],
-    shapes: Mapping[str, list[int | None]],
+    shapes: Mapping[str, Sequence[int | None]],
     offsets: Mapping[str, float] | None = None,
+    check: Check | None = None,
 ) -> list[tuple[Any, set[int]]]:
     """The matches (native kernels of :mod:`traingraph.runtime.cpu.segments`, each with the indices
-    of the nodes it replaces) whose kernel computes what their nodes compute on random inputs
-    (of the model's batch, or 2 where it is open), ``offsets`` added to the named ones, all in
-    one single-threaded onnxruntime session. The nodes between matches that stay (the Squeezes
-    of a BatchNorm's statistics) run in the check too, and a kernel reads what the others'
-    nodes computed (an addend that is another's output)."""
+    of the nodes it replaces) whose kernel computes what their nodes compute, on the inputs and
+    runs ``check`` gives (:class:`Check`: by default random inputs of the model's batch, or 2
+    where it is open, ``offsets`` added to the named ones), all in one single-threaded
+    onnxruntime session. With the default inputs, the nodes between matches that stay (the
+    Squeezes of a BatchNorm's statistics) run in the check too, and a kernel reads what the
+    others' nodes computed (an addend that is another's output). A match of a form checked
+    already (:meth:`Check.form`) takes its verdict; a match that disagrees is dropped, with a
+    warning that says why."""
+    check = check or Check()
+    decides: dict[Hashable, int] = {}  # a form -> the match checked for it
+    checked_as: dict[int, int] = {}  # a match -> the match whose check decides it
+    for index, (kernel, nodes) in enumerate(matches):
+        form = check.form(kernel, nodes)
+        if form is not None and form in decides:
+            checked_as[index] = decides[form]
+            continue
+        if form is not None:
+            decides[form] = index
+        checked_as[index] = index
+    unique = [index for index, decider in checked_as.items() if index == decider]
+    passed = _agreeing(model, g, matches, unique, shapes, offsets or {}, check)
+    return [match for index, match in enumerate(matches) if checked_as[index] in passed]
+
+
+def _agreeing(
+    model: onnx.ModelProto,
+    g: GraphIndex,
+    matches: Sequence[tuple[Any, set[int]]],
+    indices: list[int],
+    shapes: Mapping[str, Sequence[int | None]],
+    offsets: Mapping[str, float],
+    check: Check,
+) -> set[int]:
+    """Which of ``matches`` (those at ``indices``) agree with their nodes: the check of
+    :func:`verified_kernels`."""
+    drawn = check.inputs([matches[i] for i in indices])
+    if drawn is not None:
+        # inputs of the kernel's choosing: a value one match reads and another's nodes compute
+        # (one's dx the next one's dy) is drawn for it, in another run
+        inputs = {i: values for i, values in zip(indices, drawn) if values is not None}
+        groups = _apart(g, matches, inputs)
+        return set().union(*(_agreeing_with(model, g, matches, k, inputs, check) for k in groups))
     checked = [
-        (kernel, nodes) for kernel, nodes in matches
-        if all((d := shapes.get(v)) is not None and None not in d[1:] for v in kernel.inputs)
+        i for i in indices
+        if all((d := shapes.get(v)) is not None and None not in d[1:]
+               for v in matches[i][0].inputs)
     ]  # fmt: skip
     if not checked:
-        return []
-    members = set().union(*(nodes for _, nodes in checked))
+        return set()
+    members = _with_nodes_between(g, set().union(*(matches[i][1] for i in checked)))
+    produced = {o for i in members for o in g.nodes[i].output}
+    reads = {v for i in members for v in g.nodes[i].input if v}
+    external = sorted(reads - produced - g.constants)
+    feeds = random_feeds(np.random.default_rng(0), external, shapes)
+    if feeds is None:
+        return set()
+    for name, offset in offsets.items():
+        if name in feeds:  # else another kernel's nodes compute it
+            feeds[name] += offset
+    agreed = _compared(model, g, matches, checked, members, feeds, check)
+    if agreed is None and len(checked) > 1:  # one match's nodes must not cost the others theirs
+        return {i for i in checked if _agreeing(model, g, matches, [i], shapes, offsets, check)}
+    return agreed or set()
+
+
+def _apart(
+    g: GraphIndex, matches: Sequence[tuple[Any, set[int]]], inputs: Mapping[int, Mapping[str, Any]]
+) -> list[list[int]]:
+    """The matches of ``inputs`` in groups (as few as may be) where no match is fed a value
+    that the nodes of another compute."""
+    groups: list[tuple[list[int], set[str], set[str]]] = []  # matches, computed, fed
+    for i, fed in inputs.items():
+        computed = {o for n in matches[i][1] for o in g.nodes[n].output}
+        for group, group_computed, group_fed in groups:
+            if not (computed & group_fed or set(fed) & group_computed):
+                group.append(i)
+                group_computed |= computed
+                group_fed |= set(fed)
+                break
+        else:
+            groups.append(([i], computed, set(fed)))
+    return [group for group, _, _ in groups]
+
+
+def _agreeing_with(
+    model: onnx.ModelProto,
+    g: GraphIndex,
+    matches: Sequence[tuple[Any, set[int]]],
+    checked: list[int],
+    inputs: Mapping[int, Mapping[str, np.ndarray]],
+    check: Check,
+) -> set[int]:
+    """Which of the ``checked`` matches agree with their nodes on the ``inputs`` of each."""
+    members = set().union(*(matches[i][1] for i in checked))
+    feeds = {name: v for i in checked for name, v in inputs[i].items()}
+    agreed = _compared(model, g, matches, checked, members, feeds, check)
+    if agreed is None and len(checked) > 1:  # one match's nodes must not cost the others theirs
+        return {i for i in checked if _agreeing_with(model, g, matches, [i], inputs, check)}
+    return agreed or set()
+
+
+def _compared(
+    model: onnx.ModelProto,
+    g: GraphIndex,
+    matches: Sequence[tuple[Any, set[int]]],
+    checked: list[int],
+    members: set[int],
+    feeds: dict[str, np.ndarray],
+    check: Check,
+) -> set[int] | None:
+    """Which of the ``checked`` matches compute what the nodes ``members`` compute from
+    ``feeds``, in the runs ``check`` makes of them; None where onnxruntime cannot run the
+    nodes (a single match's is then dropped with a warning)."""
+    produced = {o for i in members for o in g.nodes[i].output}
+    wanted = [o for i in checked for o in matches[i][0].outputs]
+    # what the nodes between compute and a kernel reads (a Relu between two matches)
+    wanted += sorted({v for i in checked for v in matches[i][0].inputs} & produced - set(wanted))
+    runs = check.runs(feeds)
+    try:
+        results = run_subgraph(model, [g.nodes[i] for i in sorted(members)], runs, wanted)
+    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
+        if len(checked) == 1:
+            report_dropped([matches[checked[0]][0]], f"onnxruntime cannot run its nodes ({error})")
+        return None
+    agreed = set()
+    for i in checked:
+        kernel = matches[i][0]
+        for run, (name, inputs, outputs) in enumerate(zip(check.run_names(), runs, results)):
+            expected = dict(zip(wanted, outputs))
+            if not check.agrees(kernel, {**inputs, **expected}, expected, run):
+                report_dropped([kernel], f"it disagrees with its nodes on {name}")
+                break
+        else:
+            agreed.add(i)
+    return agreed
+
+
+def _with_nodes_between(g: GraphIndex, members: set[int]) -> set[int]:
+    """``members`` with the nodes that compute, from their results and constants alone, a
+    value they read (a Relu between two matches, the Squeezes of a BatchNorm's statistics)."""
     while True:
         produced = {o for i in members for o in g.nodes[i].output}
         reads = {v for i in members for v in g.nodes[i].input if v}
@@ -130,44 +303,12 @@ def verified_kernels(
             )
         }  # fmt: skip
         if between <= members:
-            break
-        members |= between
-    external = sorted(reads - produced - g.constants)
-    feeds = random_feeds(np.random.default_rng(0), external, shapes)
-    if feeds is None:
-        return []
-    for name, offset in (offsets or {}).items():
-        if name in feeds:  # else another kernel's nodes compute it
-            feeds[name] += offset
-    wanted = [o for kernel, _ in checked for o in kernel.outputs]
-    # what the nodes between compute and a kernel reads (a Relu between two matches)
-    wanted += sorted({v for kernel, _ in checked for v in kernel.inputs} & produced - set(wanted))
-    replaced = [g.nodes[i] for i in sorted(members)]
-    runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
-    try:
-        results = run_subgraph(model, replaced, runs, wanted)
-    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
-        if len(checked) > 1:  # one match's nodes must not cost the others theirs
-            return [
-                ok for match in checked
-                for ok in verified_kernels(model, g, [match], shapes, offsets)
-            ]  # fmt: skip
-        report_dropped([k for k, _ in checked], f"onnxruntime cannot run its nodes ({error})")
-        return []
-    agreed = []
-    for kernel, nodes in checked:
-        for kind, inputs, outputs in zip(("finite", "non-finite"), runs, results):
-            expected = dict(zip(wanted, outputs))
-            if not kernel_agrees(kernel, {**inputs, **expected}, expected):
-                report_dropped([kernel], f"it disagrees with its nodes on {kind} inputs")
-                break
-        else:
-            agreed.append((kernel, nodes))
-    return agreed
+            return members
+        members = members | between
 
 
 def random_feeds(
-    rng: np.random.Generator, names: Sequence[str], shapes: Mapping[str, list[int | None]]
+    rng: np.random.Generator, names: Sequence[str], shapes: Mapping[str, Sequence[int | None]]
 ) -> dict[str, np.ndarray] | None:
     """A standard-normal float32 value for each of ``names`` of its inferred shape (batch 2
     where it is open), to check a native kernel against the nodes it replaces; None where a
@@ -228,17 +369,34 @@ class WindowedDraws:
 
 
 def kernel_agrees(
-    kernel: Any, values: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]
+    kernel: Any,
+    values: Mapping[str, np.ndarray],
+    expected: Mapping[str, np.ndarray],
+    *,
+    threads: int = 1,
+    rtol: Mapping[str, float] | None = None,
+    flat: Collection[str] = (),
 ) -> bool:
     """Whether ``kernel`` (a native kernel of :mod:`traingraph.runtime.cpu.segments`), computed
-    single-threaded from ``values``, writes each of its outputs as ``expected`` holds it, to
-    ``CHECK_RTOL`` of its largest element; False where it refuses the shapes."""
+    on ``threads`` threads from ``values``, writes each of its outputs as ``expected`` holds
+    it, to ``CHECK_RTOL`` of its largest element (or the output's ``rtol``); the outputs in
+    ``flat`` (a parameter's gradient, which the graph may keep with dims of one) by their
+    elements alone. False where it refuses the shapes."""
     got: dict[str, np.ndarray] = {}
     try:
-        kernel.compute(values, got, 1)
+        kernel.compute(values, got, threads)
     except ValueError:
         return False
-    return all(same_values(got[name], expected[name]) for name in kernel.outputs)
+    return all(
+        same_values(
+            got[name],
+            expected[name].reshape(got[name].shape)
+            if name in flat and expected[name].size == got[name].size
+            else expected[name],
+            (rtol or {}).get(name, CHECK_RTOL),
+        )
+        for name in kernel.outputs
+    )
 
 
 def same_values(got: np.ndarray, want: np.ndarray, rtol: float = CHECK_RTOL) -> bool:

@@ -5,11 +5,13 @@ through the MaxPool after it, computed natively between two segments.
   the Relu gradient in front of it: the statistics, two sums, the affine map and the mask in
   two passes over the activations instead of about ten; :func:`split_batch_norm_grads` finds
   them.
-- :class:`MaxPoolGrad`: a Conv's output gradient routed through the MaxPool (and Relu) after
-  the Conv, where the Conv's input gradient reads it too (the graph's ArgMax over the windows,
-  two upsamplings, a comparison and the masks); :func:`split_max_pool_grads` finds them.
+- :class:`~traingraph.runtime.cpu.kernels.conv_grads.MaxPoolGrad`: a Conv's output gradient
+  routed through the MaxPool (and Relu) after the Conv, where the Conv's input gradient reads
+  it too (the graph's ArgMax over the windows, two upsamplings, a comparison and the masks);
+  :func:`split_max_pool_grads` finds them.
 
-Each match is checked numerically against its kernel before it is used.
+Each match is checked numerically against its kernel before it is used
+(:func:`traingraph.runtime.cpu.verify.verified_kernels`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from onnx import helper
 
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.kernels import conv_grads
-from traingraph.runtime.cpu.native import NATIVE, NormalizationGrad, output_array
+from traingraph.runtime.cpu.kernels.conv_grads import MaxPoolGrad
+from traingraph.runtime.cpu.native import NATIVE, NormalizationGrad
+from traingraph.runtime.cpu.verify import Values
 
 KERNEL = "batch_norm_grad"
 """The tag of the nodes of a BatchNormalization's gradient."""
@@ -78,7 +82,7 @@ def split_batch_norm_grads(
             match = _match(g, f, node, shapes)
             if match is not None:
                 found.append(match)
-    return _verified(model, g, found, shapes)
+    return verify.verified_kernels(model, g, found, shapes, check=_Check(g, shapes))
 
 
 def _match(
@@ -163,133 +167,76 @@ def _like(
 
 _CHECK_VALUES = 1024
 """Values per channel in the numeric check of a BatchNormalization gradient (see
-:func:`_verified`)."""
+:class:`_Check`)."""
 
 
-def _verified(
-    model: onnx.ModelProto,
-    g: graph_match.GraphIndex,
-    found: list[tuple[BatchNormGrad, set[int]]],
-    shapes: Mapping[str, Sequence[int | None]],
-) -> list[tuple[BatchNormGrad, set[int]]]:
-    """The matches whose nodes compute what the kernel computes, on random inputs (a Relu
-    output with zeros) of the model's batch, all in one single-threaded session. Where the
-    batch is not static, the check takes as many images as give each channel
-    ``_CHECK_VALUES`` values, 2 to 16: any batch is one the graph runs, and what decides
-    the check is the count of values a channel's statistics are over (with as few as 2, dx is
-    all cancellation), not the count of images.
+@dataclass(frozen=True)
+class _Check(verify.Check):
+    """The numeric check of BatchNormalization gradients: on random inputs (a Relu output with
+    zeros) of the model's batch. Where the batch is not static, the check takes as many images
+    as give each channel ``_CHECK_VALUES`` values, 2 to 16: any batch is one the graph runs,
+    and what decides the check is the count of values a channel's statistics are over (with
+    as few as 2, dx is all cancellation), not the count of images. A match of the same form
+    and shapes as one checked (the same layer repeated) takes its verdict.
 
     The inputs of one check are independent standard-normal values: windows of one draw,
     one window per input (x, dy, y, scale), so that another check may see the same values,
     which weakens neither."""
-    # a match of the same form and shapes as one checked (the same layer repeated) takes its
-    # verdict: the check of the first decides for all
-    decides: dict[tuple[object, ...], int] = {}  # a form -> the match checked for it
-    checked_as: dict[int, int] = {}  # a match -> the match whose check decides it
-    planned = []
-    for index, (grad, nodes) in enumerate(found):
+
+    g: graph_match.GraphIndex
+    shapes: Mapping[str, Sequence[int | None]]
+
+    def x_shape(self, grad: BatchNormGrad) -> list[int] | None:
+        """The shape of ``x`` in the check (None where it is not static beyond the batch)."""
+        dims = self.shapes[grad.x]
+        if any(d is None for d in dims[1:]):
+            return None
+        pixels = math.prod(int(d or 0) for d in dims[2:])
         # the model's batch where it is static (the graph may hold 1 / M as a constant)
-        if any(d is None for d in shapes[grad.x][1:]):
-            continue
-        pixels = math.prod(int(d or 0) for d in shapes[grad.x][2:])
-        batch = shapes[grad.x][0] or min(16, max(2, -(-_CHECK_VALUES // max(pixels, 1))))
-        x_shape = [int(batch), *(int(d or 0) for d in shapes[grad.x][1:])]
-        if min(x_shape) < 1:
-            continue
-        roles = {getattr(grad, f): f for f in ("x", "scale", "dy", "y", "dx", "dscale", "dbias")}
-        form = (
-            g.form(nodes, {name: role for name, role in roles.items() if name}),
+        batch = dims[0] or min(16, max(2, -(-_CHECK_VALUES // max(pixels, 1))))
+        x_shape = [int(batch), *(int(d or 0) for d in dims[1:])]
+        return x_shape if min(x_shape) >= 1 else None
+
+    def form(self, kernel: BatchNormGrad, nodes: set[int]) -> tuple[object, ...] | None:
+        x_shape = self.x_shape(kernel)
+        if x_shape is None:
+            return None
+        roles = {getattr(kernel, f): f for f in ("x", "scale", "dy", "y", "dx", "dscale", "dbias")}
+        return (
+            self.g.form(nodes, {name: role for name, role in roles.items() if name}),
             tuple(x_shape),
-            grad.epsilon,
+            kernel.epsilon,
             tuple(sorted(role for name, role in roles.items() if name)),
         )
-        if form in decides:
-            checked_as[index] = decides[form]
-            continue
-        decides[form] = index
-        planned.append((index, grad, nodes, x_shape))
-    if not planned:
-        return []
-    window = max(math.prod(x_shape) for *_, x_shape in planned)
-    draws = verify.WindowedDraws(np.random.default_rng(0), 4, window)
-    feeds = draws.feeds
-    checks = []
-    for index, grad, nodes, x_shape in planned:
-        # a value two matches read (one gradient into two branches) gets one array
-        values = draws.inputs(
-            [
-                (grad.x, 0, x_shape, lambda a: a * 2 + 1),
-                (grad.dy, 1, x_shape, None),
-                (grad.scale, 3, x_shape[1:2], None),
-            ]
-            + ([(grad.y, 2, x_shape, lambda a: np.maximum(a, 0))] if grad.y else [])
-        )
-        if any(list(v.shape) != list(want) for v, want in (
-            (values[grad.x], x_shape), (values[grad.dy], x_shape)
-        )):
-            continue
-        checks.append((index, grad, nodes))
-        checked_as[index] = index
-    if not checks:
-        return []
-    keep = sorted(set().union(*(nodes for _, _, nodes in checks)))
-    names = [name for _, grad, _ in checks for name in grad.outputs]
-    runs = [feeds, verify.with_non_finite(feeds)]  # then a NaN and infinities in them
-    try:
-        results = verify.run_subgraph(model, [g.nodes[i] for i in keep], runs, names)
-    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
-        verify.report_dropped([c[1] for c in checks], f"onnxruntime cannot run its nodes ({error})")
-        return []
-    passed = set()
-    for index, grad, _ in checks:
-        ok = True
-        for inputs, outputs in zip(runs, results):
-            got: dict[str, np.ndarray] = {}
-            grad.compute(inputs, got, 1)
-            for name, want in zip(names, outputs):
-                if name in grad.outputs:  # the parameters' gradients may keep dims of one
-                    want = want if name == grad.dx else want.reshape(-1)
-                    ok = ok and verify.same_values(got[name], want)
-        if ok:
-            passed.add(index)
-        else:
-            verify.report_dropped([grad], "it disagrees with its nodes")
-    return [match for i, match in enumerate(found) if checked_as.get(i) in passed]
 
+    def inputs(
+        self, matches: Sequence[tuple[BatchNormGrad, set[int]]]
+    ) -> list[dict[str, np.ndarray] | None]:
+        x_shapes = [self.x_shape(grad) for grad, _ in matches]
+        window = max((math.prod(s) for s in x_shapes if s is not None), default=0)
+        draws = verify.WindowedDraws(np.random.default_rng(0), 4, window)
+        drawn: list[dict[str, np.ndarray] | None] = []
+        for (grad, _), x_shape in zip(matches, x_shapes):
+            if x_shape is None:
+                drawn.append(None)
+                continue
+            # a value two matches read (one gradient into two branches) gets one array
+            values = draws.inputs(
+                [
+                    (grad.x, 0, x_shape, lambda a: a * 2 + 1),
+                    (grad.dy, 1, x_shape, None),
+                    (grad.scale, 3, x_shape[1:2], None),
+                ]
+                + ([(grad.y, 2, x_shape, lambda a: np.maximum(a, 0))] if grad.y else [])
+            )
+            shaped = all(list(values[v].shape) == x_shape for v in (grad.x, grad.dy))
+            drawn.append(values if shaped else None)
+        return drawn
 
-@dataclass(frozen=True)
-class MaxPoolGrad:
-    """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
-    the Conv (:class:`~traingraph.runtime.cpu.kernels.conv_grads.MaxPoolRoute`), where other nodes
-    read
-    ``dy`` too (the Conv's input gradient), with the Conv's bias gradient where the graph
-    computes it from ``dy`` alone."""
-
-    dy: str
-    route: conv_grads.MaxPoolRoute
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.route.y, self.route.dp]
-
-    @property
-    def outputs(self) -> list[str]:
-        bias = self.route.bias
-        return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
-
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
-        """Write ``dy`` (and the bias gradient) into ``out``, as :meth:`BatchNormGrad.compute`."""
-        y, route = values[self.route.y], self.route
-        shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
-        for name, shape in shapes.items():
-            output_array(out, name, shape)
-        bias = out[f"{route.bias}_grad"] if route.bias is not None else None
-        assert NATIVE is not None
-        NATIVE.route_max_pool(
-            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
-        )
+    def agrees(self, kernel: BatchNormGrad, values: Values, expected: Values, run: int) -> bool:
+        # the parameters' gradients may keep dims of one
+        flat = [name for name in (kernel.dscale, kernel.dbias) if name]
+        return verify.kernel_agrees(kernel, values, expected, flat=flat)
 
 
 def split_max_pool_grads(

@@ -269,6 +269,32 @@ def _with_columns(
     return written, columns
 
 
+@dataclass(frozen=True)
+class _Check(verify.Check):
+    """The numeric check of Col2Im sums: standard-normal values (of the model's batch, or 2
+    where it is open) of the inputs of each match's nodes, drawn match by match."""
+
+    g: graph_match.GraphIndex
+    shapes: Mapping[str, list[int | None]]
+
+    def inputs(
+        self, matches: Sequence[tuple[Col2ImSum, set[int]]]
+    ) -> list[dict[str, np.ndarray] | None]:
+        rng = np.random.default_rng(0)
+        drawn: list[dict[str, np.ndarray] | None] = []
+        feeds: dict[str, np.ndarray] = {}
+        for _, nodes in matches:
+            reads = {v for i in nodes for v in self.g.nodes[i].input if v}
+            produced = {o for i in nodes for o in self.g.nodes[i].output}
+            external = sorted(reads - produced - self.g.constants)
+            values = verify.random_feeds(rng, external, self.shapes)
+            if values is not None:
+                feeds = {**values, **feeds}  # a value two matches read keeps its first array
+                values = {name: feeds[name] for name in values}
+            drawn.append(values)
+        return drawn
+
+
 def _verified(
     model: onnx.ModelProto,
     g: graph_match.GraphIndex,
@@ -277,51 +303,22 @@ def _verified(
     written: onnx.ModelProto,
     written_columns: Mapping[int, list[onnx.NodeProto]],
 ) -> list[tuple[Col2ImSum, set[int]]]:
-    """The matches whose kernel computes what their nodes compute on random inputs (of the
-    model's batch, or 2 where it is open), all in two single-threaded onnxruntime sessions;
-    ``written`` is ``model`` with every match's columns (``written_columns``, by
-    ConvTranspose)."""
-    rng = np.random.default_rng(0)
-    feeds: dict[str, np.ndarray] = {}
-    checks = []
-    for kernel, nodes in matches:
-        replaced = [g.nodes[i] for i in sorted(nodes)]
-        columns = [n for i in sorted(nodes) for n in written_columns.get(i, [])]
-        reads = {v for n in replaced for v in n.input if v}
-        external = sorted(reads - {o for n in replaced for o in n.output} - g.constants)
-        drawn = verify.random_feeds(rng, external, shapes)
-        if drawn is None:
-            continue
-        feeds = {**drawn, **feeds}
-        checks.append((kernel, nodes, replaced, columns))
-    if not checks:
-        return []
-    try:
-        original = [n for _, _, replaced, _ in checks for n in replaced]
-        wanted = [kernel.out for kernel, *_ in checks]
-        expected = dict(zip(wanted, verify.run_subgraph(model, original, feeds, wanted)))
-        names = [t.columns for kernel, *_ in checks for t in kernel.terms]
-        new = [n for *_, columns in checks for n in columns]
-        reads = {v for n in new for v in n.input}
-        values = dict(feeds)
-        values.update(
-            zip(
-                names,
-                verify.run_subgraph(
-                    written, new, {k: v for k, v in feeds.items() if k in reads}, names
-                ),
-            )
-        )
-    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
-        reason = f"onnxruntime cannot run its nodes ({error})"
-        verify.report_dropped([kernel for kernel, *_ in checks], reason)
-        return []
-    agreed = [verify.kernel_agrees(kernel, values, expected) for kernel, *_ in checks]
-    verify.report_dropped(
-        [kernel for (kernel, *_), ok in zip(checks, agreed) if not ok],
-        "it disagrees with its nodes",
-    )
-    return [(kernel, nodes) for (kernel, nodes, _, _), ok in zip(checks, agreed) if ok]
+    """The matches whose kernel computes what their nodes compute (:class:`_Check`), all in one
+    single-threaded onnxruntime session of ``written``: ``model`` with every match's columns
+    (``written_columns``, by ConvTranspose) written after its nodes, which the kernels read."""
+    positions: dict[int, set[int]] = {}  # a ConvTranspose -> its columns' nodes in written
+    start = len(g.nodes)
+    for i, nodes in written_columns.items():
+        positions[i] = set(range(start, start + len(nodes)))
+        start += len(nodes)
+    checked = [
+        (kernel, nodes.union(*(positions.get(i, set()) for i in nodes)))
+        for kernel, nodes in matches
+    ]
+    w = graph_match.GraphIndex.of(written.graph)
+    check = _Check(w, shapes)
+    agreed = {id(k) for k, _ in verify.verified_kernels(written, w, checked, shapes, check=check)}
+    return [(kernel, nodes) for kernel, nodes in matches if id(kernel) in agreed]
 
 
 __all__ = ["Col2ImSum", "Col2ImTerm", "split_col2ims"]

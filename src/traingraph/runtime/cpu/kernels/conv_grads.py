@@ -62,15 +62,16 @@ from traingraph.runtime.cpu.graph_match import (
 )
 from traingraph.runtime.cpu.native import AVAILABLE, NATIVE, default_threads, output_array
 from traingraph.runtime.cpu.verify import (
+    Check,
+    Values,
     WindowedDraws,
-    report_dropped,
-    run_subgraph,
-    same_values,
-    with_non_finite,
+    kernel_agrees,
+    verified_kernels,
 )
 
 __all__ = [
     "AVAILABLE",
+    "MaxPoolGrad",
     "MaxPoolRoute",
     "WeightGrad",
     "WeightGradKernel",
@@ -274,6 +275,40 @@ class WeightGradKernel:
         for name in self.outputs[1:]:
             output_array(out, name, (filters,))
         compute([g], values, out, threads)
+
+
+@dataclass(frozen=True)
+class MaxPoolGrad:
+    """A Conv's output gradient ``dy`` routed natively through the MaxPool (and Relu) after
+    the Conv (:class:`MaxPoolRoute`), where other nodes read ``dy`` too (the Conv's input
+    gradient), with the Conv's bias gradient where the graph computes it from ``dy`` alone."""
+
+    dy: str
+    route: MaxPoolRoute
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.route.y, self.route.dp]
+
+    @property
+    def outputs(self) -> list[str]:
+        bias = self.route.bias
+        return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Write ``dy`` (and the bias gradient) into ``out`` (arrays there are written in
+        place; missing ones are allocated) from ``values``."""
+        y, route = values[self.route.y], self.route
+        shapes = dict(zip(self.outputs, (y.shape, (y.shape[1],))))
+        for name, shape in shapes.items():
+            output_array(out, name, shape)
+        bias = out[f"{route.bias}_grad"] if route.bias is not None else None
+        assert NATIVE is not None
+        NATIVE.route_max_pool(
+            y, values[route.dp], out[self.dy], bias, route.kernel, route.relu, threads
+        )
 
 
 def compute_after_run(
@@ -528,9 +563,14 @@ def find_routes(
         if shapes is None:
             shapes = inferred_shapes(model)
         match = _route(g, grad, cone, pool, shapes, exclusive)
-        if match is not None and _route_checks(model, g, grad, *match, shapes):
+        if match is not None:
             routes[i] = match
-    return routes
+    if shapes is None:
+        return {}
+    found = {i: (MaxPoolGrad(grads[i][0].dy, route), nodes) for i, (route, nodes) in routes.items()}
+    checked = verified_kernels(model, g, list(found.values()), shapes, check=_RouteCheck(shapes))
+    agreed = {id(kernel) for kernel, _ in checked}
+    return {i: routes[i] for i, (kernel, _) in found.items() if id(kernel) in agreed}
 
 
 def _pooling(
@@ -633,103 +673,82 @@ def _route(
     return None
 
 
-def _route_checks(
-    model: onnx.ModelProto,
-    g: GraphIndex,
-    grad: WeightGrad,
-    route: MaxPoolRoute,
-    nodes: set[int],
-    shapes: dict[str, list[int | None]],
-) -> bool:
-    """Whether the training graph's ``nodes`` compute what the native route computes, on
-    random inputs of batch 2 with many ties (and, behind a Relu, zeros)."""
-    y_shape = [2, *(int(d or 0) for d in shapes[route.y][1:])]
-    dp_shape = [2, *(int(d or 0) for d in shapes[route.dp][1:])]
-    rng = np.random.default_rng(0)
-    y = (np.round(rng.standard_normal(y_shape) * 2) / 2).astype(np.float32)  # ties
-    if route.relu:
-        y = np.maximum(y, np.float32(0))
-    feeds = {route.y: y, route.dp: rng.standard_normal(dp_shape).astype(np.float32)}
-    outputs = [grad.dy] + ([f"{route.bias}_grad"] if route.bias is not None else [])
-    runs = [feeds, with_non_finite(feeds)]  # then a NaN and infinities in them
-    try:
-        results = run_subgraph(model, [g.nodes[i] for i in sorted(nodes)], runs, outputs)
-    except Exception:  # a subgraph onnxruntime rejects stays in the graph
-        return False
-    assert NATIVE is not None
-    for run, got in zip(runs, results):
-        dy = np.empty(y.shape, np.float32)
-        bias = np.empty(y.shape[1], np.float32) if route.bias is not None else None
-        NATIVE.route_max_pool(run[route.y], run[route.dp], dy, bias, route.kernel, route.relu, 1)
-        if not same_values(dy, got[0], 0.0):  # routed, not summed: the same values
-            return False
-        if bias is not None and not same_values(bias, got[1].reshape(bias.shape)):
-            return False
-    return True
+@dataclass(frozen=True)
+class _RouteCheck(Check):
+    """The numeric check of routes (:class:`MaxPoolGrad`): on random inputs of batch 2 with
+    many ties (and, behind a Relu, zeros); ``dy`` is routed, not summed, so exactly."""
+
+    shapes: Mapping[str, list[int | None]]
+
+    def inputs(
+        self, matches: Sequence[tuple[MaxPoolGrad, set[int]]]
+    ) -> list[dict[str, np.ndarray] | None]:
+        drawn: list[dict[str, np.ndarray] | None] = []
+        for kernel, _ in matches:
+            route = kernel.route
+            y_shape = [2, *(int(d or 0) for d in self.shapes[route.y][1:])]
+            dp_shape = [2, *(int(d or 0) for d in self.shapes[route.dp][1:])]
+            rng = np.random.default_rng(0)
+            y = (np.round(rng.standard_normal(y_shape) * 2) / 2).astype(np.float32)  # ties
+            if route.relu:
+                y = np.maximum(y, np.float32(0))
+            drawn.append({route.y: y, route.dp: rng.standard_normal(dp_shape).astype(np.float32)})
+        return drawn
+
+    def agrees(self, kernel: MaxPoolGrad, values: Values, expected: Values, run: int) -> bool:
+        exact = {kernel.dy: 0.0}
+        return kernel_agrees(kernel, values, expected, rtol=exact, flat=kernel.outputs[1:])
 
 
-def _verified(
-    model: onnx.ModelProto, g: GraphIndex, found: list[_Match]
-) -> list[tuple[WeightGrad, set[int]]]:
-    """The candidates whose subgraph computes what the kernel computes, on random inputs of
-    batch 2 (all in one onnxruntime session); a candidate of the same form (the nodes and the
-    Conv's attributes, :meth:`GraphIndex.form`) and shapes as one checked takes its verdict."""
-    nodes = g.nodes
-    size = max((max(math.prod(m.x_shape), math.prod(m.dy_shape)) for m in found), default=0)
-    draws = WindowedDraws(np.random.default_rng(0), 2, size)
-    feeds = draws.feeds
-    checks: list[tuple[int, WeightGrad, set[int], list[int]]] = []
-    decides: dict[tuple[object, ...], int] = {}  # a form -> the candidate checked for it
-    checked_as: dict[int, int] = {}  # a candidate -> the one whose check decides it
-    for index, match in enumerate(found):
-        grad = match.grad
+@dataclass(frozen=True)
+class _WeightGradCheck(Check):
+    """The numeric check of weight gradients: on random inputs of batch 2, windows of one
+    draw; a candidate of the same form (the nodes and the Conv's attributes,
+    :meth:`GraphIndex.form`) and shapes as one checked takes its verdict."""
+
+    g: GraphIndex
+    matches: Mapping[str, _Match]  # by gradient output
+
+    def form(self, kernel: WeightGradKernel, nodes: set[int]) -> tuple[object, ...] | None:
+        match = self.matches[kernel.grad.output]
         if min(match.dy_shape) < 1:
-            continue
-        form = (
-            g.form(match.cone, {grad.x: "x", grad.dy: "dy", grad.output: "output"}),
+            return None
+        grad = match.grad
+        return (
+            self.g.form(match.cone, {grad.x: "x", grad.dy: "dy", grad.output: "output"}),
             dataclasses.replace(grad, output="", param="", x="", dy=""),
             tuple(match.x_shape),
             tuple(match.dy_shape),
             tuple(match.w_shape),
         )
-        if form in decides:
-            checked_as[index] = decides[form]
-            continue
-        values = draws.inputs(
-            [(grad.x, 0, match.x_shape, None), (grad.dy, 1, match.dy_shape, None)]
+
+    def inputs(
+        self, matches: Sequence[tuple[WeightGradKernel, set[int]]]
+    ) -> list[dict[str, np.ndarray] | None]:
+        size = max(
+            (max(math.prod(m.x_shape), math.prod(m.dy_shape)) for m in self.matches.values()),
+            default=0,
         )
-        x, dy = values[grad.x], values[grad.dy]
-        if list(x.shape) != match.x_shape or list(dy.shape) != match.dy_shape:
-            continue
-        checks.append((index, grad, match.cone, match.w_shape))
-        decides[form] = checked_as[index] = index
-    if not checks:
-        return []
-    keep = sorted(set().union(*(cone for _, _, cone, _ in checks)))
-    runs = [feeds, with_non_finite(feeds)]  # finite inputs, then a NaN and infinities in them
-    try:
-        results = run_subgraph(
-            model, [nodes[i] for i in keep], runs, [grad.output for _, grad, _, _ in checks]
-        )
-    except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
-        reason = f"onnxruntime cannot run its nodes ({error})"
-        report_dropped([grad for _, grad, _, _ in checks], reason)
-        return []
-    passed = set()
-    for k, (index, grad, _, w_shape) in enumerate(checks):
-        agrees = True
-        for run, outputs in zip(runs, results):
-            got = np.zeros(w_shape, np.float32)
-            try:
-                compute([grad], run, {grad.output: got}, 1)
-            except ValueError:
-                agrees = False
-                break
-            agrees = agrees and same_values(got, outputs[k])
-        if agrees:
-            passed.add(index)
-        else:
-            report_dropped([grad], "it disagrees with its nodes")
-    return [
-        (match.grad, match.cone) for i, match in enumerate(found) if checked_as.get(i) in passed
-    ]
+        draws = WindowedDraws(np.random.default_rng(0), 2, size)
+        drawn: list[dict[str, np.ndarray] | None] = []
+        for kernel, _ in matches:
+            match, grad = self.matches[kernel.grad.output], kernel.grad
+            if min(match.dy_shape) < 1:
+                drawn.append(None)
+                continue
+            values = draws.inputs(
+                [(grad.x, 0, match.x_shape, None), (grad.dy, 1, match.dy_shape, None)]
+            )
+            shaped = [list(values[grad.x].shape), list(values[grad.dy].shape)]
+            drawn.append(values if shaped == [match.x_shape, match.dy_shape] else None)
+        return drawn
+
+
+def _verified(
+    model: onnx.ModelProto, g: GraphIndex, found: list[_Match]
+) -> list[tuple[WeightGrad, set[int]]]:
+    """The candidates whose subgraph computes what the kernel computes (:class:`_WeightGradCheck`,
+    all in one onnxruntime session)."""
+    check = _WeightGradCheck(g, {match.grad.output: match for match in found})
+    kernels = [(WeightGradKernel(match.grad), match.cone) for match in found]
+    return [(k.grad, cone) for k, cone in verified_kernels(model, g, kernels, {}, check=check)]

@@ -25,6 +25,7 @@ from onnx import helper
 from traingraph.ir.random import GOLDEN, MIX
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.native import NATIVE, output_array
+from traingraph.runtime.cpu.verify import Values
 
 KERNEL = "dropout_mask"
 """The tag of a lowered Dropout's keep mask (:func:`traingraph.ir.random.lower_dropout`)."""
@@ -106,7 +107,10 @@ def split_dropout_masks(model: onnx.ModelProto) -> list[tuple[DropoutMask, set[i
             match = _match(g, i, constants, shapes, axes, seeds)
             if match is not None:
                 found.append(match)
-    return _verified(model, g, found, shapes)
+    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+    check = _Check(shapes, {mask.mask: shaped for mask, _, shaped in found}, types)
+    matches = [(mask, kept) for mask, kept, _ in found]
+    return verify.verified_kernels(model, g, matches, {}, check=check)  # inputs: the check's
 
 
 _Shape = Sequence[int | str | None]
@@ -241,53 +245,51 @@ def _hash_cone(
     return nodes, next(iter(found)), shaped
 
 
-def _verified(
-    model: onnx.ModelProto,
-    g: graph_match.GraphIndex,
-    found: list[tuple[DropoutMask, set[int], set[str]]],
-    shapes: Mapping[str, _Shape],
-) -> list[tuple[DropoutMask, set[int]]]:
-    """The matches whose nodes compute the kernel's mask bit for bit, for several seeds, in
-    one onnxruntime session: the symbolic dimensions each get a different size, so a mask
-    sized by one symbol where the graph sizes it by another does not pass."""
-    if not found:
-        return []
-    sizes: dict[str, int] = {}
+@dataclass
+class _Check(verify.Check):
+    """The numeric check of masks: bit for bit, for several seeds, computed on one thread and
+    then two; the symbolic dimensions each get a different size, so a mask sized by one
+    symbol where the graph sizes it by another does not pass. The nodes read only the shapes
+    of the values they ``shaped`` (zeros of those shapes)."""
 
-    def concrete(shape: _Shape) -> tuple[int, ...]:
-        return tuple(d if isinstance(d, int) else sizes.setdefault(str(d), 3 + len(sizes))
-                     for d in shape)  # fmt: skip
+    shapes: Mapping[str, _Shape]
+    shaped: Mapping[str, set[str]]  # a mask -> the values whose shapes its nodes read
+    types: Mapping[str, int]  # a graph input -> its element type
+    sizes: dict[str, int] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    seeds: list[str] = field(default_factory=list)
 
-    types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
-    arrays: dict[str, np.ndarray] = {}
-    for _, _, shaped in found:
-        for v in shaped:
-            arrays[v] = np.zeros(concrete(shapes[v]), np.float32)
-    shaped_feeds = dict(arrays)
-    for mask, _, _ in found:
-        for name in mask.inputs[1:]:  # the graph inputs its dimensions come from
-            dtype = helper.tensor_dtype_to_np_dtype(types.get(name, graph_match.FLOAT))
-            arrays.setdefault(name, np.zeros(concrete(shapes[name]), dtype))
-    nodes = sorted(set().union(*(kept for _, kept, _ in found)))
-    names = [mask.mask for mask, _, _ in found]
-    same = [True] * len(found)
-    for k, base in enumerate(_CHECK_SEEDS):
-        seeds = {mask.seed: np.array((base + 0x9E37 * j) % 2**32, np.uint32)
-                 for j, (mask, _, _) in enumerate(found)}  # fmt: skip
-        try:
-            results = verify.run_subgraph(
-                model, [g.nodes[i] for i in nodes], {**shaped_feeds, **seeds}, names
-            )
-        except Exception as error:  # a subgraph onnxruntime rejects stays in the graph
-            reason = f"onnxruntime cannot run its nodes ({error})"
-            verify.report_dropped([m for m, _, _ in found], reason)
-            return []
-        for j, ((mask, _, _), got) in enumerate(zip(found, results)):
-            want: dict[str, np.ndarray] = {}
-            mask.compute({**arrays, **seeds}, want, 1 + k % 2)
-            ok = got.dtype == np.float32 and np.array_equal(got, want[mask.mask])
-            same[j] = same[j] and ok
-    verify.report_dropped(
-        [m for (m, _, _), ok in zip(found, same) if not ok], "it draws other keep masks"
-    )
-    return [(mask, kept) for (mask, kept, _), ok in zip(found, same) if ok]
+    def concrete(self, name: str) -> tuple[int, ...]:
+        """The shape of ``name`` in the check."""
+        return tuple(d if isinstance(d, int) else self.sizes.setdefault(str(d), 3 + len(self.sizes))
+                     for d in self.shapes[name])  # fmt: skip
+
+    def inputs(
+        self, matches: Sequence[tuple[DropoutMask, set[int]]]
+    ) -> list[dict[str, np.ndarray] | None]:
+        feeds: list[dict[str, np.ndarray] | None] = [
+            {v: np.zeros(self.concrete(v), np.float32) for v in self.shaped[mask.mask]}
+            for mask, _ in matches
+        ]
+        for mask, _ in matches:
+            for name in mask.inputs[1:]:  # the graph inputs its dimensions come from
+                dtype = helper.tensor_dtype_to_np_dtype(self.types.get(name, graph_match.FLOAT))
+                self.arrays.setdefault(name, np.zeros(self.concrete(name), dtype))
+        self.seeds = [mask.seed for mask, _ in matches]
+        return feeds
+
+    def runs(self, feeds: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        return [
+            {**feeds, **{seed: np.array((base + 0x9E37 * j) % 2**32, np.uint32)
+                         for j, seed in enumerate(self.seeds)}}
+            for base in _CHECK_SEEDS
+        ]  # fmt: skip
+
+    def run_names(self) -> Sequence[str]:
+        return [f"seeds from {base:#x}" for base in _CHECK_SEEDS]
+
+    def agrees(self, kernel: DropoutMask, values: Values, expected: Values, run: int) -> bool:
+        values = {**self.arrays, **values}
+        return verify.kernel_agrees(
+            kernel, values, expected, threads=1 + run % 2, rtol={kernel.mask: 0.0}
+        )
