@@ -280,3 +280,42 @@ def test_bytes_held_by_the_state(fused_form):
     expected, _ = _graph_steps(optimizer, params, grads, 0.05)
     for name, value in expected.items():
         np.testing.assert_array_equal(state.read(name), value)
+
+
+@NATIVE
+def test_resumed_slots_are_held_once_and_continue_the_run():
+    """Slots resumed from a checkpoint are written into the state's slot block, which then
+    holds them alone; the update continues the uninterrupted run bit for bit."""
+    from traingraph.checkpoint import CheckpointData
+    from traingraph.optim import ParamInfo
+    from traingraph.program import describe_optimizer
+    from traingraph.runtime.device import parse_device
+    from traingraph.runtime.optimizer import OptimizerUpdate
+    from traingraph.runtime.session import SessionConfig
+    from traingraph.runtime.state import TrainingState
+
+    params, grads = _problem(3, shapes={"w": (7, 5), "b": (5,)})
+    optimizer = optim.AdamW(lr=1e-2, weight_decay=0.01)
+    infos = [ParamInfo(n, p.shape, p.dtype) for n, p in params.items()]
+    model = build_optimizer_model(optimizer, infos)
+    describe_optimizer(model, optimizer, infos)
+    expected, _ = _graph_steps(optimizer, params, grads, 1e-2)
+    after_two, slots = _graph_steps(optimizer, params, grads, 1e-2, steps=2)
+    data = CheckpointData(
+        parameters=dict(after_two),
+        requires_grad=dict.fromkeys(params, True),
+        optimizer_state={
+            n: {k: slots[f"{n}.{k}"] for k in ("exp_avg", "exp_avg_sq")} for n in params
+        },
+        optimizer_step=2,
+        learning_rate=1e-2,
+    )
+    state = TrainingState(data, parse_device("cpu"), set())
+    update = OptimizerUpdate(model, state, list(params), SessionConfig())
+    assert state.pending_slot_values == {}
+    assert state.held_bytes()["optimizer_slots"] == 2 * sum(p.nbytes for p in params.values())
+    for step in range(2, STEPS):
+        state.grads.write_all(grads[step])
+        update.apply()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(state.read(name), value)

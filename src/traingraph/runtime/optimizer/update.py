@@ -234,7 +234,10 @@ class OptimizerUpdate:
         """Give the state the model's slots; returns parameter -> slot kind -> slot name.
 
         Slots of one kind (all "exp_avg", then all "exp_avg_sq", ...) lie next to each other
-        in the parameters' order, so a fused update covers each kind as one flat block.
+        in the parameters' order, so a fused update covers each kind as one flat block. Their
+        values come from the state's pending values (a checkpoint's, or those of slots an
+        earlier optimizer held), which the store then holds alone, else from their initial
+        values.
         """
         state = self.state
         slot_init = json.loads(meta.get("traingraph.slot_init", "{}"))
@@ -251,13 +254,19 @@ class OptimizerUpdate:
             dims = tuple(d.dim_value for d in t.shape.dim)
             specs[name] = (dims, tensor_dtype(t.elem_type))
         if state.optimizer_slots is None or set(state.optimizer_slots.cur) != set(specs):
+            pending = state.pending_slot_values
+            if state.optimizer_slots is not None:  # the slots replaced keep their values
+                replaced = state.optimizer_slots.cur
+                pending.update((name, replaced.read(name)) for name in replaced)
             store = TensorStore(state.device, specs)
             for name, (shape, dtype) in specs.items():
-                if name in state.pending_slot_values:
-                    store.write(name, state.pending_slot_values[name])
-                else:
-                    store.write(name, np.full(shape, slot_init.get(name, 0.0), dtype))
+                value = pending.get(name)
+                if value is None:
+                    value = np.full(shape, slot_init.get(name, 0.0), dtype)
+                store.write(name, value)
             state.optimizer_slots = PingPong(store)
+            for name in specs:  # the store holds them now
+                pending.pop(name, None)
         keys: dict[str, dict[str, str]] = {}
         for slot, (owner, key) in owners.items():
             keys.setdefault(owner, {})[key] = slot
