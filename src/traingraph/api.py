@@ -314,7 +314,7 @@ class CheckpointState:
             self._runtime = TrainingState(self._data, device, buffers)
             # the runtime holds the values from now on: keep their shapes and dtypes only
             stubs = {n: _stub(a) for n, a in self._data.parameters.items()}
-            self._data = dataclasses.replace(self._data, parameters=stubs)
+            self._data = dataclasses.replace(self._data, parameters=stubs, optimizer_state={})
         elif self._runtime.device != device:
             raise ModelError(
                 f"this checkpoint state already lives on {self._runtime.device}; a Module on"
