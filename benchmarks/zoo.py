@@ -326,8 +326,16 @@ def prepare_entry(name: str, cache: Path, batch: int | None = None) -> Path:
         torch.export.export(WithLoss(module), (x, y), strict=False), directory / "program.pt2"
     )
     counter = FlopCounterMode(display=False)
+    recurrent = [0]  # the counter does not see the fused LSTM/GRU kernels
+    hooks = [
+        m.register_forward_hook(lambda m, args, out: recurrent.__setitem__(
+            0, recurrent[0] + _recurrent_flops(m, args[0])))
+        for m in module.modules() if isinstance(m, torch.nn.RNNBase)
+    ]  # fmt: skip
     with counter, torch.no_grad():
         module(x)
+    for hook in hooks:
+        hook.remove()
     meta = {
         "name": name,
         "zoo": True,
@@ -342,7 +350,7 @@ def prepare_entry(name: str, cache: Path, batch: int | None = None) -> Path:
         "parameters": int(sum(p.numel() for p in module.parameters())),
         # backward as twice the forward: the counter's formula for the backward of grouped
         # Convs ignores the groups (33x too many for mobilenet_v3_small)
-        "train_flops": 3 * int(counter.get_total_flops()),
+        "train_flops": 3 * (int(counter.get_total_flops()) + recurrent[0]),
     }
     meta_path.write_text(json.dumps(meta, indent=1))
     return directory
@@ -425,3 +433,17 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _recurrent_flops(rnn: Any, x: Any) -> int:
+    """Forward multiply-add FLOPs of an ``nn.LSTM``/``nn.GRU``/``nn.RNN`` on input ``x``: each
+    step of each layer and direction multiplies [x_t, h_{t-1}] by the gates' weights."""
+    gates = {"LSTM": 4, "GRU": 3}.get(rnn.mode, 1)
+    steps = x.shape[1] if rnn.batch_first else x.shape[0]
+    batch = x.shape[0] if rnn.batch_first else x.shape[1]
+    directions = 2 if rnn.bidirectional else 1
+    total = 0
+    for layer in range(rnn.num_layers):
+        inputs = rnn.input_size if layer == 0 else rnn.hidden_size * directions
+        total += 2 * steps * batch * gates * rnn.hidden_size * (inputs + rnn.hidden_size)
+    return total * directions
