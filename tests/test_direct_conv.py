@@ -36,6 +36,7 @@ GEOMETRIES = {
     "1x1": (5, 3, 9, 9, 3, (1, 1), (0, 0, 0, 0)),
     "one-column": (2, 2, 6, 1, 4, (3, 1), (1, 0, 1, 0)),
     "end-pads-beyond-kernel": (2, 1, 5, 6, 3, (3, 3), (0, 2, 5, 4)),
+    "channels-in-runs": (2, 37, 6, 9, 10, (3, 3), (1, 1, 1, 1)),
 }
 
 
@@ -56,6 +57,23 @@ def test_kernel_matches_torch(geometry, threads, relu):
     y = np.full(want.shape, np.nan, np.float32)
     NATIVE.conv_direct(x, weight, bias, y, (top, left), relu, threads)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("channels", [512, 2048])
+def test_channel_sums_stay_as_accurate_as_onnxruntimes_conv(channels):
+    """The sums over many channels (the direct sums the Winograd kernel falls back to on a NaN
+    or an Inf) stay within onnxruntime's Conv's distance from the exact sums: a relative rms
+    of 3.6e-7 (512 channels) and 3.7e-7 (2048) here, where one float32 run over the channels
+    is at 8.0e-7 and 1.5e-6."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, channels, 2, 2)).astype(np.float32)
+    weight = (rng.standard_normal((64, channels, 3, 3)) / np.sqrt(9 * channels)).astype(np.float32)
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(x).double(), torch.from_numpy(weight).double(), padding=1
+    ).numpy()
+    y = np.full(want.shape, np.nan, np.float32)
+    NATIVE.conv_direct(x, weight, None, y, (1, 1), False, 2)
+    assert float(np.sqrt(np.mean((y - want) ** 2) / np.mean(want**2))) <= 4e-7
 
 
 def test_kernel_refuses_arrays_it_cannot_take():

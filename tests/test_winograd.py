@@ -119,6 +119,30 @@ def test_flipped_filters_with_a_nan_are_summed_as_the_conv():
     np.testing.assert_allclose(out["y"][finite], want[finite], rtol=1e-5, atol=1e-5)
 
 
+def _relative_rms(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((got - want) ** 2) / np.mean(want**2)))
+
+
+@pytest.mark.parametrize("channels", [512, 2048])
+@pytest.mark.parametrize("flipped", [False, True], ids=["forward", "flipped"])
+def test_channel_sums_stay_as_accurate_as_a_conv_over_many_channels(channels, flipped):
+    """The sums over many channels (ResNet-50's layer4: 512 channels of 2 x 2) stay near
+    onnxruntime's Conv's distance from the exact sums: it is at a relative rms of 3.7e-7 (512
+    channels) and 3.9e-7 (2048) here, one float32 run over the channels at 8.3e-7 and 1.6e-6."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, channels, 2, 2)).astype(np.float32)
+    weight = (rng.standard_normal((channels, channels, 3, 3)) / np.sqrt(9 * channels)).astype(
+        np.float32
+    )
+    filters = weight.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1] if flipped else weight
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(x).double(), torch.from_numpy(filters.copy()).double(), padding=1
+    ).numpy()
+    y = np.full(want.shape, np.nan, np.float32)
+    NATIVE.conv_winograd(x, weight, None, None, y, 2, 2, flipped)
+    assert _relative_rms(y, want) <= 5e-7
+
+
 def test_kernel_refuses_arrays_it_cannot_take():
     native = NATIVE
     x, w = np.zeros((2, 3, 6, 6), np.float32), np.zeros((4, 3, 3, 3), np.float32)

@@ -1641,13 +1641,17 @@ struct direct {
     float *y;
     const float *taps; /* [ceil(M / 8)][C][KH][KW][8], zeros past M */
     Py_ssize_t n, c, h, w, m, kh, kw, oh, ow, pad_top, pad_left;
-    Py_ssize_t rows;  /* output rows per unit of work */
-    Py_ssize_t pitch; /* floats per slab row */
+    Py_ssize_t rows;     /* output rows per unit of work */
+    Py_ssize_t pitch;    /* floats per slab row */
+    Py_ssize_t channels; /* channels summed in one run, the runs' sums then added */
     int relu;
 };
 
 #define DIRECT_FILTERS 8
 #define DIRECT_VECTORS 2
+/* products summed in one run: the rounding error of a run grows with its length, so the
+ * channels go in runs of about this many products whose sums are then added */
+#define DIRECT_RUN 64
 
 static struct scratch direct_scratch[MAX_THREADS];
 
@@ -1664,21 +1668,35 @@ static inline __attribute__((always_inline)) void direct_block(
         }
     }
     const Py_ssize_t srows = d->rows + d->kh - 1;
-    for (Py_ssize_t c = 0; c < d->c; c++) {
-        for (Py_ssize_t i = 0; i < d->kh; i++) {
-            const float *row = slab + (c * srows + srow + i) * d->pitch + x0;
-            const float *tap = taps + (c * d->kh + i) * d->kw * DIRECT_FILTERS;
-            for (Py_ssize_t j = 0; j < d->kw; j++) {
-                v16 in[DIRECT_VECTORS];
-                for (int v = 0; v < vb; v++) {
-                    in[v] = *(const v16u *)(row + j + 16 * v);
-                }
-                for (int f = 0; f < mb; f++) {
-                    const float t = tap[j * DIRECT_FILTERS + f];
+    for (Py_ssize_t c0 = 0; c0 < d->c; c0 += d->channels) {
+        const Py_ssize_t c1 = d->c - c0 < d->channels ? d->c : c0 + d->channels;
+        v16 run[DIRECT_FILTERS][DIRECT_VECTORS];
+        for (int f = 0; f < mb; f++) {
+            for (int v = 0; v < vb; v++) {
+                run[f][v] = (v16){0};
+            }
+        }
+        for (Py_ssize_t c = c0; c < c1; c++) {
+            for (Py_ssize_t i = 0; i < d->kh; i++) {
+                const float *row = slab + (c * srows + srow + i) * d->pitch + x0;
+                const float *tap = taps + (c * d->kh + i) * d->kw * DIRECT_FILTERS;
+                for (Py_ssize_t j = 0; j < d->kw; j++) {
+                    v16 in[DIRECT_VECTORS];
                     for (int v = 0; v < vb; v++) {
-                        acc[f][v] += in[v] * t;
+                        in[v] = *(const v16u *)(row + j + 16 * v);
+                    }
+                    for (int f = 0; f < mb; f++) {
+                        const float t = tap[j * DIRECT_FILTERS + f];
+                        for (int v = 0; v < vb; v++) {
+                            run[f][v] += in[v] * t;
+                        }
                     }
                 }
+            }
+        }
+        for (int f = 0; f < mb; f++) {
+            for (int v = 0; v < vb; v++) {
+                acc[f][v] += run[f][v];
             }
         }
     }
@@ -1847,7 +1865,8 @@ static PyObject *conv_direct(PyObject *self, PyObject *args)
     struct direct d = {
         .x = views[0].buf, .b = has_bias ? views[2].buf : NULL, .y = views[held - 1].buf,
         .taps = taps, .n = n, .c = c, .h = h, .w = w, .m = m, .kh = kh, .kw = kw, .oh = oh,
-        .ow = ow, .pad_top = top, .pad_left = left, .rows = rows, .pitch = pitch, .relu = relu,
+        .ow = ow, .pad_top = top, .pad_left = left, .rows = rows, .pitch = pitch,
+        .channels = (DIRECT_RUN + kh * kw - 1) / (kh * kw), .relu = relu,
     };
     result = run_pool(direct_share, &d, threads) < 0 ? NULL : Py_NewRef(Py_None);
 done:

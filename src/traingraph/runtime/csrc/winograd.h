@@ -25,6 +25,7 @@
 #define WINO_MAX_ROWS 256 /* tile rows per block */
 #define WINO_VECTORS 3
 #define WINO_BLOCK_BYTES (256 * 1024)
+#define WINO_CHANNELS 64  /* channels summed in one run (wino_dot) */
 
 struct wino {
     const float *x, *b, *addend;
@@ -282,33 +283,39 @@ TARGETS static void wino_in_lanes(const struct wino *p, float *restrict v, Py_ss
     }
 }
 
-/* M[f][k0 + a][t0 + 16 b] for a < kb, b < vb: the sums over the channels. */
+/* M[f][k0 + a][t0 + 16 b] for a < kb, b < vb: the sums over the channels, in blocks of
+ * WINO_CHANNELS channels whose sums are added into M in turn (the rounding error of a run
+ * grows with its length: 64 + C / 64 additions to each sum instead of C). */
 static inline __attribute__((always_inline)) void wino_dot(const struct wino *p, const float *v,
                                                             const float *u, float *m,
                                                             Py_ssize_t k0, Py_ssize_t t0,
                                                             const int kb, const int vb)
 {
-    v16 acc[WINO_FILTERS][WINO_VECTORS];
-    for (int a = 0; a < kb; a++) {
-        for (int b = 0; b < vb; b++) {
-            acc[a][b] = (v16){0};
-        }
-    }
-    for (Py_ssize_t c = 0; c < p->c; c++) {
-        v16 in[WINO_VECTORS];
-        for (int b = 0; b < vb; b++) {
-            in[b] = *(const v16 *)(v + c * p->tiles + t0 + 16 * b);
-        }
+    for (Py_ssize_t c0 = 0; c0 < p->c; c0 += WINO_CHANNELS) {
+        const Py_ssize_t c1 = p->c - c0 < WINO_CHANNELS ? p->c : c0 + WINO_CHANNELS;
+        v16 acc[WINO_FILTERS][WINO_VECTORS];
         for (int a = 0; a < kb; a++) {
-            const float f = u[c * p->k + k0 + a];
             for (int b = 0; b < vb; b++) {
-                acc[a][b] += in[b] * f;
+                acc[a][b] = (v16){0};
             }
         }
-    }
-    for (int a = 0; a < kb; a++) {
-        for (int b = 0; b < vb; b++) {
-            *(v16 *)(m + (k0 + a) * p->tiles + t0 + 16 * b) = acc[a][b];
+        for (Py_ssize_t c = c0; c < c1; c++) {
+            v16 in[WINO_VECTORS];
+            for (int b = 0; b < vb; b++) {
+                in[b] = *(const v16 *)(v + c * p->tiles + t0 + 16 * b);
+            }
+            for (int a = 0; a < kb; a++) {
+                const float f = u[c * p->k + k0 + a];
+                for (int b = 0; b < vb; b++) {
+                    acc[a][b] += in[b] * f;
+                }
+            }
+        }
+        for (int a = 0; a < kb; a++) {
+            for (int b = 0; b < vb; b++) {
+                v16 *at = (v16 *)(m + (k0 + a) * p->tiles + t0 + 16 * b);
+                *at = c0 == 0 ? acc[a][b] : *at + acc[a][b];
+            }
         }
     }
 }
