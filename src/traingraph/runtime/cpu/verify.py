@@ -190,8 +190,8 @@ def _agreeing(
     :func:`verified_kernels`."""
     drawn = check.inputs([matches[i] for i in indices])
     if drawn is not None:
-        # inputs of the kernel's choosing: a value one match reads and another's nodes compute
-        # (one's dx the next one's dy) is drawn for it, in another run
+        # inputs of the kernel's choosing: a match fed a value that another's nodes compute
+        # (one's dx the next one's dy) is checked in another session
         inputs = {i: values for i, values in zip(indices, drawn) if values is not None}
         groups = _apart(g, matches, inputs)
         return set().union(*(_agreeing_with(model, g, matches, k, inputs, check) for k in groups))
