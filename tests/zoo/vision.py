@@ -134,13 +134,14 @@ VISION_CASES = [
         slow=True,
         xfail=dict.fromkeys(
             ("dynamo", "torchscript"),
-            "traingraph bug: the native Winograd kernel's 3x3 Convs at 512 channels are 2.8x"
-            " onnxruntime's Conv and 5x torch's distance from the exact sums (rms 7.3e-7 against"
-            " 2.6e-7 and 1.4e-7 on layer4's [2, 512, 2, 2]: it sums the channels in one float32"
-            " run), and the BatchNorms over 8 values per channel after them amplify that into"
-            " layer4.1.bn3.bias's gradient, 2.0e-2 from float64 against torch float32's 5.8e-3"
-            " (both exports); without the Winograd kernel (native_kernels without 'winograd')"
-            " every gradient is within bounds",
+            "float32 rounding at a ReLU kink: layer4.1's output holds a value 8.2e-5 above 0 in"
+            " float64 (sample 0, channel 782) where the float32 forward's errors at that layer"
+            " are about 1e-4 (torch's, and those of a forward whose 3x3 Convs are onnxruntime's"
+            " or the native Winograd kernel's alike); traingraph's forward with the Winograd"
+            " kernel lands it below 0, which moves layer4.1.bn3.bias's gradient 2.0e-2 from"
+            " float64 against torch float32's 5.8e-3 (both exports); with onnxruntime's Conv in"
+            " its place (native_kernels without 'winograd') it lands above 0 and every gradient"
+            " is within bounds",
         ),
     ),
     _case("mobilenet_v2", _classifier("mobilenet_v2")),
