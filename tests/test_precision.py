@@ -2,7 +2,7 @@
 
 These run on the CPU: onnxruntime's CPU provider has float16 MatMul/Gemm/Add/Relu/Conv kernels
 (and no bfloat16 ones, so bfloat16 graphs are checked for structure here and trained in
-tests/test_gpu.py). The float16-vs-float32 loss curves on the GPU are in tests/test_gpu.py too.
+tests/runtime/cuda/test_gpu.py). The float16-vs-float32 loss curves on the GPU are there too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Makes the onnxruntime-training checkpoint fixtures of tests/test_checkpoint.py; trains from one.
+"""Makes the onnxruntime-training checkpoint fixtures of tests/checkpoint/test_checkpoint.py;
+trains from one.
 
 Run it with a Python that has onnxruntime-training 1.19.2 (it does not need traingraph):
 

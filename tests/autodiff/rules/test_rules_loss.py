@@ -1,7 +1,4 @@
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np
 import pytest
 import torch

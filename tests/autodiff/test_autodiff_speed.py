@@ -14,7 +14,7 @@ from traingraph.autodiff import build_gradient_graph
 
 
 def _benchmark() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "autodiff_speed.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "autodiff_speed.py"
     spec = importlib.util.spec_from_file_location("autodiff_speed", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -30,7 +30,7 @@ from traingraph.checkpoint import (
 )
 from traingraph.errors import CheckpointError, ModelError
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 SCRIPT = DATA / "make_ort_checkpoints.py"
 ORTT_PYTHON = os.environ.get("TRAINGRAPH_ORTT_PYTHON")
 MLP_SHAPES = {"fc1.weight": (8, 4), "fc1.bias": (8,), "fc2.weight": (3, 8), "fc2.bias": (3,)}

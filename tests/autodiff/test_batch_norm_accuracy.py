@@ -11,15 +11,11 @@ CNN at a small image size) and of 128, with means 300 to 2000 times their spread
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
 from gradcheck import add_weighted_sum_loss, make_op_model, session
 from traingraph.autodiff import build_gradient_graph
 from traingraph.runtime.cpu.native import NATIVE

@@ -4,10 +4,7 @@ onnxruntime's LSTM and GRU kernels are float32 only, so the checks run in float3
 finite-difference step and looser tolerances.
 """
 
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 import numpy as np
 import onnx
 import onnx_ir as ir
