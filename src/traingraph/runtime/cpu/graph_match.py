@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import heapq
+import threading
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -54,9 +55,14 @@ def value_dims(value: onnx.ValueInfoProto, symbols: bool = False) -> list[Any]:
     ]
 
 
-_shared: dict[tuple[object, ...], Any] | None = None
-"""Within :func:`shared_analyses`: the shapes and indexes computed so far, by the content of
-the model or graph they are of."""
+_local = threading.local()
+"""Per thread, within :func:`shared_analyses`: ``shared``, the shapes and indexes computed so
+far, by the content of the model or graph they are of (Modules may be built in several threads
+at once, as Flower's simulation does)."""
+
+
+def _shared() -> dict[tuple[object, ...], Any] | None:
+    return getattr(_local, "shared", None)
 
 
 @contextlib.contextmanager
@@ -64,16 +70,16 @@ def shared_analyses() -> Iterator[None]:
     """Within this context :func:`inferred_shapes` and :meth:`GraphIndex.of` compute their
     result once for each model (or graph) content and give it again for the same content: the
     matchers of the kernels each ask for the model's shapes and index, and on a large graph
-    shape inference takes a good part of a second. Left, the results are dropped."""
-    global _shared
-    outer = _shared
+    shape inference takes a good part of a second. Left, the results are dropped. The cache is
+    the calling thread's own."""
+    outer = _shared()
     if outer is None:
-        _shared = {}
+        _local.shared = {}
     try:
         yield
     finally:
         if outer is None:
-            _shared = None
+            _local.shared = None
 
 
 def _content(message: onnx.ModelProto | onnx.GraphProto) -> bytes:
@@ -82,9 +88,10 @@ def _content(message: onnx.ModelProto | onnx.GraphProto) -> bytes:
 
 def inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """The shapes onnx's shape inference gives each float value; {} where it fails."""
-    key = ("shapes", _content(model)) if _shared is not None else None
-    if key is not None and _shared is not None and key in _shared:
-        return {name: list(dims) for name, dims in _shared[key].items()}
+    shared = _shared()
+    key = ("shapes", _content(model)) if shared is not None else None
+    if key is not None and shared is not None and key in shared:
+        return {name: list(dims) for name, dims in shared[key].items()}
     try:
         inferred = onnx.shape_inference.infer_shapes(
             model, data_prop=limits.data_propagation_allowed(model)
@@ -97,8 +104,8 @@ def inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         for v in list(graph.value_info) + list(graph.input) + list(graph.output)
         if elem_type(v) == FLOAT and v.type.tensor_type.HasField("shape")
     }
-    if key is not None and _shared is not None:
-        _shared[key] = {name: list(dims) for name, dims in shapes.items()}
+    if key is not None and shared is not None:
+        shared[key] = {name: list(dims) for name, dims in shapes.items()}
     return shapes
 
 
@@ -266,13 +273,14 @@ class GraphIndex:
     def of(graph: onnx.GraphProto) -> GraphIndex:
         """The index of ``graph`` (the same one again for the same graph, unchanged, within
         :func:`shared_analyses`)."""
-        if _shared is None:
+        shared = _shared()
+        if shared is None:
             return GraphIndex._of(graph)
         # the graph itself is kept too: the index holds its nodes, and its id stays its own
         key = ("index", id(graph), _content(graph))
-        if key not in _shared:
-            _shared[key] = (graph, GraphIndex._of(graph))
-        return _shared[key][1]
+        if key not in shared:
+            shared[key] = (graph, GraphIndex._of(graph))
+        return shared[key][1]
 
     @staticmethod
     def _of(graph: onnx.GraphProto) -> GraphIndex:
