@@ -8,7 +8,7 @@ The extension is built at install time where a C compiler exists; :data:`NATIVE`
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -25,6 +25,11 @@ def _load_native() -> ModuleType | None:
 
 
 NATIVE = _load_native()
+
+Arrays = Mapping[str, np.ndarray]
+"""Arrays by name: what a kernel's ``compute`` reads."""
+Outputs = dict[str, np.ndarray]
+"""Arrays by name that a kernel's ``compute`` writes (in place where one is given)."""
 
 AVAILABLE: bool = NATIVE is not None
 """Whether the native kernel was built at install time."""

@@ -28,7 +28,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import onnx
 
 from traingraph.errors import ModelError
@@ -45,6 +44,7 @@ from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
 from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
 from traingraph.runtime.cpu.kernels.max_pool import split_max_pool_scatters
 from traingraph.runtime.cpu.kernels.winograd import split_winograd_convs
+from traingraph.runtime.cpu.native import Arrays, Outputs
 from traingraph.runtime.session import SessionConfig
 
 
@@ -61,9 +61,7 @@ class Kernel(Protocol):
         """The values it writes."""
         ...
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``outputs`` into ``out`` (arrays there are written in place, missing ones
         allocated) from ``values``, on ``threads`` threads."""
         ...

@@ -27,7 +27,7 @@ from onnx import helper
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.kernels import conv_grads
 from traingraph.runtime.cpu.kernels.conv_grads import MaxPoolGrad
-from traingraph.runtime.cpu.native import NATIVE, NormalizationGrad
+from traingraph.runtime.cpu.native import NATIVE, Arrays, NormalizationGrad, Outputs
 from traingraph.runtime.cpu.verify import Values
 
 KERNEL = "batch_norm_grad"
@@ -47,9 +47,7 @@ class BatchNormGrad(NormalizationGrad):
         scale = [self.scale] if self.dx else []  # the scale enters dx alone
         return [self.x, self.dy, *scale] + ([self.y] if self.y else [])
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]

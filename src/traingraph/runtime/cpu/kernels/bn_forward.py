@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, Outputs, output_array
 from traingraph.runtime.rewrites import specialize
 
 KERNEL = "batch_norm_forward"
@@ -69,9 +68,7 @@ class BatchNormForward:
     def outputs(self) -> list[str]:
         return [self.out, self.mean, self.var]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out``, ``mean`` and ``var`` into ``out`` (in place where arrays of their
         shapes are there)."""
         x = values[self.x]

@@ -20,7 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 Scalar = str | float
 """A one-element operand: the name of a value read at run time, or a constant's value."""
@@ -51,9 +51,7 @@ class ClipGrad(OneOutput):
         scalars = [v for v in (self.lo, self.hi, self.fill) if isinstance(v, str)]
         return [self.x, self.g, *scalars]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         x, g = values[self.x], values[self.g]
         if x.shape != g.shape:

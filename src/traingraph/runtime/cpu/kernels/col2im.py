@@ -27,7 +27,7 @@ import onnx
 from onnx import shape_inference
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 from traingraph.runtime.rewrites import specialize
 
 KERNEL = "conv_input_grad"
@@ -76,9 +76,7 @@ class Col2ImSum(OneOutput):
             [self.gate] if self.gate else []
         )
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         batch = values[self.terms[0].columns].shape[0]
         shape = (batch, self.channels, *self.image)

@@ -60,7 +60,14 @@ from traingraph.runtime.cpu.graph_match import (
     shared_analyses,
     value_dims,
 )
-from traingraph.runtime.cpu.native import AVAILABLE, NATIVE, default_threads, output_array
+from traingraph.runtime.cpu.native import (
+    AVAILABLE,
+    NATIVE,
+    Arrays,
+    Outputs,
+    default_threads,
+    output_array,
+)
 from traingraph.runtime.cpu.verify import (
     Check,
     Values,
@@ -258,9 +265,7 @@ class WeightGradKernel:
         bias = self.grad.route.bias if self.grad.route is not None else None
         return [self.grad.output] + ([f"{bias}_grad"] if bias is not None else [])
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write the gradients into ``out`` (arrays there of the parameters' shapes are
         written in place; others are allocated)."""
         g = self.grad
@@ -295,9 +300,7 @@ class MaxPoolGrad:
         bias = self.route.bias
         return [self.dy] + ([f"{bias}_grad"] if bias is not None else [])
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``dy`` (and the bias gradient) into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         y, route = values[self.route.y], self.route

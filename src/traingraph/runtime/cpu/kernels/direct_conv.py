@@ -20,11 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 MAX_CHANNELS = 4
 """Input channels up to which a Conv runs directly; with more, onnxruntime's blocked
@@ -56,9 +55,7 @@ class DirectConv(OneOutput):
     def inputs(self) -> list[str]:
         return [self.x, self.weight] + ([self.bias] if self.bias else [])
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         x, weight = values[self.x], values[self.weight]
         top, left, bottom, right = self.pads

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
 
@@ -42,9 +42,7 @@ class FlippedFilter(OneOutput):
     def inputs(self) -> list[str]:
         return [self.weight]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         weight = values[self.weight]
         if weight.ndim != 4 or weight.shape[2:] != (3, 3):

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _ELEMENTWISE = frozenset({"Mul", "Div", "Add", "Sub", "Neg", "Exp", "Erf", "Sum", "Pow", "Sqrt"})
@@ -57,9 +57,7 @@ class Gelu(OneOutput):
     def inputs(self) -> list[str]:
         return [self.a] + ([self.g] if self.g else []) + ([self.mask] if self.mask else [])
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         a = values[self.a]
         g = values[self.g] if self.g else None

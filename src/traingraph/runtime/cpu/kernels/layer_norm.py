@@ -19,12 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-import numpy as np
 import onnx
 from onnx import helper
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NormalizationGrad
+from traingraph.runtime.cpu.native import Arrays, NormalizationGrad, Outputs
 
 KERNEL = "layer_norm_grad"
 """The tag of the nodes of a LayerNormalization's gradient."""
@@ -38,9 +37,7 @@ class LayerNormGrad(NormalizationGrad):
     def inputs(self) -> list[str]:
         return [self.x, self.dy, self.scale]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]

@@ -24,7 +24,7 @@ from onnx import helper
 
 from traingraph.ir.random import GOLDEN, MIX
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, Outputs, output_array
 from traingraph.runtime.cpu.verify import Values
 
 KERNEL = "dropout_mask"
@@ -70,9 +70,7 @@ class DropoutMask:
         """The mask's shape given the graph inputs its dimensions refer to."""
         return tuple(d if isinstance(d, int) else int(values[d[0]].shape[d[1]]) for d in self.dims)
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write the mask into ``out`` (in place where an array of its shape is there)."""
         shape = self.shape(values)
         mask = output_array(out, self.mask, shape)

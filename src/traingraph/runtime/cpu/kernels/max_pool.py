@@ -24,7 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _TAG = "max_pool_grad"
@@ -57,9 +57,7 @@ class MaxPoolScatter(OneOutput):
     def inputs(self) -> list[str]:
         return [self.x, self.g]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         x = values[self.x]
         assert NATIVE is not None

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +36,7 @@ from onnx import helper
 
 from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.kernels import conv_grads
-from traingraph.runtime.cpu.native import OneOutput, output_array
+from traingraph.runtime.cpu.native import Arrays, OneOutput, Outputs, output_array
 from traingraph.runtime.rewrites.nchwc import as_permutation
 
 __all__ = ["FilterReorder", "as_permutation", "permute", "split_filter_reorders"]
@@ -85,9 +85,7 @@ class FilterReorder(OneOutput):
     def inputs(self) -> list[str]:
         return [self.src]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         target = output_array(out, self.out, self.shape)
         permute(values[self.src], target, list(self.dims), list(self.perm), threads)

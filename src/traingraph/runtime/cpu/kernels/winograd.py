@@ -42,7 +42,7 @@ import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.kernels.flipped_filter import flipped_source
-from traingraph.runtime.cpu.native import NATIVE, OneOutput, output_array
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
 _TILE = 2  # F(2 x 2, 3 x 3): within about twice a direct convolution's rounding
@@ -76,9 +76,7 @@ class WinogradConv(OneOutput):
         optional = [v for v in (self.bias, self.addend) if v]
         return [self.x, self.weight, *optional]
 
-    def compute(
-        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
-    ) -> None:
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         x, weight = values[self.x], values[self.weight]
         if x.ndim != 4 or weight.ndim != 4:
