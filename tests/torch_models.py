@@ -102,6 +102,19 @@ def export_dynamo(model: nn.Module, example: torch.Tensor) -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
+class ChainedNorms(nn.Module):
+    """A BatchNorm right after a BatchNorm: the second one's input is the first one's output
+    (its input gradient is the first one's output gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+        self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn2(self.bn1(self.conv(x)))).mean(dim=(2, 3)))
+
+
 def seeded(cls: type[nn.Module], seed: int = 0, **kwargs: object) -> nn.Module:
     torch.manual_seed(seed)
     return cls(**kwargs)

@@ -13,10 +13,9 @@ import onnx
 import pytest
 import torch
 from onnx import helper
-from torch import nn
 
 from gradcheck import artifact_steps, assert_same_training
-from torch_models import export, seeded
+from torch_models import ChainedNorms, export, seeded
 from traingraph import artifacts, optim
 from traingraph.runtime.cpu import graph_match, kernels, verify
 from traingraph.runtime.cpu.kernels.batch_norm import BatchNormGrad
@@ -96,19 +95,6 @@ def test_matches_of_one_form_take_the_verdict_of_the_first():
     assert [k.calls for k, _ in found] == [2, 0, 0]  # finite and non-finite runs of the first
     lossy = [(_Tanh(f"x{i}", f"y{i}", finite_only=True), {i}) for i in range(3)]
     assert _check(model, lossy, _OneForm()) == []
-
-
-class ChainedNorms(nn.Module):
-    """Two BatchNorms in a row: the first one's output gradient is the second one's input
-    gradient, so the two gradient matches are checked in one run, one reading the other."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
-        self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.bn2(self.bn1(self.conv(x)))).mean(dim=(2, 3)))
 
 
 @pytest.mark.skipif(not AVAILABLE, reason="traingraph.runtime._convc was not built")

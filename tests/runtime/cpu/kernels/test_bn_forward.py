@@ -9,10 +9,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from torch import nn
 
 from gradcheck import artifact_steps, assert_same_training
-from torch_models import export, residual_artifacts, seeded
+from torch_models import ChainedNorms, export, residual_artifacts, seeded
 from traingraph import artifacts, optim
 from traingraph.runtime.cpu import segments
 from traingraph.runtime.cpu.kernels import bn_forward, conv_grads
@@ -145,18 +144,6 @@ def test_module_trains_as_the_graph_does(tmp_path):
     )
     assert {"bn.running_mean", "bn.running_var", "bn2.running_var"} <= set(got[2])
     assert_same_training(got, expected, one_scale=True)
-
-
-class ChainedNorms(nn.Module):
-    """A BatchNorm right after a BatchNorm: the second one's input is the first one's output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
-        self.bn1, self.bn2 = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(self.bn2(self.bn1(self.conv(x)))).mean(dim=(2, 3)))
 
 
 def test_a_batch_norm_reading_another_is_taken_and_trains(tmp_path):
