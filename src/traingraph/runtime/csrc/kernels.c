@@ -555,6 +555,31 @@ static void release_views(Py_buffer *views, Py_ssize_t held)
     }
 }
 
+/* Release the views among the first ``count`` whose ``held`` flag is set. */
+static void release_held(Py_buffer *views, const int *held, int count)
+{
+    for (int k = 0; k < count; k++) {
+        if (held[k]) {
+            PyBuffer_Release(&views[k]);
+        }
+    }
+}
+
+/* The values per channel of ``x`` ``[N, C, ...]`` other than N (the product of the dimensions
+ * after C) into ``*s``; -1 with a ValueError naming ``function`` where a channel holds none. */
+static int channel_values(const Py_buffer *x, const char *function, Py_ssize_t *s)
+{
+    *s = 1;
+    for (int d = 2; d < x->ndim; d++) {
+        *s *= x->shape[d];
+    }
+    if (x->shape[0] * *s == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: x has no elements per channel", function);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(weight_grads_doc,
 "weight_grads(convs, threads)\n--\n\n"
 "Write the weight gradient of each 2-D convolution in ``convs`` into its ``dw``.\n\n"
@@ -1041,23 +1066,15 @@ static PyObject *batch_norm_grad(PyObject *self, PyObject *args)
         .x = x->buf, .dy = views[1].buf, .y = held[2] ? views[2].buf : NULL,
         .scale = views[3].buf, .dx = held[4] ? views[4].buf : NULL,
         .dscale = held[5] ? views[5].buf : NULL,
-        .dbias = views[6].buf, .n = x->shape[0], .c = x->shape[1], .s = 1, .eps = eps,
+        .dbias = views[6].buf, .n = x->shape[0], .c = x->shape[1], .eps = eps,
     };
-    for (int d = 2; d < x->ndim; d++) {
-        b.s *= x->shape[d];
-    }
-    if (b.n * b.s == 0) {
-        PyErr_SetString(PyExc_ValueError, "batch_norm_grad: x has no elements per channel");
+    if (channel_values(x, "batch_norm_grad", &b.s) < 0) {
         goto done;
     }
     run_pool(bn_share, &b, threads);
     result = Py_NewRef(Py_None);
 done:
-    for (int k = 0; k < 7; k++) {
-        if (held[k]) {
-            PyBuffer_Release(&views[k]);
-        }
-    }
+    release_held(views, held, 7);
     return result;
 }
 
@@ -1194,24 +1211,16 @@ static PyObject *batch_norm_forward(PyObject *self, PyObject *args)
     struct bnf b = {
         .x = x->buf, .scale = views[1].buf, .bias = views[2].buf,
         .addend = held[3] ? views[3].buf : NULL, .y = views[4].buf, .mean = views[5].buf,
-        .var = views[6].buf, .n = x->shape[0], .c = x->shape[1], .s = 1, .eps = eps,
+        .var = views[6].buf, .n = x->shape[0], .c = x->shape[1], .eps = eps,
         .relu = relu,
     };
-    for (int d = 2; d < x->ndim; d++) {
-        b.s *= x->shape[d];
-    }
-    if (b.n * b.s == 0) {
-        PyErr_SetString(PyExc_ValueError, "batch_norm_forward: x has no elements per channel");
+    if (channel_values(x, "batch_norm_forward", &b.s) < 0) {
         goto done;
     }
     run_pool(bnf_share, &b, threads);
     result = Py_NewRef(Py_None);
 done:
-    for (int k = 0; k < 7; k++) {
-        if (held[k]) {
-            PyBuffer_Release(&views[k]);
-        }
-    }
+    release_held(views, held, 7);
     return result;
 }
 

@@ -173,10 +173,6 @@ static PyObject *layer_norm_grad(PyObject *self, PyObject *args)
 done:
     free(block);
     free(partial);
-    for (int k = 0; k < 6; k++) {
-        if (held[k]) {
-            PyBuffer_Release(&views[k]);
-        }
-    }
+    release_held(views, held, 6);
     return result;
 }
