@@ -326,12 +326,12 @@ def prepare_entry(name: str, cache: Path, batch: int | None = None) -> Path:
         torch.export.export(WithLoss(module), (x, y), strict=False), directory / "program.pt2"
     )
     counter = FlopCounterMode(display=False)
-    recurrent = [0]  # the counter does not see the fused LSTM/GRU kernels
+    recurrent: list[int] = []  # the counter does not see the fused LSTM/GRU kernels
     hooks = [
-        m.register_forward_hook(lambda m, args, out: recurrent.__setitem__(
-            0, recurrent[0] + _recurrent_flops(m, args[0])))
-        for m in module.modules() if isinstance(m, torch.nn.RNNBase)
-    ]  # fmt: skip
+        m.register_forward_hook(lambda m, args, out: recurrent.append(_recurrent_flops(m, args[0])))
+        for m in module.modules()
+        if isinstance(m, torch.nn.RNNBase)
+    ]
     with counter, torch.no_grad():
         module(x)
     for hook in hooks:
@@ -350,7 +350,7 @@ def prepare_entry(name: str, cache: Path, batch: int | None = None) -> Path:
         "parameters": int(sum(p.numel() for p in module.parameters())),
         # backward as twice the forward: the counter's formula for the backward of grouped
         # Convs ignores the groups (33x too many for mobilenet_v3_small)
-        "train_flops": 3 * (int(counter.get_total_flops()) + recurrent[0]),
+        "train_flops": 3 * (int(counter.get_total_flops()) + sum(recurrent)),
     }
     meta_path.write_text(json.dumps(meta, indent=1))
     return directory
