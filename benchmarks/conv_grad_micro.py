@@ -20,7 +20,7 @@ own backward (``torch.nn.grad.conv2d_weight`` / ``conv2d_input``) on the same nu
 - ``col2im`` (CPU): the same model as the session runs it on the CPU, rewritten by
   :func:`traingraph.runtime.rewrites.specialize.for_cpu` into a batched MatMul and Col2Im;
 - ``flipped_conv``: a Conv of the output gradient with the flipped, transposed weight
-  (:func:`~traingraph.autodiff.rules.conv.conv_input_grad`), timed where
+  (as :func:`~traingraph.autodiff.rules.conv.conv_input_grad` writes it), timed where
   :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits` lets the rule use it.
 
 The rule's pick for each case is marked with ``*``. Every result is checked against a float64
@@ -32,7 +32,7 @@ in GPU memory, cuDNN's algorithms searched exhaustively) next to PyTorch's CUDA 
 
 Usage:
     python benchmarks/conv_grad_micro.py [--repeats 30] [--threads 2] [--cases lenet resnet]
-        [--device cpu|cuda] [--batch 32]
+        [--device cpu|cuda] [--batch 32] [--cuda-option prefer_nhwc=1]
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import torch.nn.grad
 
 from traingraph.autodiff.rules.conv import (
     Window,
-    conv_input_grad,
     flipped_conv_fits,
+    flipped_weight,
     transposed_conv_to,
     unfold,
     weight_grad_by_gemm,
@@ -110,9 +110,38 @@ CASES = (
     Case("resnet layer3.conv2 64->64 k3 8x8", 32, 64, 8, 64, 3, 1),
     Case("pointwise 32->64 k1 16x16", 32, 32, 16, 64, 1, 0),
     Case("depthwise 32 k3 16x16", 32, 32, 16, 32, 3, 1, group=32),
+    Case("resnet50 stem 3->64 k7 s2 224x224 (x1)", 64, 3, 224, 64, 7, 3, 2),
+    Case("resnet50 layer1 64->64 k1 56x56 (x1)", 64, 64, 56, 64, 1, 0),
+    Case("resnet50 layer1 256->64 k1 56x56 (x2)", 64, 256, 56, 64, 1, 0),
+    Case("resnet50 layer1 64->64 k3 56x56 (x3)", 64, 64, 56, 64, 3, 1),
+    Case("resnet50 layer1 64->256 k1 56x56 (x4)", 64, 64, 56, 256, 1, 0),
+    Case("resnet50 layer2 256->128 k1 56x56 (x1)", 64, 256, 56, 128, 1, 0),
+    Case("resnet50 layer2 128->128 k3 s2 56x56 (x1)", 64, 128, 56, 128, 3, 1, 2),
+    Case("resnet50 layer2 256->512 k1 s2 56x56 (x1)", 64, 256, 56, 512, 1, 0, 2),
+    Case("resnet50 layer2 512->128 k1 28x28 (x3)", 64, 512, 28, 128, 1, 0),
+    Case("resnet50 layer2 128->128 k3 28x28 (x3)", 64, 128, 28, 128, 3, 1),
+    Case("resnet50 layer2 128->512 k1 28x28 (x4)", 64, 128, 28, 512, 1, 0),
+    Case("resnet50 layer3 512->256 k1 28x28 (x1)", 64, 512, 28, 256, 1, 0),
+    Case("resnet50 layer3 256->256 k3 s2 28x28 (x1)", 64, 256, 28, 256, 3, 1, 2),
+    Case("resnet50 layer3 512->1024 k1 s2 28x28 (x1)", 64, 512, 28, 1024, 1, 0, 2),
+    Case("resnet50 layer3 1024->256 k1 14x14 (x5)", 64, 1024, 14, 256, 1, 0),
+    Case("resnet50 layer3 256->256 k3 14x14 (x5)", 64, 256, 14, 256, 3, 1),
+    Case("resnet50 layer3 256->1024 k1 14x14 (x6)", 64, 256, 14, 1024, 1, 0),
+    Case("resnet50 layer4 1024->512 k1 14x14 (x1)", 64, 1024, 14, 512, 1, 0),
+    Case("resnet50 layer4 512->512 k3 s2 14x14 (x1)", 64, 512, 14, 512, 3, 1, 2),
+    Case("resnet50 layer4 1024->2048 k1 s2 14x14 (x1)", 64, 1024, 14, 2048, 1, 0, 2),
+    Case("resnet50 layer4 2048->512 k1 7x7 (x2)", 64, 2048, 7, 512, 1, 0),
+    Case("resnet50 layer4 512->512 k3 7x7 (x2)", 64, 512, 7, 512, 3, 1),
+    Case("resnet50 layer4 512->2048 k1 7x7 (x3)", 64, 512, 7, 2048, 1, 0),
 )
+"""The benchmark models' convolutions, then torchvision ResNet-50's at batch 64 on 224 x 224
+(``(xK)``: how many of its Convs have that shape)."""
 
 Build = Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
+
+
+CUDA_EXTRA: dict[str, str] = {}
+"""Further CUDA provider options (``--cuda-option``)."""
 
 
 def _session(
@@ -129,7 +158,7 @@ def _session(
     graph.outputs.append(build(OpBuilder(graph, 17), *inputs))
     model = ir.Model(graph, ir_version=10)
     model.opset_imports[""] = 17
-    config = SessionConfig(intra_op_threads=threads)
+    config = SessionConfig(intra_op_threads=threads, cuda_extra=CUDA_EXTRA)
     providers: list[Any] = ["CPUExecutionProvider"]
     if device == "cuda":
         providers = [("CUDAExecutionProvider", config.cuda_options()), *providers]
@@ -146,10 +175,19 @@ def _weight_forms(case: Case) -> dict[str, Build]:
         return unfold(b, x, win, case.channels)
 
     def transposed_conv(b: OpBuilder, x: ir.Value, dy: ir.Value, w: ir.Value) -> ir.Value:
+        # The output gradient is the kernel, dilated by the stride; the windows the stride
+        # leaves out at the end are cut by a smaller end pad.
         swap = [1, 0, 2, 3]
+        extra = (case.size + 2 * case.pad - case.kernel) % case.stride
+        end = case.pad - extra
         grad = b.Conv(
-            b.Transpose(x, perm=swap), b.Transpose(dy, perm=swap), pads=[case.pad] * 4
+            b.Transpose(x, perm=swap),
+            b.Transpose(dy, perm=swap),
+            pads=[case.pad, case.pad, max(end, 0), max(end, 0)],
+            dilations=[case.stride] * 2,
         )
+        if end < 0:
+            grad = b.Slice(grad, b.ints([0, 0]), b.ints([case.kernel] * 2), b.ints([2, 3]))
         return b.Transpose(grad, perm=swap)
 
     forms: dict[str, Build] = {
@@ -158,7 +196,7 @@ def _weight_forms(case: Case) -> dict[str, Build]:
             b, cols(b, x, w), dy, w, group, case.out_size**2
         ),
     }
-    if case.group == 1 and case.stride == 1:
+    if case.group == 1:
         forms["transposed_conv"] = transposed_conv
     return forms
 
@@ -172,10 +210,22 @@ def _input_forms(case: Case) -> dict[str, Build]:
         ),
     }
     if _flips(case):
-        forms["flipped_conv"] = lambda b, x, dy, w: conv_input_grad(
-            b, dy, w, win, group, x, sizes, outs
-        )
+        forms["flipped_conv"] = lambda b, x, dy, w: flipped_conv(b, dy, w, win, group)
     return forms
+
+
+def flipped_conv(b: OpBuilder, dy: ir.Value, w: ir.Value, win: Window, group: int) -> ir.Value:
+    """``dL/dX`` as :func:`~traingraph.autodiff.rules.conv.conv_input_grad` takes it where
+    :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits`: a Conv of the output gradient
+    with the flipped, transposed weight."""
+    flipped = flipped_weight(b, w, win.kernel, group)
+    assert flipped is not None
+    pads = [e - 1 - p for e, p in zip(win.extents, win.begins)]
+    pads += [e - 1 - p for e, p in zip(win.extents, win.ends)]
+    return b.Conv(
+        dy, flipped, group=group, kernel_shape=list(win.kernel),
+        dilations=list(win.dilations), pads=pads,
+    )
 
 
 def _rule_picks(case: Case, device: str) -> tuple[str, str]:
@@ -274,7 +324,12 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="*", default=[], help="run only the cases whose name contains one of these"
     )
+    parser.add_argument(
+        "--cuda-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a further CUDA provider option, for example prefer_nhwc=1",
+    )
     args = parser.parse_args()
+    CUDA_EXTRA.update(option.split("=", 1) for option in args.cuda_option)
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()

@@ -12,6 +12,7 @@ fails where a capture is not possible.
 Usage (on the GPU machine)::
 
     python3 benchmarks/gpu_placement.py --models resnet50:64,bert:32 --cache /tmp/tg-gpu-zoo
+    python3 benchmarks/gpu_placement.py --models resnet50:64 --cuda-option prefer_nhwc=1
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ def _logged_session(model: bytes, options: dict[str, str], log: Path) -> tuple[A
     return session, error
 
 
-def check(name: str, batch: int, precision: str, cache: Path, small: bool) -> dict[str, Any]:
+def check(
+    name: str, batch: int, precision: str, cache: Path, small: bool,
+    extra: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The placement report of one model (see the module docstring); ``extra``: further CUDA
+    provider options, for example ``{"prefer_nhwc": "1"}``."""
     import onnxruntime as ort
 
     from traingraph.runtime.cuda import dropout_from_noise, with_static_inputs
@@ -74,7 +80,7 @@ def check(name: str, batch: int, precision: str, cache: Path, small: bool) -> di
     report: dict[str, Any] = {"model": name, "batch": batch, "precision": precision}
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "ort.log"
-        _, error = _logged_session(model, {"enable_cuda_graph": "0"}, log)
+        _, error = _logged_session(model, {"enable_cuda_graph": "0", **(extra or {})}, log)
         text = log.read_text(errors="replace")
         report["session_error"] = error
         cpu = re.findall(r"Node\(s\) placed on \[CPUExecutionProvider\].*?(?=\n\S|\Z)", text, re.S)
@@ -83,7 +89,7 @@ def check(name: str, batch: int, precision: str, cache: Path, small: bool) -> di
         report["not_assigned"] = [
             line for line in text.splitlines() if "not assigned" in line or "fallback" in line
         ][:20]
-        session, error = _logged_session(model, {"enable_cuda_graph": "1"}, log)
+        session, error = _logged_session(model, {"enable_cuda_graph": "1", **(extra or {})}, log)
         report["graph_session_error"] = error
         if session is not None:
             feeds: dict[str, Any] = {}
@@ -118,13 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "tg-gpu-zoo")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--cuda-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a further CUDA provider option, for example prefer_nhwc=1",
+    )
     args = parser.parse_args(argv)
+    extra = dict(option.split("=", 1) for option in args.cuda_option)
     reports = []
     for item in args.models.split(","):
         name, _, batch = item.partition(":")
         for precision in args.precisions.split(","):
             gpu_zoo.prepare(name, args.small, [precision], args.cache)
-            report = check(name, int(batch), precision, args.cache, args.small)
+            report = check(name, int(batch), precision, args.cache, args.small, extra)
             print(json.dumps(report, indent=1), flush=True)
             reports.append(report)
     if args.out:
