@@ -164,14 +164,15 @@ def differentiate(
                 supported=supported_ops(),
             )
         b.scope = f"{node.name or node.op_type}/"
+        inputs = tuple(node.inputs)  # a rule may replace its node (recurrent.py's LSTM)
         in_grads = rule(GradContext(b, node, needs), out_grads)
         b.scope = ""
-        if len(in_grads) > len(node.inputs):
+        if len(in_grads) > len(inputs):
             raise AssertionError(
                 f"gradient rule of {node.op_type} returned {len(in_grads)} gradients for"
-                f" {len(node.inputs)} inputs"
+                f" {len(inputs)} inputs"
             )
-        for value, g in zip(node.inputs, in_grads):
+        for value, g in zip(inputs, in_grads):
             if g is None or value is None or value not in live:
                 continue
             contributions.setdefault(value, []).append(g)

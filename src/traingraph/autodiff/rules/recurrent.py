@@ -1,26 +1,31 @@
 """Gradients of LSTM and GRU over the static time steps of the recurrence.
 
-Where the node's output ``Y`` is present (and an LSTM has no peepholes) the gradient runs over
-all steps at once (:func:`_batched_gradient`): the previous hidden states are ``Y`` shifted by
-a step, so the gates of every step come from a few ``Gemm`` over all steps (``X W^T + Wb + Rb``,
-``+ H_prev R^T``); only LSTM's cell state and the backward recurrence run step by step on
-``[batch, hidden]`` pieces, for LSTM
+An LSTM without peepholes is replaced in the training graph by its forward written step by
+step (:func:`_lstm_gradient`): one ``Gemm`` over all steps for ``X W^T + Wb + Rb``, then per
+step one ``Gemm`` for ``+ H_prev R^T``, the gates and the cell state, and the slopes that the
+backward recurrence reads, made while the step's gates are at hand; the gradient reads them
+instead of recomputing the gates. With gate order ``i, o, f, c`` (``g`` the candidate ``c``)
+and ``t + 1`` the step after ``t`` in the direction's order:
 
-    c_t = f_t c_{t-1} + i_t g_t
+    c_t = f_t c_{t-1} + i_t g_t,   h_t = o_t tanh c_t
     dh_t = dY_t + dG_{t+1} R,   dc_t = dh_t o_t (1 - tanh^2 c_t) + dc_{t+1} f_{t+1}
-    dG_t = [dc_t g_t, dh_t tanh c_t, dc_t c_{t-1}, dc_t i_t] * [i', o', f', 1 - g_t^2]
+    dG_t = [dc_t, dh_t, dc_t, dc_t] * [i_t g_t (1 - i_t), h_t (1 - o_t),
+                                       f_t c_{t-1} (1 - f_t), i_t (1 - g_t^2)]
 
-(``i' = i_t (1 - i_t)`` and so on, gate order ``i, o, f, c``; ``t + 1`` is the step after
-``t`` in the direction's order) and for GRU as :func:`_gru_direction_gradient` says. The weight,
-bias and input gradients are then one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
+A GRU whose output ``Y`` is present keeps its node; its gradient runs over all steps at once
+(:func:`_gru_gradient`): the previous hidden states are ``Y`` shifted by a step, so the gates
+of every step come from a few ``Gemm`` over all steps; only the backward recurrence runs step
+by step, as :func:`_gru_direction_gradient` says. Either way the weight, bias and input
+gradients are one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
 ``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``.
 
-Otherwise (peepholes, no ``Y``) the rule rebuilds the node's forward computation from
-primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
-in a scratch graph, one step per time step and direction (:func:`unroll`), differentiates that
-graph with :func:`traingraph.autodiff.engine.differentiate` (backpropagation through time), and
-moves the rebuilt forward and its gradient into the model's graph. Either way the original node
-keeps computing the forward outputs; the gradient recomputes the activations it needs.
+Otherwise (an LSTM with peepholes, a GRU without ``Y``) the rule rebuilds the node's forward
+computation from primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``,
+``Concat``, ...) in a scratch graph, one step per time step and direction (:func:`unroll`),
+differentiates that graph with :func:`traingraph.autodiff.engine.differentiate`
+(backpropagation through time), and moves the rebuilt forward and its gradient into the model's
+graph; the original node keeps computing the forward outputs, and the gradient recomputes the
+activations it needs.
 
 With ``x_t`` the input at step ``t``, ``h``/``c`` the previous hidden and cell states and ``W``,
 ``R``, ``Wb``, ``Rb``, ``P`` the weights, recurrences, biases and peepholes of one direction
@@ -43,7 +48,7 @@ length everywhere, and the default activations. Anything else raises an error na
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -378,25 +383,22 @@ def _steps(b: OpBuilder, rows: ir.Value, steps: int) -> tuple[ir.Value, ...]:
 
 @dataclass(frozen=True)
 class _Direction:
-    """The inputs of one direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[G*H, I]``, ``r``
-    ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G`` gates), the initial states ``[N, H]`` (no cell
-    state for GRU), ``y`` the hidden states ``[T, D, N, H]`` the node computed (this direction
-    at ``index``), ``dy`` the gradients of this direction's hidden states by step (``[N, H]``
-    each) and ``dy_h`` / ``dy_c`` those of the final states; ``needs`` says for each node input
-    whether its gradient is wanted; ``dtype`` is the node's float type and ``input_size`` ``I``
-    where it is static."""
+    """The inputs of one GRU direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[3H, I]``,
+    ``r`` ``[3H, H]``, ``bias`` ``[6H]``, the initial state ``h0`` ``[N, H]``, ``y`` the
+    hidden states ``[T, D, N, H]`` the node computed (this direction at ``index``), ``dy`` the
+    gradients of this direction's hidden states by step (``[N, H]`` each) and ``dy_h`` that of
+    the final state; ``needs`` says for each node input whether its gradient is wanted;
+    ``dtype`` is the node's float type and ``input_size`` ``I`` where it is static."""
 
     x: ir.Value
     w: ir.Value
     r: ir.Value
     bias: ir.Value | None
     h0: ir.Value
-    c0: ir.Value | None
     y: ir.Value
     index: int
     dy: Sequence[ir.Value] | None
     dy_h: ir.Value | None
-    dy_c: ir.Value | None
     reverse: bool
     needs: Sequence[bool]
     dtype: ir.DataType
@@ -433,101 +435,6 @@ class _Direction:
 def _time_rows(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
     """``[N, X]`` pieces by time step as time-major rows ``[T*N, X]``."""
     return b.Concat(*(pieces[t] for t in range(steps)), axis=0) if steps > 1 else pieces[0]
-
-
-def _lstm_direction_gradient(
-    b: OpBuilder, d: _Direction, spec: RecurrentSpec
-) -> dict[int, ir.Value]:
-    """The gradients of one LSTM direction by node input where wanted: X (as ``[T*N, I]``),
-    W, R, B, initial_h and initial_c.
-
-    The gates of every step come from one pair of ``Gemm`` over all steps, reading the
-    previous hidden states from the node's output ``Y``; only the cell state
-    ``c_t = f_t c_{t-1} + i_t g_t`` and the backward recurrence run step by step (on
-    ``[N, H]`` pieces). The weight gradients are again one ``Gemm`` over all steps.
-    """
-    steps, hidden = spec.steps, spec.hidden
-    order = d.order(steps)
-    assert d.c0 is not None
-    x2, h_prev = b.Flatten(d.x, axis=2), d.previous_hidden(b, steps)
-    bias = None
-    if d.bias is not None:
-        w_bias, r_bias = b.split(d.bias, [4 * hidden] * 2, axis=0)
-        bias = b.Add(w_bias, r_bias)
-    bias_input = [] if bias is None else [bias]
-    if d.input_size is not None:  # one Gemm over [x_t, h_{t-1}] and [W, R]
-        xh = b.Concat(x2, h_prev, axis=1)
-        gates = b.Gemm(xh, b.Concat(d.w, d.r, axis=1), *bias_input, transB=1)
-    else:
-        gates = b.Gemm(h_prev, d.r, b.Gemm(x2, d.w, *bias_input, transB=1), transB=1)
-    pre_i, pre_o, pre_f, pre_g = b.split(gates, [hidden] * 4, axis=1)
-    i, o, f, g = b.Sigmoid(pre_i), b.Sigmoid(pre_o), b.Sigmoid(pre_f), b.Tanh(pre_g)
-    f_t = _steps(b, f, steps)
-    ig_t = _steps(b, b.Mul(i, g), steps)
-    cells: dict[int, ir.Value] = {}
-    c = d.c0
-    for t in order:
-        c = b.Add(b.Mul(f_t[t], c), ig_t[t])
-        cells[t] = c
-    c_all = _time_rows(b, cells, steps)
-    cells[steps if d.reverse else -1] = d.c0
-    shift = 1 if d.reverse else -1
-    c_prev = _time_rows(b, {t: cells[t + shift] for t in range(steps)}, steps)
-    tanh_c = b.Tanh(c_all)
-    one = b.scalar(1.0, like=d.x)
-    di, do, df = (b.Mul(s, b.Sub(one, s)) for s in (i, o, f))
-    # dgates_t = [dc_t, dh_t, dc_t, dc_t] * slopes, dc_t = dh_t * through + dc_{t+1} * f_{t+1}
-    slopes = b.Concat(
-        b.Mul(g, di),
-        b.Mul(tanh_c, do),
-        b.Mul(c_prev, df),
-        b.Mul(i, b.Sub(one, b.Mul(g, g))),
-        axis=1,
-    )
-    through = b.Mul(o, b.Sub(one, b.Mul(tanh_c, tanh_c)))
-    slope_t, through_t = _steps(b, slopes, steps), _steps(b, through, steps)
-    c_back = d.dy_c
-    dgates: dict[int, ir.Value] = {}
-    dc = after = None
-    for t in reversed(order):
-        h_back = None
-        if after is not None and dc is not None:
-            h_back, c_back = b.MatMul(dgates[after], d.r), b.Mul(dc, f_t[after])
-        dh = d.hidden_gradient(b, t, h_back)
-        from_h = b.Mul(dh, through_t[t])
-        dc = from_h if c_back is None else b.Add(from_h, c_back)
-        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), slope_t[t])
-        after = t
-    assert after is not None and dc is not None
-    dg = _time_rows(b, dgates, steps)
-
-    pair: list[tuple[ir.Value, ...]] = []
-
-    def weight_gradient(k: int) -> ir.Value:
-        """``dW`` (``k`` 0) or ``dR`` (1): one Gemm over ``[x_t, h_{t-1}]`` where ``I`` is
-        static."""
-        if pair:
-            return pair[0][k]
-        if d.input_size is None:
-            pair.append((b.Gemm(dg, x2, transA=1), b.Gemm(dg, h_prev, transA=1)))
-        else:
-            pair.append(b.split(b.Gemm(dg, xh, transA=1), [d.input_size, hidden], axis=1))
-        return pair[0][k]
-
-    def bias_gradient() -> ir.Value:
-        db = b.sum(dg, [0], keepdims=False)
-        return b.Concat(db, db, axis=0)
-
-    return d.wanted(
-        {
-            0: lambda: b.MatMul(dg, d.w),
-            1: lambda: weight_gradient(0),
-            2: lambda: weight_gradient(1),
-            3: bias_gradient,
-            5: lambda: b.MatMul(dgates[after], d.r),
-            6: lambda: b.Mul(dc, f_t[after]),
-        }
-    )
 
 
 def _gru_direction_gradient(
@@ -641,16 +548,212 @@ def _gru_direction_gradient(
     )
 
 
-_DIRECTION_GRADIENTS = {"LSTM": _lstm_direction_gradient, "GRU": _gru_direction_gradient}
+@dataclass
+class _LstmSteps:
+    """One LSTM direction's forward by time step, with what its backward reads: the hidden
+    states ``h``, the forget gates ``f``, the gate slopes ``slope`` (``[N, 4H]``: what
+    ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates' gradient) and
+    ``through`` (``o_t (1 - tanh^2 c_t)``: what ``dh_t`` is multiplied by in ``dc_t``),
+    ``order`` the steps in the order the direction runs them, ``h0`` the initial hidden state
+    and ``c`` the final cell state."""
+
+    order: list[int]
+    h0: ir.Value
+    c: ir.Value
+    h: dict[int, ir.Value] = field(default_factory=dict)
+    f: dict[int, ir.Value] = field(default_factory=dict)
+    slope: dict[int, ir.Value] = field(default_factory=dict)
+    through: dict[int, ir.Value] = field(default_factory=dict)
 
 
-def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """The gradient over all steps at once where the node's ``Y`` is there to read the hidden
-    states from and there are no peepholes; else :func:`_recurrent_gradient`."""
+def _lstm_forward(
+    b: OpBuilder,
+    projected: Sequence[ir.Value],
+    h0: ir.Value,
+    c0: ir.Value,
+    r: ir.Value,
+    order: list[int],
+    hidden: int,
+    dtype: ir.DataType,
+) -> _LstmSteps:
+    """One direction's forward, step by step from ``projected`` (``x_t W^T + Wb + Rb`` by
+    step): one ``Gemm`` per step for the gates, and the slopes its gradient reads, made while
+    the step's gates are at hand (the module docstring's formulas with ``i_t g_t``, ``h_t``
+    and ``f_t c_{t-1}`` reused: ``[i_t g_t, h_t, f_t c_{t-1}] (1 - [i, o, f])``,
+    ``i_t - i_t g_t g_t`` and ``o_t - h_t tanh c_t``)."""
+    one = b.const(1.0, dtype)
+    steps = _LstmSteps(order, h0, c0)
+    h, c = h0, c0
+    for t in order:
+        pre_iof, pre_g = b.split(b.Gemm(h, r, projected[t], transB=1), [3 * hidden, hidden], 1)
+        iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
+        i, o, f = b.split(iof, [hidden] * 3, axis=1)
+        fc, ig = b.Mul(f, c), b.Mul(i, g)
+        c = b.Add(fc, ig)
+        tanh_c = b.Tanh(c)
+        h = b.Mul(o, tanh_c)
+        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=1), b.Sub(one, iof))
+        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=1)
+        steps.through[t] = b.Sub(o, b.Mul(h, tanh_c))
+        steps.h[t], steps.f[t] = h, f
+    steps.c = c
+    return steps
+
+
+def _lstm_backward(
+    b: OpBuilder,
+    steps: _LstmSteps,
+    r: ir.Value,
+    dy: Sequence[ir.Value] | None,
+    dy_h: ir.Value | None,
+    dy_c: ir.Value | None,
+) -> tuple[dict[int, ir.Value], ir.Value]:
+    """The gates' gradients by step, from the last step the direction runs to the first, and
+    the first step's ``dc`` (six nodes a step: ``dh_t = dY_t + dG_{t+1} R`` in one ``Gemm``,
+    ``dc_t``, then ``dG_t``)."""
+    dgates: dict[int, ir.Value] = {}
+    dc: ir.Value | None = None
+    after: int | None = None
+    for t in reversed(steps.order):
+        if after is None or dc is None:
+            parts = [v for v in (None if dy is None else dy[t], dy_h) if v is not None]
+            dh = b.Add(*parts) if len(parts) == 2 else parts[0] if parts else None
+            dh = b.zeros_like(steps.h[t]) if dh is None else dh
+            c_back = dy_c
+        else:
+            back = dgates[after]
+            dh = b.MatMul(back, r) if dy is None else b.Gemm(back, r, dy[t])
+            c_back = b.Mul(dc, steps.f[after])
+        from_h = b.Mul(dh, steps.through[t])
+        dc = from_h if c_back is None else b.Add(from_h, c_back)
+        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), steps.slope[t])
+        after = t
+    assert dc is not None
+    return dgates, dc
+
+
+def _replace_outputs(ctx: GradContext, scratch: ir.Graph, new: Sequence[ir.Value | None]) -> None:
+    """Put the nodes of ``scratch`` in the place of the node ``ctx.node``, its outputs
+    replaced by ``new`` (None for outputs that are absent or unused)."""
+    graph = ctx.node.graph
+    assert graph is not None
+    pairs = [(old, v) for old, v in zip(ctx.outputs, new) if v is not None]
+    nodes = list(scratch)
+    scratch.remove(nodes)
+    ir.convenience.replace_nodes_and_values(
+        graph, ctx.node, [ctx.node], nodes, [old for old, _ in pairs], [v for _, v in pairs]
+    )
+
+
+def _in_use(value: ir.Value) -> bool:
+    return bool(value.name) and (bool(value.uses()) or value.is_graph_output())
+
+
+def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """The LSTM's gradient, with the node replaced by its forward step by step (see the module
+    docstring); peepholes take :func:`_recurrent_gradient`."""
     spec = recurrent_spec(ctx)
-    lstm = spec.op_type == "LSTM"
+    dtype = ctx.x(0).dtype
+    if ctx.has_input(7) or ctx.node.graph is None or dtype is None:
+        return _recurrent_gradient(ctx, grads)
+    b, layout, count = ctx.b, spec.layout, len(spec.reverses)
+    steps, hidden = spec.steps, spec.hidden
+    scratch = ir.Graph([], [], nodes=[], opset_imports={"": ctx.opset})
+    fb = OpBuilder(scratch, ctx.opset, prefix=b.fresh_name("forward"))
+
+    def optional(i: int) -> ir.Value | None:
+        return ctx.inputs[i] if ctx.has_input(i) else None
+
+    def grad(k: int) -> ir.Value | None:
+        return grads[k] if k < len(grads) else None
+
+    x = _time_major(fb, ctx.x(0), layout, [1, 0, 2])
+    assert x is not None
+    x2 = fb.Flatten(x, axis=2)
+    h0s, c0s = (
+        _per_direction(fb, _time_major(fb, optional(i), layout, [1, 0, 2]), count) for i in (5, 6)
+    )
+    zeros = None
+    if any(s is None for s in (*h0s, *c0s)):
+        zeros = _zeros_state(fb, x, hidden, dtype)
+    ws, rs = _per_direction(fb, ctx.x(1), count), _per_direction(fb, ctx.x(2), count)
+    biases = _per_direction(fb, optional(3), count)
+    directions = []
+    for k, reverse in enumerate(spec.reverses):
+        w, r, bias = ws[k], rs[k], biases[k]
+        assert w is not None and r is not None
+        if bias is not None:
+            bias = fb.Add(*fb.split(bias, [4 * hidden] * 2, axis=0))
+        projected = fb.Gemm(x2, w, *([] if bias is None else [bias]), transB=1)
+        h0, c0 = h0s[k] or zeros, c0s[k] or zeros
+        assert h0 is not None and c0 is not None
+        order = list(range(steps - 1, -1, -1) if reverse else range(steps))
+        directions.append(
+            _lstm_forward(fb, _steps(fb, projected, steps), h0, c0, r, order, hidden, dtype)
+        )
+    new: list[ir.Value | None] = [None] * len(ctx.outputs)
+    if _in_use(ctx.outputs[0]):
+        pieces = [d.h[t] for t in range(steps) for d in directions]  # [T, D, N, H] in order
+        rows = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        y = fb.Reshape(rows, fb.ints([steps, count, -1, hidden]))
+        new[0] = fb.Transpose(y, perm=[2, 0, 1, 3]) if layout else y
+    for k, finals in ((1, [d.h[d.order[-1]] for d in directions]), (2, [d.c for d in directions])):
+        if k < len(ctx.outputs) and _in_use(ctx.outputs[k]):
+            state = _stack(fb, finals, 0)
+            new[k] = fb.Transpose(state, perm=[1, 0, 2]) if layout else state
+    _replace_outputs(ctx, scratch, new)
+
+    dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
+    dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), steps * count)
+    dy_h, dy_c = (
+        _per_direction(b, _time_major(b, grad(k), layout, [1, 0, 2]), count) for k in (1, 2)
+    )
+    out: list[ir.Value | None] = [None] * len(ctx.inputs)
+    by_input: dict[int, list[ir.Value]] = {i: [] for i in (0, 1, 2, 3, 5, 6)}
+    for k, d in enumerate(directions):
+        w, r = ws[k], rs[k]
+        assert w is not None and r is not None
+        dgates, dc = _lstm_backward(
+            b, d, r, None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k]
+        )
+        dg = _time_rows(b, dgates, steps)
+        first = d.order[0]
+        if ctx.need(0):
+            by_input[0].append(b.MatMul(dg, w))
+        if ctx.need(1):
+            by_input[1].append(b.Gemm(dg, x2, transA=1))
+        if ctx.need(2):
+            before = dict(zip(d.order, [d.h0] + [d.h[t] for t in d.order[:-1]]))
+            by_input[2].append(b.Gemm(dg, _time_rows(b, before, steps), transA=1))
+        if ctx.need(3):
+            db = b.sum(dg, [0], keepdims=False)
+            by_input[3].append(b.Concat(db, db, axis=0))
+        if ctx.need(5):
+            by_input[5].append(b.MatMul(dgates[first], r))
+        if ctx.need(6):
+            by_input[6].append(b.Mul(dc, d.f[first]))
+    if ctx.need(0):
+        dx_rows = by_input[0][0]
+        for other in by_input[0][1:]:
+            dx_rows = b.Add(dx_rows, other)
+        dx = b.reshape_like(dx_rows, x)
+        out[0] = b.Transpose(dx, perm=[1, 0, 2]) if layout else dx
+    for i in (1, 2, 3):
+        if ctx.need(i):
+            out[i] = _stack(b, by_input[i], 0)
+    for i in (5, 6):
+        if ctx.need(i):
+            state = _stack(b, by_input[i], 0)
+            out[i] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
+    return out
+
+
+def _gru_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """The GRU's gradient over all steps at once where the node's ``Y`` is there to read the
+    hidden states from; else :func:`_recurrent_gradient`."""
+    spec = recurrent_spec(ctx)
     outputs = ctx.outputs
-    if (lstm and ctx.has_input(7)) or not outputs or not outputs[0].name:
+    if not outputs or not outputs[0].name:
         return _recurrent_gradient(ctx, grads)
     dtype = outputs[0].dtype
     if dtype is None:
@@ -667,12 +770,11 @@ def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     y = _time_major(b, outputs[0], layout, [1, 2, 0, 3])
     assert x is not None and y is not None
     dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
-    states = [
-        _time_major(b, v, layout, [1, 0, 2])
-        for v in (optional(5), optional(6) if lstm else None, grad(1), grad(2))
-    ]
+    h0s, dy_h = (
+        _per_direction(b, _time_major(b, v, layout, [1, 0, 2]), count)
+        for v in (optional(5), grad(1))
+    )
     zeros = _zeros_state(b, x, spec.hidden, dtype)
-    per = [_per_direction(b, v, count) for v in states]
     ws, rs = _per_direction(b, ctx.x(1), count), _per_direction(b, ctx.x(2), count)
     biases = _per_direction(b, optional(3), count)
     w_shape = ctx.x(1).shape
@@ -685,11 +787,11 @@ def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         w, r = ws[k], rs[k]
         assert w is not None and r is not None
         direction = _Direction(
-            x, w, r, biases[k], per[0][k] or zeros, (per[1][k] or zeros) if lstm else None, y, k,
-            None if dy_steps is None else dy_steps[k::count], per[2][k], per[3][k], reverse,
-            ctx.needs, dtype, input_size,
+            x, w, r, biases[k], h0s[k] or zeros, y, k,
+            None if dy_steps is None else dy_steps[k::count], dy_h[k], reverse, ctx.needs,
+            dtype, input_size,
         )  # fmt: skip
-        results.append(_DIRECTION_GRADIENTS[spec.op_type](b, direction, spec))
+        results.append(_gru_direction_gradient(b, direction, spec))
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if ctx.need(0):
         dx_rows = results[0][0]
@@ -700,12 +802,11 @@ def _batched_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     for i in (1, 2, 3):
         if ctx.need(i):
             out[i] = _stack(b, [res[i] for res in results], 0)
-    for i in (5, 6):
-        if ctx.need(i):
-            state = _stack(b, [res[i] for res in results], 0)
-            out[i] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
+    if ctx.need(5):
+        state = _stack(b, [res[5] for res in results], 0)
+        out[5] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
     return out
 
 
-register_gradient("LSTM")(_batched_gradient)
-register_gradient("GRU")(_batched_gradient)
+register_gradient("LSTM")(_lstm_gradient)
+register_gradient("GRU")(_gru_gradient)
