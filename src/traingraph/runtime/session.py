@@ -297,6 +297,12 @@ class BoundRunner:
             return dict(outputs)  # type: ignore[arg-type]
         return dict(zip(self._order, binding.get_outputs()))
 
+    def release_outputs(self) -> None:
+        """Let go of the outputs onnxruntime allocated in the last run (the binding holds them
+        until the next run otherwise); the next run binds its outputs again."""
+        self.binding.clear_binding_outputs()
+        self._bound_outputs.clear()
+
     def _run_fed(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, ort.OrtValue]:
         """:meth:`run` through ``session.run`` with every bound input as a feed."""
         order = [name for name in self.outputs if name in outputs]

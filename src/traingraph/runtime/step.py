@@ -37,6 +37,7 @@ from traingraph.program import (
     BUFFER_UPDATE_SUFFIX,
     LAZY_RESET_GRAD,
 )
+from traingraph.runtime import heap
 from traingraph.runtime.amp import DynamicLossScaler
 from traingraph.runtime.cpu import kernels, segments
 from traingraph.runtime.cpu.kernels import conv_grads
@@ -124,6 +125,8 @@ class GradientRunner:
         else:
             runner = BoundRunner(create_session(model, device, config), device)
         after = segments.after_run(runner, grads)
+        if proto is not None:
+            heap.trim()  # the memory the kernels' search and checks left free in the heap
         return cls(
             runner=runner,
             weight_grads=grads,

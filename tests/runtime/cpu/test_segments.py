@@ -4,6 +4,9 @@ against the graph as written and against ``torch.autograd``."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -395,3 +398,90 @@ def test_each_segment_writes_its_own_profile(tmp_path, monkeypatch):
     runners = [r for r in module.step.runner._runners if r is not None]
     files = {r.session.end_profiling() for r in runners}
     assert len(runners) > 1 and len(files) == len(runners)
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes that ``malloc`` has handed out and not had back (glibc 2.33 or newer), or None."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def test_the_values_between_segments_leave_onnxruntime_as_they_are_written(tmp_path):
+    # The first run learns the shapes of the values that cross the cuts: onnxruntime allocates
+    # what a segment writes, then each value moves into the buffer it keeps for the next runs
+    # and the segment's binding lets go of onnxruntime's copy. Without the arena onnxruntime
+    # allocates with malloc, which counts what it holds.
+    if _malloc_in_use() is None:
+        pytest.skip("the bytes malloc holds are read through glibc's mallinfo2 (glibc >= 2.33)")
+    _, directory = _directory(tmp_path)
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    config = SessionConfig(memory_arena=False, intra_op_threads=1)
+    module = Module(directory / "training_model.onnx", state, session_config=config)
+    plain, _ = _module(directory, native=False)
+    runner = module.step.runner
+    assert isinstance(runner, segments.SegmentedRunner)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1024, 3, 10, 10)).astype(np.float32)  # values of 0.4 to 3 MiB
+    y = rng.integers(0, 5, 1024)
+    before = _malloc_in_use()
+    loss = float(module(x, y))
+    grown = _malloc_in_use() - before
+    assert loss == pytest.approx(float(plain(x, y)), rel=1e-5)
+    segment_runners = [r for r in runner._runners if r is not None]
+    assert len(segment_runners) > 2
+    assert all(not r.binding.get_outputs() for r in segment_runners)
+    arrays = [a for a, _ in runner._cuts.values()] + list(runner._kept.values())
+    values = sum(a.nbytes for a in arrays)
+    roots = {id(root): root.nbytes for root in map(_root, arrays)}
+    buffers = sum(roots.values())
+    assert buffers < values  # shared by values that do not live at once
+    # the buffers, and no second copy of the values in what onnxruntime holds
+    assert buffers <= grown < buffers + values // 2, (grown, buffers, values)
+    # the next run writes the same buffers
+    kept = {name: a for name, (a, _) in runner._cuts.items()}
+    module.lazy_reset_grad()
+    assert float(module(x, y)) == loss
+    assert all(runner._cuts[name][0] is a for name, a in kept.items())
+
+
+def _root(array: np.ndarray) -> np.ndarray:
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def test_the_pool_gives_the_smallest_free_block_and_takes_blocks_back_after_their_last_step():
+    pool = segments._Pool()
+    pool.release(0)
+    a = pool.take(100, end=1)  # read last by step 1
+    b = pool.take(400, end=3)
+    pool.release(1)
+    c = pool.take(50, end=4)  # a is still read by step 1
+    assert not np.shares_memory(c, a) and not np.shares_memory(c, b)
+    pool.release(2)  # a is free from step 2 on
+    d = pool.take(80, end=5)
+    assert d is a
+    pool.release(5)  # b and c are free: the smallest that holds 40 bytes is c
+    e = pool.take(40, end=6)
+    f = pool.take(300, end=6)
+    assert e is c and f is b
+    g = pool.take(500, end=7)  # none holds it: new memory, on a cache line
+    assert g.nbytes == 500 and g.ctypes.data % 64 == 0
+    assert not any(np.shares_memory(g, m) for m in (a, b, c))

@@ -53,6 +53,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from traingraph.runtime import heap
 from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.graph_match import Pending, settle
 from traingraph.runtime.cpu.kernels import Kernel, conv_grads, find
@@ -347,10 +348,14 @@ class SegmentedRunner:
         self._done: list[list[str]] = [[] for _ in self._steps]
         for name, i in last.items():
             self._done[i].append(name)
+        for i, step in enumerate(self._steps):  # a value that several steps write (a
+            for name in _writes(step):  # constant each segment computes) lives to the last
+                last[name] = max(last.get(name, i), i)
+        self._last = last
         self._fed: dict[str, Any] = {}
         # The values passed from one segment or kernel to later ones, kept from step to step
         # while the inputs keep their shapes: bound once, written in place, read without a
-        # copy. Values that are not read at the same time share memory (:meth:`_buffers`).
+        # copy. Values that are not read at the same time share memory (:meth:`_place`).
         self._cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # written by segments
         self._kept: dict[str, np.ndarray] = {}  # written by kernels
         self._cut_key: tuple[Any, ...] | None = None
@@ -373,28 +378,29 @@ class SegmentedRunner:
         if key == self._cut_key:
             try:
                 return self._run(outputs, self._cuts, self._kept)
-            except Exception:  # a shape the inputs do not decide: allocate every run
+            except Exception:  # a shape the inputs do not decide: place the values again
                 self._cut_key = None
         self._cuts, self._kept = {}, {}
-        written: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-        values = self._run(outputs, self._cuts, self._kept, written)
-        self._cuts, self._kept = self._buffers(written, outputs)
+        values = self._run(outputs, self._cuts, self._kept, _Pool())
         self._cut_key = key
+        heap.trim()  # what the values took before they had buffers of their own
         return values
 
     def _run(
         self,
         outputs: Mapping[str, ort.OrtValue | None],
-        cuts: Mapping[str, tuple[np.ndarray, ort.OrtValue]],
-        kept: Mapping[str, np.ndarray],
-        written: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None,
+        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]],
+        kept: dict[str, np.ndarray],
+        pool: _Pool | None = None,
     ) -> dict[str, Any]:
         """Run the steps, segments writing into ``cuts`` and kernels into ``kept`` where
-        those hold a value, and return the ``outputs``. With ``written``, record there the
-        type and shape of each value in host memory that a step writes into memory of its
-        own, and let go of each value after its last reader."""
+        those hold a value, and return the ``outputs``. With ``pool``, give each value in
+        host memory that a step writes into memory of its own a buffer from ``pool`` as it is
+        written (:meth:`_place`), and let go of each value after its last reader."""
         values: dict[str, Any] = dict(self._fed)
         for i, step in enumerate(self._steps):
+            if pool is not None:
+                pool.release(i)
             if isinstance(step, tuple):
                 runner, segment = step
                 for name in segment.inputs:
@@ -406,14 +412,8 @@ class SegmentedRunner:
                 values.update(runner.run(bound))
             else:
                 self._run_kernel(step, values, outputs, kept)
-            if written is not None:
-                for name in _writes(step):
-                    value = values[name]
-                    if outputs.get(name) is None and isinstance(
-                        value, ort.OrtValue if isinstance(step, tuple) else np.ndarray
-                    ):
-                        array = _host(value)
-                        written[name] = (array.dtype, array.shape)
+            if pool is not None:
+                self._place(i, values, outputs, cuts, kept, pool)
                 for name in self._done[i]:
                     if name not in outputs:
                         values.pop(name, None)
@@ -423,48 +423,51 @@ class SegmentedRunner:
         cut = self._cuts.get(name)
         return cut[0] if cut is not None and cut[1] is value else _host(value)
 
-    def _buffers(
+    def _place(
         self,
-        written: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+        index: int,
+        values: dict[str, Any],
         outputs: Mapping[str, ort.OrtValue | None],
-    ) -> tuple[dict[str, tuple[np.ndarray, ort.OrtValue]], dict[str, np.ndarray]]:
-        """Buffers of the types and shapes in ``written``: for the values a segment writes
-        (not the caller's ``outputs``, which onnxruntime allocates), the array and its
-        OrtValue; for those a kernel writes, the array.
+        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]],
+        kept: dict[str, np.ndarray],
+        pool: _Pool,
+    ) -> None:
+        """Move what step ``index`` wrote into memory of its own (not the caller's
+        ``outputs``: onnxruntime allocates a segment's, a kernel's live to the end of the run)
+        into buffers of ``pool``, kept for the next runs: for a segment's values the array and
+        its OrtValue in ``cuts``, for a kernel's the array in ``kept``. The memory the step
+        allocated goes back at once (a segment's binding lets go of its outputs), so that
+        onnxruntime's arena never holds the values that cross the cuts: it holds a segment's
+        own intermediates alone, as in the runs that follow.
 
-        A value lives from the step that writes it to the last that reads it (to the end of
-        the run where the caller asked for it); values that do not live at the same time share
-        memory, so that the step's working set stays small and in cache.
+        A value lives from the step that writes it to the last that reads it (a value that
+        several steps write, to the last of them); values that do not live at the same time
+        share memory, so that the step's working set stays small and in cache.
         """
-        last = {name: i for i, names in enumerate(self._done) for name in names}
-        for i, step in enumerate(self._steps):  # a value that several steps write (a
-            for name in _writes(step):  # constant each segment computes) lives to the last
-                last[name] = max(last.get(name, i), i)
-        free: list[np.ndarray] = []
-        live: list[tuple[int, np.ndarray]] = []  # the last step that reads each, its memory
-        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
-        kept: dict[str, np.ndarray] = {}
-        for start, step in enumerate(self._steps):
-            free += [memory for read, memory in live if read < start]
-            live = [(read, memory) for read, memory in live if read >= start]
-            for name in _writes(step):
-                if name not in written or (isinstance(step, tuple) and name in outputs):
-                    continue
-                if name in cuts or name in kept:
-                    continue  # written again, into the memory its first writer got
-                dtype, shape = written[name]
-                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                fits = [k for k, memory in enumerate(free) if memory.nbytes >= size]
-                best = min(fits, key=lambda k: free[k].nbytes, default=None)  # the smallest
-                memory = free.pop(best) if best is not None else _aligned(size)
-                end = len(self._steps) if name in outputs else max(last.get(name, start), start)
-                live.append((end, memory))
-                array = memory[:size].view(dtype).reshape(shape)
-                if isinstance(step, tuple):
-                    cuts[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-                else:
-                    kept[name] = array
-        return cuts, kept
+        step = self._steps[index]
+        segment = isinstance(step, tuple)
+        moved = False
+        for name in _writes(step):
+            value = values[name]
+            if name in cuts or name in kept or outputs.get(name) is not None:
+                continue  # in its buffer already (written again), or in the caller's
+            if segment and name in outputs:
+                continue
+            if not isinstance(value, ort.OrtValue if segment else np.ndarray):
+                continue
+            array = _host(value)
+            end = len(self._steps) if name in outputs else max(self._last.get(name, index), index)
+            size = array.nbytes
+            placed = pool.take(size, end)[:size].view(array.dtype).reshape(array.shape)
+            np.copyto(placed, array)
+            if segment:
+                cuts[name] = (placed, ort.OrtValue.ortvalue_from_numpy(placed))
+                values[name] = cuts[name][1]
+                moved = True
+            else:
+                kept[name] = values[name] = placed
+        if moved and isinstance(step, tuple):
+            step[0].release_outputs()
 
     def _run_kernel(
         self,
@@ -623,6 +626,29 @@ class _Input:
 
 
 _ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}
+
+
+class _Pool:
+    """Memory for values that live from one step of a run to a later one, handed out in the
+    order the steps run: a value takes the smallest free block that holds it, or a new one, and
+    gives it back after the last step that reads it."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._live: list[tuple[int, np.ndarray]] = []  # the last step that reads each, its memory
+
+    def release(self, step: int) -> None:
+        """Free the blocks of the values that no step from ``step`` on reads."""
+        self._free += [memory for end, memory in self._live if end < step]
+        self._live = [(end, memory) for end, memory in self._live if end >= step]
+
+    def take(self, size: int, end: int) -> np.ndarray:
+        """A block of at least ``size`` bytes, held until step ``end`` has run."""
+        fits = [k for k, memory in enumerate(self._free) if memory.nbytes >= size]
+        best = min(fits, key=lambda k: self._free[k].nbytes, default=None)  # the smallest
+        memory = self._free.pop(best) if best is not None else _aligned(size)
+        self._live.append((end, memory))
+        return memory
 
 
 def _aligned(size: int, alignment: int = 64) -> np.ndarray:
