@@ -1,4 +1,4 @@
-"""LSTM and GRU gradients (unrolled backpropagation through time).
+"""LSTM and GRU gradients (backpropagation through time).
 
 onnxruntime's LSTM and GRU kernels are float32 only, so the checks run in float32 with a large
 finite-difference step and looser tolerances.
@@ -231,12 +231,11 @@ def check_float64(op, lbr, direction, layout, used, symbolic_input=False):
     feeds = {**data, **weights}
     loss, *grads = ReferenceEvaluator(grad_model).run(["loss", *(f"{x}_grad" for x in data)], feeds)
     got = dict(zip(data, grads))
-    # The gradient graph's forward (an LSTM's steps, rebuilt so that the gradient reads its
+    # The gradient graph's forward (the node's steps, rebuilt so that the gradient reads their
     # gates) computes the node's outputs.
     expected_loss = ReferenceEvaluator(loss_model).run(["loss"], feeds)[0]
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-12)
-    if op == "LSTM":
-        assert "LSTM" not in {n.op_type for n in grad_model.graph.node}
+    assert op not in {n.op_type for n in grad_model.graph.node}
     if lbr == 0:
         forward = ReferenceEvaluator(loss_model)
         for name in data:
@@ -252,19 +251,22 @@ def check_float64(op, lbr, direction, layout, used, symbolic_input=False):
     )  # fmt: skip
 
 
-def test_lstm_without_y_output():
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_without_y_output(op):
     # The replaced forward computes the final states alone where the node has no Y.
-    inputs = rnn_inputs("LSTM", "bidirectional", h0=True)
-    model = make_op_model("LSTM", inputs, {"hidden_size": HIDDEN, "direction": "bidirectional"},
-                          num_outputs=3, dynamic="none")  # fmt: skip
+    inputs = rnn_inputs(op, "bidirectional", h0=True)
+    num_outputs = 3 if op == "LSTM" else 2
+    model = make_op_model(op, inputs, {"hidden_size": HIDDEN, "direction": "bidirectional"},
+                          num_outputs=num_outputs, dynamic="none")  # fmt: skip
     model.graph.node[0].output[0] = ""
     del model.graph.output[0]
     data = {k: v for k, v in inputs.items() if v is not None}
     outs = session(model).run(None, data)
-    loss_model = add_weighted_sum_loss(model, ["y1", "y2"], outs)
+    used = [f"y{k}" for k in range(1, num_outputs)]
+    loss_model = add_weighted_sum_loss(model, used, outs)
     rng = np.random.default_rng(1)
-    weights = {f"w_y{k}": rng.uniform(0.5, 1.5, o.shape).astype(np.float32)
-               for k, o in zip((1, 2), outs)}  # fmt: skip
+    weights = {f"w_{n}": rng.uniform(0.5, 1.5, o.shape).astype(np.float32)
+               for n, o in zip(used, outs)}  # fmt: skip
     check_model_gradient(loss_model, {**data, **weights}, list(data), **F32)
 
 

@@ -1,31 +1,28 @@
 """Gradients of LSTM and GRU over the static time steps of the recurrence.
 
-An LSTM without peepholes is replaced in the training graph by its forward written step by
-step (:func:`_lstm_gradient`): one ``Gemm`` over all steps for ``X W^T + Wb + Rb``, then per
-step one ``Gemm`` for ``+ H_prev R^T``, the gates and the cell state, and the slopes that the
-backward recurrence reads, made while the step's gates are at hand; the gradient reads them
-instead of recomputing the gates. With gate order ``i, o, f, c`` (``g`` the candidate ``c``)
-and ``t + 1`` the step after ``t`` in the direction's order:
+The node is replaced in the training graph by its forward written step by step
+(:func:`_stepwise_gradient`): one ``Gemm`` over all steps for ``X W^T`` and the biases, then
+per step a ``Gemm`` or two for the recurrence and the gates' elementwise math; the gradient
+reads the gates the forward made instead of recomputing them. For LSTM the forward also makes
+the slopes the backward recurrence reads, while the step's gates are at hand. With gate order
+``i, o, f, c`` (``g`` the candidate ``c``) and ``t + 1`` the step after ``t`` in the
+direction's order:
 
     c_t = f_t c_{t-1} + i_t g_t,   h_t = o_t tanh c_t
     dh_t = dY_t + dG_{t+1} R,   dc_t = dh_t o_t (1 - tanh^2 c_t) + dc_{t+1} f_{t+1}
     dG_t = [dc_t, dh_t, dc_t, dc_t] * [i_t g_t (1 - i_t), h_t (1 - o_t),
                                        f_t c_{t-1} (1 - f_t), i_t (1 - g_t^2)]
 
-A GRU whose output ``Y`` is present keeps its node; its gradient runs over all steps at once
-(:func:`_gru_gradient`): the previous hidden states are ``Y`` shifted by a step, so the gates
-of every step come from a few ``Gemm`` over all steps; only the backward recurrence runs step
-by step, as :func:`_gru_direction_gradient` says. Either way the weight, bias and input
-gradients are one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
-``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``.
+and for GRU as :func:`_gru_backward` says. The weight, bias and input gradients are then one
+``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``, ``dR = dG^T H_prev``,
+``dB = sum dG``, ``dX = dG W``.
 
-Otherwise (an LSTM with peepholes, a GRU without ``Y``) the rule rebuilds the node's forward
-computation from primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``,
-``Concat``, ...) in a scratch graph, one step per time step and direction (:func:`unroll`),
-differentiates that graph with :func:`traingraph.autodiff.engine.differentiate`
-(backpropagation through time), and moves the rebuilt forward and its gradient into the model's
-graph; the original node keeps computing the forward outputs, and the gradient recomputes the
-activations it needs.
+An LSTM with peepholes keeps its node: the rule rebuilds the node's forward computation from
+primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
+in a scratch graph, one step per time step and direction (:func:`unroll`), differentiates that
+graph with :func:`traingraph.autodiff.engine.differentiate` (backpropagation through time), and
+moves the rebuilt forward and its gradient into the model's graph; the node keeps computing the
+forward outputs, and the gradient recomputes the activations it needs.
 
 With ``x_t`` the input at step ``t``, ``h``/``c`` the previous hidden and cell states and ``W``,
 ``R``, ``Wb``, ``Rb``, ``P`` the weights, recurrences, biases and peepholes of one direction
@@ -381,70 +378,208 @@ def _steps(b: OpBuilder, rows: ir.Value, steps: int) -> tuple[ir.Value, ...]:
     return tuple(b.op("Split", rows, axis=0, num_outputs=steps))
 
 
-@dataclass(frozen=True)
-class _Direction:
-    """The inputs of one GRU direction, time-major: ``x`` ``[T, N, I]``, ``w`` ``[3H, I]``,
-    ``r`` ``[3H, H]``, ``bias`` ``[6H]``, the initial state ``h0`` ``[N, H]``, ``y`` the
-    hidden states ``[T, D, N, H]`` the node computed (this direction at ``index``), ``dy`` the
-    gradients of this direction's hidden states by step (``[N, H]`` each) and ``dy_h`` that of
-    the final state; ``needs`` says for each node input whether its gradient is wanted;
-    ``dtype`` is the node's float type and ``input_size`` ``I`` where it is static."""
-
-    x: ir.Value
-    w: ir.Value
-    r: ir.Value
-    bias: ir.Value | None
-    h0: ir.Value
-    y: ir.Value
-    index: int
-    dy: Sequence[ir.Value] | None
-    dy_h: ir.Value | None
-    reverse: bool
-    needs: Sequence[bool]
-    dtype: ir.DataType
-    input_size: int | None
-
-    def order(self, steps: int) -> list[int]:
-        """The time steps in the order the direction runs them."""
-        return list(range(steps - 1, -1, -1)) if self.reverse else list(range(steps))
-
-    def previous_hidden(self, b: OpBuilder, steps: int) -> ir.Value:
-        """The hidden state before each step, time-major rows ``[T*N, H]``: ``Y`` shifted by
-        a step, the initial state first."""
-        if steps == 1:
-            return self.h0
-        h0, k = b.unsqueeze(self.h0, [0, 1]), self.index
-        before = [h0, b.slice(self.y, [0, k], [steps - 1, k + 1], [0, 1])]
-        if self.reverse:
-            before = [b.slice(self.y, [1, k], [steps, k + 1], [0, 1]), h0]
-        return b.Flatten(b.Concat(*before, axis=0), axis=3)
-
-    def hidden_gradient(self, b: OpBuilder, t: int, back: ir.Value | None) -> ir.Value:
-        """``dh_t``: the gradient of ``Y_t`` plus ``back``, what flows back from the step after
-        ``t`` (None for the last step, which takes ``Y_h``'s gradient)."""
-        dh = self.dy_h if back is None else back
-        if self.dy is not None:
-            dh = self.dy[t] if dh is None else b.Add(self.dy[t], dh)
-        return dh if dh is not None else b.zeros_like(self.h0)
-
-    def wanted(self, gradients: dict[int, Callable[[], ir.Value]]) -> dict[int, ir.Value]:
-        """The gradients of the wanted node inputs, built from their makers."""
-        return {i: make() for i, make in gradients.items() if i < len(self.needs) and self.needs[i]}
-
-
 def _time_rows(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
     """``[N, X]`` pieces by time step as time-major rows ``[T*N, X]``."""
     return b.Concat(*(pieces[t] for t in range(steps)), axis=0) if steps > 1 else pieces[0]
 
 
-def _gru_direction_gradient(
-    b: OpBuilder, d: _Direction, spec: RecurrentSpec
+@dataclass
+class _Steps:
+    """One direction's forward by time step: ``order`` the steps in the order the direction
+    runs them, ``h0`` the initial hidden state, ``h`` the hidden states and ``c`` the final cell
+    state (LSTM), with what the direction's backward reads (see the subclasses)."""
+
+    order: list[int]
+    h0: ir.Value
+    c: ir.Value | None = None
+    h: dict[int, ir.Value] = field(default_factory=dict)
+
+    def previous(self, b: OpBuilder, steps: int) -> ir.Value:
+        """The hidden state before each step as time-major rows ``[T*N, H]``."""
+        before = dict(zip(self.order, [self.h0] + [self.h[t] for t in self.order[:-1]]))
+        return _time_rows(b, before, steps)
+
+    def hidden_gradient(
+        self,
+        b: OpBuilder,
+        t: int,
+        back: ir.Value | None,
+        dy: Sequence[ir.Value] | None,
+        dy_h: ir.Value | None,
+    ) -> ir.Value:
+        """``dh_t``: the gradient ``dy[t]`` of ``Y_t`` plus ``back``, what flows back from the
+        step after ``t`` (None for the last step, which takes ``Y_h``'s gradient ``dy_h``)."""
+        dh = dy_h if back is None else back
+        if dy is not None:
+            dh = dy[t] if dh is None else b.Add(dy[t], dh)
+        return dh if dh is not None else b.zeros_like(self.h0)
+
+
+@dataclass
+class _LstmSteps(_Steps):
+    """An LSTM direction's steps, with the forget gates ``f``, the gate slopes ``slope``
+    (``[N, 4H]``: what ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates'
+    gradient) and ``through`` (``o_t (1 - tanh^2 c_t)``: what ``dh_t`` is multiplied by in
+    ``dc_t``)."""
+
+    f: dict[int, ir.Value] = field(default_factory=dict)
+    slope: dict[int, ir.Value] = field(default_factory=dict)
+    through: dict[int, ir.Value] = field(default_factory=dict)
+
+
+@dataclass
+class _GruSteps(_Steps):
+    """A GRU direction's steps, with the update gates ``z``, the reset gates ``r``, the
+    candidates ``n`` and ``inner``: ``u_t = h_{t-1} R_h^T + Rb_h`` (linear_before_reset=1) or
+    ``r_t h_{t-1}`` (linear_before_reset=0)."""
+
+    z: dict[int, ir.Value] = field(default_factory=dict)
+    r: dict[int, ir.Value] = field(default_factory=dict)
+    n: dict[int, ir.Value] = field(default_factory=dict)
+    inner: dict[int, ir.Value] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _DirectionInputs:
+    """One direction's inputs: ``x2`` the time-major input rows ``[T*N, I]``, ``w`` ``[G*H, I]``,
+    ``r`` ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G`` gates), the initial states ``[N, H]`` (zeros
+    where absent; no cell state for GRU), ``order`` the steps in the order the direction runs
+    them and ``dtype`` the node's float type."""
+
+    x2: ir.Value
+    w: ir.Value
+    r: ir.Value
+    bias: ir.Value | None
+    h0: ir.Value
+    c0: ir.Value | None
+    order: list[int]
+    dtype: ir.DataType
+
+
+@dataclass(frozen=True)
+class _OutputGradients:
+    """One direction's output gradients: ``dy`` those of its hidden states by step (``[N, H]``
+    each), ``dy_h`` / ``dy_c`` those of its final states; None where absent."""
+
+    dy: Sequence[ir.Value] | None
+    dy_h: ir.Value | None
+    dy_c: ir.Value | None
+
+
+def _lstm_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _LstmSteps:
+    """An LSTM direction's forward: one ``Gemm`` over all steps for ``x_t W^T + Wb + Rb``, then
+    one ``Gemm`` per step for the gates, and the slopes its gradient reads, made while the
+    step's gates are at hand (the module docstring's formulas with ``i_t g_t``, ``h_t`` and
+    ``f_t c_{t-1}`` reused: ``[i_t g_t, h_t, f_t c_{t-1}] (1 - [i, o, f])``,
+    ``i_t - i_t g_t g_t`` and ``o_t - h_t tanh c_t``)."""
+    hidden = spec.hidden
+    bias = d.bias
+    if bias is not None:
+        bias = b.Add(*b.split(bias, [4 * hidden] * 2, axis=0))
+    projected = b.Gemm(d.x2, d.w, *([] if bias is None else [bias]), transB=1)
+    pieces = _steps(b, projected, spec.steps)
+    one = b.const(1.0, d.dtype)
+    assert d.c0 is not None
+    steps = _LstmSteps(d.order, d.h0)
+    h, c = d.h0, d.c0
+    for t in d.order:
+        gates = b.Gemm(h, d.r, pieces[t], transB=1)
+        pre_iof, pre_g = b.split(gates, [3 * hidden, hidden], axis=1)
+        iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
+        i, o, f = b.split(iof, [hidden] * 3, axis=1)
+        fc, ig = b.Mul(f, c), b.Mul(i, g)
+        c = b.Add(fc, ig)
+        tanh_c = b.Tanh(c)
+        h = b.Mul(o, tanh_c)
+        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=1), b.Sub(one, iof))
+        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=1)
+        steps.through[t] = b.Sub(o, b.Mul(h, tanh_c))
+        steps.h[t], steps.f[t] = h, f
+    steps.c = c
+    return steps
+
+
+def _gru_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _GruSteps:
+    """A GRU direction's forward: one ``Gemm`` over all steps for ``x_t W^T`` and the biases
+    outside the reset gate, then per step one ``Gemm`` for the update and reset gates and one
+    for the candidate."""
+    hidden = spec.hidden
+    x_bias, rb_h = _projection_bias(b, d.bias, spec, d.dtype)
+    projected = b.Gemm(d.x2, d.w, *([] if x_bias is None else [x_bias]), transB=1)
+    p_zr, p_h = b.split(projected, [2 * hidden, hidden], axis=1)
+    p_zr_t, p_h_t = _steps(b, p_zr, spec.steps), _steps(b, p_h, spec.steps)
+    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
+    steps = _GruSteps(d.order, d.h0)
+    h = d.h0
+    for t in d.order:
+        z, r = b.split(b.Sigmoid(b.Gemm(h, r_zr, p_zr_t[t], transB=1)), [hidden] * 2, axis=1)
+        if spec.linear_before_reset:
+            inner = b.Gemm(h, r_h, *([] if rb_h is None else [rb_h]), transB=1)
+            n = b.Tanh(b.Add(p_h_t[t], b.Mul(r, inner)))
+        else:
+            inner = b.Mul(r, h)
+            n = b.Tanh(b.Gemm(inner, r_h, p_h_t[t], transB=1))
+        h = b.Add(n, b.Mul(z, b.Sub(h, n)))
+        steps.z[t], steps.r[t], steps.n[t], steps.inner[t], steps.h[t] = z, r, n, inner, h
+    return steps
+
+
+def _lstm_backward(
+    b: OpBuilder,
+    fwd: _Steps,
+    d: _DirectionInputs,
+    g: _OutputGradients,
+    spec: RecurrentSpec,
+    need: Callable[[int], bool],
+) -> dict[int, ir.Value]:
+    """The gradients of one LSTM direction by node input where wanted: X (as ``[T*N, I]``),
+    W, R, B, initial_h and initial_c. Six nodes a step: ``dh_t = dY_t + dG_{t+1} R`` in one
+    ``Gemm``, ``dc_t``, then ``dG_t``."""
+    assert isinstance(fwd, _LstmSteps)
+    dgates: dict[int, ir.Value] = {}
+    dc: ir.Value | None = None
+    after: int | None = None
+    for t in reversed(fwd.order):
+        if after is None or dc is None:
+            dh, c_back = fwd.hidden_gradient(b, t, None, g.dy, g.dy_h), g.dy_c
+        else:
+            back = dgates[after]
+            dh = b.MatMul(back, d.r) if g.dy is None else b.Gemm(back, d.r, g.dy[t])
+            c_back = b.Mul(dc, fwd.f[after])
+        from_h = b.Mul(dh, fwd.through[t])
+        dc = from_h if c_back is None else b.Add(from_h, c_back)
+        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), fwd.slope[t])
+        after = t
+    assert dc is not None and after is not None
+    dg = _time_rows(b, dgates, spec.steps)
+    first = after  # the step the direction runs first
+
+    def bias_gradient() -> ir.Value:
+        db = b.sum(dg, [0], keepdims=False)
+        return b.Concat(db, db, axis=0)
+
+    makers: dict[int, Callable[[], ir.Value]] = {
+        0: lambda: b.MatMul(dg, d.w),
+        1: lambda: b.Gemm(dg, d.x2, transA=1),
+        2: lambda: b.Gemm(dg, fwd.previous(b, spec.steps), transA=1),
+        3: bias_gradient,
+        5: lambda: b.MatMul(dgates[first], d.r),
+        6: lambda: b.Mul(dc, fwd.f[first]),
+    }
+    return {i: make() for i, make in makers.items() if need(i)}
+
+
+def _gru_backward(
+    b: OpBuilder,
+    fwd: _Steps,
+    d: _DirectionInputs,
+    g: _OutputGradients,
+    spec: RecurrentSpec,
+    need: Callable[[int], bool],
 ) -> dict[int, ir.Value]:
     """The gradients of one GRU direction by node input where wanted: X (as ``[T*N, I]``),
-    W, R, B and initial_h.
-
-    With the previous hidden states read from ``Y``, every gate of every step is a ``Gemm``
-    over all steps (a GRU has no cell state); only the backward recurrence runs step by step::
+    W, R, B and initial_h. The slopes come from the forward's gates over all steps at once;
+    only the backward recurrence runs step by step::
 
         dn_t = dh_t (1 - z_t) (1 - n_t^2),   dz_t = dh_t (h_{t-1} - n_t) z_t (1 - z_t)
         linear_before_reset=1 (u_t = h_{t-1} R_h^T + Rb_h):
@@ -452,37 +587,30 @@ def _gru_direction_gradient(
         linear_before_reset=0 (e_t = dn_t R_h):
             dr_t = e_t h_{t-1} r_t (1 - r_t),   dh_{t-1} = dh_t z_t + e_t r_t + [dz_t, dr_t] R_zr
     """
+    assert isinstance(fwd, _GruSteps)
     steps, hidden = spec.steps, spec.hidden
-    order = d.order(steps)
-    x2, h_prev = b.Flatten(d.x, axis=2), d.previous_hidden(b, steps)
-    x_bias, rb_h = _projection_bias(b, d.bias, spec, d.dtype)
-    projected = b.Gemm(x2, d.w, *([] if x_bias is None else [x_bias]), transB=1)
-    p_zr, p_h = b.split(projected, [2 * hidden, hidden], axis=1)
+    order = fwd.order
+    h_prev = fwd.previous(b, steps)
+    z, r, n = (_time_rows(b, v, steps) for v in (fwd.z, fwd.r, fwd.n))
+    inner = _time_rows(b, fwd.inner, steps)
     r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
-    z, r = b.split(b.Sigmoid(b.Gemm(h_prev, r_zr, p_zr, transB=1)), [hidden, hidden], axis=1)
-    one = b.scalar(1.0, like=d.x)
-    if spec.linear_before_reset:
-        u = b.Gemm(h_prev, r_h, *([] if rb_h is None else [rb_h]), transB=1)
-        n = b.Tanh(b.Add(p_h, b.Mul(r, u)))
-    else:
-        rh = b.Mul(r, h_prev)
-        n = b.Tanh(b.Gemm(rh, r_h, p_h, transB=1))
+    one = b.const(1.0, d.dtype)
     to_n = b.Mul(b.Sub(one, z), b.Sub(one, b.Mul(n, n)))  # dn_t = dh_t * to_n
     to_z = b.Mul(b.Sub(h_prev, n), b.Mul(z, b.Sub(one, z)))  # dz_t = dh_t * to_z
     r_slope = b.Mul(r, b.Sub(one, r))
-    z_t = _steps(b, z, steps)
+    z_t = fwd.z
     dh_t: dict[int, ir.Value] = {}
     dgates: dict[int, ir.Value] = {}  # the rows that multiply R (R_zr without linear_before_reset)
     if spec.linear_before_reset:
         # dgates_t = [dz_t, dr_t, dn_t r_t] = [dh_t, dh_t, dh_t] * slopes
-        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(u, r_slope)), b.Mul(to_n, r), axis=1)
+        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=1)
         slope_t = _steps(b, slopes, steps)
         after = None
         for t in reversed(order):
             back = None
             if after is not None:
                 back = b.Gemm(dgates[after], d.r, b.Mul(dh_t[after], z_t[after]))
-            dh = dh_t[t] = d.hidden_gradient(b, t, back)
+            dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
             dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=1), slope_t[t])
             after = t
         assert after is not None
@@ -506,7 +634,7 @@ def _gru_direction_gradient(
 
     else:
         to_n_t, to_z_t = _steps(b, to_n, steps), _steps(b, to_z, steps)
-        r_t, to_r_t = _steps(b, r, steps), _steps(b, b.Mul(h_prev, r_slope), steps)
+        r_t, to_r_t = fwd.r, _steps(b, b.Mul(h_prev, r_slope), steps)
         d_n_t: dict[int, ir.Value] = {}
         reset: dict[int, ir.Value] = {}  # e_t = dn_t R_h
         after = None
@@ -515,7 +643,7 @@ def _gru_direction_gradient(
             if after is not None:
                 direct = b.Add(b.Mul(dh_t[after], z_t[after]), b.Mul(reset[after], r_t[after]))
                 back = b.Gemm(dgates[after], r_zr, direct)
-            dh = dh_t[t] = d.hidden_gradient(b, t, back)
+            dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
             d_n_t[t] = b.Mul(dh, to_n_t[t])
             reset[t] = b.MatMul(d_n_t[t], r_h)
             dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=1)
@@ -527,7 +655,7 @@ def _gru_direction_gradient(
         d_x_rows = b.Concat(d_zr, d_n, axis=1)
 
         def recurrence_gradient() -> ir.Value:
-            return b.Concat(b.Gemm(d_zr, h_prev, transA=1), b.Gemm(d_n, rh, transA=1), axis=0)
+            return b.Concat(b.Gemm(d_zr, h_prev, transA=1), b.Gemm(d_n, inner, transA=1), axis=0)
 
         def bias_gradient() -> ir.Value:
             db = b.sum(d_x_rows, [0], keepdims=False)
@@ -537,99 +665,21 @@ def _gru_direction_gradient(
             direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], r_t[first]))
             return b.Gemm(dgates[first], r_zr, direct)
 
-    return d.wanted(
-        {
-            0: lambda: b.MatMul(d_x_rows, d.w),
-            1: lambda: b.Gemm(d_x_rows, x2, transA=1),
-            2: recurrence_gradient,
-            3: bias_gradient,
-            5: initial_gradient,
-        }
-    )
+    makers: dict[int, Callable[[], ir.Value]] = {
+        0: lambda: b.MatMul(d_x_rows, d.w),
+        1: lambda: b.Gemm(d_x_rows, d.x2, transA=1),
+        2: recurrence_gradient,
+        3: bias_gradient,
+        5: initial_gradient,
+    }
+    return {i: make() for i, make in makers.items() if need(i)}
 
 
-@dataclass
-class _LstmSteps:
-    """One LSTM direction's forward by time step, with what its backward reads: the hidden
-    states ``h``, the forget gates ``f``, the gate slopes ``slope`` (``[N, 4H]``: what
-    ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates' gradient) and
-    ``through`` (``o_t (1 - tanh^2 c_t)``: what ``dh_t`` is multiplied by in ``dc_t``),
-    ``order`` the steps in the order the direction runs them, ``h0`` the initial hidden state
-    and ``c`` the final cell state."""
-
-    order: list[int]
-    h0: ir.Value
-    c: ir.Value
-    h: dict[int, ir.Value] = field(default_factory=dict)
-    f: dict[int, ir.Value] = field(default_factory=dict)
-    slope: dict[int, ir.Value] = field(default_factory=dict)
-    through: dict[int, ir.Value] = field(default_factory=dict)
-
-
-def _lstm_forward(
-    b: OpBuilder,
-    projected: Sequence[ir.Value],
-    h0: ir.Value,
-    c0: ir.Value,
-    r: ir.Value,
-    order: list[int],
-    hidden: int,
-    dtype: ir.DataType,
-) -> _LstmSteps:
-    """One direction's forward, step by step from ``projected`` (``x_t W^T + Wb + Rb`` by
-    step): one ``Gemm`` per step for the gates, and the slopes its gradient reads, made while
-    the step's gates are at hand (the module docstring's formulas with ``i_t g_t``, ``h_t``
-    and ``f_t c_{t-1}`` reused: ``[i_t g_t, h_t, f_t c_{t-1}] (1 - [i, o, f])``,
-    ``i_t - i_t g_t g_t`` and ``o_t - h_t tanh c_t``)."""
-    one = b.const(1.0, dtype)
-    steps = _LstmSteps(order, h0, c0)
-    h, c = h0, c0
-    for t in order:
-        pre_iof, pre_g = b.split(b.Gemm(h, r, projected[t], transB=1), [3 * hidden, hidden], 1)
-        iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
-        i, o, f = b.split(iof, [hidden] * 3, axis=1)
-        fc, ig = b.Mul(f, c), b.Mul(i, g)
-        c = b.Add(fc, ig)
-        tanh_c = b.Tanh(c)
-        h = b.Mul(o, tanh_c)
-        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=1), b.Sub(one, iof))
-        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=1)
-        steps.through[t] = b.Sub(o, b.Mul(h, tanh_c))
-        steps.h[t], steps.f[t] = h, f
-    steps.c = c
-    return steps
-
-
-def _lstm_backward(
-    b: OpBuilder,
-    steps: _LstmSteps,
-    r: ir.Value,
-    dy: Sequence[ir.Value] | None,
-    dy_h: ir.Value | None,
-    dy_c: ir.Value | None,
-) -> tuple[dict[int, ir.Value], ir.Value]:
-    """The gates' gradients by step, from the last step the direction runs to the first, and
-    the first step's ``dc`` (six nodes a step: ``dh_t = dY_t + dG_{t+1} R`` in one ``Gemm``,
-    ``dc_t``, then ``dG_t``)."""
-    dgates: dict[int, ir.Value] = {}
-    dc: ir.Value | None = None
-    after: int | None = None
-    for t in reversed(steps.order):
-        if after is None or dc is None:
-            parts = [v for v in (None if dy is None else dy[t], dy_h) if v is not None]
-            dh = b.Add(*parts) if len(parts) == 2 else parts[0] if parts else None
-            dh = b.zeros_like(steps.h[t]) if dh is None else dh
-            c_back = dy_c
-        else:
-            back = dgates[after]
-            dh = b.MatMul(back, r) if dy is None else b.Gemm(back, r, dy[t])
-            c_back = b.Mul(dc, steps.f[after])
-        from_h = b.Mul(dh, steps.through[t])
-        dc = from_h if c_back is None else b.Add(from_h, c_back)
-        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), steps.slope[t])
-        after = t
-    assert dc is not None
-    return dgates, dc
+_FORWARDS: dict[str, Callable[[OpBuilder, _DirectionInputs, RecurrentSpec], _Steps]] = {
+    "LSTM": _lstm_forward,
+    "GRU": _gru_forward,
+}
+_BACKWARDS = {"LSTM": _lstm_backward, "GRU": _gru_backward}
 
 
 def _replace_outputs(ctx: GradContext, scratch: ir.Graph, new: Sequence[ir.Value | None]) -> None:
@@ -649,12 +699,13 @@ def _in_use(value: ir.Value) -> bool:
     return bool(value.name) and (bool(value.uses()) or value.is_graph_output())
 
 
-def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """The LSTM's gradient, with the node replaced by its forward step by step (see the module
-    docstring); peepholes take :func:`_recurrent_gradient`."""
+def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
+    """The gradient of an LSTM or GRU node, which is replaced by its forward written step by
+    step (see the module docstring); an LSTM with peepholes takes :func:`_recurrent_gradient`."""
     spec = recurrent_spec(ctx)
+    lstm = spec.op_type == "LSTM"
     dtype = ctx.x(0).dtype
-    if ctx.has_input(7) or ctx.node.graph is None or dtype is None:
+    if (lstm and ctx.has_input(7)) or ctx.node.graph is None or dtype is None:
         return _recurrent_gradient(ctx, grads)
     b, layout, count = ctx.b, spec.layout, len(spec.reverses)
     steps, hidden = spec.steps, spec.hidden
@@ -671,142 +722,66 @@ def _lstm_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     assert x is not None
     x2 = fb.Flatten(x, axis=2)
     h0s, c0s = (
-        _per_direction(fb, _time_major(fb, optional(i), layout, [1, 0, 2]), count) for i in (5, 6)
+        _per_direction(fb, _time_major(fb, v, layout, [1, 0, 2]), count)
+        for v in (optional(5), optional(6) if lstm else None)
     )
     zeros = None
-    if any(s is None for s in (*h0s, *c0s)):
+    if any(s is None for s in (*h0s, *(c0s if lstm else ()))):
         zeros = _zeros_state(fb, x, hidden, dtype)
     ws, rs = _per_direction(fb, ctx.x(1), count), _per_direction(fb, ctx.x(2), count)
     biases = _per_direction(fb, optional(3), count)
-    directions = []
+    inputs, forwards = [], []
     for k, reverse in enumerate(spec.reverses):
-        w, r, bias = ws[k], rs[k], biases[k]
-        assert w is not None and r is not None
-        if bias is not None:
-            bias = fb.Add(*fb.split(bias, [4 * hidden] * 2, axis=0))
-        projected = fb.Gemm(x2, w, *([] if bias is None else [bias]), transB=1)
-        h0, c0 = h0s[k] or zeros, c0s[k] or zeros
-        assert h0 is not None and c0 is not None
+        w, r, h0 = ws[k], rs[k], h0s[k] or zeros
+        assert w is not None and r is not None and h0 is not None
         order = list(range(steps - 1, -1, -1) if reverse else range(steps))
-        directions.append(
-            _lstm_forward(fb, _steps(fb, projected, steps), h0, c0, r, order, hidden, dtype)
-        )
+        c0 = (c0s[k] or zeros) if lstm else None
+        d = _DirectionInputs(x2, w, r, biases[k], h0, c0, order, dtype)
+        inputs.append(d)
+        forwards.append(_FORWARDS[spec.op_type](fb, d, spec))
     new: list[ir.Value | None] = [None] * len(ctx.outputs)
     if _in_use(ctx.outputs[0]):
-        pieces = [d.h[t] for t in range(steps) for d in directions]  # [T, D, N, H] in order
+        pieces = [f.h[t] for t in range(steps) for f in forwards]  # [T, D, N, H] in order
         rows = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]
         y = fb.Reshape(rows, fb.ints([steps, count, -1, hidden]))
         new[0] = fb.Transpose(y, perm=[2, 0, 1, 3]) if layout else y
-    for k, finals in ((1, [d.h[d.order[-1]] for d in directions]), (2, [d.c for d in directions])):
+    finals: dict[int, list[ir.Value | None]] = {
+        1: [f.h[f.order[-1]] for f in forwards],
+        2: [f.c for f in forwards],
+    }
+    for k, states in finals.items():
         if k < len(ctx.outputs) and _in_use(ctx.outputs[k]):
-            state = _stack(fb, finals, 0)
+            state = _stack(fb, [s for s in states if s is not None], 0)
             new[k] = fb.Transpose(state, perm=[1, 0, 2]) if layout else state
     _replace_outputs(ctx, scratch, new)
 
     dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
+    # dY by step and direction: [N, H] pieces in (step, direction) order
     dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), steps * count)
     dy_h, dy_c = (
         _per_direction(b, _time_major(b, grad(k), layout, [1, 0, 2]), count) for k in (1, 2)
     )
-    out: list[ir.Value | None] = [None] * len(ctx.inputs)
     by_input: dict[int, list[ir.Value]] = {i: [] for i in (0, 1, 2, 3, 5, 6)}
-    for k, d in enumerate(directions):
-        w, r = ws[k], rs[k]
-        assert w is not None and r is not None
-        dgates, dc = _lstm_backward(
-            b, d, r, None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k]
-        )
-        dg = _time_rows(b, dgates, steps)
-        first = d.order[0]
-        if ctx.need(0):
-            by_input[0].append(b.MatMul(dg, w))
-        if ctx.need(1):
-            by_input[1].append(b.Gemm(dg, x2, transA=1))
-        if ctx.need(2):
-            before = dict(zip(d.order, [d.h0] + [d.h[t] for t in d.order[:-1]]))
-            by_input[2].append(b.Gemm(dg, _time_rows(b, before, steps), transA=1))
-        if ctx.need(3):
-            db = b.sum(dg, [0], keepdims=False)
-            by_input[3].append(b.Concat(db, db, axis=0))
-        if ctx.need(5):
-            by_input[5].append(b.MatMul(dgates[first], r))
-        if ctx.need(6):
-            by_input[6].append(b.Mul(dc, d.f[first]))
-    if ctx.need(0):
+    for k, (d, fwd) in enumerate(zip(inputs, forwards)):
+        g = _OutputGradients(None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k])
+        for i, value in _BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need).items():
+            by_input[i].append(value)
+    out: list[ir.Value | None] = [None] * len(ctx.inputs)
+    if by_input[0]:
         dx_rows = by_input[0][0]
         for other in by_input[0][1:]:
             dx_rows = b.Add(dx_rows, other)
         dx = b.reshape_like(dx_rows, x)
         out[0] = b.Transpose(dx, perm=[1, 0, 2]) if layout else dx
     for i in (1, 2, 3):
-        if ctx.need(i):
+        if by_input[i]:
             out[i] = _stack(b, by_input[i], 0)
     for i in (5, 6):
-        if ctx.need(i):
+        if by_input[i]:
             state = _stack(b, by_input[i], 0)
             out[i] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
     return out
 
 
-def _gru_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """The GRU's gradient over all steps at once where the node's ``Y`` is there to read the
-    hidden states from; else :func:`_recurrent_gradient`."""
-    spec = recurrent_spec(ctx)
-    outputs = ctx.outputs
-    if not outputs or not outputs[0].name:
-        return _recurrent_gradient(ctx, grads)
-    dtype = outputs[0].dtype
-    if dtype is None:
-        return _recurrent_gradient(ctx, grads)
-    b, layout, count = ctx.b, spec.layout, len(spec.reverses)
-
-    def optional(i: int) -> ir.Value | None:
-        return ctx.inputs[i] if ctx.has_input(i) else None
-
-    def grad(k: int) -> ir.Value | None:
-        return grads[k] if k < len(grads) else None
-
-    x = _time_major(b, ctx.x(0), layout, [1, 0, 2])
-    y = _time_major(b, outputs[0], layout, [1, 2, 0, 3])
-    assert x is not None and y is not None
-    dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
-    h0s, dy_h = (
-        _per_direction(b, _time_major(b, v, layout, [1, 0, 2]), count)
-        for v in (optional(5), grad(1))
-    )
-    zeros = _zeros_state(b, x, spec.hidden, dtype)
-    ws, rs = _per_direction(b, ctx.x(1), count), _per_direction(b, ctx.x(2), count)
-    biases = _per_direction(b, optional(3), count)
-    w_shape = ctx.x(1).shape
-    input_size = w_shape.dims[-1] if w_shape is not None and len(w_shape) == 3 else None
-    input_size = input_size if isinstance(input_size, int) else None
-    # dY by step and direction: [N, H] pieces in (step, direction) order
-    dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), spec.steps * count)
-    results = []
-    for k, reverse in enumerate(spec.reverses):
-        w, r = ws[k], rs[k]
-        assert w is not None and r is not None
-        direction = _Direction(
-            x, w, r, biases[k], h0s[k] or zeros, y, k,
-            None if dy_steps is None else dy_steps[k::count], dy_h[k], reverse, ctx.needs,
-            dtype, input_size,
-        )  # fmt: skip
-        results.append(_gru_direction_gradient(b, direction, spec))
-    out: list[ir.Value | None] = [None] * len(ctx.inputs)
-    if ctx.need(0):
-        dx_rows = results[0][0]
-        for other in results[1:]:
-            dx_rows = b.Add(dx_rows, other[0])
-        dx = b.reshape_like(dx_rows, x)
-        out[0] = b.Transpose(dx, perm=[1, 0, 2]) if layout else dx
-    for i in (1, 2, 3):
-        if ctx.need(i):
-            out[i] = _stack(b, [res[i] for res in results], 0)
-    if ctx.need(5):
-        state = _stack(b, [res[5] for res in results], 0)
-        out[5] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
-    return out
-
-
-register_gradient("LSTM")(_lstm_gradient)
-register_gradient("GRU")(_gru_gradient)
+register_gradient("LSTM")(_stepwise_gradient)
+register_gradient("GRU")(_stepwise_gradient)
