@@ -10,8 +10,11 @@ gradient ``g`` alone. Where a Dropout follows (a Mul by its mask, which only it 
 forward writes the masked output and the gradient reads the masked output's gradient: the two
 Muls by the mask go too.
 
-:func:`split_gelus` finds each Erf-based GELU and the gradient nodes that read its
-intermediate values; the nodes are replaced only where nothing else reads those values. Each
+:func:`split_gelus` takes each Erf-based GELU that the rules of
+:data:`traingraph.runtime.cpu.patterns.GELU` match and walks from its nodes to the gradient
+nodes that read its intermediate values: autodiff writes that gradient op by op (no rule
+writes it whole, to tag it), and its form follows how the contributions of the GELU's uses of
+``a`` are summed. The nodes are replaced only where nothing else reads those values. Each
 match is checked against the nodes it replaces on random inputs. The kernel's erf is within
 1.5e-7 of the exact one (onnxruntime's is within a few units in the last place).
 
@@ -20,14 +23,13 @@ The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
-from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu import graph_match, patterns, verify
 from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
@@ -81,27 +83,27 @@ class Gelu(OneOutput):
 def split_gelus(
     model: onnx.ModelProto, taken: Set[int] = frozenset(), read: Set[str] = frozenset()
 ) -> list[tuple[Gelu, set[int]]]:
-    """Each GELU of ``model`` (``Mul(Mul(a, Add(Erf(Div(a, sqrt 2)), 1)), 0.5)``, or with the
-    half taken first) and the gradient that reads its values, as :class:`Gelu` kernels with
-    the indices of the nodes each replaces, none in ``taken`` (other kernels' nodes, which read
-    only the values in ``read``). ``[]`` where the extension is missing or nothing matches."""
-    if not graph_match.can_match(model, "gelu", "Erf"):
+    """Each GELU of ``model`` (a match of :data:`traingraph.runtime.cpu.patterns.GELU`, with
+    the Dropout mask after it where there is one) and the gradient that reads its values, as
+    :class:`Gelu` kernels with the indices of the nodes each replaces, none in ``taken`` (other
+    kernels' nodes, which read only the values in ``read``). ``[]`` where the extension is
+    missing or nothing matches."""
+    if NATIVE is None or not hasattr(NATIVE, "gelu"):
         return []
-    graph = model.graph
-    g = graph_match.GraphIndex.of(graph)
-    constants = graph_match.constant_values(graph)
-    shapes = graph_match.inferred_shapes(model)
-    matches: list[tuple[Gelu, set[int]]] = []
-    claimed = set(taken)
-    for i, node in enumerate(g.nodes):
-        if i in claimed or node.op_type != "Erf" or node.domain not in _DEFAULT:
-            continue
-        found = _match(g, i, constants, claimed, shapes, read)
-        if found is not None:
-            for kernel, nodes in found:
+    with graph_match.shared_analyses():
+        found = patterns.find(model, patterns.GELU, taken, read)
+        if not found:
+            return []
+        g = graph_match.GraphIndex.of(model.graph)
+        constants = graph_match.constant_values(model.graph)
+        matches: list[tuple[Gelu, set[int]]] = []
+        claimed = set(taken)
+        for match in found:
+            kernels = _kernels(g, match, constants, claimed)
+            for kernel, nodes in kernels or []:
                 claimed |= nodes
                 matches.append((kernel, nodes))
-    return verify.verified_kernels(model, g, matches, shapes)
+        return verify.verified_kernels(model, g, matches, graph_match.inferred_shapes(model))
 
 
 def _scalar(constants: Mapping[str, np.ndarray], name: str) -> float | None:
@@ -111,10 +113,6 @@ def _scalar(constants: Mapping[str, np.ndarray], name: str) -> float | None:
     return float(value.reshape(()))
 
 
-def _close(value: float | None, target: float) -> bool:
-    return value is not None and abs(value - target) <= 1e-6 * abs(target)
-
-
 def _other(node: onnx.NodeProto, value: str) -> str | None:
     """The other input of a two-input node one of whose inputs is ``value``."""
     if len(node.input) != 2 or value not in node.input or node.input[0] == node.input[1]:
@@ -122,46 +120,20 @@ def _other(node: onnx.NodeProto, value: str) -> str | None:
     return node.input[1] if node.input[0] == value else node.input[0]
 
 
-def _match(
+def _kernels(
     g: graph_match.GraphIndex,
-    erf: int,
+    match: patterns.Match,
     constants: Mapping[str, np.ndarray],
     taken: Set[int],
-    shapes: Mapping[str, list[int | None]],
-    read: Set[str] = frozenset(),
 ) -> list[tuple[Gelu, set[int]]] | None:
-    """The forward kernel (and the gradient kernel, where the graph has one) of the GELU
-    around the Erf node ``erf``, with the Dropout mask after it where there is one (see
-    :func:`_masked`), or None where the nodes are not a GELU's alone."""
-    d = g.nodes[erf].input[0]
-    scaled = g.producer.get(d)
-    if scaled is None or scaled in taken:
+    """The forward kernel of the GELU ``match`` and the gradient kernel, where the graph has
+    one (the nodes after the values of the forward: :func:`_backward`), or None where they are
+    not a GELU's alone."""
+    if match.nodes & taken:
         return None
-    div = g.nodes[scaled]
-    if div.op_type == "Div" and div.domain in _DEFAULT and len(div.input) == 2:
-        a = div.input[0]
-        if not _close(_scalar(constants, div.input[1]), math.sqrt(2.0)):
-            return None
-    elif div.op_type == "Mul" and div.domain in _DEFAULT:
-        a = next((v for v in div.input if v not in constants), "")
-        other = _other(div, a)
-        if not a or other is None or not _close(_scalar(constants, other), math.sqrt(0.5)):
-            return None
-    else:
-        return None
-    one = g.only_reader(g.nodes[erf].output[0], taken)
-    if one is None or g.nodes[one].op_type != "Add" or g.nodes[one].domain not in _DEFAULT:
-        return None
-    e = g.nodes[erf].output[0]
-    other = _other(g.nodes[one], e)
-    if other is None or not _close(_scalar(constants, other), 1.0):
-        return None
-    p = g.nodes[one].output[0]
-    forward = _forward(g, a, p, constants, taken)
-    if forward is None:
-        return None
-    y, muls = forward
-    front = {scaled, erf, one, *muls}
+    a, y, masked = match.name("a"), match.name("gelu"), match.name("masked")
+    assert a is not None and y is not None
+    front = set(match.nodes) - ({g.producer[masked]} if masked else set())
     values = {a} | {o for i in front for o in g.nodes[i].output if o and o != y}
     grads = {
         r for v in values for r in g.consumers.get(v, set()) if r not in front
@@ -173,7 +145,13 @@ def _match(
             return None
         dy, da, nodes = backward
         kernels.append((Gelu(a, dy, da), nodes))
-    kernels = _masked(g, kernels, taken, shapes, read)
+    if masked:
+        mask = match.name("mask")
+        assert mask is not None
+        kernels = [
+            (Gelu(a, None, masked, mask), set(match.nodes)),
+            *(_masked_gradient(g, kernel, nodes, mask, taken) for kernel, nodes in kernels[1:]),
+        ]
     inside = set().union(*(nodes for _, nodes in kernels))
     results = {y} | {k.out for k, _ in kernels}
     for i in inside:
@@ -185,73 +163,22 @@ def _match(
     return kernels
 
 
-def _masked(
-    g: graph_match.GraphIndex,
-    kernels: list[tuple[Gelu, set[int]]],
-    taken: Set[int],
-    shapes: Mapping[str, list[int | None]],
-    read: Set[str],
-) -> list[tuple[Gelu, set[int]]]:
-    """``kernels`` with the Mul of GELU's output by a tensor of its shape (a Dropout's mask)
-    taken into the forward, where that Mul alone reads the output (besides nodes of other
-    kernels, in ``taken``, which read only values in ``read``: the mask's, which reads its
-    shape), and the Mul of the product's gradient by the same tensor (the gradient of GELU's
-    output) into the gradient, where only the gradient's nodes read it."""
-    (forward, front), *rest = kernels
-    readers = g.consumers.get(forward.out, set()) - taken
-    if forward.out in g.outputs or forward.out in read or len(readers) != 1:
-        return kernels
-    (reader,) = readers
-    mul = g.nodes[reader]
-    mask = _other(mul, forward.out) if mul.op_type == "Mul" and mul.domain in _DEFAULT else None
-    if mask is None or shapes.get(mask) is None or shapes.get(mask) != shapes.get(forward.out):
-        return kernels
-    masked = [(Gelu(forward.a, None, mul.output[0], mask), front | {reader})]
-    for backward, nodes in rest:
-        assert backward.g is not None
-        p = g.producer.get(backward.g, -1)
-        grad = g.nodes[p] if p >= 0 and p not in taken | nodes else None
-        product = _other(grad, mask) if grad is not None and grad.op_type == "Mul" else None
-        if (
-            grad is None or product is None or grad.domain not in _DEFAULT
-            or backward.g in g.outputs or not g.consumers.get(backward.g, set()) <= nodes
-        ):  # fmt: skip
-            masked.append((backward, nodes))
-        else:
-            masked.append((Gelu(backward.a, product, backward.out, mask), nodes | {p}))
-    return masked
-
-
-def _forward(
-    g: graph_match.GraphIndex,
-    a: str,
-    p: str,
-    constants: Mapping[str, np.ndarray],
-    taken: Set[int],
-) -> tuple[str, set[int]] | None:
-    """GELU's output from ``p = 1 + erf(a / sqrt 2)``, ``Mul(Mul(a, p), 0.5)`` or
-    ``Mul(Mul(a, 0.5), p)``, and the two Muls' indices."""
-    for r in sorted(g.consumers.get(p, set())):
-        node = g.nodes[r]
-        if r in taken or node.op_type != "Mul" or node.domain not in _DEFAULT:
-            continue
-        other = _other(node, p)
-        if other == a:  # Mul(Mul(a, p), 0.5)
-            half = g.only_reader(node.output[0], taken)
-            if half is None or g.nodes[half].op_type != "Mul":
-                continue
-            factor = _other(g.nodes[half], node.output[0])
-            if factor is not None and _close(_scalar(constants, factor), 0.5):
-                return g.nodes[half].output[0], {r, half}
-        elif other is not None and other in g.producer:  # Mul(Mul(a, 0.5), p)
-            h = g.producer[other]
-            first = g.nodes[h]
-            if h in taken or first.op_type != "Mul" or first.domain not in _DEFAULT:
-                continue
-            factor = _other(first, a)
-            if factor is not None and _close(_scalar(constants, factor), 0.5):
-                return node.output[0], {h, r}
-    return None
+def _masked_gradient(
+    g: graph_match.GraphIndex, backward: Gelu, nodes: set[int], mask: str, taken: Set[int]
+) -> tuple[Gelu, set[int]]:
+    """The gradient kernel ``backward`` (of ``nodes``) of a GELU whose output is multiplied by
+    ``mask``, with the Mul of the product's gradient by ``mask`` (which writes the gradient of
+    GELU's output) taken in, where only the gradient's nodes read what it writes."""
+    assert backward.g is not None
+    p = g.producer.get(backward.g, -1)
+    grad = g.nodes[p] if p >= 0 and p not in taken and p not in nodes else None
+    product = _other(grad, mask) if grad is not None and grad.op_type == "Mul" else None
+    if (
+        grad is None or product is None or grad.domain not in _DEFAULT
+        or backward.g in g.outputs or not g.consumers.get(backward.g, set()) <= nodes
+    ):  # fmt: skip
+        return backward, nodes
+    return Gelu(backward.a, product, backward.out, mask), nodes | {p}
 
 
 def _backward(
