@@ -149,7 +149,8 @@ def find(
         return []
     g = graph_match.GraphIndex.of(graph)
     view, index = _neighbourhood(model, g, anchors, family.reach, taken, read)
-    nodes = [node for node in view.graph if node.domain != _OUTSIDE]
+    below = _below(g, anchors, family.reach)  # where a match's last node may be
+    nodes = [node for node in view.graph if index.get(id(node), -1) in below]
     best: dict[int, Match] = {}  # by anchor: the preferred rule's match of the earliest root
     for rule in family.rules:
         if len(best) == len(anchors):
@@ -175,6 +176,17 @@ def find(
             claimed |= found.nodes
             matches.append(found)
     return matches
+
+
+def _below(g: graph_match.GraphIndex, anchors: Sequence[int], reach: int) -> set[int]:
+    """The anchors and the nodes that read what they write, within ``reach`` steps."""
+    found = set(anchors)
+    edge = set(anchors)
+    for _ in range(reach):
+        edge = {r for i in edge for v in g.nodes[i].output for r in g.consumers.get(v, ())}
+        edge -= found
+        found |= edge
+    return found
 
 
 def _neighbourhood(
