@@ -6,6 +6,7 @@ GELU MLP the native kernels built from the rules' matches."""
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -250,6 +251,24 @@ def test_the_rules_see_only_the_neighbourhood_of_their_anchors():
     nodes = chain + list(gelu.graph.node)
     model = _model(nodes, [("n0", ["N", 16])], ["y"], _constants())
     assert _found(model, patterns.GELU) == [(_gelu_rule(True, False), list(range(12, 17)))]
+
+
+def test_threads_match_at_once():
+    """Modules built in several threads at once (Flower's simulation) each match with their
+    own rules: a rule's matcher holds the state of the match under way."""
+    models = [_gelu_model(half_first=k % 2 == 1, mask=["N", 16]) for k in range(4)]
+    want = [_found(model, patterns.GELU) for model in models]
+    got: dict[int, list[object]] = {}
+
+    def run(k: int) -> None:
+        got[k] = [_found(models[k], patterns.GELU) for _ in range(20)]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(got[k] == [want[k]] * 20 for k in range(4))
 
 
 # -- on real models: the kernels are the rules' matches ------------------------------------

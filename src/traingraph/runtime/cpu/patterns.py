@@ -32,8 +32,8 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
@@ -75,13 +75,23 @@ class Rule:
     target: Callable[..., Any]
     check: Callable[..., bool]
 
-    @functools.cached_property
     def forms(self) -> tuple[pattern.RewriteRule, ...]:
         """The pattern and check as onnxscript rules, one per order of the inputs of the
-        pattern's commutative nodes (made when first matched). They are only matched,
+        pattern's commutative nodes: the calling thread's own (a rule's matcher holds the
+        state of the match under way), made when it first matches. They are only matched,
         never applied."""
-        declared = pattern.RewriteRule(self.target, _never_applied, self.check, name=self.name)
-        return tuple(declared.commute())
+        compiled: dict[Rule, tuple[pattern.RewriteRule, ...]] | None
+        compiled = getattr(_compiled, "forms", None)
+        if compiled is None:
+            compiled = _compiled.forms = {}
+        if self not in compiled:
+            declared = pattern.RewriteRule(self.target, _never_applied, self.check, name=self.name)
+            compiled[self] = tuple(declared.commute())
+        return compiled[self]
+
+
+_compiled = threading.local()
+"""Per thread, ``forms``: each :class:`Rule`'s onnxscript rules, made when first matched."""
 
 
 def _never_applied(op: Any, **_: Any) -> None:
@@ -158,7 +168,7 @@ def find(
         for node in nodes:
             if node.op_type != rule.root:
                 continue
-            for form in rule.forms:
+            for form in rule.forms():
                 result = form.match(view, view.graph, node, check_nodes_are_removable=False)
                 if not result:
                     continue
