@@ -27,8 +27,10 @@ The rule's pick for each case is marked with ``*``. Every result is checked agai
 PyTorch reference. Cases: the convolutions of the benchmark models (``benchmarks/models.py``):
 LeNet-5 at batch 64 and ResNet-8 at batch 32, plus a depthwise and a stride-1 1x1 convolution.
 
-With ``--device cuda`` every form runs on onnxruntime's CUDA provider (inputs and outputs bound
-in GPU memory, cuDNN's algorithms searched exhaustively) next to PyTorch's CUDA backward.
+With ``--device cuda`` every form runs on onnxruntime's CUDA provider (rewritten by
+:func:`~traingraph.runtime.rewrites.specialize.for_cuda` as the runtime's CUDA sessions are,
+inputs and outputs bound in GPU memory, cuDNN's algorithms searched exhaustively) next to
+PyTorch's CUDA backward.
 
 Usage:
     python benchmarks/conv_grad_micro.py [--repeats 30] [--threads 2] [--cases lenet resnet]
@@ -61,7 +63,7 @@ from traingraph.autodiff.rules.conv import (
     weight_grad_by_sample,
 )
 from traingraph.ir.builder import OpBuilder
-from traingraph.runtime.rewrites.specialize import for_cpu
+from traingraph.runtime.rewrites.specialize import for_cpu, for_cuda
 from traingraph.runtime.session import SessionConfig
 
 
@@ -140,6 +142,8 @@ CASES = (
 Build = Callable[[OpBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
 
 
+PLAIN_CUDA = False
+"""Whether CUDA sessions run the forms as written, without ``for_cuda`` (``--plain-cuda``)."""
 CUDA_EXTRA: dict[str, str] = {}
 """Further CUDA provider options (``--cuda-option``)."""
 
@@ -163,6 +167,8 @@ def _session(
     if device == "cuda":
         providers = [("CUDAExecutionProvider", config.cuda_options()), *providers]
     source = ir.to_proto(model).SerializeToString()
+    if device == "cuda" and not PLAIN_CUDA:
+        source = for_cuda(source)  # as the runtime's CUDA sessions do
     return ort.InferenceSession(
         for_cpu(source) if rewrite else source, config.session_options(), providers=providers
     )
@@ -328,7 +334,12 @@ def main() -> None:
         "--cuda-option", action="append", default=[], metavar="KEY=VALUE",
         help="a further CUDA provider option, for example prefer_nhwc=1",
     )
+    parser.add_argument(
+        "--plain-cuda", action="store_true", help="CUDA sessions without the runtime's rewrites"
+    )
     args = parser.parse_args()
+    global PLAIN_CUDA
+    PLAIN_CUDA = args.plain_cuda
     CUDA_EXTRA.update(option.split("=", 1) for option in args.cuda_option)
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and hasattr(ort, "preload_dlls"):

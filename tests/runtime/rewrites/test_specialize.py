@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch_models import SmallCNN, export, seeded
 from traingraph.losses import CrossEntropyLoss
 from traingraph.program import build_program
-from traingraph.runtime.rewrites.specialize import for_cpu, for_cuda
+from traingraph.runtime.rewrites.specialize import FOLD_LIMIT, for_cpu, for_cuda
 
 SHAPE = [3, 4, 5, 6]
 
@@ -99,11 +99,13 @@ def test_batchnorm_training_step_gives_the_same_numbers() -> None:
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def _grouped_conv(weight: np.ndarray, groups: int, **attrs: object) -> onnx.ModelProto:
+def _grouped_conv(
+    weight: np.ndarray, groups: int, batch: int | str = 3, size: int = 7, **attrs: object
+) -> onnx.ModelProto:
     graph = helper.make_graph(
         [helper.make_node("Conv", ["x", "w"], ["y"], group=groups, **attrs)],
         "conv",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", groups, 7, 6])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, groups, size, 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(weight.astype(np.float32), "w")],
     )
@@ -125,6 +127,17 @@ def test_shared_filters_over_groups_become_one_conv_over_the_batch(attrs: dict) 
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize(
+    ("batch", "size"), [("n", 7), (FOLD_LIMIT // (5 * 6) + 1, 1)], ids=["dynamic", "large"]
+)
+def test_shared_filters_stay_grouped_on_large_or_unknown_inputs(
+    batch: int | str, size: int
+) -> None:
+    filters = np.random.default_rng(0).standard_normal((4, 1, 1, 2))
+    source = _grouped_conv(np.tile(filters, (5, 1, 1, 1)), 5, batch, size).SerializeToString()
+    assert for_cuda(source) is source
+
+
 def test_conv_with_filters_that_differ_per_group_stays() -> None:
     weight = np.random.default_rng(0).standard_normal((10, 1, 3, 3))
     source = _grouped_conv(weight, 5).SerializeToString()
@@ -140,6 +153,9 @@ def test_weight_gradient_unfold_is_rewritten_in_a_training_step() -> None:
     torch.manual_seed(0)
     program = build_program(export(net, torch.zeros(2, 1, 8, 8)), loss=CrossEntropyLoss())
     train = program.train_model
+    for value in train.graph.input:  # the batch fixed, as a CUDA-graph step fixes it
+        if value.name in program.input_names:
+            value.type.tensor_type.shape.dim[0].dim_value = 6
     rewritten = onnx.load_from_string(for_cuda(train.SerializeToString()))
 
     def grouped(model: onnx.ModelProto) -> int:
