@@ -128,22 +128,7 @@ def _seg_case(name: str, build: Callable[[], nn.Module], size: int, **kw: object
 
 VISION_CASES = [
     _case("resnet18", _classifier("resnet18")),
-    _case(
-        "resnet50",
-        _classifier("resnet50"),
-        slow=True,
-        xfail=dict.fromkeys(
-            ("dynamo", "torchscript"),
-            "float32 rounding at a ReLU kink: layer4.1's output holds a value 8.2e-5 above 0 in"
-            " float64 (sample 0, channel 782) where the float32 forward's errors at that layer"
-            " are about 1e-4 (torch's, and those of a forward whose 3x3 Convs are onnxruntime's"
-            " or the native Winograd kernel's alike); traingraph's forward with the Winograd"
-            " kernel lands it below 0, which moves layer4.1.bn3.bias's gradient 2.0e-2 from"
-            " float64 against torch float32's 5.8e-3 (both exports); with onnxruntime's Conv in"
-            " its place (native_kernels without 'winograd') it lands above 0 and every gradient"
-            " is within bounds",
-        ),
-    ),
+    _case("resnet50", _classifier("resnet50"), slow=True),
     _case("mobilenet_v2", _classifier("mobilenet_v2")),
     _case("mobilenet_v3_small", _classifier("mobilenet_v3_small")),
     _case("efficientnet_b0", _classifier("efficientnet_b0")),
