@@ -41,7 +41,7 @@ def _model(nodes, inputs, outputs, initializers=()):
 
 
 def _found(model, family, taken=frozenset(), read=frozenset()):
-    return [(m.rule, sorted(m.nodes)) for m in patterns.find(model, family, taken, read)]
+    return [(m.rule, sorted(m.nodes)) for m in patterns.find(model, family, taken, read).matches]
 
 
 # -- the first Conv ------------------------------------------------------------------------
@@ -69,14 +69,14 @@ def _conv_model(*, channels=1, relu_readers=1, weight_initializer=False, **attri
 
 def test_conv_relu_matches_a_first_conv_and_the_relu_that_alone_reads_it():
     model = _conv_model()
-    ((match),) = patterns.find(model, patterns.FIRST_CONV)
+    ((match),) = patterns.find(model, patterns.FIRST_CONV).matches
     assert match.rule == "conv_relu" and match.nodes == {0, 1} and match.anchor == 0
     assert [match.name(v) for v in ("x", "w", "conv", "relu")] == ["x", "w", "c", "r"]
     conv = match.values["conv"].producer()
     assert patterns.conv_pads(conv) == (1, 1, 1, 1)
     # uneven pads and VALID are pads too
     assert patterns.conv_pads(
-        patterns.find(_conv_model(pads=[0, 1, 2, 0]), patterns.FIRST_CONV)[0]
+        patterns.find(_conv_model(pads=[0, 1, 2, 0]), patterns.FIRST_CONV).matches[0]
         .values["conv"].producer()
     ) == (0, 1, 2, 0)  # fmt: skip
     assert _found(_conv_model(auto_pad="VALID", pads=None), patterns.FIRST_CONV) == [
@@ -189,7 +189,7 @@ def _gelu_rule(divided, half_first, masked=False):
 @pytest.mark.parametrize("divided", [True, False], ids=["divided", "scaled"])
 def test_each_gelu_form_is_matched(divided, half_first, swapped):
     model = _gelu_model(divided=divided, half_first=half_first, swapped=swapped)
-    ((match),) = patterns.find(model, patterns.GELU)
+    ((match),) = patterns.find(model, patterns.GELU).matches
     assert match.rule == _gelu_rule(divided, half_first)
     assert match.nodes == set(range(5)) and match.anchor == 1
     assert (match.name("a"), match.name("gelu"), match.name("masked")) == ("a", "y", None)
@@ -217,7 +217,7 @@ def test_a_gelu_with_other_constants_or_readers_is_left(change):
 @pytest.mark.parametrize("half_first", [False, True], ids=["half-last", "half-first"])
 def test_masked_gelu_takes_the_mask_product_of_the_outputs_shape(half_first):
     model = _gelu_model(half_first=half_first, mask=["N", 16])
-    ((match),) = patterns.find(model, patterns.GELU)
+    ((match),) = patterns.find(model, patterns.GELU).matches
     assert match.rule == _gelu_rule(True, half_first, masked=True)
     assert match.nodes == set(range(6))
     assert (match.name("mask"), match.name("masked")) == ("mask", "z")
@@ -304,7 +304,7 @@ def test_first_conv_kernels_are_the_rules_matches(tmp_path: Path, name, rule, ou
     """LeNet's first Conv and its Relu; ResNet-8's first Conv, which a BatchNorm reads."""
     model = _benchmark_training_model(name, tmp_path)
     found, taken, _ = _kernel_matches(model, DirectConv)
-    matches = patterns.find(model, patterns.FIRST_CONV, taken)
+    matches = patterns.find(model, patterns.FIRST_CONV, taken).matches
     assert [m.rule for m in matches] == [rule]
     assert [nodes for _, nodes in found] == [set(matches[0].nodes)]
     ((kernel, _),) = found
@@ -322,7 +322,7 @@ class GeluMLP(nn.Module):
 
 def _assert_gelu_kernels_are_the_rules_matches(model, rule, count):
     found, taken, read = _kernel_matches(model, Gelu)
-    matches = patterns.find(model, patterns.GELU, taken, read)
+    matches = patterns.find(model, patterns.GELU, taken, read).matches
     assert [m.rule for m in matches] == [rule] * count
     forward = [(k, nodes) for k, nodes in found if k.g is None]
     gradient = [k for k, _ in found if k.g is not None]

@@ -26,7 +26,7 @@ computed there, the model's inferred shapes on its values, and the nodes other k
 marked.
 
 Example:
-    >>> [match.rule for match in find(model, FIRST_CONV)]  # doctest: +SKIP
+    >>> [match.rule for match in find(model, FIRST_CONV).matches]  # doctest: +SKIP
     ['conv_relu']
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
@@ -142,23 +142,40 @@ class Match:
         return value.name if value is not None else None
 
 
+@dataclass(frozen=True)
+class Found:
+    """What :func:`find` found in a model.
+
+    Attributes:
+        matches: The matches, in their anchors' order.
+        index: The model's index, which the kernels' check reads too; None where the model
+            has no anchor.
+        shapes: Its inferred float shapes; {} where it has no anchor.
+    """
+
+    matches: list[Match]
+    index: graph_match.GraphIndex | None = None
+    shapes: Mapping[str, list[int | None]] = field(default_factory=dict)
+
+
 def find(
     model: onnx.ModelProto,
     family: Family,
     taken: Set[int] = frozenset(),
     read: Set[str] = frozenset(),
-) -> list[Match]:
+) -> Found:
     """The matches of ``family``'s rules in ``model``, one at most around each anchor (the
     first rule's that has one, its match of the earliest last node), in the anchors' order,
     none holding a node of ``taken`` or of an earlier match: the nodes other kernels took,
-    which read only the values in ``read``. [] where ``model`` has no anchor or a node holds
-    a subgraph (whose reads of outer values a match would not see)."""
+    which read only the values in ``read``; none (and no index) where ``model`` has no anchor
+    or a node holds a subgraph (whose reads of outer values a match would not see)."""
     graph = model.graph
     anchors = [i for i in family.anchors(graph) if i not in taken]
     if not anchors or graph_match.has_subgraphs(model):
-        return []
+        return Found([])
     g = graph_match.GraphIndex.of(graph)
-    view, index = _neighbourhood(model, g, anchors, family.reach, taken, read)
+    shapes = graph_match.inferred_shapes(model)
+    view, index = _neighbourhood(model, g, shapes, anchors, family.reach, taken, read)
     below = _below(g, anchors, family.reach)  # where a match's last node may be
     nodes = [node for node in view.graph if index.get(id(node), -1) in below]
     best: dict[int, Match] = {}  # by anchor: the preferred rule's match of the earliest root
@@ -185,7 +202,7 @@ def find(
         if not found.nodes & claimed:
             claimed |= found.nodes
             matches.append(found)
-    return matches
+    return Found(matches, g, shapes)
 
 
 def _below(g: graph_match.GraphIndex, anchors: Sequence[int], reach: int) -> set[int]:
@@ -202,6 +219,7 @@ def _below(g: graph_match.GraphIndex, anchors: Sequence[int], reach: int) -> set
 def _neighbourhood(
     model: onnx.ModelProto,
     g: graph_match.GraphIndex,
+    shapes: Mapping[str, list[int | None]],
     anchors: Sequence[int],
     reach: int,
     taken: Set[int],
@@ -211,9 +229,9 @@ def _neighbourhood(
     the producers and readers of what it reads and to the readers of what it writes, not
     through constants), the readers of everything they write and the Constants they read, as
     an onnx-ir model; and the index in ``model`` of each of its nodes (by ``id``). Values
-    from nodes outside come from its first node, of the domain ``traingraph.outside``; the values
-    carry the model's inferred float shapes, and the nodes of ``taken`` and values of
-    ``read`` are marked (:data:`TAKEN`, :data:`READ`)."""
+    from nodes outside come from its first node, of the domain ``traingraph.outside``; the
+    values carry the float ``shapes`` inferred for the model, and the nodes of ``taken`` and
+    values of ``read`` are marked (:data:`TAKEN`, :data:`READ`)."""
     graph = model.graph
     near = set(anchors)
     edge = set(anchors)
@@ -249,7 +267,6 @@ def _neighbourhood(
     ]  # fmt: skip
     known = written | set(inputs) | {t.name for t in small}
     outside = sorted(reads - known)
-    shapes = graph_match.inferred_shapes(model)
 
     def info(name: str) -> onnx.ValueInfoProto:
         dims = shapes.get(name)
@@ -466,6 +483,7 @@ __all__ = [
     "READ",
     "TAKEN",
     "Family",
+    "Found",
     "Match",
     "Rule",
     "conv_pads",

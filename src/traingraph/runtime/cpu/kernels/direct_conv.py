@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from traingraph.runtime.cpu import graph_match, patterns, verify
+from traingraph.runtime.cpu import patterns, verify
 from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 MAX_CHANNELS = patterns.DIRECT_CONV_CHANNELS
@@ -94,17 +94,11 @@ def split_direct_convs(
     native = NATIVE
     if native is None or not hasattr(native, "conv_direct"):
         return []
-    with graph_match.shared_analyses():
-        found = patterns.find(model, patterns.FIRST_CONV, taken)
-        if not found:
-            return []
-        matches = [(_kernel(match), set(match.nodes)) for match in found]
-        return verify.verified_kernels(
-            model,
-            graph_match.GraphIndex.of(model.graph),
-            matches,
-            graph_match.inferred_shapes(model),
-        )
+    found = patterns.find(model, patterns.FIRST_CONV, taken)
+    if found.index is None or not found.matches:
+        return []
+    matches = [(_kernel(match), set(match.nodes)) for match in found.matches]
+    return verify.verified_kernels(model, found.index, matches, found.shapes)
 
 
 def _kernel(match: patterns.Match) -> DirectConv:

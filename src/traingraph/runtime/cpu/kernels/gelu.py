@@ -90,20 +90,19 @@ def split_gelus(
     missing or nothing matches."""
     if NATIVE is None or not hasattr(NATIVE, "gelu"):
         return []
-    with graph_match.shared_analyses():
-        found = patterns.find(model, patterns.GELU, taken, read)
-        if not found:
-            return []
-        g = graph_match.GraphIndex.of(model.graph)
-        constants = graph_match.constant_values(model.graph)
-        matches: list[tuple[Gelu, set[int]]] = []
-        claimed = set(taken)
-        for match in found:
-            kernels = _kernels(g, match, constants, claimed)
-            for kernel, nodes in kernels or []:
-                claimed |= nodes
-                matches.append((kernel, nodes))
-        return verify.verified_kernels(model, g, matches, graph_match.inferred_shapes(model))
+    found = patterns.find(model, patterns.GELU, taken, read)
+    g = found.index
+    if g is None or not found.matches:
+        return []
+    constants = graph_match.constant_values(model.graph)
+    matches: list[tuple[Gelu, set[int]]] = []
+    claimed = set(taken)
+    for match in found.matches:
+        kernels = _kernels(g, match, constants, claimed)
+        for kernel, nodes in kernels or []:
+            claimed |= nodes
+            matches.append((kernel, nodes))
+    return verify.verified_kernels(model, g, matches, found.shapes)
 
 
 def _scalar(constants: Mapping[str, np.ndarray], name: str) -> float | None:
