@@ -297,11 +297,15 @@ class BoundRunner:
             return dict(outputs)  # type: ignore[arg-type]
         return dict(zip(self._order, binding.get_outputs()))
 
-    def release_outputs(self) -> None:
-        """Let go of the outputs onnxruntime allocated in the last run (the binding holds them
-        until the next run otherwise); the next run binds its outputs again."""
-        self.binding.clear_binding_outputs()
+    def release(self) -> None:
+        """Let go of what the binding holds: the inputs bound and the outputs onnxruntime
+        allocated in the last run (kept until they are bound again otherwise), with a new
+        binding (onnxruntime's keeps the host arrays bound to it alive until it goes, cleared
+        or not). The next run binds them again."""
+        self.binding = self.session.io_binding()
+        self._alive.clear()
         self._bound_outputs.clear()
+        self._strings.clear()
 
     def _run_fed(self, outputs: Mapping[str, ort.OrtValue | None]) -> dict[str, ort.OrtValue]:
         """:meth:`run` through ``session.run`` with every bound input as a feed."""

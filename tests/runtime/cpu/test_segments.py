@@ -467,21 +467,29 @@ def _root(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def test_the_pool_gives_the_smallest_free_block_and_takes_blocks_back_after_their_last_step():
-    pool = segments._Pool()
-    pool.release(0)
-    a = pool.take(100, end=1)  # read last by step 1
-    b = pool.take(400, end=3)
-    pool.release(1)
-    c = pool.take(50, end=4)  # a is still read by step 1
-    assert not np.shares_memory(c, a) and not np.shares_memory(c, b)
-    pool.release(2)  # a is free from step 2 on
-    d = pool.take(80, end=5)
-    assert d is a
-    pool.release(5)  # b and c are free: the smallest that holds 40 bytes is c
-    e = pool.take(40, end=6)
-    f = pool.take(300, end=6)
-    assert e is c and f is b
-    g = pool.take(500, end=7)  # none holds it: new memory, on a cache line
-    assert g.nbytes == 500 and g.ctypes.data % 64 == 0
-    assert not any(np.shares_memory(g, m) for m in (a, b, c))
+def test_values_that_live_at_once_get_memory_apart_and_the_block_holds_the_most_alive():
+    # (bytes, first step, last step)
+    lives = [(100, 0, 1), (400, 0, 3), (50, 2, 4), (80, 2, 5), (300, 4, 6), (64, 6, 6)]
+    offsets, total = segments._offsets(lives)
+    for i, (size, first, last) in enumerate(lives):
+        assert offsets[i] % 64 == 0  # on a cache line
+        for j, (other, start, end) in enumerate(lives[:i]):
+            if first <= end and start <= last:  # alive at once: apart
+                assert offsets[i] + size <= offsets[j] or offsets[j] + other <= offsets[i]
+    # the most alive at once, each on its cache lines: 448 + 64 + 128 at steps 2-3
+    most = max(
+        sum(-(-size // 64) * 64 for size, first, last in lives if first <= step <= last)
+        for step in range(7)
+    )
+    assert total == most == 640
+    rng = np.random.default_rng(0)
+    many = [
+        (int(rng.integers(1, 5000)), first, first + int(rng.integers(0, 20)))
+        for first in rng.integers(0, 100, 200)
+    ]
+    offsets, total = segments._offsets(many)
+    for i, (size, first, last) in enumerate(many):
+        for j, (other, start, end) in enumerate(many[:i]):
+            if first <= end and start <= last:
+                assert offsets[i] + size <= offsets[j] or offsets[j] + other <= offsets[i]
+    assert total < sum(size for size, _, _ in many) / 2

@@ -355,7 +355,7 @@ class SegmentedRunner:
         self._fed: dict[str, Any] = {}
         # The values passed from one segment or kernel to later ones, kept from step to step
         # while the inputs keep their shapes: bound once, written in place, read without a
-        # copy. Values that are not read at the same time share memory (:meth:`_place`).
+        # copy. Values that are not read at the same time share memory (:meth:`_buffers`).
         self._cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # written by segments
         self._kept: dict[str, np.ndarray] = {}  # written by kernels
         self._cut_key: tuple[Any, ...] | None = None
@@ -378,29 +378,31 @@ class SegmentedRunner:
         if key == self._cut_key:
             try:
                 return self._run(outputs, self._cuts, self._kept)
-            except Exception:  # a shape the inputs do not decide: place the values again
+            except Exception:  # a shape the inputs do not decide: allocate every run
                 self._cut_key = None
         self._cuts, self._kept = {}, {}
-        values = self._run(outputs, self._cuts, self._kept, _Pool())
+        written: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+        values = self._run(outputs, self._cuts, self._kept, written)
+        self._cuts, self._kept = self._buffers(written, outputs)
         self._cut_key = key
-        heap.trim()  # what the values took before they had buffers of their own
+        heap.trim()  # what the run's values took before they had buffers
         return values
 
     def _run(
         self,
         outputs: Mapping[str, ort.OrtValue | None],
-        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]],
-        kept: dict[str, np.ndarray],
-        pool: _Pool | None = None,
+        cuts: Mapping[str, tuple[np.ndarray, ort.OrtValue]],
+        kept: Mapping[str, np.ndarray],
+        written: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None,
     ) -> dict[str, Any]:
         """Run the steps, segments writing into ``cuts`` and kernels into ``kept`` where
-        those hold a value, and return the ``outputs``. With ``pool``, give each value in
-        host memory that a step writes into memory of its own a buffer from ``pool`` as it is
-        written (:meth:`_place`), and let go of each value after its last reader."""
+        those hold a value, and return the ``outputs``. With ``written``, record there the
+        type and shape of each value in host memory that a step writes into memory of its
+        own, and let go of each value after its last reader: a segment's values move out of
+        onnxruntime's memory as they are written (:meth:`_moved`), so that its arena holds a
+        segment's own intermediates alone, as in the runs with buffers."""
         values: dict[str, Any] = dict(self._fed)
         for i, step in enumerate(self._steps):
-            if pool is not None:
-                pool.release(i)
             if isinstance(step, tuple):
                 runner, segment = step
                 for name in segment.inputs:
@@ -410,10 +412,18 @@ class SegmentedRunner:
                     for o in segment.outputs
                 }  # fmt: skip
                 values.update(runner.run(bound))
+                if written is not None:
+                    _moved(runner, bound, values, outputs)
             else:
                 self._run_kernel(step, values, outputs, kept)
-            if pool is not None:
-                self._place(i, values, outputs, cuts, kept, pool)
+            if written is not None:
+                for name in _writes(step):
+                    value = values[name]
+                    if outputs.get(name) is None and isinstance(
+                        value, ort.OrtValue if isinstance(step, tuple) else np.ndarray
+                    ):
+                        array = _host(value)
+                        written[name] = (array.dtype, array.shape)
                 for name in self._done[i]:
                     if name not in outputs:
                         values.pop(name, None)
@@ -423,51 +433,49 @@ class SegmentedRunner:
         cut = self._cuts.get(name)
         return cut[0] if cut is not None and cut[1] is value else _host(value)
 
-    def _place(
+    def _buffers(
         self,
-        index: int,
-        values: dict[str, Any],
+        written: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
         outputs: Mapping[str, ort.OrtValue | None],
-        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]],
-        kept: dict[str, np.ndarray],
-        pool: _Pool,
-    ) -> None:
-        """Move what step ``index`` wrote into memory of its own (not the caller's
-        ``outputs``: onnxruntime allocates a segment's, a kernel's live to the end of the run)
-        into buffers of ``pool``, kept for the next runs: for a segment's values the array and
-        its OrtValue in ``cuts``, for a kernel's the array in ``kept``. The memory the step
-        allocated goes back at once (a segment's binding lets go of its outputs), so that
-        onnxruntime's arena never holds the values that cross the cuts: it holds a segment's
-        own intermediates alone, as in the runs that follow.
+    ) -> tuple[dict[str, tuple[np.ndarray, ort.OrtValue]], dict[str, np.ndarray]]:
+        """Buffers of the types and shapes in ``written``: for the values a segment writes
+        (not the caller's ``outputs``, which onnxruntime allocates), the array and its
+        OrtValue; for those a kernel writes, the array.
 
         A value lives from the step that writes it to the last that reads it (a value that
-        several steps write, to the last of them); values that do not live at the same time
-        share memory, so that the step's working set stays small and in cache.
+        several steps write, to the last of them; one the caller asks for, to the end of the
+        run). The buffers are views of one block, where values that do not live at the same
+        time share memory (:func:`_offsets`), so that the step's working set stays small and
+        in cache.
         """
-        step = self._steps[index]
-        segment = isinstance(step, tuple)
-        moved = False
-        for name in _writes(step):
-            value = values[name]
-            if name in cuts or name in kept or outputs.get(name) is not None:
-                continue  # in its buffer already (written again), or in the caller's
-            if segment and name in outputs:
-                continue
-            if not isinstance(value, ort.OrtValue if segment else np.ndarray):
-                continue
-            array = _host(value)
-            end = len(self._steps) if name in outputs else max(self._last.get(name, index), index)
-            size = array.nbytes
-            placed = pool.take(size, end)[:size].view(array.dtype).reshape(array.shape)
-            np.copyto(placed, array)
-            if segment:
-                cuts[name] = (placed, ort.OrtValue.ortvalue_from_numpy(placed))
-                values[name] = cuts[name][1]
-                moved = True
+        names: list[str] = []
+        lives: list[tuple[int, int, int]] = []  # each value's bytes, first and last step
+        seen: set[str] = set()
+        for start, step in enumerate(self._steps):
+            for name in _writes(step):
+                if name not in written or (isinstance(step, tuple) and name in outputs):
+                    continue
+                if name in seen:
+                    continue  # written again, into the memory its first writer got
+                dtype, shape = written[name]
+                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                end = len(self._steps) if name in outputs else max(self._last[name], start)
+                names.append(name)
+                seen.add(name)
+                lives.append((size, start, end))
+        offsets, total = _offsets(lives)
+        block = _aligned(total)
+        cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
+        kept: dict[str, np.ndarray] = {}
+        segment_values = {o for s in self._steps if isinstance(s, tuple) for o in s[1].outputs}
+        for name, (size, _, _), offset in zip(names, lives, offsets):
+            dtype, shape = written[name]
+            array = block[offset : offset + size].view(dtype).reshape(shape)
+            if name in segment_values:
+                cuts[name] = (array, ort.OrtValue.ortvalue_from_numpy(array))
             else:
-                kept[name] = values[name] = placed
-        if moved and isinstance(step, tuple):
-            step[0].release_outputs()
+                kept[name] = array
+        return cuts, kept
 
     def _run_kernel(
         self,
@@ -515,6 +523,22 @@ def _with_native_reorders(
         split_segments.append(segment)
         reorders.append(found)
     return split_segments, reorders
+
+
+def _moved(
+    runner: BoundRunner,
+    bound: Mapping[str, ort.OrtValue | None],
+    values: dict[str, Any],
+    outputs: Mapping[str, ort.OrtValue | None],
+) -> None:
+    """The values a segment's run wrote where onnxruntime chose (``bound`` to None, and not
+    the caller's ``outputs``) in ``values`` as copies in memory of their own, and ``runner``
+    holding nothing: onnxruntime's memory goes back to its arena at once."""
+    for name, buffer in bound.items():
+        if buffer is None and name not in outputs:
+            value = values[name]
+            values[name] = ort.OrtValue.ortvalue_from_numpy(np.array(_host(value), copy=True))
+    runner.release()
 
 
 def _idle(session: ort.InferenceSession) -> ort.InferenceSession:
@@ -628,27 +652,34 @@ class _Input:
 _ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}
 
 
-class _Pool:
-    """Memory for values that live from one step of a run to a later one, handed out in the
-    order the steps run: a value takes the smallest free block that holds it, or a new one, and
-    gives it back after the last step that reads it."""
-
-    def __init__(self) -> None:
-        self._free: list[np.ndarray] = []
-        self._live: list[tuple[int, np.ndarray]] = []  # the last step that reads each, its memory
-
-    def release(self, step: int) -> None:
-        """Free the blocks of the values that no step from ``step`` on reads."""
-        self._free += [memory for end, memory in self._live if end < step]
-        self._live = [(end, memory) for end, memory in self._live if end >= step]
-
-    def take(self, size: int, end: int) -> np.ndarray:
-        """A block of at least ``size`` bytes, held until step ``end`` has run."""
-        fits = [k for k, memory in enumerate(self._free) if memory.nbytes >= size]
-        best = min(fits, key=lambda k: self._free[k].nbytes, default=None)  # the smallest
-        memory = self._free.pop(best) if best is not None else _aligned(size)
-        self._live.append((end, memory))
-        return memory
+def _offsets(lives: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+    """Where each value of ``lives`` (its bytes, the first and the last step it lives in)
+    starts in one block, and the block's bytes: two values that live at the same time do not
+    overlap. The largest values are placed first, each at the start of the smallest gap that
+    holds it between those placed that live at the same time (or after the last of them), on
+    a cache line: the block comes close to the most bytes that live at once.
+    """
+    offsets = [0] * len(lives)
+    placed: list[int] = []
+    total = 0
+    for i in sorted(range(len(lives)), key=lambda k: (-lives[k][0], lives[k][1])):
+        size, first, last = lives[i]
+        size = -(-size // 64) * 64
+        taken = sorted(
+            (offsets[k], offsets[k] + lives[k][0])
+            for k in placed
+            if lives[k][1] <= last and first <= lives[k][2]
+        )
+        best, best_gap, end = None, None, 0
+        for start, stop in taken:
+            gap = start - end
+            if gap >= size and (best_gap is None or gap < best_gap):
+                best, best_gap = end, gap
+            end = max(end, -(-stop // 64) * 64)
+        offsets[i] = end if best is None else best
+        placed.append(i)
+        total = max(total, offsets[i] + size)
+    return offsets, total
 
 
 def _aligned(size: int, alignment: int = 64) -> np.ndarray:

@@ -173,8 +173,42 @@ def verified_kernels(
             decides[form] = index
         checked_as[index] = index
     unique = [index for index, decider in checked_as.items() if index == decider]
-    passed = _agreeing(model, g, matches, unique, shapes, offsets or {}, check)
+    passed = set().union(*(
+        _agreeing(model, g, matches, part, shapes, offsets or {}, check)
+        for part in _bounded(unique, matches, shapes)
+    ))  # fmt: skip
     return [match for index, match in enumerate(matches) if checked_as[index] in passed]
+
+
+CHECK_BYTES = 64 << 20
+"""The bytes of the kernels' inputs that one check session takes at most: a check holds its
+inputs, a copy with non-finite values and what the nodes compute from each at once, so the
+matches of a large model are checked in several sessions, and loading it costs no more memory
+than a training step."""
+
+
+def _bounded(
+    indices: list[int],
+    matches: Sequence[tuple[Any, set[int]]],
+    shapes: Mapping[str, Sequence[int | None]],
+) -> list[list[int]]:
+    """``indices`` in runs, in order, whose kernels' inputs (float32 of their inferred shapes,
+    batch 2 where it is open; those of unknown shape not counted) take at most
+    :data:`CHECK_BYTES` each, or one match alone."""
+    parts: list[list[int]] = []
+    total = 0
+    for index in indices:
+        size = sum(
+            4 * math.prod(int(d or 2) for d in shape)
+            for v in matches[index][0].inputs
+            if (shape := shapes.get(v)) is not None
+        )
+        if not parts or total + size > CHECK_BYTES:
+            parts.append([])
+            total = 0
+        parts[-1].append(index)
+        total += size
+    return parts
 
 
 def _agreeing(
