@@ -481,12 +481,13 @@ def _lstm_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _Ls
     one = b.const(1.0, d.dtype)
     assert d.c0 is not None
     steps = _LstmSteps(d.order, d.h0)
+    gate_sizes, iof_sizes = b.ints([3 * hidden, hidden]), b.ints([hidden] * 3)
     h, c = d.h0, d.c0
     for t in d.order:
         gates = b.Gemm(h, d.r, pieces[t], transB=1)
-        pre_iof, pre_g = b.split(gates, [3 * hidden, hidden], axis=1)
+        pre_iof, pre_g = b.op("Split", gates, gate_sizes, axis=1, num_outputs=2)
         iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
-        i, o, f = b.split(iof, [hidden] * 3, axis=1)
+        i, o, f = b.op("Split", iof, iof_sizes, axis=1, num_outputs=3)
         fc, ig = b.Mul(f, c), b.Mul(i, g)
         c = b.Add(fc, ig)
         tanh_c = b.Tanh(c)
@@ -510,9 +511,11 @@ def _gru_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _Gru
     p_zr_t, p_h_t = _steps(b, p_zr, spec.steps), _steps(b, p_h, spec.steps)
     r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
     steps = _GruSteps(d.order, d.h0)
+    halves = b.ints([hidden] * 2)
     h = d.h0
     for t in d.order:
-        z, r = b.split(b.Sigmoid(b.Gemm(h, r_zr, p_zr_t[t], transB=1)), [hidden] * 2, axis=1)
+        zr = b.Sigmoid(b.Gemm(h, r_zr, p_zr_t[t], transB=1))
+        z, r = b.op("Split", zr, halves, axis=1, num_outputs=2)
         if spec.linear_before_reset:
             inner = b.Gemm(h, r_h, *([] if rb_h is None else [rb_h]), transB=1)
             n = b.Tanh(b.Add(p_h_t[t], b.Mul(r, inner)))
