@@ -268,21 +268,12 @@ def _neighbourhood(
     known = written | set(inputs) | {t.name for t in small}
     outside = sorted(reads - known)
 
-    def info(name: str) -> onnx.ValueInfoProto:
-        dims = shapes.get(name)
-        if dims is None:
-            return onnx.ValueInfoProto(name=name)
-        return helper.make_tensor_value_info(name, graph_match.FLOAT, dims)
-
-    outputs = [o.name for o in graph.output if o.name in written]
-    typed = (written | set(outside)) - set(outputs)
     view = helper.make_graph(
         [helper.make_node("Values", [], outside, domain=_OUTSIDE)] + nodes,
         "neighbourhood",
-        [info(name) for name in inputs],
-        [info(name) for name in outputs],
+        [onnx.ValueInfoProto(name=name) for name in inputs],
+        [onnx.ValueInfoProto(name=o.name) for o in graph.output if o.name in written],
         small,
-        value_info=[info(name) for name in sorted(typed & shapes.keys())],
     )
     converted = ir.serde.deserialize_model(
         helper.make_model(
@@ -292,12 +283,18 @@ def _neighbourhood(
         )
     )
     index = {id(node): i for node, i in zip(list(converted.graph)[1:], order)}
+    values = list(converted.graph.inputs)
     for converted_node in converted.graph:
         if index.get(id(converted_node), -1) in taken:
             converted_node.meta[TAKEN] = True
-        for value in converted_node.outputs:
-            if value.name in read:
-                value.meta[READ] = True
+        values += converted_node.outputs
+    for value in values:
+        dims = shapes.get(value.name or "")
+        if dims is not None:
+            value.dtype = ir.DataType.FLOAT
+            value.shape = ir.Shape(dims)
+        if value.name in read:
+            value.meta[READ] = True
     return converted, index
 
 
