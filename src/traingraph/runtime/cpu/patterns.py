@@ -19,7 +19,7 @@ them in a model. The rules only match; the kernels are built from the matches.
   halves; each product may take its factors in either order. Other values of the GELU may
   have other readers: its gradient, which the GELU kernel finds from the matched nodes.
 
-Converting a large training model to onnx-ir takes about as long as loading it, so
+Converting a whole training model to onnx-ir would cost time at every load, so
 :func:`find` converts only the neighbourhood of the nodes every match of a family holds
 (its anchors: the Convs that read graph inputs, the Erfs), with the readers of every value
 computed there, the model's inferred shapes on its values, and the nodes other kernels took
@@ -148,9 +148,9 @@ class Found:
 
     Attributes:
         matches: The matches, in their anchors' order.
-        index: The model's index, which the kernels' check reads too; None where the model
-            has no anchor.
-        shapes: Its inferred float shapes; {} where it has no anchor.
+        index: The model's index, which the kernels' check reads too; None where nothing
+            was looked for (no anchor, or a node holding a subgraph).
+        shapes: Its inferred float shapes; {} where nothing was looked for.
     """
 
     matches: list[Match]
@@ -192,16 +192,15 @@ def find(
                 matched = frozenset(index[id(n)] for n in result.nodes)
                 held = [i for i in anchors if i in matched]
                 if len(held) == 1 and not matched & taken:
-                    found = Match(rule.name, held[0], matched, dict(result.bindings))
-                    best.setdefault(held[0], found)
+                    match = Match(rule.name, held[0], matched, dict(result.bindings))
+                    best.setdefault(held[0], match)
                     break
     matches: list[Match] = []
     claimed: set[int] = set()
     for anchor in sorted(best):
-        found = best[anchor]
-        if not found.nodes & claimed:
-            claimed |= found.nodes
-            matches.append(found)
+        if not best[anchor].nodes & claimed:
+            claimed |= best[anchor].nodes
+            matches.append(best[anchor])
     return Found(matches, g, shapes)
 
 
