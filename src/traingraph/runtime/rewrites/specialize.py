@@ -39,6 +39,9 @@ On CUDA (:func:`for_cuda`):
   axis sets to cuDNN's general reduction, which is not tuned for these shapes. Means
   of equal-sized groups are the mean, so the chain computes the same value (summed in another
   order).
+- The weight gradient of a 3 x 3 (or larger) Conv with a small output, as the autodiff tags
+  it, becomes one Conv of the input with the output gradient as its filters
+  (:mod:`traingraph.runtime.rewrites.weight_grads`).
 - A grouped ``Conv`` with one input channel per group, no bias and the same constant filters
   in every group (the one-hot unfold of a convolution's weight gradient), whose input has a
   static shape of fewer than :data:`FOLD_LIMIT` elements, becomes one ungrouped Conv over the
@@ -65,8 +68,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
+from traingraph.ir.tags import kernel_of
 from traingraph.runtime import rewrites
-from traingraph.runtime.rewrites import nchwc
+from traingraph.runtime.rewrites import nchwc, weight_grads
 
 Source = str | bytes
 
@@ -83,13 +87,18 @@ def for_cuda(source: Source) -> Source:
     proto = ruled if ruled is not None else proto
     constants = constant_tensors(proto.graph)
     changed = _reductions_over_runs(proto.graph, constants) or changed
-    if any(_shared_filters(n, constants) for n in proto.graph.node):
+    if any(_shared_filters(n, constants) or _weight_grad(n) for n in proto.graph.node):
         try:
             shapes, _ = static_shapes(shape_inference.infer_shapes(proto).graph)
-        except Exception:  # shape inference failed: no input is known to be small
+        except Exception:  # shape inference failed: no shape is known
             shapes = {}
+        changed = weight_grads.weight_grads_as_convs(proto.graph, shapes) or changed
         changed = _shared_filters_as_batch(proto.graph, constants, shapes) or changed
     return proto.SerializeToString() if changed else source
+
+
+def _weight_grad(node: onnx.NodeProto) -> bool:
+    return kernel_of(node) == weight_grads.KERNEL
 
 
 def for_cpu(source: Source) -> Source:

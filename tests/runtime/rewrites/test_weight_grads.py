@@ -1,0 +1,87 @@
+"""The weight gradients taken as one exchanged Conv compute what the tagged nodes compute."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from torch_models import export
+from traingraph.losses import CrossEntropyLoss
+from traingraph.program import build_program
+from traingraph.runtime.rewrites import weight_grads
+from traingraph.runtime.rewrites.specialize import for_cuda, static_shapes
+
+BATCH = 4
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),  # stride 1
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, stride=2),  # stride 2, the last rows out of every window
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 6, 3, stride=2, padding=1),  # stride 2, padded
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(6, 4, 1),  # 1 x 1: stays
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 2 * 2, 5),
+    )
+
+
+def _program():  # type: ignore[no-untyped-def]
+    program = build_program(export(_net(), torch.zeros(2, 3, 9, 9)), loss=CrossEntropyLoss())
+    train = program.train_model
+    for value in train.graph.input:  # the batch fixed, as a CUDA-graph step fixes it
+        if value.name in program.input_names:
+            value.type.tensor_type.shape.dim[0].dim_value = BATCH
+    return program, train
+
+
+def _exchanged(model: onnx.ModelProto) -> int:
+    return sum(n.op_type == "Conv" and n.name.endswith("_exchanged") for n in model.graph.node)
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    source = model.SerializeToString()
+    return ort.InferenceSession(source, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_weight_gradients_of_larger_kernels_become_exchanged_convs() -> None:
+    program, train = _program()
+    rewritten = onnx.load_from_string(for_cuda(train.SerializeToString()))
+    assert _exchanged(train) == 0 and _exchanged(rewritten) == 3
+    tagged = [n for n in rewritten.graph.node if weight_grads.KERNEL in str(n.metadata_props)]
+    assert tagged, "the 1 x 1 Conv's weight gradient keeps its tagged form"
+    rng = np.random.default_rng(0)
+    feeds = dict(program.parameters)
+    x = rng.standard_normal((BATCH, 3, 9, 9)).astype(np.float32)
+    feeds.update(zip(program.input_names, (x, rng.integers(0, 5, BATCH).astype(np.int64))))
+    names = [o.name for o in train.graph.output]
+    for name, expected, got in zip(names, _run(train, feeds), _run(rewritten, feeds)):
+        # The same sums, added in another order.
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_nothing_changes_without_static_shapes() -> None:
+    program = build_program(export(_net(), torch.zeros(2, 3, 9, 9)), loss=CrossEntropyLoss())
+    train = program.train_model
+    shapes, _ = static_shapes(train.graph)
+    graph = onnx.GraphProto()
+    graph.CopyFrom(train.graph)
+    assert not weight_grads.weight_grads_as_convs(graph, shapes)
+    assert graph == train.graph
+
+
+def test_large_outputs_keep_the_unfold() -> None:
+    _, train = _program()
+    graph = onnx.GraphProto()
+    graph.CopyFrom(train.graph)
+    shapes, _ = static_shapes(onnx.shape_inference.infer_shapes(train).graph)
+    big = {k: [v[0], v[1], 100, 100] if len(v) == 4 and v[2] == 9 else v for k, v in shapes.items()}
+    # The first Conv's output gradient now has 100 x 100 positions: it keeps its form; the
+    # other two still qualify.
+    assert weight_grads.weight_grads_as_convs(graph, big)
+    assert sum(n.name.endswith("_exchanged") for n in graph.node) == 2
