@@ -251,6 +251,10 @@ class BoundRunner:
         self._order: list[str] = []
         self._host = device.kind == "cpu"
         self._strings: set[str] = set()  # inputs bound to string arrays
+        # onnxruntime allocates a run's values one by one the first time, then (its memory
+        # pattern) in one block planned from them, which what the first run left free in the
+        # arena seldom fits: the first run gives the arena's free regions back
+        self._first_run = _arena_shrinking(session, device)
 
     def bind_input(self, name: str, value: ort.OrtValue | np.ndarray) -> None:
         """Bind ``name`` to ``value``; the runner keeps ``value`` alive until it is rebound
@@ -290,7 +294,8 @@ class BoundRunner:
             bound[name] = value
         if not self._host:
             binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._first_run)
+        self._first_run = None
         if not self._host:
             binding.synchronize_outputs()
         if all(outputs[name] is not None for name in self._order):
@@ -325,6 +330,17 @@ class BoundRunner:
                 buffer.update_inplace(np.ascontiguousarray(array))
             results[name] = buffer
         return results
+
+
+def _arena_shrinking(session: ort.InferenceSession, device: Device) -> ort.RunOptions | None:
+    """Run options that give the free regions of the CPU arena ``session`` allocates from back
+    to the system at the end of a run; None where it has none (another device, or the arena
+    off: onnxruntime then fails the run)."""
+    if device.kind != "cpu" or not session.get_session_options().enable_cpu_mem_arena:
+        return None
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
 
 
 def check_feeds(

@@ -1,0 +1,76 @@
+"""What a step holds in memory between runs: onnxruntime's CPU arena after a session's first
+run (:class:`~traingraph.runtime.session.BoundRunner`)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from traingraph.runtime.device import Device
+from traingraph.runtime.session import BoundRunner, SessionConfig, create_session
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="resident pages are read from Linux's /proc"
+)
+
+MIB = 1 << 20
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def _many(count: int = 128):
+    """y = sum over i < count of (x + i): ``count`` values of x's size, alive until the Sum."""
+    nodes = [helper.make_node("Add", ["x", f"c{i}"], [f"a{i}"]) for i in range(count)]
+    nodes.append(helper.make_node("Sum", [f"a{i}" for i in range(count)], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "many",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor(f"c{i}", TensorProto.FLOAT, [], [float(i)]) for i in range(count)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def _grown(runner: BoundRunner, x: np.ndarray) -> tuple[int, np.ndarray]:
+    """The resident bytes two runs of ``runner`` on ``x`` add, and the second run's result."""
+    before = _resident()
+    runner.bind_input("x", x)
+    runner.run({"y": None})
+    result = runner.run({"y": None})["y"].numpy().copy()
+    return _resident() - before, result
+
+
+def test_the_first_run_gives_the_arena_back_before_the_memory_pattern_takes_its_block():
+    # Each session its own arena: what one keeps is not another's to reuse. The first run
+    # allocates the 128 values one by one, over regions of doubling size; from the second on,
+    # onnxruntime's memory pattern takes them as one block, which none of those regions holds.
+    device = Device("cpu")
+    config = SessionConfig(shared_arena=False, intra_op_threads=1, specialize=False)
+    x = np.random.default_rng(0).standard_normal(MIB // 4).astype(np.float32)  # 1 MiB
+    want = (128 * x.astype(np.float64) + sum(range(128))).astype(np.float32)
+    keeping = BoundRunner(create_session(_many(), device, config), device)
+    assert keeping._first_run is not None
+    keeping._first_run = None  # as onnxruntime runs by default
+    kept, kept_result = _grown(keeping, x)
+    shrinking = BoundRunner(create_session(_many(), device, config), device)
+    shrunk, result = _grown(shrinking, x)
+    np.testing.assert_array_equal(result, kept_result)
+    np.testing.assert_allclose(result, want, rtol=1e-5, atol=1e-3)
+    assert kept - shrunk > 64 * MIB, (kept / MIB, shrunk / MIB)
+
+
+def test_sessions_without_the_arena_are_not_asked_to_shrink_it():
+    device = Device("cpu")
+    config = SessionConfig(memory_arena=False, intra_op_threads=1, specialize=False)
+    runner = BoundRunner(create_session(_many(4), device, config), device)
+    assert runner._first_run is None
+    x = np.linspace(-3, 3, 64, dtype=np.float32)
+    runner.bind_input("x", x)
+    np.testing.assert_allclose(runner.run({"y": None})["y"].numpy(), 4 * x + 6, rtol=1e-6)
