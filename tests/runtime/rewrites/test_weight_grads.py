@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 
 from torch_models import export
@@ -14,6 +15,12 @@ from traingraph.runtime.rewrites import weight_grads
 from traingraph.runtime.rewrites.specialize import for_cuda, static_shapes
 
 BATCH = 4
+
+
+@pytest.fixture(autouse=True)
+def _small_weights_qualify(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test's Convs are small; the weight size rule has its own test."""
+    monkeypatch.setattr(weight_grads, "MIN_WEIGHT", 1)
 
 
 def _net() -> torch.nn.Module:
@@ -85,3 +92,14 @@ def test_large_outputs_keep_the_unfold() -> None:
     # other two still qualify.
     assert weight_grads.weight_grads_as_convs(graph, big)
     assert sum(n.name.endswith("_exchanged") for n in graph.node) == 2
+
+
+def test_small_weights_keep_the_unfold(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, train = _program()
+    # The weights hold 8 * 3 * 9 = 216, 8 * 8 * 9 = 576 and 6 * 8 * 9 = 432 elements.
+    monkeypatch.setattr(weight_grads, "MIN_WEIGHT", 433)
+    graph = onnx.GraphProto()
+    graph.CopyFrom(train.graph)
+    shapes, _ = static_shapes(onnx.shape_inference.infer_shapes(train).graph)
+    assert weight_grads.weight_grads_as_convs(graph, shapes)
+    assert sum(n.name.endswith("_exchanged") for n in graph.node) == 1

@@ -39,8 +39,8 @@ On CUDA (:func:`for_cuda`):
   axis sets to cuDNN's general reduction, which is not tuned for these shapes. Means
   of equal-sized groups are the mean, so the chain computes the same value (summed in another
   order).
-- The weight gradient of a 3 x 3 (or larger) Conv with a small output, as the autodiff tags
-  it, becomes one Conv of the input with the output gradient as its filters
+- The weight gradient of a 3 x 3 (or larger) Conv with a small output and a large weight, as
+  the autodiff tags it, becomes one Conv of the input with the output gradient as its filters
   (:mod:`traingraph.runtime.rewrites.weight_grads`).
 - A grouped ``Conv`` with one input channel per group, no bias and the same constant filters
   in every group (the one-hot unfold of a convolution's weight gradient), whose input has a

@@ -10,14 +10,17 @@ forward stride, gives ``[C, M, KH, KW]``: ``dW`` transposed. cuDNN runs that Con
 implicit GEMM whose cost grows with the filter, ``H' x W'`` positions: on an H100 it is the
 fastest weight gradient of a 3 x 3 Conv of stride 1 or 2 whose output has at most 28 x 28
 positions (ResNet-50 at batch 64: 0.33 against 0.76 ms for layer3's), and up to 100 times
-slower on 56 x 56 outputs (``benchmarks/conv_grad_micro.py --device cuda``).
+slower on 56 x 56 outputs (``benchmarks/conv_grad_micro.py --device cuda``). Its result has
+as many elements as the weight, and a small weight leaves most of the GPU idle: ResNet-8's
+(at most 64 x 64 x 3 x 3) and LeNet's weight gradients take longer that way, and their steps
+10-30% longer.
 
 :func:`weight_grads_as_convs` replaces each tagged weight gradient of such a Conv (2-D, one
 group, dilation 1, stride at most :data:`MAX_STRIDE`, a kernel larger than 1 x 1, at most
-:data:`MAX_POSITIONS` output positions, static shapes) by the exchanged Conv; the values are
-the same sums in another order. The CUDA sessions apply it
-(:func:`traingraph.runtime.rewrites.specialize.for_cuda`); artifacts on disk keep the
-portable form.
+:data:`MAX_POSITIONS` output positions, at least :data:`MIN_WEIGHT` weight elements, static
+shapes) by the exchanged Conv; the values are the same sums in another order. The CUDA
+sessions apply it (:func:`traingraph.runtime.rewrites.specialize.for_cuda`); artifacts on
+disk keep the portable form.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ MAX_POSITIONS = 28 * 28
 """The most output positions per sample for which the exchanged Conv is used."""
 MAX_STRIDE = 2
 """The largest forward stride for which the exchanged Conv is used."""
+MIN_WEIGHT = 1 << 17
+"""The fewest weight elements for which the exchanged Conv is used (ResNet-50's smallest 3 x 3
+weight, 128 x 128 x 3 x 3, has 147,456)."""
 
 Shapes = Mapping[str, list[int | None]]
 
@@ -182,7 +188,9 @@ def _window(
         return None
     if kernel == [1, 1] or g[2] * g[3] > MAX_POSITIONS:  # type: ignore[operator]
         return None
+    if int(np.prod(w)) < MIN_WEIGHT:  # type: ignore[arg-type]
+        return None
     return pads, strides, kernel
 
 
-__all__ = ["KERNEL", "MAX_POSITIONS", "MAX_STRIDE", "weight_grads_as_convs"]
+__all__ = ["KERNEL", "MAX_POSITIONS", "MAX_STRIDE", "MIN_WEIGHT", "weight_grads_as_convs"]
