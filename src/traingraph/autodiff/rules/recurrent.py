@@ -368,26 +368,32 @@ def _time_major(b: OpBuilder, v: ir.Value | None, layout: int, perm: list[int]) 
     return b.Transpose(v, perm=perm) if v is not None and layout else v
 
 
-def _steps(b: OpBuilder, rows: ir.Value, steps: int) -> tuple[ir.Value, ...]:
-    """Split time-major rows ``[steps * batch, n]`` into ``steps`` pieces ``[batch, n]``."""
-    if steps == 1:
-        return (rows,)
+def _permuted(b: OpBuilder, v: ir.Value | None, perm: list[int]) -> ir.Value | None:
+    """``v`` transposed by ``perm``; None stays None."""
+    return None if v is None else b.Transpose(v, perm=perm)
+
+
+def _split(b: OpBuilder, x: ir.Value, pieces: int, axis: int) -> tuple[ir.Value, ...]:
+    """Split ``x`` into ``pieces`` equal pieces along ``axis``."""
+    if pieces == 1:
+        return (x,)
     if b.opset >= 18:
-        count = ir.AttrInt64("num_outputs", steps)
-        return tuple(b.op("Split", rows, axis=0, num_outputs=steps, count=count))
-    return tuple(b.op("Split", rows, axis=0, num_outputs=steps))
+        count = ir.AttrInt64("num_outputs", pieces)
+        return tuple(b.op("Split", x, axis=axis, num_outputs=pieces, count=count))
+    return tuple(b.op("Split", x, axis=axis, num_outputs=pieces))
 
 
-def _time_rows(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
-    """``[N, X]`` pieces by time step as time-major rows ``[T*N, X]``."""
-    return b.Concat(*(pieces[t] for t in range(steps)), axis=0) if steps > 1 else pieces[0]
+def _columns(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
+    """``[X, N]`` pieces by time step side by side: ``[X, T*N]``, time-major columns."""
+    return b.Concat(*(pieces[t] for t in range(steps)), axis=1) if steps > 1 else pieces[0]
 
 
 @dataclass
 class _Steps:
-    """One direction's forward by time step: ``order`` the steps in the order the direction
-    runs them, ``h0`` the initial hidden state, ``h`` the hidden states and ``c`` the final cell
-    state (LSTM), with what the direction's backward reads (see the subclasses)."""
+    """One direction's forward by time step, every tensor feature-major (``[features, N]``):
+    ``order`` the steps in the order the direction runs them, ``h0`` the initial hidden state,
+    ``h`` the hidden states and ``c`` the final cell state (LSTM), with what the direction's
+    backward reads (see the subclasses)."""
 
     order: list[int]
     h0: ir.Value
@@ -395,9 +401,9 @@ class _Steps:
     h: dict[int, ir.Value] = field(default_factory=dict)
 
     def previous(self, b: OpBuilder, steps: int) -> ir.Value:
-        """The hidden state before each step as time-major rows ``[T*N, H]``."""
+        """The hidden state before each step as time-major columns ``[H, T*N]``."""
         before = dict(zip(self.order, [self.h0] + [self.h[t] for t in self.order[:-1]]))
-        return _time_rows(b, before, steps)
+        return _columns(b, before, steps)
 
     def hidden_gradient(
         self,
@@ -418,7 +424,7 @@ class _Steps:
 @dataclass
 class _LstmSteps(_Steps):
     """An LSTM direction's steps, with the forget gates ``f``, the gate slopes ``slope``
-    (``[N, 4H]``: what ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates'
+    (``[4H, N]``: what ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates'
     gradient) and ``through`` (``o_t (1 - tanh^2 c_t)``: what ``dh_t`` is multiplied by in
     ``dc_t``)."""
 
@@ -430,7 +436,7 @@ class _LstmSteps(_Steps):
 @dataclass
 class _GruSteps(_Steps):
     """A GRU direction's steps, with the update gates ``z``, the reset gates ``r``, the
-    candidates ``n`` and ``inner``: ``u_t = h_{t-1} R_h^T + Rb_h`` (linear_before_reset=1) or
+    candidates ``n`` and ``inner``: ``u_t = R_h h_{t-1} + Rb_h`` (linear_before_reset=1) or
     ``r_t h_{t-1}`` (linear_before_reset=0)."""
 
     z: dict[int, ir.Value] = field(default_factory=dict)
@@ -441,12 +447,14 @@ class _GruSteps(_Steps):
 
 @dataclass(frozen=True)
 class _DirectionInputs:
-    """One direction's inputs: ``x2`` the time-major input rows ``[T*N, I]``, ``w`` ``[G*H, I]``,
-    ``r`` ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G`` gates), the initial states ``[N, H]`` (zeros
-    where absent; no cell state for GRU), ``order`` the steps in the order the direction runs
-    them and ``dtype`` the node's float type."""
+    """One direction's inputs: ``x2`` the time-major input rows ``[T*N, I]`` and ``xt`` their
+    transpose ``[I, T*N]``, ``w`` ``[G*H, I]``, ``r`` ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G``
+    gates), the initial states ``[H, N]`` (zeros where absent; no cell state for GRU),
+    ``order`` the steps in the order the direction runs them and ``dtype`` the node's float
+    type."""
 
     x2: ir.Value
+    xt: ir.Value
     w: ir.Value
     r: ir.Value
     bias: ir.Value | None
@@ -458,16 +466,25 @@ class _DirectionInputs:
 
 @dataclass(frozen=True)
 class _OutputGradients:
-    """One direction's output gradients: ``dy`` those of its hidden states by step (``[N, H]``
-    each), ``dy_h`` / ``dy_c`` those of its final states; None where absent."""
+    """One direction's output gradients, feature-major: ``dy`` those of its hidden states by
+    step (``[H, N]`` each), ``dy_h`` / ``dy_c`` those of its final states; None where
+    absent."""
 
     dy: Sequence[ir.Value] | None
     dy_h: ir.Value | None
     dy_c: ir.Value | None
 
 
+def _projection(
+    b: OpBuilder, d: _DirectionInputs, bias: ir.Value | None, steps: int
+) -> tuple[ir.Value, ...]:
+    """``W x_t + bias`` by step (``[G*H, N]`` each), from one ``Gemm`` over all steps."""
+    column = [] if bias is None else [b.unsqueeze(bias, [1])]
+    return _split(b, b.Gemm(d.w, d.xt, *column), steps, axis=1)
+
+
 def _lstm_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _LstmSteps:
-    """An LSTM direction's forward: one ``Gemm`` over all steps for ``x_t W^T + Wb + Rb``, then
+    """An LSTM direction's forward: one ``Gemm`` over all steps for ``W x_t + Wb + Rb``, then
     one ``Gemm`` per step for the gates, and the slopes its gradient reads, made while the
     step's gates are at hand (the module docstring's formulas with ``i_t g_t``, ``h_t`` and
     ``f_t c_{t-1}`` reused: ``[i_t g_t, h_t, f_t c_{t-1}] (1 - [i, o, f])``,
@@ -476,24 +493,23 @@ def _lstm_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _Ls
     bias = d.bias
     if bias is not None:
         bias = b.Add(*b.split(bias, [4 * hidden] * 2, axis=0))
-    projected = b.Gemm(d.x2, d.w, *([] if bias is None else [bias]), transB=1)
-    pieces = _steps(b, projected, spec.steps)
+    pieces = _projection(b, d, bias, spec.steps)
     one = b.const(1.0, d.dtype)
     assert d.c0 is not None
     steps = _LstmSteps(d.order, d.h0)
     gate_sizes, iof_sizes = b.ints([3 * hidden, hidden]), b.ints([hidden] * 3)
     h, c = d.h0, d.c0
     for t in d.order:
-        gates = b.Gemm(h, d.r, pieces[t], transB=1)
-        pre_iof, pre_g = b.op("Split", gates, gate_sizes, axis=1, num_outputs=2)
+        gates = b.Gemm(d.r, h, pieces[t])
+        pre_iof, pre_g = b.op("Split", gates, gate_sizes, axis=0, num_outputs=2)
         iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
-        i, o, f = b.op("Split", iof, iof_sizes, axis=1, num_outputs=3)
+        i, o, f = b.op("Split", iof, iof_sizes, axis=0, num_outputs=3)
         fc, ig = b.Mul(f, c), b.Mul(i, g)
         c = b.Add(fc, ig)
         tanh_c = b.Tanh(c)
         h = b.Mul(o, tanh_c)
-        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=1), b.Sub(one, iof))
-        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=1)
+        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=0), b.Sub(one, iof))
+        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=0)
         steps.through[t] = b.Sub(o, b.Mul(h, tanh_c))
         steps.h[t], steps.f[t] = h, f
     steps.c = c
@@ -501,27 +517,28 @@ def _lstm_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _Ls
 
 
 def _gru_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _GruSteps:
-    """A GRU direction's forward: one ``Gemm`` over all steps for ``x_t W^T`` and the biases
+    """A GRU direction's forward: one ``Gemm`` over all steps for ``W x_t`` and the biases
     outside the reset gate, then per step one ``Gemm`` for the update and reset gates and one
     for the candidate."""
     hidden = spec.hidden
     x_bias, rb_h = _projection_bias(b, d.bias, spec, d.dtype)
-    projected = b.Gemm(d.x2, d.w, *([] if x_bias is None else [x_bias]), transB=1)
-    p_zr, p_h = b.split(projected, [2 * hidden, hidden], axis=1)
-    p_zr_t, p_h_t = _steps(b, p_zr, spec.steps), _steps(b, p_h, spec.steps)
+    column = [] if x_bias is None else [b.unsqueeze(x_bias, [1])]
+    p_zr, p_h = b.split(b.Gemm(d.w, d.xt, *column), [2 * hidden, hidden], axis=0)
+    p_zr_t, p_h_t = _split(b, p_zr, spec.steps, axis=1), _split(b, p_h, spec.steps, axis=1)
     r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
+    rb_column = [] if rb_h is None else [b.unsqueeze(rb_h, [1])]
     steps = _GruSteps(d.order, d.h0)
     halves = b.ints([hidden] * 2)
     h = d.h0
     for t in d.order:
-        zr = b.Sigmoid(b.Gemm(h, r_zr, p_zr_t[t], transB=1))
-        z, r = b.op("Split", zr, halves, axis=1, num_outputs=2)
+        zr = b.Sigmoid(b.Gemm(r_zr, h, p_zr_t[t]))
+        z, r = b.op("Split", zr, halves, axis=0, num_outputs=2)
         if spec.linear_before_reset:
-            inner = b.Gemm(h, r_h, *([] if rb_h is None else [rb_h]), transB=1)
+            inner = b.Gemm(r_h, h, *rb_column)
             n = b.Tanh(b.Add(p_h_t[t], b.Mul(r, inner)))
         else:
             inner = b.Mul(r, h)
-            n = b.Tanh(b.Gemm(inner, r_h, p_h_t[t], transB=1))
+            n = b.Tanh(b.Gemm(r_h, inner, p_h_t[t]))
         h = b.Add(n, b.Mul(z, b.Sub(h, n)))
         steps.z[t], steps.r[t], steps.n[t], steps.inner[t], steps.h[t] = z, r, n, inner, h
     return steps
@@ -535,10 +552,11 @@ def _lstm_backward(
     spec: RecurrentSpec,
     need: Callable[[int], bool],
 ) -> dict[int, ir.Value]:
-    """The gradients of one LSTM direction by node input where wanted: X (as ``[T*N, I]``),
-    W, R, B, initial_h and initial_c. Six nodes a step: ``dh_t = dY_t + dG_{t+1} R`` in one
-    ``Gemm``, ``dc_t``, then ``dG_t``."""
+    """The gradients of one LSTM direction by node input where wanted: X (as ``[I, T*N]``),
+    W, R, B, initial_h and initial_c (``[H, N]``). Six nodes a step: ``dh_t = dY_t + R^T
+    dG_{t+1}`` in one ``Gemm``, ``dc_t``, then ``dG_t``."""
     assert isinstance(fwd, _LstmSteps)
+    r_t = b.Transpose(d.r, perm=[1, 0])
     dgates: dict[int, ir.Value] = {}
     dc: ir.Value | None = None
     after: int | None = None
@@ -547,26 +565,26 @@ def _lstm_backward(
             dh, c_back = fwd.hidden_gradient(b, t, None, g.dy, g.dy_h), g.dy_c
         else:
             back = dgates[after]
-            dh = b.MatMul(back, d.r) if g.dy is None else b.Gemm(back, d.r, g.dy[t])
+            dh = b.MatMul(r_t, back) if g.dy is None else b.Gemm(r_t, back, g.dy[t])
             c_back = b.Mul(dc, fwd.f[after])
         from_h = b.Mul(dh, fwd.through[t])
         dc = from_h if c_back is None else b.Add(from_h, c_back)
-        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), fwd.slope[t])
+        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=0), fwd.slope[t])
         after = t
     assert dc is not None and after is not None
-    dg = _time_rows(b, dgates, spec.steps)
+    dg = _columns(b, dgates, spec.steps)  # [4H, T*N]
     first = after  # the step the direction runs first
 
     def bias_gradient() -> ir.Value:
-        db = b.sum(dg, [0], keepdims=False)
+        db = b.sum(dg, [1], keepdims=False)
         return b.Concat(db, db, axis=0)
 
     makers: dict[int, Callable[[], ir.Value]] = {
-        0: lambda: b.MatMul(dg, d.w),
-        1: lambda: b.Gemm(dg, d.x2, transA=1),
-        2: lambda: b.Gemm(dg, fwd.previous(b, spec.steps), transA=1),
+        0: lambda: b.MatMul(b.Transpose(d.w, perm=[1, 0]), dg),
+        1: lambda: b.MatMul(dg, d.x2),
+        2: lambda: b.Gemm(dg, fwd.previous(b, spec.steps), transB=1),
         3: bias_gradient,
-        5: lambda: b.MatMul(dgates[first], d.r),
+        5: lambda: b.MatMul(r_t, dgates[first]),
         6: lambda: b.Mul(dc, fwd.f[first]),
     }
     return {i: make() for i, make in makers.items() if need(i)}
@@ -580,22 +598,22 @@ def _gru_backward(
     spec: RecurrentSpec,
     need: Callable[[int], bool],
 ) -> dict[int, ir.Value]:
-    """The gradients of one GRU direction by node input where wanted: X (as ``[T*N, I]``),
-    W, R, B and initial_h. The slopes come from the forward's gates over all steps at once;
-    only the backward recurrence runs step by step::
+    """The gradients of one GRU direction by node input where wanted: X (as ``[I, T*N]``),
+    W, R, B and initial_h (``[H, N]``). The slopes come from the forward's gates over all
+    steps at once; only the backward recurrence runs step by step::
 
         dn_t = dh_t (1 - z_t) (1 - n_t^2),   dz_t = dh_t (h_{t-1} - n_t) z_t (1 - z_t)
-        linear_before_reset=1 (u_t = h_{t-1} R_h^T + Rb_h):
-            dr_t = dn_t u_t r_t (1 - r_t),   dh_{t-1} = dh_t z_t + [dz_t, dr_t, dn_t r_t] R
-        linear_before_reset=0 (e_t = dn_t R_h):
-            dr_t = e_t h_{t-1} r_t (1 - r_t),   dh_{t-1} = dh_t z_t + e_t r_t + [dz_t, dr_t] R_zr
+        linear_before_reset=1 (u_t = R_h h_{t-1} + Rb_h):
+            dr_t = dn_t u_t r_t (1 - r_t),   dh_{t-1} = dh_t z_t + R^T [dz_t, dr_t, dn_t r_t]
+        linear_before_reset=0 (e_t = R_h^T dn_t):
+            dr_t = e_t h_{t-1} r_t (1 - r_t),   dh_{t-1} = dh_t z_t + e_t r_t + R_zr^T [dz_t, dr_t]
     """
     assert isinstance(fwd, _GruSteps)
     steps, hidden = spec.steps, spec.hidden
     order = fwd.order
     h_prev = fwd.previous(b, steps)
-    z, r, n = (_time_rows(b, v, steps) for v in (fwd.z, fwd.r, fwd.n))
-    inner = _time_rows(b, fwd.inner, steps)
+    z, r, n = (_columns(b, v, steps) for v in (fwd.z, fwd.r, fwd.n))
+    inner = _columns(b, fwd.inner, steps)
     r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
     one = b.const(1.0, d.dtype)
     to_n = b.Mul(b.Sub(one, z), b.Sub(one, b.Mul(n, n)))  # dn_t = dh_t * to_n
@@ -603,74 +621,81 @@ def _gru_backward(
     r_slope = b.Mul(r, b.Sub(one, r))
     z_t = fwd.z
     dh_t: dict[int, ir.Value] = {}
-    dgates: dict[int, ir.Value] = {}  # the rows that multiply R (R_zr without linear_before_reset)
+    dgates: dict[int, ir.Value] = {}  # the rows R (R_zr without linear_before_reset) takes
     if spec.linear_before_reset:
+        r_t = b.Transpose(d.r, perm=[1, 0])
         # dgates_t = [dz_t, dr_t, dn_t r_t] = [dh_t, dh_t, dh_t] * slopes
-        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=1)
-        slope_t = _steps(b, slopes, steps)
+        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=0)
+        slope_t = _split(b, slopes, steps, axis=1)
         after = None
         for t in reversed(order):
             back = None
             if after is not None:
-                back = b.Gemm(dgates[after], d.r, b.Mul(dh_t[after], z_t[after]))
+                back = b.Gemm(r_t, dgates[after], b.Mul(dh_t[after], z_t[after]))
             dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
-            dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=1), slope_t[t])
+            dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=0), slope_t[t])
             after = t
         assert after is not None
         first = after  # the step the direction runs first
-        dh_all = _time_rows(b, dh_t, steps)
-        d_r_rows = _time_rows(b, dgates, steps)  # [dz, dr, dn r]
-        d_zr = b.slice(d_r_rows, [0], [2 * hidden], [1])
+        dh_all = _columns(b, dh_t, steps)
+        d_r_rows = _columns(b, dgates, steps)  # [dz, dr, dn r]
+        d_zr = b.slice(d_r_rows, [0], [2 * hidden], [0])
         d_n = b.Mul(dh_all, to_n)
-        d_x_rows = b.Concat(d_zr, d_n, axis=1)  # [dz, dr, dn]
+        d_x_rows = b.Concat(d_zr, d_n, axis=0)  # [dz, dr, dn]
 
         def recurrence_gradient() -> ir.Value:
-            return b.Gemm(d_r_rows, h_prev, transA=1)
+            return b.Gemm(d_r_rows, h_prev, transB=1)
 
         def bias_gradient() -> ir.Value:
             return b.Concat(
-                b.sum(d_x_rows, [0], keepdims=False), b.sum(d_r_rows, [0], keepdims=False), axis=0
+                b.sum(d_x_rows, [1], keepdims=False), b.sum(d_r_rows, [1], keepdims=False), axis=0
             )
 
         def initial_gradient() -> ir.Value:
-            return b.Gemm(dgates[first], d.r, b.Mul(dh_t[first], z_t[first]))
+            return b.Gemm(r_t, dgates[first], b.Mul(dh_t[first], z_t[first]))
 
     else:
-        to_n_t, to_z_t = _steps(b, to_n, steps), _steps(b, to_z, steps)
-        r_t, to_r_t = fwd.r, _steps(b, b.Mul(h_prev, r_slope), steps)
+        r_zr_t, r_h_t = b.Transpose(r_zr, perm=[1, 0]), b.Transpose(r_h, perm=[1, 0])
+        to_n_t, to_z_t = _split(b, to_n, steps, axis=1), _split(b, to_z, steps, axis=1)
+        to_r_t = _split(b, b.Mul(h_prev, r_slope), steps, axis=1)
+        reset_t = fwd.r
         d_n_t: dict[int, ir.Value] = {}
-        reset: dict[int, ir.Value] = {}  # e_t = dn_t R_h
+        reset: dict[int, ir.Value] = {}  # e_t = R_h^T dn_t
         after = None
         for t in reversed(order):
             back = None
             if after is not None:
-                direct = b.Add(b.Mul(dh_t[after], z_t[after]), b.Mul(reset[after], r_t[after]))
-                back = b.Gemm(dgates[after], r_zr, direct)
+                direct = b.Add(
+                    b.Mul(dh_t[after], z_t[after]), b.Mul(reset[after], reset_t[after])
+                )
+                back = b.Gemm(r_zr_t, dgates[after], direct)
             dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
             d_n_t[t] = b.Mul(dh, to_n_t[t])
-            reset[t] = b.MatMul(d_n_t[t], r_h)
-            dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=1)
+            reset[t] = b.MatMul(r_h_t, d_n_t[t])
+            dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=0)
             after = t
         assert after is not None
         first = after
-        d_zr = _time_rows(b, dgates, steps)
-        d_n = _time_rows(b, d_n_t, steps)
-        d_x_rows = b.Concat(d_zr, d_n, axis=1)
+        d_zr = _columns(b, dgates, steps)
+        d_n = _columns(b, d_n_t, steps)
+        d_x_rows = b.Concat(d_zr, d_n, axis=0)
 
         def recurrence_gradient() -> ir.Value:
-            return b.Concat(b.Gemm(d_zr, h_prev, transA=1), b.Gemm(d_n, inner, transA=1), axis=0)
+            return b.Concat(
+                b.Gemm(d_zr, h_prev, transB=1), b.Gemm(d_n, inner, transB=1), axis=0
+            )
 
         def bias_gradient() -> ir.Value:
-            db = b.sum(d_x_rows, [0], keepdims=False)
+            db = b.sum(d_x_rows, [1], keepdims=False)
             return b.Concat(db, db, axis=0)
 
         def initial_gradient() -> ir.Value:
-            direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], r_t[first]))
-            return b.Gemm(dgates[first], r_zr, direct)
+            direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], reset_t[first]))
+            return b.Gemm(r_zr_t, dgates[first], direct)
 
     makers: dict[int, Callable[[], ir.Value]] = {
-        0: lambda: b.MatMul(d_x_rows, d.w),
-        1: lambda: b.Gemm(d_x_rows, d.x2, transA=1),
+        0: lambda: b.MatMul(b.Transpose(d.w, perm=[1, 0]), d_x_rows),
+        1: lambda: b.MatMul(d_x_rows, d.x2),
         2: recurrence_gradient,
         3: bias_gradient,
         5: initial_gradient,
@@ -704,7 +729,12 @@ def _in_use(value: ir.Value) -> bool:
 
 def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """The gradient of an LSTM or GRU node, which is replaced by its forward written step by
-    step (see the module docstring); an LSTM with peepholes takes :func:`_recurrent_gradient`."""
+    step (see the module docstring); an LSTM with peepholes takes :func:`_recurrent_gradient`.
+
+    Every per-step tensor is feature-major, ``[features, N]``: the step's ``Gemm`` then
+    multiplies the recurrence weights by the small ``[H, N]`` state, which is cheaper to pack
+    than the weights.
+    """
     spec = recurrent_spec(ctx)
     lstm = spec.op_type == "LSTM"
     dtype = ctx.x(0).dtype
@@ -714,6 +744,10 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     steps, hidden = spec.steps, spec.hidden
     scratch = ir.Graph([], [], nodes=[], opset_imports={"": ctx.opset})
     fb = OpBuilder(scratch, ctx.opset, prefix=b.fresh_name("forward"))
+    # perms from layout 0 / 1 to feature-major: [T, D, N, H] / [N, T, D, H] -> [T, D, H, N],
+    # [D, N, H] / [N, D, H] -> [D, H, N]; and back
+    steps_in, states_in = ([1, 2, 3, 0], [1, 2, 0]) if layout else ([0, 1, 3, 2], [0, 2, 1])
+    steps_out, states_out = ([3, 0, 1, 2], [2, 0, 1]) if layout else ([0, 1, 3, 2], [0, 2, 1])
 
     def optional(i: int) -> ir.Value | None:
         return ctx.inputs[i] if ctx.has_input(i) else None
@@ -724,13 +758,15 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     x = _time_major(fb, ctx.x(0), layout, [1, 0, 2])
     assert x is not None
     x2 = fb.Flatten(x, axis=2)
+    xt = fb.Transpose(x2, perm=[1, 0])
     h0s, c0s = (
-        _per_direction(fb, _time_major(fb, v, layout, [1, 0, 2]), count)
+        _per_direction(fb, _permuted(fb, v, states_in), count)
         for v in (optional(5), optional(6) if lstm else None)
     )
     zeros = None
     if any(s is None for s in (*h0s, *(c0s if lstm else ()))):
-        zeros = _zeros_state(fb, x, hidden, dtype)
+        shape = fb.Concat(fb.ints([hidden]), fb.shape(x, 1, 2), axis=0)
+        zeros = fb.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, dtype.numpy())))
     ws, rs = _per_direction(fb, ctx.x(1), count), _per_direction(fb, ctx.x(2), count)
     biases = _per_direction(fb, optional(3), count)
     inputs, forwards = [], []
@@ -739,15 +775,15 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         assert w is not None and r is not None and h0 is not None
         order = list(range(steps - 1, -1, -1) if reverse else range(steps))
         c0 = (c0s[k] or zeros) if lstm else None
-        d = _DirectionInputs(x2, w, r, biases[k], h0, c0, order, dtype)
+        d = _DirectionInputs(x2, xt, w, r, biases[k], h0, c0, order, dtype)
         inputs.append(d)
         forwards.append(_FORWARDS[spec.op_type](fb, d, spec))
     new: list[ir.Value | None] = [None] * len(ctx.outputs)
     if _in_use(ctx.outputs[0]):
-        pieces = [f.h[t] for t in range(steps) for f in forwards]  # [T, D, N, H] in order
+        pieces = [f.h[t] for t in range(steps) for f in forwards]  # [T, D, H, N] in order
         rows = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        y = fb.Reshape(rows, fb.ints([steps, count, -1, hidden]))
-        new[0] = fb.Transpose(y, perm=[2, 0, 1, 3]) if layout else y
+        y = fb.Reshape(rows, fb.ints([steps, count, hidden, -1]))
+        new[0] = fb.Transpose(y, perm=steps_out)
     finals: dict[int, list[ir.Value | None]] = {
         1: [f.h[f.order[-1]] for f in forwards],
         2: [f.c for f in forwards],
@@ -755,15 +791,13 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     for k, states in finals.items():
         if k < len(ctx.outputs) and _in_use(ctx.outputs[k]):
             state = _stack(fb, [s for s in states if s is not None], 0)
-            new[k] = fb.Transpose(state, perm=[1, 0, 2]) if layout else state
+            new[k] = fb.Transpose(state, perm=states_out)
     _replace_outputs(ctx, scratch, new)
 
-    dy = _time_major(b, grad(0), layout, [1, 2, 0, 3])
-    # dY by step and direction: [N, H] pieces in (step, direction) order
-    dy_steps = None if dy is None else _steps(b, b.Flatten(dy, axis=3), steps * count)
-    dy_h, dy_c = (
-        _per_direction(b, _time_major(b, grad(k), layout, [1, 0, 2]), count) for k in (1, 2)
-    )
+    dy = _permuted(b, grad(0), steps_in)
+    # dY by step and direction: [H, N] pieces in (step, direction) order
+    dy_steps = None if dy is None else _split(b, b.Flatten(dy, axis=3), steps * count, axis=0)
+    dy_h, dy_c = (_per_direction(b, _permuted(b, grad(k), states_in), count) for k in (1, 2))
     by_input: dict[int, list[ir.Value]] = {i: [] for i in (0, 1, 2, 3, 5, 6)}
     for k, (d, fwd) in enumerate(zip(inputs, forwards)):
         g = _OutputGradients(None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k])
@@ -771,18 +805,17 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
             by_input[i].append(value)
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if by_input[0]:
-        dx_rows = by_input[0][0]
+        dx_columns = by_input[0][0]  # [I, T*N]
         for other in by_input[0][1:]:
-            dx_rows = b.Add(dx_rows, other)
-        dx = b.reshape_like(dx_rows, x)
-        out[0] = b.Transpose(dx, perm=[1, 0, 2]) if layout else dx
+            dx_columns = b.Add(dx_columns, other)
+        dx = b.Reshape(dx_columns, b.ints([0, steps, -1]))
+        out[0] = b.Transpose(dx, perm=[2, 1, 0] if layout else [1, 2, 0])
     for i in (1, 2, 3):
         if by_input[i]:
             out[i] = _stack(b, by_input[i], 0)
     for i in (5, 6):
         if by_input[i]:
-            state = _stack(b, by_input[i], 0)
-            out[i] = b.Transpose(state, perm=[1, 0, 2]) if layout else state
+            out[i] = b.Transpose(_stack(b, by_input[i], 0), perm=states_out)
     return out
 
 
