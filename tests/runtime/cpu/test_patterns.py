@@ -253,6 +253,23 @@ def test_the_rules_see_only_the_neighbourhood_of_their_anchors():
     assert _found(model, patterns.GELU) == [(_gelu_rule(True, False), list(range(12, 17)))]
 
 
+def test_nothing_is_matched_in_a_model_with_subgraphs():
+    """A node holding a subgraph may read any value there, unseen by the index."""
+    model = _gelu_model(readers=("a",))
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["t"], ["branch_out"])],  # reads the GELU's product
+        "branch",
+        [],
+        [helper.make_tensor_value_info("branch_out", FLOAT, None)],
+    )
+    model.graph.input.append(helper.make_tensor_value_info("flag", TensorProto.BOOL, []))
+    model.graph.node.append(
+        helper.make_node("If", ["flag"], ["chosen"], then_branch=branch, else_branch=branch)
+    )
+    model.graph.output.append(helper.make_tensor_value_info("chosen", FLOAT, None))
+    assert _found(model, patterns.GELU) == []
+
+
 def test_threads_match_at_once():
     """Modules built in several threads at once (Flower's simulation) each match with their
     own rules: a rule's matcher holds the state of the match under way."""

@@ -171,11 +171,14 @@ def find(
     or a node holds a subgraph (whose reads of outer values a match would not see)."""
     graph = model.graph
     anchors = [i for i in family.anchors(graph) if i not in taken]
-    if not anchors or graph_match.has_subgraphs(model):
+    if not anchors:
         return Found([])
     g = graph_match.GraphIndex.of(graph)
     shapes = graph_match.inferred_shapes(model)
-    view, index = _neighbourhood(model, g, shapes, anchors, family.reach, taken, read)
+    neighbourhood = _neighbourhood(model, g, shapes, anchors, family.reach, taken, read)
+    if neighbourhood is None:
+        return Found([])
+    view, index = neighbourhood
     below = _below(g, anchors, family.reach)  # where a match's last node may be
     nodes = [node for node in view.graph if index.get(id(node), -1) in below]
     best: dict[int, Match] = {}  # by anchor: the preferred rule's match of the earliest root
@@ -201,6 +204,8 @@ def find(
         if not best[anchor].nodes & claimed:
             claimed |= best[anchor].nodes
             matches.append(best[anchor])
+    if matches and graph_match.has_subgraphs(model):  # the nodes outside the neighbourhood
+        return Found([])
     return Found(matches, g, shapes)
 
 
@@ -223,14 +228,15 @@ def _neighbourhood(
     reach: int,
     taken: Set[int],
     read: Set[str],
-) -> tuple[ir.Model, dict[int, int]]:
+) -> tuple[ir.Model, dict[int, int]] | None:
     """The nodes of ``model`` within ``reach`` steps of an anchor (a step goes from a node to
     the producers and readers of what it reads and to the readers of what it writes, not
     through constants), the readers of everything they write and the Constants they read, as
     an onnx-ir model; and the index in ``model`` of each of its nodes (by ``id``). Values
     from nodes outside come from its first node, of the domain ``traingraph.outside``; the
     values carry the float ``shapes`` inferred for the model, and the nodes of ``taken`` and
-    values of ``read`` are marked (:data:`TAKEN`, :data:`READ`)."""
+    values of ``read`` are marked (:data:`TAKEN`, :data:`READ`). None where one of these
+    nodes holds a subgraph."""
     graph = model.graph
     near = set(anchors)
     edge = set(anchors)
@@ -257,6 +263,8 @@ def _neighbourhood(
                 members.add(g.producer[v])
     order = sorted(members)
     nodes = [g.nodes[i] for i in order]
+    if any(graph_match.has_subgraph(node) for node in nodes):
+        return None
     written = {v for node in nodes for v in node.output if v}
     reads = {v for node in nodes for v in node.input if v}
     inputs = [i.name for i in graph.input if i.name in reads]
