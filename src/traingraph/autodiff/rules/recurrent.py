@@ -15,7 +15,9 @@ direction's order:
 
 and for GRU as :func:`_gru_backward` says. The weight, bias and input gradients are then one
 ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``, ``dR = dG^T H_prev``,
-``dB = sum dG``, ``dX = dG W``.
+``dB = sum dG``, ``dX = dG W``. The steps hold their tensors feature-major (``[H, N]``, the
+transposes of the rows above), so that each step's ``Gemm`` takes the weights as its first
+operand and the small state as the second.
 
 An LSTM with peepholes keeps its node: the rule rebuilds the node's forward computation from
 primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
