@@ -13,11 +13,12 @@ direction's order:
     dG_t = [dc_t, dh_t, dc_t, dc_t] * [i_t g_t (1 - i_t), h_t (1 - o_t),
                                        f_t c_{t-1} (1 - f_t), i_t (1 - g_t^2)]
 
-and for GRU as :func:`_gru_backward` says. The weight, bias and input gradients are then one
-``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``, ``dR = dG^T H_prev``,
-``dB = sum dG``, ``dX = dG W``. The steps hold their tensors feature-major (``[H, N]``, the
-transposes of the rows above), so that each step's ``Gemm`` takes the weights as its first
-operand and the small state as the second.
+and for GRU as :func:`~traingraph.autodiff.rules.recurrent_steps.gru_backward` says (the steps
+are built in :mod:`traingraph.autodiff.rules.recurrent_steps`). The weight, bias and input
+gradients are then one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
+``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``. The steps hold their tensors
+feature-major (``[H, N]``, the transposes of the rows above), so that each step's ``Gemm``
+takes the weights as its first operand and the small state as the second.
 
 An LSTM with peepholes keeps its node: the rule rebuilds the node's forward computation from
 primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
@@ -46,8 +47,8 @@ length everywhere, and the default activations. Anything else raises an error na
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -56,13 +57,20 @@ from onnx_ir.passes.common import ShapeInferencePass
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.engine import differentiate
 from traingraph.autodiff.registry import register_gradient
+from traingraph.autodiff.rules.recurrent_steps import (
+    BACKWARDS,
+    FORWARDS,
+    DirectionInputs,
+    OutputGradients,
+    projection_bias,
+    split,
+)
 from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import max_ir_version
 
 Grads = Sequence[ir.Value | None]
 
 _DEFAULT_ACTIVATIONS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh")}
-_GATES = {"LSTM": 4, "GRU": 3}
 _DIRECTIONS = {"forward": (False,), "reverse": (True,), "bidirectional": (False, True)}
 _SEQUENCE_LENS = 4
 
@@ -203,21 +211,6 @@ def _gru_step(
     return b.Add(n, b.Mul(z, b.Sub(h, n)))
 
 
-def _projection_bias(
-    b: OpBuilder, bias: ir.Value | None, spec: RecurrentSpec, dtype: ir.DataType
-) -> tuple[ir.Value | None, ir.Value | None]:
-    """``(bias added to x_t W^T, GRU's Rb_h applied inside the reset gate or None)``."""
-    if bias is None:
-        return None, None
-    size = _GATES[spec.op_type] * spec.hidden
-    w_bias, r_bias = b.split(bias, [size, size], axis=0)
-    if spec.op_type == "GRU" and spec.linear_before_reset:
-        r_zr, r_h = b.split(r_bias, [size - spec.hidden, spec.hidden], axis=0)
-        zeros = b.const(np.zeros(spec.hidden), dtype)
-        return b.Add(w_bias, b.Concat(r_zr, zeros, axis=0)), r_h
-    return b.Add(w_bias, r_bias), None
-
-
 def unroll(
     ctx: GradContext,
     b: OpBuilder,
@@ -263,7 +256,7 @@ def unroll(
     for w, r, bias, h, c, peephole, reverse in columns:
         assert w is not None and r is not None
         projected = b.MatMul(x, b.Transpose(w, perm=[1, 0]))
-        x_bias, rb_h = _projection_bias(b, bias, spec, dtype)
+        x_bias, rb_h = projection_bias(b, bias, spec, dtype)
         if x_bias is not None:
             projected = b.Add(projected, x_bias)
         steps = (projected,) if spec.steps == 1 else b.split(projected, [1] * spec.steps, axis=0)
@@ -375,343 +368,6 @@ def _permuted(b: OpBuilder, v: ir.Value | None, perm: list[int]) -> ir.Value | N
     return None if v is None else b.Transpose(v, perm=perm)
 
 
-def _split(b: OpBuilder, x: ir.Value, pieces: int, axis: int) -> tuple[ir.Value, ...]:
-    """Split ``x`` into ``pieces`` equal pieces along ``axis``."""
-    if pieces == 1:
-        return (x,)
-    if b.opset >= 18:
-        count = ir.AttrInt64("num_outputs", pieces)
-        return tuple(b.op("Split", x, axis=axis, num_outputs=pieces, count=count))
-    return tuple(b.op("Split", x, axis=axis, num_outputs=pieces))
-
-
-def _columns(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
-    """``[X, N]`` pieces by time step side by side: ``[X, T*N]``, time-major columns."""
-    return b.Concat(*(pieces[t] for t in range(steps)), axis=1) if steps > 1 else pieces[0]
-
-
-@dataclass
-class _Steps:
-    """One direction's forward by time step, every tensor feature-major (``[features, N]``):
-    ``order`` the steps in the order the direction runs them, ``h0`` the initial hidden state,
-    ``h`` the hidden states and ``c`` the final cell state (LSTM), with what the direction's
-    backward reads (see the subclasses)."""
-
-    order: list[int]
-    h0: ir.Value
-    c: ir.Value | None = None
-    h: dict[int, ir.Value] = field(default_factory=dict)
-
-    def previous(self, b: OpBuilder, steps: int) -> ir.Value:
-        """The hidden state before each step as time-major columns ``[H, T*N]``."""
-        before = dict(zip(self.order, [self.h0] + [self.h[t] for t in self.order[:-1]]))
-        return _columns(b, before, steps)
-
-    def hidden_gradient(
-        self,
-        b: OpBuilder,
-        t: int,
-        back: ir.Value | None,
-        dy: Sequence[ir.Value] | None,
-        dy_h: ir.Value | None,
-    ) -> ir.Value:
-        """``dh_t``: the gradient ``dy[t]`` of ``Y_t`` plus ``back``, what flows back from the
-        step after ``t`` (None for the last step, which takes ``Y_h``'s gradient ``dy_h``)."""
-        dh = dy_h if back is None else back
-        if dy is not None:
-            dh = dy[t] if dh is None else b.Add(dy[t], dh)
-        return dh if dh is not None else b.zeros_like(self.h0)
-
-
-@dataclass
-class _LstmSteps(_Steps):
-    """An LSTM direction's steps, with the forget gates ``f``, the gate slopes ``slope``
-    (``[4H, N]``: what ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates'
-    gradient) and ``through`` (``o_t (1 - tanh^2 c_t)``: what ``dh_t`` is multiplied by in
-    ``dc_t``)."""
-
-    f: dict[int, ir.Value] = field(default_factory=dict)
-    slope: dict[int, ir.Value] = field(default_factory=dict)
-    through: dict[int, ir.Value] = field(default_factory=dict)
-
-
-@dataclass
-class _GruSteps(_Steps):
-    """A GRU direction's steps, with the update gates ``z``, the reset gates ``r``, the
-    candidates ``n`` and ``inner``: ``u_t = R_h h_{t-1} + Rb_h`` (linear_before_reset=1) or
-    ``r_t h_{t-1}`` (linear_before_reset=0)."""
-
-    z: dict[int, ir.Value] = field(default_factory=dict)
-    r: dict[int, ir.Value] = field(default_factory=dict)
-    n: dict[int, ir.Value] = field(default_factory=dict)
-    inner: dict[int, ir.Value] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _DirectionInputs:
-    """One direction's inputs: ``x2`` the time-major input rows ``[T*N, I]`` and ``xt`` their
-    transpose ``[I, T*N]``, ``w`` ``[G*H, I]``, ``r`` ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G``
-    gates), the initial states ``[H, N]`` (zeros where absent; no cell state for GRU),
-    ``order`` the steps in the order the direction runs them and ``dtype`` the node's float
-    type."""
-
-    x2: ir.Value
-    xt: ir.Value
-    w: ir.Value
-    r: ir.Value
-    bias: ir.Value | None
-    h0: ir.Value
-    c0: ir.Value | None
-    order: list[int]
-    dtype: ir.DataType
-
-
-@dataclass(frozen=True)
-class _OutputGradients:
-    """One direction's output gradients, feature-major: ``dy`` those of its hidden states by
-    step (``[H, N]`` each), ``dy_h`` / ``dy_c`` those of its final states; None where
-    absent."""
-
-    dy: Sequence[ir.Value] | None
-    dy_h: ir.Value | None
-    dy_c: ir.Value | None
-
-
-def _projection(
-    b: OpBuilder, d: _DirectionInputs, bias: ir.Value | None, steps: int
-) -> tuple[ir.Value, ...]:
-    """``W x_t + bias`` by step (``[G*H, N]`` each), from one ``Gemm`` over all steps."""
-    column = [] if bias is None else [b.unsqueeze(bias, [1])]
-    return _split(b, b.Gemm(d.w, d.xt, *column), steps, axis=1)
-
-
-def _lstm_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _LstmSteps:
-    """An LSTM direction's forward: one ``Gemm`` over all steps for ``W x_t + Wb + Rb``, then
-    one ``Gemm`` per step for the gates, and the slopes its gradient reads, made while the
-    step's gates are at hand (the module docstring's formulas with ``i_t g_t``, ``h_t`` and
-    ``f_t c_{t-1}`` reused: ``[i_t g_t, h_t, f_t c_{t-1}] (1 - [i, o, f])``,
-    ``i_t - i_t g_t g_t`` and ``o_t - h_t tanh c_t``)."""
-    hidden = spec.hidden
-    bias = d.bias
-    if bias is not None:
-        bias = b.Add(*b.split(bias, [4 * hidden] * 2, axis=0))
-    pieces = _projection(b, d, bias, spec.steps)
-    one = b.const(1.0, d.dtype)
-    assert d.c0 is not None
-    steps = _LstmSteps(d.order, d.h0)
-    gate_sizes, iof_sizes = b.ints([3 * hidden, hidden]), b.ints([hidden] * 3)
-    h, c = d.h0, d.c0
-    for t in d.order:
-        gates = b.Gemm(d.r, h, pieces[t])
-        pre_iof, pre_g = b.op("Split", gates, gate_sizes, axis=0, num_outputs=2)
-        iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
-        i, o, f = b.op("Split", iof, iof_sizes, axis=0, num_outputs=3)
-        fc, ig = b.Mul(f, c), b.Mul(i, g)
-        c = b.Add(fc, ig)
-        tanh_c = b.Tanh(c)
-        h = b.Mul(o, tanh_c)
-        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=0), b.Sub(one, iof))
-        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=0)
-        steps.through[t] = b.Sub(o, b.Mul(h, tanh_c))
-        steps.h[t], steps.f[t] = h, f
-    steps.c = c
-    return steps
-
-
-def _gru_forward(b: OpBuilder, d: _DirectionInputs, spec: RecurrentSpec) -> _GruSteps:
-    """A GRU direction's forward: one ``Gemm`` over all steps for ``W x_t`` and the biases
-    outside the reset gate, then per step one ``Gemm`` for the update and reset gates and one
-    for the candidate."""
-    hidden = spec.hidden
-    x_bias, rb_h = _projection_bias(b, d.bias, spec, d.dtype)
-    column = [] if x_bias is None else [b.unsqueeze(x_bias, [1])]
-    p_zr, p_h = b.split(b.Gemm(d.w, d.xt, *column), [2 * hidden, hidden], axis=0)
-    p_zr_t, p_h_t = _split(b, p_zr, spec.steps, axis=1), _split(b, p_h, spec.steps, axis=1)
-    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
-    rb_column = [] if rb_h is None else [b.unsqueeze(rb_h, [1])]
-    steps = _GruSteps(d.order, d.h0)
-    halves = b.ints([hidden] * 2)
-    h = d.h0
-    for t in d.order:
-        zr = b.Sigmoid(b.Gemm(r_zr, h, p_zr_t[t]))
-        z, r = b.op("Split", zr, halves, axis=0, num_outputs=2)
-        if spec.linear_before_reset:
-            inner = b.Gemm(r_h, h, *rb_column)
-            n = b.Tanh(b.Add(p_h_t[t], b.Mul(r, inner)))
-        else:
-            inner = b.Mul(r, h)
-            n = b.Tanh(b.Gemm(r_h, inner, p_h_t[t]))
-        h = b.Add(n, b.Mul(z, b.Sub(h, n)))
-        steps.z[t], steps.r[t], steps.n[t], steps.inner[t], steps.h[t] = z, r, n, inner, h
-    return steps
-
-
-def _lstm_backward(
-    b: OpBuilder,
-    fwd: _Steps,
-    d: _DirectionInputs,
-    g: _OutputGradients,
-    spec: RecurrentSpec,
-    need: Callable[[int], bool],
-) -> dict[int, ir.Value]:
-    """The gradients of one LSTM direction by node input where wanted: X (as ``[I, T*N]``),
-    W, R, B, initial_h and initial_c (``[H, N]``). Six nodes a step: ``dh_t = dY_t + R^T
-    dG_{t+1}`` in one ``Gemm``, ``dc_t``, then ``dG_t``."""
-    assert isinstance(fwd, _LstmSteps)
-    r_t = b.Transpose(d.r, perm=[1, 0])
-    dgates: dict[int, ir.Value] = {}
-    dc: ir.Value | None = None
-    after: int | None = None
-    for t in reversed(fwd.order):
-        if after is None or dc is None:
-            dh, c_back = fwd.hidden_gradient(b, t, None, g.dy, g.dy_h), g.dy_c
-        else:
-            back = dgates[after]
-            dh = b.MatMul(r_t, back) if g.dy is None else b.Gemm(r_t, back, g.dy[t])
-            c_back = b.Mul(dc, fwd.f[after])
-        from_h = b.Mul(dh, fwd.through[t])
-        dc = from_h if c_back is None else b.Add(from_h, c_back)
-        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=0), fwd.slope[t])
-        after = t
-    assert dc is not None and after is not None
-    dg = _columns(b, dgates, spec.steps)  # [4H, T*N]
-    first = after  # the step the direction runs first
-
-    def bias_gradient() -> ir.Value:
-        db = b.sum(dg, [1], keepdims=False)
-        return b.Concat(db, db, axis=0)
-
-    makers: dict[int, Callable[[], ir.Value]] = {
-        0: lambda: b.MatMul(b.Transpose(d.w, perm=[1, 0]), dg),
-        1: lambda: b.MatMul(dg, d.x2),
-        2: lambda: b.Gemm(dg, fwd.previous(b, spec.steps), transB=1),
-        3: bias_gradient,
-        5: lambda: b.MatMul(r_t, dgates[first]),
-        6: lambda: b.Mul(dc, fwd.f[first]),
-    }
-    return {i: make() for i, make in makers.items() if need(i)}
-
-
-def _gru_backward(
-    b: OpBuilder,
-    fwd: _Steps,
-    d: _DirectionInputs,
-    g: _OutputGradients,
-    spec: RecurrentSpec,
-    need: Callable[[int], bool],
-) -> dict[int, ir.Value]:
-    """The gradients of one GRU direction by node input where wanted: X (as ``[I, T*N]``),
-    W, R, B and initial_h (``[H, N]``). The slopes come from the forward's gates over all
-    steps at once; only the backward recurrence runs step by step::
-
-        dn_t = dh_t (1 - z_t) (1 - n_t^2),   dz_t = dh_t (h_{t-1} - n_t) z_t (1 - z_t)
-        linear_before_reset=1 (u_t = R_h h_{t-1} + Rb_h):
-            dr_t = dn_t u_t r_t (1 - r_t),   dh_{t-1} = dh_t z_t + R^T [dz_t, dr_t, dn_t r_t]
-        linear_before_reset=0 (e_t = R_h^T dn_t):
-            dr_t = e_t h_{t-1} r_t (1 - r_t),   dh_{t-1} = dh_t z_t + e_t r_t + R_zr^T [dz_t, dr_t]
-    """
-    assert isinstance(fwd, _GruSteps)
-    steps, hidden = spec.steps, spec.hidden
-    order = fwd.order
-    h_prev = fwd.previous(b, steps)
-    z, r, n = (_columns(b, v, steps) for v in (fwd.z, fwd.r, fwd.n))
-    inner = _columns(b, fwd.inner, steps)
-    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
-    one = b.const(1.0, d.dtype)
-    to_n = b.Mul(b.Sub(one, z), b.Sub(one, b.Mul(n, n)))  # dn_t = dh_t * to_n
-    to_z = b.Mul(b.Sub(h_prev, n), b.Mul(z, b.Sub(one, z)))  # dz_t = dh_t * to_z
-    r_slope = b.Mul(r, b.Sub(one, r))
-    z_t = fwd.z
-    dh_t: dict[int, ir.Value] = {}
-    dgates: dict[int, ir.Value] = {}  # the rows R (R_zr without linear_before_reset) takes
-    if spec.linear_before_reset:
-        r_t = b.Transpose(d.r, perm=[1, 0])
-        # dgates_t = [dz_t, dr_t, dn_t r_t] = [dh_t, dh_t, dh_t] * slopes
-        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=0)
-        slope_t = _split(b, slopes, steps, axis=1)
-        after = None
-        for t in reversed(order):
-            back = None
-            if after is not None:
-                back = b.Gemm(r_t, dgates[after], b.Mul(dh_t[after], z_t[after]))
-            dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
-            dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=0), slope_t[t])
-            after = t
-        assert after is not None
-        first = after  # the step the direction runs first
-        dh_all = _columns(b, dh_t, steps)
-        d_r_rows = _columns(b, dgates, steps)  # [dz, dr, dn r]
-        d_zr = b.slice(d_r_rows, [0], [2 * hidden], [0])
-        d_n = b.Mul(dh_all, to_n)
-        d_x_rows = b.Concat(d_zr, d_n, axis=0)  # [dz, dr, dn]
-
-        def recurrence_gradient() -> ir.Value:
-            return b.Gemm(d_r_rows, h_prev, transB=1)
-
-        def bias_gradient() -> ir.Value:
-            return b.Concat(
-                b.sum(d_x_rows, [1], keepdims=False), b.sum(d_r_rows, [1], keepdims=False), axis=0
-            )
-
-        def initial_gradient() -> ir.Value:
-            return b.Gemm(r_t, dgates[first], b.Mul(dh_t[first], z_t[first]))
-
-    else:
-        r_zr_t, r_h_t = b.Transpose(r_zr, perm=[1, 0]), b.Transpose(r_h, perm=[1, 0])
-        to_n_t, to_z_t = _split(b, to_n, steps, axis=1), _split(b, to_z, steps, axis=1)
-        to_r_t = _split(b, b.Mul(h_prev, r_slope), steps, axis=1)
-        reset_t = fwd.r
-        d_n_t: dict[int, ir.Value] = {}
-        reset: dict[int, ir.Value] = {}  # e_t = R_h^T dn_t
-        after = None
-        for t in reversed(order):
-            back = None
-            if after is not None:
-                direct = b.Add(
-                    b.Mul(dh_t[after], z_t[after]), b.Mul(reset[after], reset_t[after])
-                )
-                back = b.Gemm(r_zr_t, dgates[after], direct)
-            dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
-            d_n_t[t] = b.Mul(dh, to_n_t[t])
-            reset[t] = b.MatMul(r_h_t, d_n_t[t])
-            dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=0)
-            after = t
-        assert after is not None
-        first = after
-        d_zr = _columns(b, dgates, steps)
-        d_n = _columns(b, d_n_t, steps)
-        d_x_rows = b.Concat(d_zr, d_n, axis=0)
-
-        def recurrence_gradient() -> ir.Value:
-            return b.Concat(
-                b.Gemm(d_zr, h_prev, transB=1), b.Gemm(d_n, inner, transB=1), axis=0
-            )
-
-        def bias_gradient() -> ir.Value:
-            db = b.sum(d_x_rows, [1], keepdims=False)
-            return b.Concat(db, db, axis=0)
-
-        def initial_gradient() -> ir.Value:
-            direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], reset_t[first]))
-            return b.Gemm(r_zr_t, dgates[first], direct)
-
-    makers: dict[int, Callable[[], ir.Value]] = {
-        0: lambda: b.MatMul(b.Transpose(d.w, perm=[1, 0]), d_x_rows),
-        1: lambda: b.MatMul(d_x_rows, d.x2),
-        2: recurrence_gradient,
-        3: bias_gradient,
-        5: initial_gradient,
-    }
-    return {i: make() for i, make in makers.items() if need(i)}
-
-
-_FORWARDS: dict[str, Callable[[OpBuilder, _DirectionInputs, RecurrentSpec], _Steps]] = {
-    "LSTM": _lstm_forward,
-    "GRU": _gru_forward,
-}
-_BACKWARDS = {"LSTM": _lstm_backward, "GRU": _gru_backward}
-
-
 def _replace_outputs(ctx: GradContext, scratch: ir.Graph, new: Sequence[ir.Value | None]) -> None:
     """Put the nodes of ``scratch`` in the place of the node ``ctx.node``, its outputs
     replaced by ``new`` (None for outputs that are absent or unused)."""
@@ -777,9 +433,9 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         assert w is not None and r is not None and h0 is not None
         order = list(range(steps - 1, -1, -1) if reverse else range(steps))
         c0 = (c0s[k] or zeros) if lstm else None
-        d = _DirectionInputs(x2, xt, w, r, biases[k], h0, c0, order, dtype)
+        d = DirectionInputs(x2, xt, w, r, biases[k], h0, c0, order, dtype)
         inputs.append(d)
-        forwards.append(_FORWARDS[spec.op_type](fb, d, spec))
+        forwards.append(FORWARDS[spec.op_type](fb, d, spec))
     new: list[ir.Value | None] = [None] * len(ctx.outputs)
     if _in_use(ctx.outputs[0]):
         pieces = [f.h[t] for t in range(steps) for f in forwards]  # [T, D, H, N] in order
@@ -798,12 +454,12 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 
     dy = _permuted(b, grad(0), steps_in)
     # dY by step and direction: [H, N] pieces in (step, direction) order
-    dy_steps = None if dy is None else _split(b, b.Flatten(dy, axis=3), steps * count, axis=0)
+    dy_steps = None if dy is None else split(b, b.Flatten(dy, axis=3), steps * count, axis=0)
     dy_h, dy_c = (_per_direction(b, _permuted(b, grad(k), states_in), count) for k in (1, 2))
     by_input: dict[int, list[ir.Value]] = {i: [] for i in (0, 1, 2, 3, 5, 6)}
     for k, (d, fwd) in enumerate(zip(inputs, forwards)):
-        g = _OutputGradients(None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k])
-        for i, value in _BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need).items():
+        g = OutputGradients(None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k])
+        for i, value in BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need).items():
             by_input[i].append(value)
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if by_input[0]:
