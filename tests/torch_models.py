@@ -39,6 +39,19 @@ class SmallCNN(nn.Module):
         return self.fc(self.drop(h.flatten(1)))
 
 
+class RecurrentClassifier(nn.Module):
+    """A bidirectional LSTM (or GRU) over ``[N, T, features]``, its last step classified."""
+
+    def __init__(self, features: int = 8, hidden: int = 16, classes: int = 5, gru: bool = False):
+        super().__init__()
+        layer = nn.GRU if gru else nn.LSTM
+        self.rnn = layer(features, hidden, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
 class ResidualNet(nn.Module):
     """A stem Conv-BN-Relu on the input and a downsampling residual block: two BatchNorms read
     the same output gradient (the block's and its shortcut's)."""
