@@ -126,3 +126,76 @@ def test_column_sums_as_matmul_sums_the_rows_with_one_product():
 def test_column_sums_as_matmul_leaves_dynamic_and_narrow_sums():
     assert rewrites.apply(_column_sum(["n", 5, 80], 17), rewrites.CPU_RULES) is None
     assert rewrites.apply(_column_sum([6, 5, 8], 17), rewrites.CPU_RULES) is None
+
+
+def _reduction(op: str, axes: list[int], by_attribute: bool) -> onnx.ModelProto:
+    if by_attribute:
+        nodes = [helper.make_node(op, ["x"], ["r"], axes=axes, keepdims=0)]
+    else:
+        tensor = helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes)
+        nodes = [
+            helper.make_node("Constant", [], ["axes"], value=tensor),
+            helper.make_node(op, ["x", "axes"], ["r"], keepdims=0),
+        ]
+    x = ("x", TensorProto.FLOAT, [2, 3, 4, 5])
+    model = _model(nodes, [x], [("r", TensorProto.FLOAT, None)])
+    # Axes became an input at opset 13 (ReduceSum) and 18 (ReduceMean).
+    opsets = {("ReduceSum", True): 11, ("ReduceMean", False): 18}
+    model.opset_import[0].version = opsets.get((op, by_attribute), 17)
+    return model
+
+
+def test_reductions_over_runs_reduce_each_run_in_turn():
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    x[1, 2, 0, 0] = np.inf
+    for op in ("ReduceSum", "ReduceMean"):
+        for by_attribute in (True, False):
+            model = _reduction(op, [3, 0, 1], by_attribute)
+            rewritten = rewrites.apply(model, rewrites.REDUCTIONS_OVER_RUNS)
+            assert rewritten is not None and _ops(rewritten) == [op, op]
+            (got,), (want,) = _run(rewritten, {"x": x}), _run(model, {"x": x})
+            assert got.shape == want.shape == (4,)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_reductions_over_runs_leave_one_run_and_negative_axes():
+    for axes in ([1, 2], [0], [-1, 0]):
+        for by_attribute in (True, False):
+            model = _reduction("ReduceSum", axes, by_attribute)
+            assert rewrites.apply(model, rewrites.REDUCTIONS_OVER_RUNS) is None
+
+
+def _grouped(weight: np.ndarray, bias: bool = False, **attrs: object) -> onnx.ModelProto:
+    groups = weight.shape[0] // 2
+    tensors = [helper.make_tensor("w", TensorProto.FLOAT, weight.shape, weight.ravel())]
+    inputs = ["x", "w"]
+    if bias:
+        tensors.append(helper.make_tensor("b", TensorProto.FLOAT, [weight.shape[0]],
+                                          np.ones(weight.shape[0])))  # fmt: skip
+        inputs.append("b")
+    nodes = [helper.make_node("Constant", [], [t.name], value=t) for t in tensors]
+    nodes.append(helper.make_node("Conv", inputs, ["y"], group=groups, **attrs))
+    x = ("x", TensorProto.FLOAT, [2, groups, 5, 5])
+    return _model(nodes, [x], [("y", TensorProto.FLOAT, None)])
+
+
+def test_shared_filters_as_batch_is_one_conv_over_the_batch():
+    rng = np.random.default_rng(0)
+    model = _grouped(np.tile(rng.standard_normal((2, 1, 3, 3)), (3, 1, 1, 1)), pads=[1, 0, 1, 0])
+    rewritten = rewrites.apply(model, rewrites.CUDA_FOLD_RULES)
+    assert rewritten is not None and _ops(rewritten) == ["Reshape", "Conv", "Reshape"]
+    assert all(a.name != "group" for n in rewritten.graph.node for a in n.attribute)
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+    x[0, 1, 2, 2] = np.nan
+    (got,), (want,) = _run(rewritten, {"x": x}), _run(model, {"x": x})
+    np.testing.assert_array_equal(got, want)
+
+
+def test_shared_filters_as_batch_leaves_biases_padding_modes_and_distinct_filters():
+    rng = np.random.default_rng(0)
+    shared = np.tile(rng.standard_normal((2, 1, 3, 3)), (3, 1, 1, 1))
+    assert rewrites.apply(_grouped(shared, bias=True), rewrites.CUDA_FOLD_RULES) is None
+    same = _grouped(shared, auto_pad="SAME_UPPER")
+    assert rewrites.apply(same, rewrites.CUDA_FOLD_RULES) is None
+    distinct = _grouped(rng.standard_normal((6, 1, 3, 3)))
+    assert rewrites.apply(distinct, rewrites.CUDA_FOLD_RULES) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch_models import export
 from traingraph.losses import CrossEntropyLoss
 from traingraph.program import build_program
 from traingraph.runtime.rewrites import weight_grads
-from traingraph.runtime.rewrites.specialize import for_cuda, static_shapes
+from traingraph.runtime.rewrites.specialize import for_cuda
 
 BATCH = 4
 
@@ -72,34 +73,40 @@ def test_weight_gradients_of_larger_kernels_become_exchanged_convs() -> None:
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def _ir(model: onnx.ModelProto) -> ir.Model:
+    return ir.serde.deserialize_model(model)
+
+
+def _exchanged_in(model: ir.Model) -> int:
+    return sum(n.op_type == "Conv" and (n.name or "").endswith("_exchanged") for n in model.graph)
+
+
 def test_nothing_changes_without_static_shapes() -> None:
     program = build_program(export(_net(), torch.zeros(2, 3, 9, 9)), loss=CrossEntropyLoss())
     train = program.train_model
-    shapes, _ = static_shapes(train.graph)
-    graph = onnx.GraphProto()
-    graph.CopyFrom(train.graph)
-    assert not weight_grads.weight_grads_as_convs(graph, shapes)
-    assert graph == train.graph
+    model = _ir(train)
+    assert not weight_grads.WeightGradsAsConvs()(model).modified
+    assert [n.op_type for n in model.graph] == [n.op_type for n in train.graph.node]
 
 
 def test_large_outputs_keep_the_unfold() -> None:
     _, train = _program()
-    graph = onnx.GraphProto()
-    graph.CopyFrom(train.graph)
-    shapes, _ = static_shapes(onnx.shape_inference.infer_shapes(train).graph)
-    big = {k: [v[0], v[1], 100, 100] if len(v) == 4 and v[2] == 9 else v for k, v in shapes.items()}
+    model = _ir(onnx.shape_inference.infer_shapes(train))
+    values = [*model.graph.inputs, *(v for n in model.graph for v in n.outputs)]
+    for value in values:
+        dims = value.shape.dims if value.shape is not None else ()
+        if len(dims) == 4 and dims[2] == 9:
+            value.shape = ir.Shape([dims[0], dims[1], 100, 100])
     # The first Conv's output gradient now has 100 x 100 positions: it keeps its form; the
     # other two still qualify.
-    assert weight_grads.weight_grads_as_convs(graph, big)
-    assert sum(n.name.endswith("_exchanged") for n in graph.node) == 2
+    assert weight_grads.WeightGradsAsConvs()(model).modified
+    assert _exchanged_in(model) == 2
 
 
 def test_small_weights_keep_the_unfold(monkeypatch: pytest.MonkeyPatch) -> None:
     _, train = _program()
     # The weights hold 8 * 3 * 9 = 216, 8 * 8 * 9 = 576 and 6 * 8 * 9 = 432 elements.
     monkeypatch.setattr(weight_grads, "MIN_WEIGHT", 433)
-    graph = onnx.GraphProto()
-    graph.CopyFrom(train.graph)
-    shapes, _ = static_shapes(onnx.shape_inference.infer_shapes(train).graph)
-    assert weight_grads.weight_grads_as_convs(graph, shapes)
-    assert sum(n.name.endswith("_exchanged") for n in graph.node) == 1
+    model = _ir(onnx.shape_inference.infer_shapes(train))
+    assert weight_grads.WeightGradsAsConvs()(model).modified
+    assert _exchanged_in(model) == 1

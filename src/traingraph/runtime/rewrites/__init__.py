@@ -11,6 +11,23 @@ the CUDA provider (:data:`CUDA_RULES`):
   of Relu, a Dropout mask), is ``Where(mask, g, 0)``: one kernel instead of two. The two differ
   only where the mask is off and ``g`` is not finite (0 instead of NaN) or negative (0 instead
   of -0).
+- ``reductions_over_runs`` (four rules: ReduceSum and ReduceMean, axes as an input or an
+  attribute): a reduction over constant, non-negative axes that form several runs of
+  neighbouring axes (``[0, 2, 3]``, the per-channel statistics of BatchNormalization) is a
+  chain of reductions, one per run, the innermost first; each keeps or drops its dimensions as
+  the original does. The provider reduces a run that starts or ends the tensor with its own
+  kernels and hands other axis sets to cuDNN's general reduction, which is slower on these
+  shapes. Means of equal-sized groups are the mean: the values are the same, added in another
+  order.
+
+After the weight gradients (:mod:`traingraph.runtime.rewrites.weight_grads`), on a model whose
+values carry their inferred shapes, :data:`CUDA_FOLD_RULES`:
+
+- ``shared_filters_as_batch``: a grouped ``Conv`` with one input channel per group, no bias,
+  no ``auto_pad`` and the same constant filters in every group (the one-hot unfold of a
+  convolution's weight gradient), whose input has a static shape of fewer than
+  :data:`FOLD_LIMIT` elements, is one ungrouped Conv over the channels folded into the batch,
+  between two Reshapes: the same values in the same layout.
 
 The rules of the CPU provider (:data:`CPU_RULES`), on a model whose values carry their
 inferred shapes:
@@ -27,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,17 +169,159 @@ CPU_RULES: tuple[pattern.RewriteRule, ...] = (
 )
 """The rules of the CPU provider."""
 
+
+def _runs(reduced: ir.Value, axes: ir.Value | None = None) -> list[list[int]] | None:
+    """The axes the reduction writing ``reduced`` reduces (``axes``, or its attribute) as runs
+    of neighbouring axes, where they are constant, non-negative, distinct and form more than
+    one run; else None."""
+    node = reduced.producer()
+    if node is None or node.attributes.get_int("noop_with_empty_axes"):
+        return None
+    if axes is None:
+        attribute = node.attributes.get_ints("axes")
+        if attribute is None:
+            return None
+        given = [int(a) for a in attribute]
+    else:
+        tensor = ir.convenience.get_const_tensor(axes)
+        if tensor is None:
+            return None
+        given = [int(a) for a in tensor.numpy().reshape(-1)]
+    if not given or min(given) < 0 or len(set(given)) != len(given):
+        return None
+    runs: list[list[int]] = []
+    for axis in sorted(given):
+        if runs and runs[-1][-1] == axis - 1:
+            runs[-1].append(axis)
+        else:
+            runs.append([axis])
+    return runs if len(runs) > 1 else None
+
+
+def _over_runs(
+    context: Any, x: ir.Value, reduced: ir.Value, axes: ir.Value | None = None, **_: Any
+) -> bool:
+    return _runs(reduced, axes) is not None
+
+
+def _chain(op: Any, x: ir.Value, reduced: ir.Value, axes: ir.Value | None = None) -> ir.Value:
+    """The reductions over the runs, innermost first: dropping a run's dimensions leaves the
+    axis numbers of the runs before it as they are."""
+    node = reduced.producer()
+    runs = _runs(reduced, axes)
+    assert node is not None and runs is not None
+    keepdims = node.attributes.get_int("keepdims", 1)
+    reduce = getattr(op, node.op_type)
+    current = x
+    for run in reversed(runs):
+        if axes is None:
+            current = reduce(current, axes=run, keepdims=keepdims)
+        else:
+            run_axes = op.Constant(value=ir.tensor(np.array(run, np.int64)))
+            current = reduce(current, run_axes, keepdims=keepdims)
+    return current
+
+
+def _reduction_rules(op_type: str) -> list[pattern.RewriteRule]:
+    def by_input(op: Any, x: ir.Value, axes: ir.Value) -> ir.Value:
+        return getattr(op, op_type)(x, axes, _allow_other_attributes=True, _outputs=["reduced"])
+
+    def by_attribute(op: Any, x: ir.Value) -> ir.Value:
+        return getattr(op, op_type)(x, _allow_other_attributes=True, _outputs=["reduced"])
+
+    name = f"{op_type.lower()}_over_runs"
+    return [
+        pattern.RewriteRule(by_input, _chain, _over_runs, name=name),
+        pattern.RewriteRule(by_attribute, _chain, _over_runs, name=f"{name}_by_attribute"),
+    ]
+
+
+REDUCTIONS_OVER_RUNS: tuple[pattern.RewriteRule, ...] = (
+    *_reduction_rules("ReduceSum"),
+    *_reduction_rules("ReduceMean"),
+)
+"""ReduceSum and ReduceMean over several runs of axes as chains of reductions over runs."""
+
+FOLD_LIMIT = 1 << 20
+"""The input size (elements) from which a grouped one-hot Conv stays grouped on CUDA (see
+:mod:`traingraph.runtime.rewrites.specialize`)."""
+
+
+def _grouped_conv(op: Any, x: ir.Value, w: ir.Value) -> ir.Value:
+    return op.Conv(x, w, _allow_other_attributes=True, _outputs=["y"])
+
+
+def _shared_filters(w: ir.Value, y: ir.Value) -> tuple[np.ndarray, int] | None:
+    """``(filters [K, 1, k...], spatial rank)`` where the Conv writing ``y`` has ``group`` >= 2
+    groups of one input channel each, no ``auto_pad``, and a constant weight
+    ``w = [group * K, 1, k...]`` whose groups all hold ``filters``; else None."""
+    node = y.producer()
+    if node is None:
+        return None
+    groups = node.attributes.get_int("group", 1)
+    if groups < 2 or node.attributes.get_string("auto_pad", "NOTSET") not in ("", "NOTSET"):
+        return None
+    tensor = ir.convenience.get_const_tensor(w)
+    if tensor is None:
+        return None
+    dims = list(tensor.shape.numpy())
+    if len(dims) < 3 or dims[1] != 1 or dims[0] % groups:
+        return None
+    weight = tensor.numpy()
+    per_group = weight.reshape(groups, -1, *weight.shape[1:])
+    if not (per_group == per_group[:1]).all():
+        return None
+    return np.ascontiguousarray(per_group[0]), len(dims) - 2
+
+
+def _is_small_shared(context: Any, x: ir.Value, w: ir.Value, y: ir.Value, **_: Any) -> bool:
+    if _shared_filters(w, y) is None or x.shape is None:
+        return False
+    dims = [d for d in x.shape.dims if isinstance(d, int)]
+    return len(dims) == len(x.shape) and math.prod(dims) < FOLD_LIMIT
+
+
+def _folded(op: Any, x: ir.Value, w: ir.Value, y: ir.Value) -> ir.Value:
+    node = y.producer()
+    shared = _shared_filters(w, y)
+    assert node is not None and shared is not None
+    filters, spatial = shared
+    groups = node.attributes.get_int("group", 1)
+    attrs = {k: a.value for k, a in node.attributes.items() if k != "group"}
+    planes_shape = np.array([-1, 1] + [0] * spatial, np.int64)
+    out_shape = np.array([-1, filters.shape[0] * groups] + [0] * spatial, np.int64)
+    planes = op.Reshape(x, op.Constant(value=ir.tensor(planes_shape)))
+    out = op.Conv(planes, op.Constant(value=ir.tensor(filters)), **attrs)
+    return op.Reshape(out, op.Constant(value=ir.tensor(out_shape)))
+
+
+SHARED_FILTERS_AS_BATCH = pattern.RewriteRule(
+    _grouped_conv, _folded, _is_small_shared, name="shared_filters_as_batch"
+)
+
 SHIFT_AS_DIVISION = pattern.RewriteRule(
     _right_shift, _division, _is_constant_shift, name="shift_as_division"
 )
 MASK_AS_WHERE = pattern.RewriteRule(_masked, _where, _is_boolean_mask, name="mask_as_where")
-CUDA_RULES: tuple[pattern.RewriteRule, ...] = (SHIFT_AS_DIVISION, MASK_AS_WHERE)
-"""The rules of the CUDA provider, in the order they are applied."""
+CUDA_RULES: tuple[pattern.RewriteRule, ...] = (
+    SHIFT_AS_DIVISION,
+    MASK_AS_WHERE,
+    *REDUCTIONS_OVER_RUNS,
+)
+"""The rules of the CUDA provider applied before its weight gradients, in this order."""
+CUDA_FOLD_RULES: tuple[pattern.RewriteRule, ...] = (SHARED_FILTERS_AS_BATCH,)
+"""The rules of the CUDA provider applied after its weight gradients, on inferred shapes."""
+
+
+def rules_pass(rules: Sequence[pattern.RewriteRule]) -> RewritePass:
+    """The onnx-ir pass that applies ``rules`` in one pass (each product in either order of
+    its inputs)."""
+    return RewritePass(pattern.RewriteRuleSet(list(rules), commute=True))
 
 
 def apply(model: onnx.ModelProto, rules: Sequence[pattern.RewriteRule]) -> onnx.ModelProto | None:
     """``model`` with ``rules`` applied (each product in either order of its inputs), or None
     where none applies."""
     ir_model = ir.serde.deserialize_model(model)
-    result = RewritePass(pattern.RewriteRuleSet(list(rules), commute=True))(ir_model)
+    result = rules_pass(rules)(ir_model)
     return ir.serde.serialize_model(result.model) if result.modified else None

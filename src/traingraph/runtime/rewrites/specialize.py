@@ -23,34 +23,35 @@ On the CPU (:func:`for_cpu`):
   the leading axes of a static shape as ``MatMul(ones, X)`` between two Reshapes.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph
-  (:mod:`traingraph.runtime.rewrites.nchwc`): onnxruntime blocks only Convs with constant filters,
-  and
-  its other kernel unfolds the input (im2col) before a GEMM, a pass the blocked one avoids.
+  (:mod:`traingraph.runtime.rewrites.nchwc`): onnxruntime blocks only Convs with constant
+  filters, and its other kernel unfolds the input (im2col) before a GEMM, a pass the blocked
+  one avoids.
 
-On CUDA (:func:`for_cuda`):
+On CUDA (:func:`for_cuda`), the model converted to onnx-ir once, with its inferred shapes where
+it has weight gradients or grouped Convs, and serialized once (:func:`cuda_passes`):
 
-- The rules of :mod:`traingraph.runtime.rewrites` (onnxscript rewriter rules): a right
-  ``BitShift`` by a constant as a ``Div`` by ``2^k``, a product with a cast boolean mask as a
-  ``Where``.
-- A ``ReduceSum`` or ``ReduceMean`` over axes that are not one run of neighbouring axes (the
-  per-channel statistics of BatchNormalization and their gradients reduce ``[0, 2, 3]`` of
-  ``NCHW``) becomes a chain of reductions over runs, the innermost first. The provider reduces
-  a run that starts or ends the tensor with its own row and column kernels, and hands other
-  axis sets to cuDNN's general reduction, which is not tuned for these shapes. Means
-  of equal-sized groups are the mean, so the chain computes the same value (summed in another
-  order).
+- The rules of :data:`traingraph.runtime.rewrites.CUDA_RULES` (onnxscript rewriter rules): a
+  right ``BitShift`` by a constant as a ``Div`` by ``2^k``, a product with a cast boolean mask
+  as a ``Where``, and a ``ReduceSum`` or ``ReduceMean`` over axes that are not one run of
+  neighbouring axes (the per-channel statistics of BatchNormalization and their gradients
+  reduce ``[0, 2, 3]`` of ``NCHW``) as a chain of reductions over runs, the innermost first.
+  The provider reduces a run that starts or ends the tensor with its own row and column
+  kernels, and hands other axis sets to cuDNN's general reduction, which is not tuned for
+  these shapes. Means of equal-sized groups are the mean, so the chain computes the same
+  value (summed in another order).
 - The weight gradient of a 3 x 3 (or larger) Conv with a small output and a large weight, as
   the autodiff tags it, becomes one Conv of the input with the output gradient as its filters
-  (:mod:`traingraph.runtime.rewrites.weight_grads`).
-- A grouped ``Conv`` with one input channel per group, no bias and the same constant filters
-  in every group (the one-hot unfold of a convolution's weight gradient), whose input has a
-  static shape of fewer than :data:`FOLD_LIMIT` elements, becomes one ungrouped Conv over the
-  channels folded into the batch, between two Reshapes; the values and their layout are the
-  same. On small inputs cuDNN's grouped direct kernel is the slower form (LeNet at batch 64 and
-  ResNet-8 at batch 32 train 4-20% faster folded); on larger ones the folded Conv is, by up to
-  4.6x (ResNet-50's stride-2 unfolds at batch 64), and a ResNet-50 step at batch 64 takes
-  105 ms folded against 78 ms grouped on an H100 (``benchmarks/conv_grad_micro.py --device
-  cuda``, ``benchmarks/gpu_bench.py``).
+  (the onnx-ir pass :class:`traingraph.runtime.rewrites.weight_grads.WeightGradsAsConvs`).
+- The rule of :data:`traingraph.runtime.rewrites.CUDA_FOLD_RULES`, on the grouped Convs the
+  weight gradients left: a grouped ``Conv`` with one input channel per group, no bias and the
+  same constant filters in every group (the one-hot unfold of a convolution's weight
+  gradient), whose input has a static shape of fewer than :data:`FOLD_LIMIT` elements, becomes
+  one ungrouped Conv over the channels folded into the batch, between two Reshapes; the values
+  and their layout are the same. On small inputs cuDNN's grouped direct kernel is the slower
+  form (LeNet at batch 64 and ResNet-8 at batch 32 train 4-20% faster folded); on larger ones
+  the folded Conv is, by up to 4.6x (ResNet-50's stride-2 unfolds at batch 64), and a
+  ResNet-50 step at batch 64 takes 105 ms folded against 78 ms grouped on an H100
+  (``benchmarks/conv_grad_micro.py --device cuda``, ``benchmarks/gpu_bench.py``).
 
 Example:
     >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
@@ -59,42 +60,55 @@ Example:
 
 from __future__ import annotations
 
-import math
+import contextlib
 import mmap
 import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import helper, numpy_helper, shape_inference, version_converter
 
 from traingraph.ir.tags import kernel_of
 from traingraph.runtime import rewrites
-from traingraph.runtime.rewrites import nchwc, weight_grads
+from traingraph.runtime.rewrites import FOLD_LIMIT, nchwc, weight_grads
 
 Source = str | bytes
 
 
 def for_cuda(source: Source) -> Source:
     """``source`` (a path or serialized model) rewritten for the CUDA provider; ``source``
-    itself where nothing applies."""
+    itself where nothing applies.
+
+    The model is converted to onnx-ir once, :func:`cuda_passes` run over it, and it is
+    serialized once where they changed it.
+    """
     head = onnx.load(source, load_external_data=False) if isinstance(source, str) else None
     if head is not None and not any(_applies(n) for n in head.graph.node):
         return source
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
-    ruled = rewrites.apply(proto, rewrites.CUDA_RULES)
-    changed = ruled is not None
-    proto = ruled if ruled is not None else proto
-    constants = constant_tensors(proto.graph)
-    changed = _reductions_over_runs(proto.graph, constants) or changed
-    if any(_shared_filters(n, constants) or _weight_grad(n) for n in proto.graph.node):
-        try:
-            shapes, _ = static_shapes(shape_inference.infer_shapes(proto).graph)
-        except Exception:  # shape inference failed: no shape is known
-            shapes = {}
-        changed = weight_grads.weight_grads_as_convs(proto.graph, shapes) or changed
-        changed = _shared_filters_as_batch(proto.graph, constants, shapes) or changed
-    return proto.SerializeToString() if changed else source
+    if any(_weight_grad(n) or _groups(n) > 1 for n in proto.graph.node):
+        # The weight gradients and the grouped Convs read the inferred shapes; where shape
+        # inference fails, no shape is known.
+        with contextlib.suppress(Exception):
+            proto = shape_inference.infer_shapes(proto)
+    model = ir.serde.deserialize_model(proto)
+    if not cuda_passes()(model).modified:
+        return source
+    return ir.serde.serialize_model(model).SerializeToString()
+
+
+def cuda_passes() -> ir.passes.PassManager:
+    """The CUDA provider's rewrites in order, as one onnx-ir pass over a model whose values
+    carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CUDA_RULES`, the weight
+    gradients (:class:`~traingraph.runtime.rewrites.weight_grads.WeightGradsAsConvs`), then
+    :data:`~traingraph.runtime.rewrites.CUDA_FOLD_RULES` (the grouped Convs that are left)."""
+    return ir.passes.PassManager([
+        rewrites.rules_pass(rewrites.CUDA_RULES),
+        weight_grads.WeightGradsAsConvs(),
+        rewrites.rules_pass(rewrites.CUDA_FOLD_RULES),
+    ])  # fmt: skip
 
 
 def _weight_grad(node: onnx.NodeProto) -> bool:
@@ -358,19 +372,6 @@ def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return constants
 
 
-def _reductions_over_runs(
-    graph: onnx.GraphProto, constants: dict[str, onnx.TensorProto]
-) -> bool:
-    """Split each ReduceSum / ReduceMean over several runs of axes into one reduction per run
-    (innermost run first); return whether any was."""
-
-    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        runs = _axis_runs(node, constants)
-        return None if runs is None else _chain(node, runs, graph.initializer.append)
-
-    return _expand_nodes(graph, expand)
-
-
 def _leading_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> int:
     """How many leading axes ``node`` sums, where it is a ReduceSum over ``0 .. k-1`` (k >= 1)
     given as constant non-negative axes; else 0."""
@@ -393,23 +394,6 @@ def _expand_nodes(
         del graph.node[:]
         graph.node.extend(nodes)
     return changed
-
-
-def _axis_runs(
-    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
-) -> list[list[int]] | None:
-    """The node's reduced axes as runs of neighbouring axes, when it is a ReduceSum or
-    ReduceMean over constant, non-negative axes that form more than one run; else None."""
-    axes = _reduced_axes(node, constants, "ReduceSum", "ReduceMean")
-    if axes is None:
-        return None
-    runs: list[list[int]] = []
-    for axis in sorted(axes):
-        if runs and runs[-1][-1] == axis - 1:
-            runs[-1].append(axis)
-        else:
-            runs.append([axis])
-    return runs if len(runs) > 1 else None
 
 
 def _reduced_axes(
@@ -436,110 +420,8 @@ def _reduced_axes(
     return axes
 
 
-def _chain(
-    node: onnx.NodeProto,
-    runs: list[list[int]],
-    add_initializer: Callable[[onnx.TensorProto], None],
-) -> list[onnx.NodeProto]:
-    """The reductions of ``node`` over ``runs``, innermost first, that end in its output.
-
-    Each keeps or drops its dimensions as ``node`` does: going from the innermost run out,
-    dropping a run leaves the axis numbers of the runs before it as they are.
-    """
-    axes_as_input = len(node.input) > 1
-    keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
-    base = node.output[0]
-    chain: list[onnx.NodeProto] = []
-    current = node.input[0]
-    for i, run in enumerate(reversed(runs)):
-        last = i == len(runs) - 1
-        out = base if last else f"{base}_over{'_'.join(map(str, run))}"
-        name = f"{node.name or base}_run{i}"
-        if axes_as_input:
-            axes_name = f"{name}_axes"
-            add_initializer(numpy_helper.from_array(np.array(run, np.int64), axes_name))
-            chain.append(helper.make_node(node.op_type, [current, axes_name], [out], name=name,
-                                          keepdims=keepdims))  # fmt: skip
-        else:
-            chain.append(helper.make_node(node.op_type, [current], [out], name=name,
-                                          axes=run, keepdims=keepdims))  # fmt: skip
-        current = out
-    return chain
-
-
-FOLD_LIMIT = 1 << 20
-"""The input size (elements) from which a grouped one-hot Conv stays grouped on CUDA (see the
-module docstring)."""
-
-
-def _shared_filters_as_batch(
-    graph: onnx.GraphProto,
-    constants: dict[str, onnx.TensorProto],
-    shapes: Mapping[str, list[int | None]],
-) -> bool:
-    """Rewrite each grouped Conv whose groups have one input channel each and share one
-    constant filter set, and whose input ``shapes`` has below :data:`FOLD_LIMIT` elements, as
-    ``Reshape -> Conv -> Reshape`` (see the module docstring); return whether any was."""
-
-    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        shared = _shared_filters(node, constants)
-        shape = shapes.get(node.input[0]) if shared is not None else None
-        if shared is None or shape is None or None in shape:
-            return None
-        if math.prod(shape) >= FOLD_LIMIT:  # type: ignore[arg-type]
-            return None
-        filters, spatial = shared
-        base = node.output[0]
-        names = {k: f"{base}_{k}" for k in ("planes_shape", "filters", "out_shape", "planes",
-                                             "planes_out")}  # fmt: skip
-        graph.initializer.extend([
-            numpy_helper.from_array(np.array([-1, 1] + [0] * spatial, np.int64),
-                                    names["planes_shape"]),
-            numpy_helper.from_array(filters, names["filters"]),
-            numpy_helper.from_array(
-                np.array([-1, filters.shape[0] * _groups(node)] + [0] * spatial, np.int64),
-                names["out_shape"],
-            ),
-        ])  # fmt: skip
-        conv = helper.make_node("Conv", [names["planes"], names["filters"]],
-                                [names["planes_out"]], name=f"{node.name or base}_planes")
-        conv.attribute.extend(a for a in node.attribute if a.name != "group")
-        return [
-            helper.make_node("Reshape", [node.input[0], names["planes_shape"]],
-                             [names["planes"]], name=f"{node.name or base}_fold"),
-            conv,
-            helper.make_node("Reshape", [names["planes_out"], names["out_shape"]], [base],
-                             name=f"{node.name or base}_unfold"),
-        ]  # fmt: skip
-
-    return _expand_nodes(graph, expand)
-
-
 def _groups(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "group"), 1)
-
-
-def _shared_filters(
-    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
-) -> tuple[np.ndarray, int] | None:
-    """``(filters [K, 1, k...], spatial rank)`` when ``node`` is a Conv with ``group`` groups
-    of one input channel each, no bias, and a constant weight ``[group * K, 1, k...]`` whose
-    groups all hold ``filters``; else None."""
-    groups = _groups(node)
-    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or groups < 2:
-        return None
-    if len(node.input) > 2 and node.input[2]:
-        return None
-    if any(a.name == "auto_pad" and a.s not in (b"", b"NOTSET") for a in node.attribute):
-        return None
-    tensor = constants.get(node.input[1])
-    if tensor is None or len(tensor.dims) < 3 or tensor.dims[1] != 1 or tensor.dims[0] % groups:
-        return None
-    weight = numpy_helper.to_array(tensor)
-    per_group = weight.reshape(groups, -1, *weight.shape[1:])
-    if not (per_group == per_group[:1]).all():
-        return None
-    return np.ascontiguousarray(per_group[0]), len(tensor.dims) - 2
 
 
 __all__ = ["FOLD_LIMIT", "for_cpu", "for_cuda"]

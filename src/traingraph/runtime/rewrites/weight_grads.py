@@ -15,21 +15,19 @@ as many elements as the weight, and a small weight leaves most of the GPU idle: 
 (at most 64 x 64 x 3 x 3) and LeNet's weight gradients take longer that way, and their steps
 10-30% longer.
 
-:func:`weight_grads_as_convs` replaces each tagged weight gradient of such a Conv (2-D, one
-group, dilation 1, stride at most :data:`MAX_STRIDE`, a kernel larger than 1 x 1, at most
-:data:`MAX_POSITIONS` output positions, at least :data:`MIN_WEIGHT` weight elements, static
-shapes) by the exchanged Conv; the values are the same sums in another order. The CUDA
-sessions apply it (:func:`traingraph.runtime.rewrites.specialize.for_cuda`); artifacts on
-disk keep the portable form.
+:class:`WeightGradsAsConvs`, an onnx-ir pass, replaces each tagged weight gradient of such a
+Conv (2-D, one group, dilation 1, stride at most :data:`MAX_STRIDE`, a kernel larger than
+1 x 1, at most :data:`MAX_POSITIONS` output positions, at least :data:`MIN_WEIGHT` weight
+elements, static shapes on the model's values) by the exchanged Conv; the values are the same
+sums in another order. The CUDA sessions apply it
+(:func:`traingraph.runtime.rewrites.specialize.for_cuda`); artifacts on disk keep the portable
+form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 from traingraph.ir.tags import KEY
 
@@ -43,131 +41,117 @@ MIN_WEIGHT = 1 << 17
 """The fewest weight elements for which the exchanged Conv is used (ResNet-50's smallest 3 x 3
 weight, 128 x 128 x 3 x 3, has 147,456)."""
 
-Shapes = Mapping[str, list[int | None]]
 
-
-def weight_grads_as_convs(graph: onnx.GraphProto, shapes: Shapes) -> bool:
+class WeightGradsAsConvs(ir.passes.InPlacePass):
     """Replace the tagged weight gradients that qualify (see the module docstring) by the
-    exchanged Conv, in place; return whether any was."""
-    regions = _tagged_regions(graph)
-    if not regions:
-        return False
-    forwards: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        if node.op_type == "Conv" and node.domain in ("", "ai.onnx") and KEY not in _keys(node):
-            forwards.setdefault(node.name, []).append(node)
-    constants = {t.name for t in graph.initializer}
-    constants.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(graph.node):
-        for name in node.input:
-            readers.setdefault(name, []).append(i)
-    outputs = {o.name for o in graph.output}
-    removed: set[int] = set()
-    added: dict[int, list[onnx.NodeProto]] = {}
-    for instance, indices in regions.items():
-        convs = forwards.get(instance, [])
-        if len(convs) != 1:  # the forward Conv is not known by its name
-            continue
-        replacement = _exchanged(graph, convs[0], indices, shapes, constants, readers, outputs)
-        if replacement is not None:
-            # In the place of the node that wrote the gradient: what it read is written
-            # before it, what reads the gradient after it.
-            dw = replacement[-1].output[0]
-            removed.update(indices)
-            added[next(i for i in indices if dw in graph.node[i].output)] = replacement
-    if not removed:
-        return False
-    nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(graph.node):
-        if i not in removed:
-            nodes.append(node)
-        nodes.extend(added.get(i, []))
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return True
+    exchanged Conv, in place; the result says whether any was."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        regions = _tagged_regions(graph)
+        if not regions:
+            return ir.passes.PassResult(model, modified=False)
+        forwards: dict[str, list[ir.Node]] = {}
+        for node in graph:
+            conv = node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+            if conv and KEY not in node.metadata_props:
+                forwards.setdefault(node.name or "", []).append(node)
+        modified = False
+        for instance, nodes in regions.items():
+            convs = forwards.get(instance, [])
+            if len(convs) != 1:  # the forward Conv is not known by its name
+                continue
+            modified = _exchange(graph, convs[0], nodes) or modified
+        return ir.passes.PassResult(model, modified=modified)
 
 
-def _keys(node: onnx.NodeProto) -> set[str]:
-    return {entry.key for entry in node.metadata_props}
-
-
-def _tagged_regions(graph: onnx.GraphProto) -> dict[str, list[int]]:
-    """The indices of each forward Conv's weight-gradient nodes, by the Conv's name."""
-    regions: dict[str, list[int]] = {}
-    for i, node in enumerate(graph.node):
-        for entry in node.metadata_props:
-            if entry.key == KEY:
-                kernel, _, instance = entry.value.partition(":")
-                if kernel == KERNEL:
-                    regions.setdefault(instance, []).append(i)
+def _tagged_regions(graph: ir.Graph) -> dict[str, list[ir.Node]]:
+    """Each forward Conv's weight-gradient nodes, in graph order, by the Conv's name."""
+    regions: dict[str, list[ir.Node]] = {}
+    for node in graph:
+        kernel, _, instance = node.metadata_props.get(KEY, "").partition(":")
+        if kernel == KERNEL:
+            regions.setdefault(instance, []).append(node)
     return regions
 
 
-def _exchanged(
-    graph: onnx.GraphProto,
-    conv: onnx.NodeProto,
-    indices: list[int],
-    shapes: Shapes,
-    constants: set[str],
-    readers: Mapping[str, list[int]],
-    outputs: set[str],
-) -> list[onnx.NodeProto] | None:
-    """The nodes of the exchanged Conv that computes what the region ``indices`` computes,
-    the weight gradient of ``conv``; None where it does not qualify."""
-    region = set(indices)
-    nodes = [graph.node[i] for i in indices]
-    made = {o for n in nodes for o in n.output}
-    x = conv.input[0]
-    external = {v for n in nodes for v in n.input if v and v not in made and v not in constants}
-    leaving = [
-        o for o in made
-        if o in outputs or any(r not in region for r in readers.get(o, []))
-    ]  # fmt: skip
-    if x not in external or len(external) != 2 or len(leaving) != 1:
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return value.is_initializer() or (producer is not None and producer.op_type == "Constant")
+
+
+def _dims(value: ir.Value) -> list[int | None] | None:
+    if value.shape is None:
         return None
+    return [d if isinstance(d, int) else None for d in value.shape.dims]
+
+
+def _exchange(graph: ir.Graph, conv: ir.Node, nodes: list[ir.Node]) -> bool:
+    """Replace the region ``nodes``, the weight gradient of ``conv``, by the exchanged Conv
+    where it qualifies; return whether it was. The new nodes take the place of the node that
+    wrote the gradient: what they read is written before it, what reads the gradient after
+    it."""
+    region = set(nodes)
+    made = {v for n in nodes for v in n.outputs}
+    x = conv.inputs[0]
+    weight = conv.inputs[1] if len(conv.inputs) > 1 else None
+    external = {
+        v for n in nodes for v in n.inputs
+        if v is not None and v not in made and not _is_constant(v)
+    }  # fmt: skip
+    leaving = [
+        v for v in made
+        if v.is_graph_output() or any(user not in region for user, _ in v.uses())
+    ]  # fmt: skip
+    if x is None or weight is None or x not in external or len(external) != 2:
+        return False
+    if len(leaving) != 1:
+        return False
     (g,) = external - {x}
     dw = leaving[0]
-    x_shape, g_shape, w_shape = shapes.get(x), shapes.get(g), shapes.get(conv.input[1])
-    window = _window(conv, x_shape, g_shape, w_shape)
+    x_shape, g_shape = _dims(x), _dims(g)
+    window = _window(conv, x_shape, g_shape, _dims(weight))
     if window is None:
-        return None
+        return False
     pads, strides, kernel = window
     ends, crop = [], False
     for size, out, s, k, begin in zip(x_shape[2:], g_shape[2:], strides, kernel, pads[:2]):  # type: ignore[index]
         end = k + (out - 1) * s - size - begin  # type: ignore[operator]
         crop = crop or end < 0
         ends.append(max(end, 0))
-    base = dw
+    base = dw.name or "dw"
     swap = [1, 0, 2, 3]
-    xt, gt, grad = f"{base}_input_t", f"{base}_grad_t", f"{base}_exchanged"
-    result = [
-        helper.make_node("Transpose", [x], [xt], perm=swap, name=f"{base}_input_t"),
-        helper.make_node("Transpose", [g], [gt], perm=swap, name=f"{base}_grad_t"),
-        helper.make_node(
-            "Conv", [xt, gt], [grad], name=f"{base}_exchanged",
-            dilations=list(strides), pads=list(pads[:2]) + ends,
-        ),
-    ]  # fmt: skip
+    xt = ir.node("Transpose", [x], {"perm": swap}, name=f"{base}_input_t")
+    gt = ir.node("Transpose", [g], {"perm": swap}, name=f"{base}_grad_t")
+    exchanged = ir.node(
+        "Conv", [xt.outputs[0], gt.outputs[0]],
+        {"dilations": list(strides), "pads": list(pads[:2]) + ends}, name=f"{base}_exchanged",
+    )  # fmt: skip
+    new_nodes = [xt, gt, exchanged]
+    grad = exchanged.outputs[0]
     if crop:
-        starts, limits = f"{base}_crop_starts", f"{base}_crop_ends"
-        axes = f"{base}_crop_axes"
-        graph.initializer.extend([
-            numpy_helper.from_array(np.zeros(2, np.int64), starts),
-            numpy_helper.from_array(np.array(kernel, np.int64), limits),
-            numpy_helper.from_array(np.array([2, 3], np.int64), axes),
-        ])  # fmt: skip
-        cropped = f"{base}_cropped"
-        result.append(
-            helper.make_node("Slice", [grad, starts, limits, axes], [cropped], name=cropped)
-        )
-        grad = cropped
-    result.append(helper.make_node("Transpose", [grad], [dw], perm=swap, name=f"{base}_t"))
-    return result
+        bounds = {"starts": np.zeros(2, np.int64), "ends": np.array(kernel, np.int64),
+                  "axes": np.array([2, 3], np.int64)}  # fmt: skip
+        values = []
+        for key, array in bounds.items():
+            value = ir.Value(name=f"{base}_crop_{key}", const_value=ir.tensor(array))
+            value.shape, value.dtype = ir.Shape(array.shape), ir.DataType.INT64
+            graph.register_initializer(value)
+            values.append(value)
+        crop_node = ir.node("Slice", [grad, *values], name=f"{base}_cropped")
+        new_nodes.append(crop_node)
+        grad = crop_node.outputs[0]
+    new_nodes.append(ir.node("Transpose", [grad], {"perm": swap}, name=f"{base}_t"))
+    writer = dw.producer()
+    assert writer is not None
+    ir.convenience.replace_nodes_and_values(
+        graph, writer, nodes, new_nodes, [dw], [new_nodes[-1].outputs[0]]
+    )
+    return True
 
 
 def _window(
-    conv: onnx.NodeProto,
+    conv: ir.Node,
     x: list[int | None] | None,
     g: list[int | None] | None,
     w: list[int | None] | None,
@@ -178,13 +162,16 @@ def _window(
         return None
     if None in x or None in g or None in w or x[0] != g[0] or w[1] != x[1]:
         return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
-    if attrs.get("group", 1) != 1 or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b""):
+    attrs = conv.attributes
+    if attrs.get_int("group", 1) != 1 or attrs.get_string("auto_pad", "NOTSET") not in (
+        "NOTSET",
+        "",
+    ):
         return None
     kernel = [int(k) for k in w[2:]]  # type: ignore[arg-type]
-    strides = list(attrs.get("strides", [1, 1]))
-    pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    if list(attrs.get("dilations", [1, 1])) != [1, 1] or max(strides) > MAX_STRIDE:
+    strides = [int(s) for s in attrs.get_ints("strides", [1, 1])]
+    pads = [int(p) for p in attrs.get_ints("pads", [0, 0, 0, 0])]
+    if list(attrs.get_ints("dilations", [1, 1])) != [1, 1] or max(strides) > MAX_STRIDE:
         return None
     if kernel == [1, 1] or g[2] * g[3] > MAX_POSITIONS:  # type: ignore[operator]
         return None
@@ -193,4 +180,4 @@ def _window(
     return pads, strides, kernel
 
 
-__all__ = ["KERNEL", "MAX_POSITIONS", "MAX_STRIDE", "MIN_WEIGHT", "weight_grads_as_convs"]
+__all__ = ["KERNEL", "MAX_POSITIONS", "MAX_STRIDE", "MIN_WEIGHT", "WeightGradsAsConvs"]
