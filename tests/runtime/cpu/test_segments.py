@@ -23,6 +23,7 @@ from traingraph.runtime.cpu import segments
 from traingraph.runtime.cpu.kernels import batch_norm, conv_grads
 from traingraph.runtime.cpu.kernels.col2im import Col2ImSum
 from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
+from traingraph.runtime.device import Device
 from traingraph.runtime.session import SessionConfig
 
 pytestmark = pytest.mark.skipif(
@@ -493,3 +494,46 @@ def test_values_that_live_at_once_get_memory_apart_and_the_block_holds_the_most_
             if first <= end and start <= last:
                 assert offsets[i] + size <= offsets[j] or offsets[j] + other <= offsets[i]
     assert total < sum(size for size, _, _ in many) / 2
+
+
+class _NegExp:
+    """A kernel that writes ``b = -exp(x)``, replacing an Exp and a Neg."""
+
+    inputs = ["x"]
+    outputs = ["b"]
+
+    def compute(self, values, out, threads):
+        result = -np.exp(values["x"])
+        if "b" in out:
+            out["b"][...] = result
+        else:
+            out["b"] = result
+
+
+def test_nodes_of_a_kernel_that_others_still_read_stay_in_the_graph():
+    # the kernel replaces a = Exp(x) and b = Neg(a), but c = Sqrt(a) reads a as well (as the
+    # backward nodes of a GELU read its forward nodes' values when the gradient kernel was
+    # dropped at its check): Exp stays, Neg goes, and the run computes what the graph does
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 4]) for n in "xbc"]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Exp", ["x"], ["a"]),
+            helper.make_node("Neg", ["a"], ["b"]),
+            helper.make_node("Sqrt", ["a"], ["c"]),
+        ],
+        "g", floats[:1], floats[1:],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    plan = segments.plan_segments(model, [(_NegExp(), {0, 1})])
+    ops = [n.op_type for s in plan.segments for n in s.model.graph.node]
+    assert sorted(ops) == ["Exp", "Sqrt"]
+    device = Device("cpu")
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), device, threads=1
+    )
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    runner.bind_input("x", x)
+    results = runner.run({"b": None, "c": None})
+    (c,) = ort.InferenceSession(model.SerializeToString()).run(["c"], {"x": x})
+    np.testing.assert_array_equal(results["c"].numpy(), c)
+    np.testing.assert_array_equal(results["b"], -np.exp(x))

@@ -111,6 +111,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     kernels read a node's outputs (they may come last)."""
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
+    removed -= _still_read(graph, removed, [g for g, _ in grads])
     kept = [node for i, node in enumerate(graph.node) if i not in removed]
     # a Constant goes into every segment that reads it, as an initializer would, unless a
     # kernel reads it or it is a graph output
@@ -199,6 +200,31 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
     return Plan(segments, plan_kernels, others, kernels.get(-1, []))
+
+
+def _still_read(
+    graph: onnx.GraphProto, removed: Set[int], kernels: Sequence[Kernel]
+) -> set[int]:
+    """The nodes of ``removed`` (indices into ``graph.node``) that must stay: those that
+    compute, directly or through other removed nodes, a value that none of ``kernels`` writes
+    and that a node left in the graph, a kernel or a graph output reads. A
+    kernel dropped at its check leaves the nodes of another in use (the backward nodes of a
+    GELU whose gradient kernel was dropped read what its forward kernel's nodes computed);
+    those nodes then compute it as before."""
+    written = {o for kernel in kernels for o in kernel.outputs}
+    producer = {o: i for i in removed for o in graph.node[i].output if o}
+    wanted = [o.name for o in graph.output]
+    wanted += [v for i, node in enumerate(graph.node) if i not in removed for v in node.input]
+    wanted += [v for kernel in kernels for v in kernel.inputs]
+    stay: set[int] = set()
+    while wanted:
+        name = wanted.pop()
+        i = producer.get(name)
+        if i is None or i in stay or name in written:
+            continue
+        stay.add(i)
+        wanted += [v for v in graph.node[i].input if v]
+    return stay
 
 
 def _sunk(
