@@ -1,8 +1,10 @@
 """Provider rewrites written as onnxscript rewriter rules: a pattern, a replacement and a check.
 
 Each rule computes what the nodes it replaces compute, in a form one execution provider has a
-better kernel for; :func:`apply` runs a provider's rules over a model in one pass. The rules of
-the CUDA provider (:data:`CUDA_RULES`):
+better kernel for; :func:`rules_pass` makes an onnx-ir pass that applies a provider's rules in
+one pass over an ``ir.Model`` (:func:`traingraph.runtime.rewrites.specialize.for_cuda` runs the
+CUDA ones), and :func:`apply` applies them to a ``ModelProto``. The rules of the CUDA provider
+(:data:`CUDA_RULES`):
 
 - ``shift_as_division``: a right ``BitShift`` by a constant is a ``Div`` by ``2^k``: the CUDA
   provider has no BitShift kernel, so a model that shifts (the hash of a lowered training
@@ -40,6 +42,7 @@ inferred shapes:
 
 Example:
     >>> model = apply(model, CUDA_RULES)  # doctest: +SKIP
+    >>> modified = rules_pass(CUDA_FOLD_RULES)(ir_model).modified  # doctest: +SKIP
 """
 
 from __future__ import annotations

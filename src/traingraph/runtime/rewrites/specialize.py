@@ -4,7 +4,9 @@ Training graphs and their artifacts are written once, for any runtime. A few for
 missing in one of onnxruntime's providers; :func:`for_cpu` and :func:`for_cuda` rewrite them,
 with the same results, when a session is created.
 
-On the CPU (:func:`for_cpu`):
+On the CPU (:func:`for_cpu`, which runs at every CPU session creation, most often on a model
+that it returns after a search of its bytes without parsing it), passes over the
+``ModelProto``; only the column sums convert the model to onnx-ir, where it has such a sum:
 
 - A ``ConvTranspose`` (the input gradient of a strided Conv, or of a Conv whose input has more
   positions than its output) becomes ``Col2Im(MatMul(W^T, G))``: the products of every sample
