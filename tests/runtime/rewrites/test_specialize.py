@@ -295,6 +295,20 @@ def test_conv_transposes_col2im_cannot_take_stay(x_shape: list, attrs: dict) -> 
     assert for_cpu(source) is source
 
 
+def test_col2im_carries_nans_and_infinities_where_conv_transpose_does() -> None:
+    model = _conv_transpose(["n", 4, 5, 5], [4, 3, 3, 3], 18, bias=True, strides=[2, 2],
+                            pads=[1, 1, 1, 1])  # fmt: skip
+    rewritten = onnx.load_from_string(for_cpu(model.SerializeToString()))
+    assert [n.op_type for n in rewritten.graph.node if n.op_type == "Col2Im"] == ["Col2Im"]
+    feeds = _random_feeds(model)
+    (g,) = [v.name for v in model.graph.input if v.name not in ("w", "b")]
+    feeds[g][0, 1, 2, 2], feeds[g][1, 3, 0, 4] = np.nan, np.inf
+    (expected,), (got,) = _run(model, feeds), _run(rewritten, feeds)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    assert np.isnan(got).any()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_float64_conv_transpose_stays() -> None:
     # onnxruntime's CPU Col2Im has no float64 kernel
     model = _conv_transpose(["n", 4, 5, 5], [4, 3, 3, 3], 17, dtype=TensorProto.DOUBLE,
