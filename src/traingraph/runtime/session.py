@@ -63,6 +63,12 @@ class SessionConfig:
             forms its kernels lack or run slowly). False runs it as written.
         profile: Write onnxruntime's profile.
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
+        memory_pattern: Let onnxruntime plan a run's values from the first run and allocate
+            them, from the second on, as one block (its memory pattern). Off, each value is
+            allocated from the arena as it is written and freed after its last reader: a CPU
+            session's values then fill the regions that those of the sessions before it (a
+            segmented step's other segments) freed, where a block of its own seldom fits
+            them, and a step holds less. CUDA sessions keep the pattern whatever this says.
         shared_arena: With ``memory_arena``, CPU sessions allocate from one arena registered
             once per process (:func:`shared_cpu_arena`) instead of one arena each: a segmented
             step's many sessions, and several Modules in one process, then reuse the same
@@ -104,6 +110,7 @@ class SessionConfig:
     specialize: bool = True
     profile: bool = False
     memory_arena: bool = True
+    memory_pattern: bool = False
     shared_arena: bool = True
     extra: dict[str, str] = field(default_factory=dict)
     cuda_graph: bool = False
@@ -217,6 +224,8 @@ def create_session(
         source = for_cuda(source) if device.kind == "cuda" else for_cpu(source)
     providers = device.providers(config.cuda_options())
     options = config.session_options()
+    if device.kind == "cpu" and not isinstance(config, WithSessionOptions):
+        options.enable_mem_pattern = config.memory_pattern
     if (
         device.kind == "cpu"
         and config.memory_arena

@@ -537,3 +537,46 @@ def test_nodes_of_a_kernel_that_others_still_read_stay_in_the_graph():
     (c,) = ort.InferenceSession(model.SerializeToString()).run(["c"], {"x": x})
     np.testing.assert_array_equal(results["c"].numpy(), c)
     np.testing.assert_array_equal(results["b"], -np.exp(x))
+
+
+class _Double:
+    """A kernel that writes ``z = 2 y``, replacing a Mul by a constant 2."""
+
+    inputs = ["y"]
+    outputs = ["z"]
+
+    def compute(self, values, out, threads):
+        out.setdefault("z", np.empty_like(values["y"]))[...] = values["y"] * 2
+
+
+def test_a_sigmoid_read_after_a_cut_is_computed_again_from_its_input_read_there_too():
+    # s = Sigmoid(x) and y = x s in the first segment; after the kernel (z = 2 y), the second
+    # reads x and s: it computes s again from x, so that s does not cross the cut
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64, 32]) for n in "xr"]
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sigmoid", ["x"], ["s"]),
+            helper.make_node("Mul", ["x", "s"], ["y"]),
+            helper.make_node("Mul", ["y", "two"], ["z"]),
+            helper.make_node("Mul", ["z", "s"], ["t"]),
+            helper.make_node("Mul", ["t", "x"], ["r"]),
+        ],
+        "g", floats[:1], floats[1:], [two],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    plan = segments.plan_segments(model, [(_Double(), {2})])
+    first, second = plan.segments
+    assert first.outputs == ["y"] and sorted(second.inputs) == ["x", "z"]
+    assert [n.op_type for n in second.model.graph.node] == ["Sigmoid", "Mul", "Mul"]
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
+    )
+    x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    x[0, :3] = [np.nan, np.inf, -np.inf]
+    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], {"x": x})
+    for _ in range(2):  # the first run, and one with the values' buffers
+        runner.bind_input("x", x)
+        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+    # the kept values: y and z only
+    assert set(runner._cuts) | set(runner._kept) == {"y", "z"}

@@ -108,7 +108,9 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     segment after the last kernel whose output it reads (transitively), or, where only nodes
     read its outputs, into the first segment that reads them (:func:`_sunk`); a kernel that
     reads only model inputs runs before the first segment. The nodes need not be in order where only
-    kernels read a node's outputs (they may come last)."""
+    kernels read a node's outputs (they may come last). A cheap node of :data:`RECOMPUTED`
+    goes as well into the later segments that read its output and its input
+    (:func:`_recomputed`)."""
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
     removed -= _still_read(graph, removed, [g for g, _ in grads])
@@ -162,15 +164,23 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     nodes_at: dict[int, list[onnx.NodeProto]] = {}
     for i, node in enumerate(kept):
         nodes_at.setdefault(placed[i], []).append(node)
+    fed = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    for s, copies in _recomputed(kept, placed, outside, fed).items():
+        nodes_at[s] = copies + nodes_at.get(s, [])
     kernels: dict[int, list[Kernel]] = {}
     for k, (grad, _) in enumerate(grads):
         kernels.setdefault(kernel_stage[k], []).append(grad)
     last = max([*nodes_at, *(s + 1 for s in kernels)], default=0)
-    readers: dict[str, set[int]] = {}  # value -> the stages that read it
+    readers: dict[str, set[int]] = {}  # value -> the stages that read it and don't write it
     for s, members in nodes_at.items():
         for node in members:
             for v in node.input:
-                readers.setdefault(v, set()).add(s)
+                if v not in constants:  # written in each segment that reads it
+                    readers.setdefault(v, set()).add(s)
+    for s, members in nodes_at.items():
+        for node in members:
+            for o in node.output:
+                readers.get(o, set()).discard(s)
     initializers = {t.name: t for t in graph.initializer}
     graph_inputs = {i.name: i for i in graph.input}
     types = _types(model)
@@ -184,7 +194,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         read = [v for n in members for v in n.input if v]
         inputs = sorted({v for v in read if v not in produced and v not in initializers})
         outputs = sorted(
-            o for o in produced if o in outside or readers.get(o, set()) - {s}
+            o for o in produced if o in outside or readers.get(o)
         )
         sub = helper.make_graph(
             members,
@@ -200,6 +210,43 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
     return Plan(segments, plan_kernels, others, kernels.get(-1, []))
+
+
+RECOMPUTED = frozenset({"Sigmoid", "Tanh", "Relu", "Neg"})
+"""Elementwise ops of one input that a later segment computes again from their input, where
+it reads that input anyway, instead of keeping their output from the segment that first
+computes it (the sigmoid of a SiLU, which its gradient reads beside the SiLU's input): one
+pass over the input instead of a value alive from the forward pass to the backward."""
+
+
+def _recomputed(
+    nodes: Sequence[onnx.NodeProto],
+    placed: Mapping[int, int],
+    pinned: Set[str],
+    fed: Set[str],
+) -> dict[int, list[onnx.NodeProto]]:
+    """The nodes of ``nodes`` (placed by stage) that stages after their own compute again:
+    a node of :data:`RECOMPUTED` whose output neither a kernel nor a graph output reads
+    (``pinned``) goes, as well, into each later stage that reads its output and reads its
+    input too (or takes it from ``fed``, the model's inputs and initializers), so that its
+    output does not cross a cut. Returns, by stage, the copies it gets."""
+    reading: dict[str, set[int]] = {}
+    for i, node in enumerate(nodes):
+        for v in node.input:
+            if v:
+                reading.setdefault(v, set()).add(placed[i])
+    copies: dict[int, list[onnx.NodeProto]] = {}
+    for i, node in enumerate(nodes):
+        if node.op_type not in RECOMPUTED or node.domain not in ("", "ai.onnx"):
+            continue
+        if len(node.input) != 1 or len(node.output) != 1 or node.output[0] in pinned:
+            continue
+        (source,), (value,) = node.input, node.output
+        later = reading.get(value, set()) - {placed[i]}
+        if later and all(s in reading.get(source, set()) or source in fed for s in later):
+            for s in sorted(later):
+                copies.setdefault(s, []).append(node)
+    return copies
 
 
 def _still_read(
