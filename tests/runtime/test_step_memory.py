@@ -54,9 +54,7 @@ def _kept_and_shrunk() -> tuple[float, float]:
     """MiB that two runs add to the resident memory with onnxruntime's default arena and with
     the first run's shrink, after checking that both give the same, right result."""
     device = Device("cpu")
-    config = SessionConfig(
-        shared_arena=False, intra_op_threads=1, specialize=False, memory_pattern=True
-    )
+    config = SessionConfig(shared_arena=False, intra_op_threads=1, specialize=False)
     x = np.random.default_rng(0).standard_normal(MIB // 4).astype(np.float32)  # 1 MiB
     want = (128 * x.astype(np.float64) + sum(range(128))).astype(np.float32)
     keeping = BoundRunner(create_session(_many(), device, config), device)

@@ -580,3 +580,39 @@ def test_a_sigmoid_read_after_a_cut_is_computed_again_from_its_input_read_there_
         np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
     # the kept values: y and z only
     assert set(runner._cuts) | set(runner._kept) == {"y", "z"}
+
+
+def test_a_reshape_of_a_value_alive_after_the_cut_is_computed_again_there():
+    # t = x reshaped crosses no cut: the second segment reads x anyway and reshapes it; g =
+    # tanh(h), read on both sides, does, as h is not read after the cut (computing g again
+    # there would keep h alive)
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [32, 32]) for n in "xr"]
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [32, 32])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Reshape", ["x", "shape"], ["t"]),
+            helper.make_node("Exp", ["x"], ["h"]),
+            helper.make_node("Tanh", ["h"], ["g"]),
+            helper.make_node("MatMul", ["x", "t"], ["m"]),
+            helper.make_node("Add", ["m", "g"], ["y"]),
+            helper.make_node("Mul", ["y", "two"], ["z"]),
+            helper.make_node("MatMul", ["z", "t"], ["q"]),
+            helper.make_node("Mul", ["q", "g"], ["p"]),
+            helper.make_node("Add", ["p", "x"], ["r"]),
+        ],
+        "g", floats[:1], floats[1:], [two, shape],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    plan = segments.plan_segments(model, [(_Double(), {5})])
+    first, second = plan.segments
+    assert first.outputs == ["g", "y"] and sorted(second.inputs) == ["g", "x", "z"]
+    assert [n.op_type for n in second.model.graph.node][0] == "Reshape"
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
+    )
+    x = np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32)
+    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], {"x": x})
+    for _ in range(2):
+        runner.bind_input("x", x)
+        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)

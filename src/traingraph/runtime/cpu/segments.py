@@ -164,7 +164,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     nodes_at: dict[int, list[onnx.NodeProto]] = {}
     for i, node in enumerate(kept):
         nodes_at.setdefault(placed[i], []).append(node)
-    fed = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    fed = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants)
     for s, copies in _recomputed(kept, placed, outside, fed).items():
         nodes_at[s] = copies + nodes_at.get(s, [])
     kernels: dict[int, list[Kernel]] = {}
@@ -212,11 +212,16 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     return Plan(segments, plan_kernels, others, kernels.get(-1, []))
 
 
-RECOMPUTED = frozenset({"Sigmoid", "Tanh", "Relu", "Neg"})
-"""Elementwise ops of one input that a later segment computes again from their input, where
-it reads that input anyway, instead of keeping their output from the segment that first
-computes it (the sigmoid of a SiLU, which its gradient reads beside the SiLU's input): one
-pass over the input instead of a value alive from the forward pass to the backward."""
+RECOMPUTED = frozenset({
+    "Sigmoid", "Tanh", "Relu", "Neg",
+    "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Gather",
+})  # fmt: skip
+"""Deterministic ops that cost one pass over their output or less (an elementwise function of
+one input, a copy or a view of part of one) that a later segment computes again from inputs
+it holds anyway, instead of keeping their output from the segment that first computes it: the
+sigmoid of a SiLU, which its gradient reads beside the SiLU's input, or a reshaped copy of a
+value that stays for the backward pass itself. Not Transpose: onnxruntime folds a Transpose
+into the MatMul that reads it, which then sums in another order."""
 
 
 def _recomputed(
@@ -226,24 +231,32 @@ def _recomputed(
     fed: Set[str],
 ) -> dict[int, list[onnx.NodeProto]]:
     """The nodes of ``nodes`` (placed by stage) that stages after their own compute again:
-    a node of :data:`RECOMPUTED` whose output neither a kernel nor a graph output reads
-    (``pinned``) goes, as well, into each later stage that reads its output and reads its
-    input too (or takes it from ``fed``, the model's inputs and initializers), so that its
-    output does not cross a cut. Returns, by stage, the copies it gets."""
+    a node of :data:`RECOMPUTED` with one output that neither a kernel nor a graph output
+    reads (``pinned``) goes, as well, into each later stage that reads its output, where
+    each of its inputs is in ``fed`` (the model's inputs and initializers, and the Constants
+    each segment writes for itself) or alive at that stage anyway (a node of that stage or of
+    a later one reads it; where another node's copy computes it, that copy is in the stage),
+    so that its output does not cross a cut and nothing lives longer. Returns, by stage, the
+    copies it gets."""
     reading: dict[str, set[int]] = {}
     for i, node in enumerate(nodes):
         for v in node.input:
             if v:
                 reading.setdefault(v, set()).add(placed[i])
+    latest = {v: max(stages) for v, stages in reading.items()}
     copies: dict[int, list[onnx.NodeProto]] = {}
+    copied: dict[str, set[int]] = {}  # a value computed again -> the stages that do
     for i, node in enumerate(nodes):
         if node.op_type not in RECOMPUTED or node.domain not in ("", "ai.onnx"):
             continue
-        if len(node.input) != 1 or len(node.output) != 1 or node.output[0] in pinned:
+        if len(node.output) != 1 or node.output[0] in pinned:
             continue
-        (source,), (value,) = node.input, node.output
-        later = reading.get(value, set()) - {placed[i]}
-        if later and all(s in reading.get(source, set()) or source in fed for s in later):
+        later = reading.get(node.output[0], set()) - {placed[i]}
+        sources = [v for v in node.input if v and v not in fed]
+        if later and all(
+            later <= copied[v] if v in copied else latest[v] >= max(later) for v in sources
+        ):
+            copied[node.output[0]] = later
             for s in sorted(later):
                 copies.setdefault(s, []).append(node)
     return copies
