@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,10 @@ def test_zoo_peers_agree(tmp_path, model):
     assert set(agreement) == {label for label, row in rows.items() if "error" not in row}
     for label, (diff, steps) in agreement.items():
         assert diff < PEER_RTOL.get(label, bench.AGREEMENT_RTOL), (label, diff, steps)
+
+
+def test_runners_keep_the_callers_pythonpath(monkeypatch, tmp_path):
+    # A source tree named in PYTHONPATH is the one the runners import and time.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tree/src", "/more"]))
+    env = bench._runner_env(tmp_path / "benchmarks")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/tree/src", "/more"]

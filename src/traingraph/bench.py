@@ -250,7 +250,11 @@ def _command(python: str, system: System, bench_dir: Path, m: Measurement) -> li
 
 
 def _runner_env(bench_dir: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(bench_dir.parent))
+    """The runners' environment: the benchmarks' package importable, ahead of the caller's
+    ``PYTHONPATH`` (kept, so that a source tree it names is the one timed)."""
+    caller = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    paths = [str(bench_dir.parent), *filter(None, caller)]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
 
 
 _EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Exit)\b")
