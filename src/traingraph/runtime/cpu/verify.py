@@ -175,7 +175,7 @@ def verified_kernels(
     unique = [index for index, decider in checked_as.items() if index == decider]
     passed = set().union(*(
         _agreeing(model, g, matches, part, shapes, offsets or {}, check)
-        for part in _bounded(unique, matches, shapes)
+        for part in _bounded(unique, matches, shapes, g)
     ))  # fmt: skip
     return [match for index, match in enumerate(matches) if checked_as[index] in passed]
 
@@ -191,22 +191,43 @@ def _bounded(
     indices: list[int],
     matches: Sequence[tuple[Any, set[int]]],
     shapes: Mapping[str, Sequence[int | None]],
+    g: GraphIndex,
 ) -> list[list[int]]:
     """``indices`` in runs, in order, whose kernels' inputs (float32 of their inferred shapes,
     batch 2 where it is open; those of unknown shape not counted) take at most
-    :data:`CHECK_BYTES` each, or one match alone."""
+    :data:`CHECK_BYTES` each, or one group alone. A group is the matches whose nodes read what
+    another's nodes compute (a GELU's gradient nodes read its forward's intermediates): they
+    are checked in one session, where those values are computed rather than drawn at random."""
+    owner = {node: index for index in indices for node in matches[index][1]}
+    group = {index: index for index in indices}
+
+    def root(index: int) -> int:
+        while group[index] != index:
+            index = group[index] = group[group[index]]
+        return index
+
+    for index in indices:
+        for node in matches[index][1]:
+            for value in g.nodes[node].input:
+                other = owner.get(g.producer.get(value, -1))
+                if other is not None and other != index:
+                    group[root(index)] = root(other)
+    members: dict[int, list[int]] = {}
+    for index in indices:
+        members.setdefault(root(index), []).append(index)
     parts: list[list[int]] = []
     total = 0
-    for index in indices:
+    for together in members.values():
         size = sum(
             4 * math.prod(int(d or 2) for d in shape)
+            for index in together
             for v in matches[index][0].inputs
             if (shape := shapes.get(v)) is not None
         )
         if not parts or total + size > CHECK_BYTES:
             parts.append([])
             total = 0
-        parts[-1].append(index)
+        parts[-1].extend(together)
         total += size
     return parts
 

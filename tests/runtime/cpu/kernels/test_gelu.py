@@ -223,3 +223,14 @@ def test_segments_place_the_gradient_after_its_input(tmp_path):
     plan = segments.plan_segments(model, kernels)
     order = [k for k in plan.all_kernels if isinstance(k, gelu.Gelu)]
     assert [k.g is None for k in order] == [True, False]
+
+
+def test_gradient_is_checked_with_its_forward_when_checks_are_split(tmp_path, monkeypatch):
+    # The gradient's nodes read the forward's intermediates: checked in a session without the
+    # forward's nodes they would read random values, disagree and drop a right kernel.
+    from traingraph.runtime.cpu import verify
+
+    monkeypatch.setattr(verify, "CHECK_BYTES", 1)  # every group in a session of its own
+    model = onnx.load(_artifacts(tmp_path, seeded(FeedForward)) / "training_model.onnx")
+    found = gelu.split_gelus(model)
+    assert sorted(k.g is None for k, _ in found) == [False, True]
