@@ -20,7 +20,7 @@ own backward (``torch.nn.grad.conv2d_weight`` / ``conv2d_input``) on the same nu
 - ``col2im`` (CPU): the same model as the session runs it on the CPU, rewritten by
   :func:`traingraph.runtime.rewrites.specialize.for_cpu` into a batched MatMul and Col2Im;
 - ``flipped_conv``: a Conv of the output gradient with the flipped, transposed weight
-  (as :func:`~traingraph.autodiff.rules.conv.conv_input_grad` writes it), timed where
+  (:func:`~traingraph.autodiff.rules.conv.flipped_conv`), timed where
   :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits` lets the rule use it.
 
 The rule's pick for each case is marked with ``*``. Every result is checked against a float64
@@ -55,6 +55,7 @@ import torch.nn.grad
 
 from traingraph.autodiff.rules.conv import (
     Window,
+    flipped_conv,
     flipped_conv_fits,
     flipped_weight,
     transposed_conv_to,
@@ -216,22 +217,16 @@ def _input_forms(case: Case) -> dict[str, Build]:
         ),
     }
     if _flips(case):
-        forms["flipped_conv"] = lambda b, x, dy, w: flipped_conv(b, dy, w, win, group)
+        forms["flipped_conv"] = lambda b, x, dy, w: flipped_conv(
+            b, dy, _flipped(b, w, case), win, group
+        )
     return forms
 
 
-def flipped_conv(b: OpBuilder, dy: ir.Value, w: ir.Value, win: Window, group: int) -> ir.Value:
-    """``dL/dX`` as :func:`~traingraph.autodiff.rules.conv.conv_input_grad` takes it where
-    :func:`~traingraph.autodiff.rules.conv.flipped_conv_fits`: a Conv of the output gradient
-    with the flipped, transposed weight."""
-    flipped = flipped_weight(b, w, win.kernel, group)
+def _flipped(b: OpBuilder, w: ir.Value, case: Case) -> ir.Value:
+    flipped = flipped_weight(b, w, case.window.kernel, case.group)
     assert flipped is not None
-    pads = [e - 1 - p for e, p in zip(win.extents, win.begins)]
-    pads += [e - 1 - p for e, p in zip(win.extents, win.ends)]
-    return b.Conv(
-        dy, flipped, group=group, kernel_shape=list(win.kernel),
-        dilations=list(win.dilations), pads=pads,
-    )
+    return flipped
 
 
 def _rule_picks(case: Case, device: str) -> tuple[str, str]:

@@ -310,6 +310,14 @@ def conv_input_grad(ctx: GradContext, g: ir.Value, win: Window, group: int) -> i
     if flipped is None:
         sizes = spatial_dims(x, len(win.kernel))
         return transposed_conv_to(b, g, w, win, group, x, sizes, win.out_dims(sizes))
+    return flipped_conv(b, g, flipped, win, group)
+
+
+def flipped_conv(
+    b: OpBuilder, g: ir.Value, flipped: ir.Value, win: Window, group: int
+) -> ir.Value:
+    """``dL/dX`` as a Conv of the output gradient ``g`` with the :func:`flipped_weight`, pads
+    ``extent - 1 - p`` at each end (where :func:`flipped_conv_fits`)."""
     pads = [e - 1 - p for e, p in zip(win.extents, win.begins)]
     pads += [e - 1 - p for e, p in zip(win.extents, win.ends)]
     return b.Conv(
