@@ -9,6 +9,7 @@ import platform
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -49,13 +50,11 @@ def _conv_model(x_shape, w_shape, bias, constant_filter=False, **attrs):
     return model
 
 
-def _shapes(model):
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    return {
-        v.name: [d.dim_value if d.HasField("dim_value") else None
-                 for d in v.type.tensor_type.shape.dim]
-        for v in [*inferred.input, *inferred.value_info]
-    }  # fmt: skip
+def _blocked(model):
+    """Whether the pass rewrote ``model`` (its shapes inferred), and the model it left."""
+    ir_model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(model))
+    modified = nchwc.ConvsAsNchwc()(ir_model).modified
+    return modified, ir.serde.serialize_model(ir_model)
 
 
 def _run(model, feeds):
@@ -80,9 +79,8 @@ def _run(model, feeds):
 )
 def test_the_blocked_form_computes_the_conv(x_shape, w_shape, bias, attrs):
     model = _conv_model(list(x_shape), list(w_shape), bias, **attrs)
-    rewritten = onnx.ModelProto()
-    rewritten.CopyFrom(model)
-    assert nchwc.convs_as_nchwc(rewritten, _shapes(model))
+    modified, rewritten = _blocked(model)
+    assert modified
     ops = [(n.domain, n.op_type) for n in rewritten.graph.node]
     assert (nchwc.DOMAIN, "Conv") in ops and ("", "Conv") not in ops
     rng = np.random.default_rng(0)
@@ -104,8 +102,9 @@ def test_the_blocked_form_computes_the_conv(x_shape, w_shape, bias, attrs):
 )  # fmt: skip
 def test_pointwise_and_constant_filter_convs_stay(w_shape, constant):
     model = _conv_model([2, 16, 8, 8], list(w_shape), False, constant_filter=constant)
-    assert not nchwc.convs_as_nchwc(model, _shapes(model))
-    assert [n.domain for n in model.graph.node] == [""]
+    modified, rewritten = _blocked(model)
+    assert not modified
+    assert [n.domain for n in rewritten.graph.node] == [""]
 
 
 def test_a_form_that_does_not_compute_the_conv_is_refused():
@@ -158,8 +157,13 @@ def test_module_trains_the_same_with_blocked_convs(tmp_path, monkeypatch):
     calls = []
     # the 3 x 3 Convs stay in onnxruntime's segments (no Winograd kernel), to be blocked there
     no_winograd = set(kernels.names()) - {"winograd"}
-    rewrite = nchwc.convs_as_nchwc
-    monkeypatch.setattr(nchwc, "convs_as_nchwc", lambda *a: calls.append(rewrite(*a)) or calls[-1])
+    rewrite = nchwc.ConvsAsNchwc.call
+
+    def recorded(self, model):
+        calls.append(rewrite(self, model).modified)
+        return ir.passes.PassResult(model, modified=calls[-1])
+
+    monkeypatch.setattr(nchwc.ConvsAsNchwc, "call", recorded)
     blocked = _train(tmp_path, SessionConfig(native_kernels=no_winograd), batches)
     assert any(calls)
     plain = _train(tmp_path, SessionConfig(specialize=False), batches)

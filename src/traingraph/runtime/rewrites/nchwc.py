@@ -28,10 +28,11 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
@@ -65,47 +66,84 @@ class _Form:
 _learned: dict[tuple, _Form | None] = {}
 
 
-def convs_as_nchwc(model: onnx.ModelProto, shapes: dict[str, list[int | None]]) -> bool:
-    """Rewrite each float32 2-D Conv of ``model`` whose filter is not a constant (and whose
-    window is larger than 1x1, where the reorders cost more than the blocked kernel saves)
-    into onnxruntime's blocked form; return whether any was. ``shapes``: the inferred shapes
-    (None for an unknown dimension)."""
-    graph = model.graph
-    constants = {t.name for t in graph.initializer} | {
-        o for n in graph.node if n.op_type == "Constant" for o in n.output
-    }
-    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    new_nodes: list[onnx.NodeProto] = []
-    count = 0
-    for node in graph.node:
-        form = None
-        if (
-            node.op_type == "Conv"
-            and node.domain in ("", "ai.onnx")
-            and len(node.input) >= 2
-            and node.input[1] not in constants
-        ):
-            form = _form_for(node, shapes, opsets)
-        if form is None:
-            new_nodes.append(node)
-            continue
-        new_nodes += _instantiate(graph, node, form, f"{node.output[0]}_nchwc{count}")
-        count += 1
-    if not count:
+class ConvsAsNchwc(ir.passes.InPlacePass):
+    """Rewrite each float32 2-D Conv whose filter is not a constant (and whose window is larger
+    than 1x1, where the reorders cost more than the blocked kernel saves) into onnxruntime's
+    blocked form, in place, on a model whose values carry their inferred shapes; the result
+    says whether any was."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        opsets = [
+            helper.make_opsetid(domain, version)
+            for domain, version in model.opset_imports.items()
+            if domain in ("", "ai.onnx")
+        ]
+        count = 0
+        for node in list(graph):
+            form = _candidate(node, opsets)
+            if form is not None:
+                _instantiate(graph, node, form, f"{node.outputs[0].name}_nchwc{count}")
+                count += 1
+        if count and DOMAIN not in model.opset_imports:
+            model.opset_imports[DOMAIN] = 1
+        return ir.passes.PassResult(model, modified=bool(count))
+
+
+def convs_as_nchwc(model: onnx.ModelProto, shapes: Mapping[str, list[int | None]]) -> bool:
+    """:class:`ConvsAsNchwc` on a ``ModelProto``, in place, with ``shapes`` (None for an unknown
+    dimension) as the shapes of its values; return whether any Conv was rewritten."""
+    ir_model = ir.serde.deserialize_model(model)
+    for value in [*ir_model.graph.inputs, *(o for n in ir_model.graph for o in n.outputs)]:
+        dims = shapes.get(value.name or "")
+        if dims is not None:
+            value.shape = ir.Shape(dims)
+    if not ConvsAsNchwc()(ir_model).modified:
         return False
-    del graph.node[:]
-    graph.node.extend(new_nodes)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    model.CopyFrom(ir.serde.serialize_model(ir_model))
     return True
+
+
+def _dims(value: ir.Value | None) -> list[int | None] | None:
+    if value is None or value.shape is None:
+        return None
+    return [d if isinstance(d, int) else None for d in value.shape.dims]
+
+
+def _candidate(node: ir.Node, opsets: Sequence[onnx.OperatorSetIdProto]) -> _Form | None:
+    """The blocked form of ``node`` where it is a Conv that :class:`ConvsAsNchwc` rewrites."""
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    x, w = node.inputs[0], node.inputs[1]
+    producer = w.producer() if w is not None else None
+    if w is None or w.is_initializer() or (producer is not None and producer.op_type == "Constant"):
+        return None
+    bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    attributes = [ir.serde.serialize_attribute(a) for a in node.attributes.values()]
+    return form_of(_dims(x), _dims(w), attributes, bias, opsets)
 
 
 def _form_for(
     node: onnx.NodeProto,
-    shapes: dict[str, list[int | None]],
+    shapes: Mapping[str, list[int | None]],
     opsets: Sequence[onnx.OperatorSetIdProto],
 ) -> _Form | None:
-    x_dims, w_dims = shapes.get(node.input[0]), shapes.get(node.input[1])
+    """:func:`form_of` the Conv ``node`` with the shapes of ``shapes``."""
+    bias = len(node.input) > 2 and bool(node.input[2])
+    x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+    return form_of(x, w, list(node.attribute), bias, opsets)
+
+
+def form_of(
+    x_dims: Sequence[int | None] | None,
+    w_dims: Sequence[int | None] | None,
+    attributes: Sequence[onnx.AttributeProto],
+    bias: bool,
+    opsets: Sequence[onnx.OperatorSetIdProto],
+) -> _Form | None:
+    """The blocked form of a Conv with input and filter shapes ``x_dims`` and ``w_dims`` (None
+    for an unknown dimension; the batch may be unknown), learned once per geometry in the
+    process; None where the Conv stays."""
     if not x_dims or not w_dims or len(x_dims) != 4 or len(w_dims) != 4:
         return None
     if any(d is None for d in [*x_dims[1:], *w_dims]):
@@ -114,12 +152,11 @@ def _form_for(
     w_shape = [int(d or 0) for d in w_dims]
     if math.prod(w_shape[2:]) == 1:
         return None
-    bias = len(node.input) > 2 and bool(node.input[2])
-    attrs = tuple(sorted((a.name, str(helper.get_attribute_value(a))) for a in node.attribute))
+    attrs = tuple(sorted((a.name, str(helper.get_attribute_value(a))) for a in attributes))
     key = (tuple(x_shape[1:]), tuple(w_shape), attrs, bias)
     if key not in _learned:
         try:
-            _learned[key] = _compact(_learn(x_shape, w_shape, list(node.attribute), bias, opsets))
+            _learned[key] = _compact(_learn(x_shape, w_shape, list(attributes), bias, opsets))
         except Exception:  # a geometry onnxruntime cannot take stays as it is
             _learned[key] = None
     return _learned[key]
@@ -256,80 +293,66 @@ def _reorder_of(positions: np.ndarray) -> _Reorder | None:
     return _Reorder(found[0], found[1], tuple(positions.shape))
 
 
-def _as_transpose(
-    weight: str, positions: np.ndarray | _Reorder, prefix: str, out: str
-) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]] | None:
-    """Where ``positions`` only reorder the filter (:func:`_reorder_of`), the nodes that write
-    the reordered constant ``out`` from ``weight`` as a Reshape, a Transpose and a Reshape (a
-    strided copy, where a Gather reads an index per element), with their shape constants;
-    None otherwise."""
-    reorder = positions if isinstance(positions, _Reorder) else _reorder_of(positions)
-    if reorder is None:
-        return None
-    dims, perm, shape = reorder
-    consts = [
-        numpy_helper.from_array(np.array(dims, np.int64), f"{prefix}_dims"),
-        numpy_helper.from_array(np.array(shape, np.int64), f"{prefix}_shape"),
-    ]
-    nodes = [
-        helper.make_node("Reshape", [weight, f"{prefix}_dims"], [f"{prefix}_split"]),
-        helper.make_node("Transpose", [f"{prefix}_split"], [f"{prefix}_moved"], perm=perm),
-        helper.make_node("Reshape", [f"{prefix}_moved", f"{prefix}_shape"], [out]),
-    ]
-    return consts, nodes
+def _instantiate(graph: ir.Graph, conv: ir.Node, form: _Form, prefix: str) -> None:
+    """Replace ``conv`` in ``graph`` by ``form``'s nodes: the flattened filter and bias gathered
+    into each reordered constant (a Reshape, a Transpose and a Reshape where the positions only
+    reorder the filter: a strided copy, where a Gather reads an index per element), then the
+    blocked nodes, reading ``conv``'s input and writing its output. The positions and shapes
+    become initializers named after ``prefix``."""
+    nodes: list[ir.Node] = []
 
+    def constant(array: np.ndarray, name: str) -> ir.Value:
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        value.shape, value.dtype = ir.Shape(array.shape), ir.DataType.from_numpy(array.dtype)
+        graph.register_initializer(value)
+        return value
 
-def _instantiate(
-    graph: onnx.GraphProto | None, conv: onnx.NodeProto, form: _Form, prefix: str
-) -> list[onnx.NodeProto]:
-    """``form``'s nodes for ``conv``: the flattened filter and bias gathered into each reordered
-    constant, the input and output renamed to ``conv``'s. ``graph`` receives the positions and
-    shapes as initializers (None: they are returned as Constant nodes)."""
-    bias = len(conv.input) > 2 and bool(conv.input[2])
-    consts: list[onnx.TensorProto] = [
-        numpy_helper.from_array(np.zeros(1, np.float32), f"{prefix}_zero"),
-        numpy_helper.from_array(np.array([-1], np.int64), f"{prefix}_flat"),
-    ]
-    nodes = [
-        helper.make_node("Reshape", [conv.input[1], f"{prefix}_flat"], [f"{prefix}_flat_w"]),
-    ]
-    parts = [f"{prefix}_zero", f"{prefix}_flat_w"]
-    if bias:
-        nodes.append(
-            helper.make_node("Reshape", [conv.input[2], f"{prefix}_flat"], [f"{prefix}_flat_b"])
-        )
-        parts.append(f"{prefix}_flat_b")
-    nodes.append(helper.make_node("Concat", parts, [f"{prefix}_values"], axis=0))
-    renamed = {"x": conv.input[0], "y": conv.output[0]}
+    def add(op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs: Any) -> ir.Value:
+        node = ir.node(op_type, inputs, attrs or None)
+        node.outputs[0].name = name
+        nodes.append(node)
+        return node.outputs[0]
+
+    filters, bias = conv.inputs[1], conv.inputs[2] if len(conv.inputs) > 2 else None
+    flat = constant(np.array([-1], np.int64), f"{prefix}_flat")
+    parts = [constant(np.zeros(1, np.float32), f"{prefix}_zero")]
+    parts.append(add("Reshape", [filters, flat], f"{prefix}_flat_w"))
+    if bias is not None:
+        parts.append(add("Reshape", [bias, flat], f"{prefix}_flat_b"))
+    values = add("Concat", parts, f"{prefix}_values", axis=0)
+    renamed: dict[str, ir.Value | None] = {"x": conv.inputs[0]}
     for name, positions in form.gathers.items():
-        renamed[name] = f"{prefix}_c_{name}"
-        moved = _as_transpose(conv.input[1], positions, f"{prefix}_{name}", renamed[name])
-        if moved is not None:  # a filter whose form only reorders it: a Transpose
-            consts.extend(moved[0])
-            nodes.extend(moved[1])
+        out = f"{prefix}_c_{name}"
+        reorder = positions if isinstance(positions, _Reorder) else _reorder_of(positions)
+        if reorder is not None:  # a filter whose form only reorders it: a Transpose
+            dims, perm, shape = reorder
+            dims_value = constant(np.array(dims, np.int64), f"{prefix}_{name}_dims")
+            split = add("Reshape", [filters, dims_value], f"{prefix}_{name}_split")
+            moved = add("Transpose", [split], f"{prefix}_{name}_moved", perm=perm)
+            shape_value = constant(np.array(shape, np.int64), f"{prefix}_{name}_shape")
+            renamed[name] = add("Reshape", [moved, shape_value], out)
             continue
         # int32 positions (all below _EXACT): half the memory of int64
         # and half the bytes the Gather reads
         assert isinstance(positions, np.ndarray)
-        consts.append(numpy_helper.from_array(positions.astype(np.int32), f"{prefix}_p_{name}"))
-        nodes.append(
-            helper.make_node("Gather", [f"{prefix}_values", f"{prefix}_p_{name}"], [renamed[name]])
-        )
-    for node in form.nodes:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(node)
-        copy.name = f"{prefix}_{node.name}" if node.name else ""
-        for i, v in enumerate(copy.input):
-            if v:
-                copy.input[i] = renamed.setdefault(v, f"{prefix}_v_{v}")
-        for i, v in enumerate(copy.output):
-            if v:
-                copy.output[i] = renamed.setdefault(v, f"{prefix}_v_{v}")
-        nodes.append(copy)
-    if graph is not None:
-        graph.initializer.extend(consts)
-        return nodes
-    return [helper.make_node("Constant", [], [t.name], value=t) for t in consts] + nodes
+        index = constant(positions.astype(np.int32), f"{prefix}_p_{name}")
+        renamed[name] = add("Gather", [values, index], out)
+    result = None
+    for proto in form.nodes:
+        node = ir.Node(
+            proto.domain, proto.op_type, [renamed[v] if v else None for v in proto.input],
+            [ir.serde.deserialize_attribute(a) for a in proto.attribute],
+            num_outputs=len(proto.output), name=f"{prefix}_{proto.name}" if proto.name else None,
+        )  # fmt: skip
+        for value, name in zip(node.outputs, proto.output):
+            if name == "y":
+                result = value  # named after conv's output where it replaces it
+            else:
+                value.name = f"{prefix}_v_{name}"
+                renamed[name] = value
+        nodes.append(node)
+    assert result is not None
+    ir.convenience.replace_nodes_and_values(graph, conv, [conv], nodes, [conv.outputs[0]], [result])
 
 
 @dataclass(frozen=True)
@@ -374,11 +397,15 @@ def _checked(
     shapes = {"x": [2, *x_shape[1:]], "w": w_shape} | ({"b": w_shape[:1]} if bias else {})
     inputs = [(name, list(shape)) for name, shape in shapes.items()]
     plain = _conv_model([conv], inputs, [], opsets)
-    blocked = _conv_model(_instantiate(None, conv, form, "check"), inputs, [], opsets)
+    blocked = ir.serde.deserialize_model(plain)
+    _instantiate(blocked.graph, blocked.graph.node(0), form, "check")
+    blocked.opset_imports[DOMAIN] = 1
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(
-        blocked.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        ir.serde.serialize_model(blocked).SerializeToString(),
+        options,
+        providers=["CPUExecutionProvider"],
     )
     match = (_Blocked(session, list(shapes)), {0})
     g = graph_match.GraphIndex.of(plain.graph)

@@ -69,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -78,7 +78,7 @@ from onnx import helper, numpy_helper, shape_inference, version_converter
 
 from traingraph.ir.tags import kernel_of
 from traingraph.runtime import rewrites
-from traingraph.runtime.rewrites import FOLD_LIMIT, nchwc, weight_grads
+from traingraph.runtime.rewrites import FOLD_LIMIT, conv_transpose, nchwc, weight_grads
 
 Source = str | bytes
 
@@ -123,38 +123,66 @@ def _weight_grad(node: onnx.NodeProto) -> bool:
 
 def for_cpu(source: Source) -> Source:
     """``source`` (a path or serialized model) rewritten for the CPU provider; ``source``
-    itself where nothing applies."""
+    itself where nothing applies.
+
+    Where a node may be rewritten (found in the bytes, then among the nodes), the model's
+    shapes are inferred, it is converted to :data:`~traingraph.runtime.rewrites.conv_transpose.
+    COL2IM_OPSET` where it is older and has a ConvTranspose that becomes a Col2Im, then to
+    onnx-ir; :func:`cpu_passes` run over it, and it is serialized once where they changed it.
+    Where shape inference fails, the model stays; where the conversion fails, its
+    ConvTransposes do.
+    """
     if not _mentions(source, (b"Conv", b"ReduceSum")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = constant_tensors(proto.graph)
-    changed = False
-    if any(_leading_axes(n, constants) for n in proto.graph.node):
-        try:
-            ruled = rewrites.apply(shape_inference.infer_shapes(proto), rewrites.CPU_RULES)
-        except Exception:  # shape inference failed: the reductions stay
-            ruled = None
-        if ruled is not None:
-            proto, changed = ruled, True
-    shapes: dict[str, list[int | None]] | None = None  # the Convs' inputs keep their shapes
-    if any(is_conv_transpose(n) for n in proto.graph.node):
-        try:
-            converted = proto
-            if _default_opset(proto) < _COL2IM_OPSET:
-                converted = version_converter.convert_version(proto, _COL2IM_OPSET)
-            shapes, types = static_shapes(shape_inference.infer_shapes(converted).graph)
-            if _conv_transposes_as_col2im(converted.graph, shapes, types):
-                proto, changed = converted, True
-        except Exception:  # a model the converter or shape inference cannot take stays
-            pass
-    if any(n.op_type == "Conv" and n.domain in ("", "ai.onnx") for n in proto.graph.node):
-        try:
-            if shapes is None:
-                shapes, _ = static_shapes(shape_inference.infer_shapes(proto).graph)
-            changed = nchwc.convs_as_nchwc(proto, shapes) or changed
-        except Exception:  # shape inference failed: the Convs stay
-            pass
-    return proto.SerializeToString() if changed else source
+    if not any(_cpu_candidate(n, constants) for n in proto.graph.node):
+        return source
+    try:
+        proto = shape_inference.infer_shapes(proto)
+    except Exception:  # every CPU rewrite reads the inferred shapes
+        return source
+    if _default_opset(proto) < conv_transpose.COL2IM_OPSET and _has_col2im(proto):
+        with contextlib.suppress(Exception):  # a model the converter cannot take: no Col2Im
+            proto = version_converter.convert_version(proto, conv_transpose.COL2IM_OPSET)
+    model = ir.serde.deserialize_model(proto)
+    if not cpu_passes()(model).modified:
+        return source
+    return ir.serde.serialize_model(model).SerializeToString()
+
+
+def cpu_passes() -> ir.passes.PassManager:
+    """The CPU provider's rewrites in order, as one onnx-ir pass over a model whose values
+    carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CPU_RULES` and the
+    ConvTransposes as Col2Im (:data:`~traingraph.runtime.rewrites.conv_transpose.RULES`, where
+    the model's opset has Col2Im), then the Convs in the blocked layout
+    (:class:`~traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`)."""
+    return ir.passes.PassManager([
+        rewrites.rules_pass([*rewrites.CPU_RULES, *conv_transpose.RULES]),
+        nchwc.ConvsAsNchwc(),
+    ])  # fmt: skip
+
+
+def _cpu_candidate(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> bool:
+    """Whether one of :func:`cpu_passes` may rewrite ``node``: a ReduceSum over leading axes, a
+    ConvTranspose, or a Conv whose filter is not a constant."""
+    if is_conv_transpose(node) or _leading_axes(node, constants):
+        return True
+    return (
+        node.op_type == "Conv" and node.domain in ("", "ai.onnx")
+        and len(node.input) > 1 and node.input[1] not in constants
+    )  # fmt: skip
+
+
+def _has_col2im(proto: onnx.ModelProto) -> bool:
+    """Whether a ConvTranspose of ``proto`` (with its inferred shapes) becomes a Col2Im."""
+    if not any(is_conv_transpose(n) for n in proto.graph.node):
+        return False
+    shapes, types = static_shapes(proto.graph)
+    return any(
+        transposed_geometry(n, shapes) and types.get(n.input[0]) == onnx.TensorProto.FLOAT
+        for n in proto.graph.node
+    )
 
 
 def _mentions(source: Source, texts: tuple[bytes, ...]) -> bool:
@@ -166,9 +194,6 @@ def _mentions(source: Source, texts: tuple[bytes, ...]) -> bool:
             return False
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
             return any(view.find(text) >= 0 for text in texts)
-
-
-_COL2IM_OPSET = 18
 
 
 def is_conv_transpose(node: onnx.NodeProto) -> bool:
@@ -198,60 +223,6 @@ def static_shapes(
     shapes.update((t.name, list(t.dims)) for t in graph.initializer)
     types.update((t.name, t.data_type) for t in graph.initializer)
     return shapes, types
-
-
-def _conv_transposes_as_col2im(
-    graph: onnx.GraphProto, shapes: dict[str, list[int | None]], types: dict[str, int]
-) -> bool:
-    """Write each ungrouped float32 ConvTranspose whose geometry is static as
-    ``Col2Im(MatMul(W^T, G)) [+ B]`` (onnxruntime's CPU Col2Im is float32 only); return whether
-    any was.
-
-    For ``Y = ConvTranspose(G [N, M, O...], W [M, C, k...])`` the columns are
-    ``cols[n, c * K + k, o] = sum_m W[m, c, k] * G[n, m, o]`` (``K = prod(k)``), and Col2Im adds
-    column ``o`` of kernel offset ``k`` at image position ``o * s + k * d - p``, which is
-    ConvTranspose's definition. The image has ConvTranspose's output size
-    ``(O - 1) * s + output_padding + extent - p_begin - p_end``; Col2Im fits exactly ``O``
-    windows into it when every ``output_padding`` is below its stride. Grouped ones stay: their
-    per-group products are too thin for one batched MatMul to use the cores better than
-    ConvTranspose's own kernel.
-    """
-
-    def expand(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-        geometry = transposed_geometry(node, shapes)
-        if geometry is None or types.get(node.input[0]) != onnx.TensorProto.FLOAT:
-            return None
-        image, kernel, filters = geometry
-        attrs = {a.name: list(a.ints) for a in node.attribute if a.type == onnx.AttributeProto.INTS}
-        n = len(image)
-        base, name = node.name or node.output[0], f"{node.output[0]}_col2im"
-        bias = len(node.input) > 2 and node.input[2]
-        nodes = columns_nodes(graph, node, filters, name)
-        graph.initializer.extend(
-            numpy_helper.from_array(np.array(v, np.int64), f"{name}_{k}")
-            for k, v in {"image": image, "block": kernel}.items()
-        )
-        image_out = f"{name}_image_out" if bias else node.output[0]
-        nodes.append(
-            helper.make_node(
-                "Col2Im", [f"{name}_columns", f"{name}_image", f"{name}_block"], [image_out],
-                name=f"{base}_col2im", pads=attrs.get("pads", [0] * 2 * n),
-                strides=attrs.get("strides", [1] * n), dilations=attrs.get("dilations", [1] * n),
-            )
-        )  # fmt: skip
-        if bias:
-            graph.initializer.append(
-                numpy_helper.from_array(np.array([-1] + [1] * n, np.int64), f"{name}_bias_shape")
-            )
-            nodes += [
-                helper.make_node("Reshape", [node.input[2], f"{name}_bias_shape"],
-                                 [f"{name}_bias"], name=f"{base}_bias"),
-                helper.make_node("Add", [image_out, f"{name}_bias"], [node.output[0]],
-                                 name=f"{base}_add_bias"),
-            ]  # fmt: skip
-        return nodes
-
-    return _expand_nodes(graph, expand)
 
 
 def columns_nodes(
@@ -289,17 +260,6 @@ def dataflow(
     return producers, uses, {o.name for o in graph.output}
 
 
-def _unused_name(graph: onnx.GraphProto, name: str) -> str:
-    """``name``, or ``name`` with a number appended, that no value of ``graph`` has."""
-    taken = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-    taken.update(o for n in graph.node for o in n.output)
-    candidate, i = name, 0
-    while candidate in taken:
-        i += 1
-        candidate = f"{name}_{i}"
-    return candidate
-
-
 def positive_test(
     node: onnx.NodeProto,
     producers: dict[str, onnx.NodeProto],
@@ -321,47 +281,18 @@ def positive_test(
     return source if value.size == 1 and not value.any() and value.ndim == 0 else None
 
 
-_NOTSET = helper.make_attribute("auto_pad", "NOTSET")
-
-
 def transposed_geometry(
     node: onnx.NodeProto, shapes: Mapping[str, list[int | None]]
 ) -> tuple[list[int], list[int], int] | None:
-    """``(image size, kernel, M)`` of a ConvTranspose that :func:`_conv_transposes_as_col2im`
-    rewrites, else None: default domain, one group, explicit pads (no ``auto_pad``, no
-    ``output_shape``), static spatial input and weight shapes, and every ``output_padding``
-    below its stride."""
+    """``(image size, kernel, M)`` of a default-domain ConvTranspose that becomes a Col2Im
+    (:func:`traingraph.runtime.rewrites.conv_transpose.geometry`), given the shapes of the
+    values; else None."""
     if not is_conv_transpose(node):
         return None
-    attrs = {a.name: a for a in node.attribute}
-    if "output_shape" in attrs or attrs.get("auto_pad", _NOTSET).s not in (b"", b"NOTSET"):
-        return None
-    if "group" in attrs and attrs["group"].i != 1:
-        return None
-    grad, weight = shapes.get(node.input[0]), shapes.get(node.input[1])
-    if grad is None or weight is None or len(grad) < 3 or len(weight) != len(grad):
-        return None
-    n = len(grad) - 2
-    given = list(attrs["kernel_shape"].ints) if "kernel_shape" in attrs else weight[2:]
-    spatial = [d for d in grad[2:] if d is not None]
-    kernel = [k for k in given if k is not None]
-    filters = weight[0]
-    if len(spatial) < n or len(kernel) < n or filters is None or grad[1] not in (None, filters):
-        return None
-
-    def ints(key: str, default: int, count: int) -> list[int]:
-        return list(attrs[key].ints) if key in attrs else [default] * count
-
-    strides, dilations = ints("strides", 1, n), ints("dilations", 1, n)
-    pads, out_pad = ints("pads", 0, 2 * n), ints("output_padding", 0, n)
-    image = []
-    for i in range(n):
-        extent = (kernel[i] - 1) * dilations[i] + 1
-        size = (spatial[i] - 1) * strides[i] + out_pad[i] + extent - pads[i] - pads[i + n]
-        if out_pad[i] >= strides[i] or size < 1:
-            return None
-        image.append(size)
-    return image, kernel, filters
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if isinstance(attributes.get("auto_pad"), bytes):
+        attributes["auto_pad"] = attributes["auto_pad"].decode()
+    return conv_transpose.geometry(attributes, shapes.get(node.input[0]), shapes.get(node.input[1]))
 
 
 def _applies(node: onnx.NodeProto) -> bool:
@@ -383,23 +314,6 @@ def _leading_axes(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto
     given as constant non-negative axes; else 0."""
     axes = _reduced_axes(node, constants, "ReduceSum")
     return len(axes) if axes is not None and sorted(axes) == list(range(len(axes))) else 0
-
-
-def _expand_nodes(
-    graph: onnx.GraphProto, expand: Callable[[onnx.NodeProto], list[onnx.NodeProto] | None]
-) -> bool:
-    """Replace each node for which ``expand`` returns nodes by those nodes, in place and in
-    order; return whether any was replaced."""
-    nodes: list[onnx.NodeProto] = []
-    changed = False
-    for node in graph.node:
-        replacement = expand(node)
-        nodes.extend([node] if replacement is None else replacement)
-        changed = changed or replacement is not None
-    if changed:
-        del graph.node[:]
-        graph.node.extend(nodes)
-    return changed
 
 
 def _reduced_axes(
