@@ -2,8 +2,9 @@
 
 Each rule computes what the nodes it replaces compute, in a form one execution provider has a
 better kernel for; :func:`rules_pass` makes an onnx-ir pass that applies a provider's rules in
-one pass over an ``ir.Model`` (:func:`traingraph.runtime.rewrites.specialize.for_cuda` runs the
-CUDA ones), and :func:`apply` applies them to a ``ModelProto``. The rules of the CUDA provider
+one pass over an ``ir.Model`` (:func:`traingraph.runtime.rewrites.specialize.for_cuda` and
+:func:`~traingraph.runtime.rewrites.specialize.for_cpu` run them), and :func:`apply` applies them
+to a ``ModelProto``. The rules of the CUDA provider
 (:data:`CUDA_RULES`):
 
 - ``shift_as_division``: a right ``BitShift`` by a constant is a ``Div`` by ``2^k``: the CUDA
@@ -32,7 +33,7 @@ values carry their inferred shapes, :data:`CUDA_FOLD_RULES`:
   between two Reshapes: the same values in the same layout.
 
 The rules of the CPU provider (:data:`CPU_RULES`), on a model whose values carry their
-inferred shapes:
+inferred shapes (with the ConvTranspose rules of :mod:`traingraph.runtime.rewrites.conv_transpose`):
 
 - ``column_sums_as_matmul``: a float32 ``ReduceSum`` over the leading axes of a static shape
   (a bias's gradient, the sum of the output gradient over the batch and positions), keeping

@@ -114,7 +114,7 @@ def _col2im(op: Any, g: ir.Value, w: ir.Value, y: ir.Value, b: ir.Value | None =
     name = f"{y.name}_col2im"
 
     def constant(values: list[int], key: str) -> ir.Value:
-        tensor = ir.tensor(np.array(values, np.int64), name=f"{name}_{key}")
+        tensor = ir.Tensor(np.array(values, np.int64), name=f"{name}_{key}")
         return op.initializer(tensor, name=f"{name}_{key}")
 
     positions = op.Reshape(

@@ -9,14 +9,16 @@ the input into a matrix of ``k * k`` times its size and multiplies it in a secon
 blocked kernel reads the input in place, so small-channel 3x3 convolutions (ResNet-8's
 16-channel ones) spend most of their time in the unfold that the blocked form does not do.
 
-:func:`convs_as_nchwc` writes such Convs in the blocked form with the filter reordered in the
-graph on every run: a ``Gather`` of the flattened filter and bias. The reordering itself is
-learned from onnxruntime: a one-Conv model with the same geometry and a constant filter whose
-elements are their own positions (and a bias after them) is optimized by onnxruntime, and the
-optimized model's constants then say, element by element, where each filter and bias value
-went (0 for the padding of a partial block). The nodes around the blocked Conv come from the
-same model. Each learned form is checked against the plain Conv on random values before it is
-used; where onnxruntime does not block a geometry, or the check fails, the Conv stays.
+:class:`ConvsAsNchwc`, an onnx-ir pass, writes such Convs in the blocked form with the filter
+reordered in the graph on every run: a ``Gather`` of the flattened filter and bias, or a
+``Reshape``, a ``Transpose`` and a ``Reshape`` where the blocked layout only reorders it. The
+reordering itself is learned from onnxruntime: a one-Conv model with the same geometry and a
+constant filter whose elements are their own positions (and a bias after them) is optimized by
+onnxruntime, and the optimized model's constants then say, element by element, where each
+filter and bias value went (0 for the padding of a partial block). The nodes around the blocked
+Conv come from the same model. Each learned form is checked against the plain Conv on random
+values before it is used; where onnxruntime does not block a geometry, or the check fails, the
+Conv stays.
 
 The artifacts stay standard ONNX; this is how onnxruntime's CPU provider runs them.
 """
@@ -302,7 +304,7 @@ def _instantiate(graph: ir.Graph, conv: ir.Node, form: _Form, prefix: str) -> No
     nodes: list[ir.Node] = []
 
     def constant(array: np.ndarray, name: str) -> ir.Value:
-        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        value = ir.Value(name=name, const_value=ir.Tensor(array, name=name))
         value.shape, value.dtype = ir.Shape(array.shape), ir.DataType.from_numpy(array.dtype)
         graph.register_initializer(value)
         return value

@@ -4,23 +4,22 @@ Training graphs and their artifacts are written once, for any runtime. A few for
 missing in one of onnxruntime's providers; :func:`for_cpu` and :func:`for_cuda` rewrite them,
 with the same results, when a session is created.
 
-On the CPU (:func:`for_cpu`, which runs at every CPU session creation, most often on a model
-that it returns after a search of its bytes without parsing it), passes over the
-``ModelProto``; only the column sums convert the model to onnx-ir, where it has such a sum. The
-ConvTranspose rewrite needs ``onnx.version_converter`` and onnx shape inference on the proto,
-and the NCHWc one builds its nodes from the models onnxruntime optimized; a conversion of a
-whole training graph to onnx-ir and back costs 0.25 s (ResNet-50's) and 0.7 s (DenseNet-121's)
-on two cores, against 2.4 s and 2.0 s for all of :func:`for_cpu` on them in a new process:
+On the CPU (:func:`for_cpu`, which runs at every CPU session creation, once per segment of a
+segmented training step), the model is returned as it is after a search of its bytes where no
+op a rewrite takes appears, and after a scan of its nodes with their inferred shapes where no
+pass has a candidate (most segments); otherwise it is converted to onnx-ir once,
+:func:`cpu_passes` run over it, and it is serialized once:
 
 - A ``ConvTranspose`` (the input gradient of a strided Conv, or of a Conv whose input has more
   positions than its output) becomes ``Col2Im(MatMul(W^T, G))``: the products of every sample
-  in one batched MatMul, then the columns added into the image. onnxruntime's ConvTranspose
-  kernel computes the same sums one sample at a time, a GEMM per sample too small to use the
-  cores well (``benchmarks/conv_grad_micro.py`` times both forms). Col2Im exists from opset 18
-  on, so a model of an older opset is first converted with ``onnx.version_converter``; where
-  that fails, or a shape the rewrite needs is not static, the node stays as it is. Col2Im has
-  no kernel in onnxruntime's CUDA provider and in several other runtimes, which is why
-  artifacts keep ConvTranspose.
+  in one batched MatMul, then the columns added into the image (the onnxscript rewriter rules
+  of :mod:`traingraph.runtime.rewrites.conv_transpose`). onnxruntime's ConvTranspose kernel
+  computes the same sums one sample at a time, a GEMM per sample too small to use the cores
+  well (``benchmarks/conv_grad_micro.py`` times both forms). Col2Im exists from opset 18 on,
+  so a model of an older opset is first converted with ``onnx.version_converter``; where that
+  fails, or a shape the rewrite needs is not static, the node stays. Col2Im has no kernel in
+  onnxruntime's CUDA provider and in several other runtimes, which is why artifacts keep
+  ConvTranspose.
 - The Relu gradient's float32 mask ``Cast(Greater(v, 0))`` stays as written: its vectorized
   forms (``Ceil(Clip(v, 0, 1))``) give NaN where ``v`` is NaN, where the mask is 0, and
   the Cast of the booleans is a single pass as well (``benchmarks/relu_mask_micro.py`` times
@@ -28,10 +27,10 @@ on two cores, against 2.4 s and 2.0 s for all of :func:`for_cpu` on them in a ne
 - The rules of :mod:`traingraph.runtime.rewrites` for the CPU: a float32 ``ReduceSum`` over
   the leading axes of a static shape as ``MatMul(ones, X)`` between two Reshapes.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
-  onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph
-  (:mod:`traingraph.runtime.rewrites.nchwc`): onnxruntime blocks only Convs with constant
-  filters, and its other kernel unfolds the input (im2col) before a GEMM, a pass the blocked
-  one avoids.
+  onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph (the onnx-ir pass
+  :class:`traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`): onnxruntime blocks only Convs with
+  constant filters, and its other kernel unfolds the input (im2col) before a GEMM, a pass the
+  blocked one avoids.
 
 On CUDA (:func:`for_cuda`), the model converted to onnx-ir once, with its inferred shapes where
 it has weight gradients or grouped Convs, and serialized once (:func:`cuda_passes`):
@@ -142,30 +141,44 @@ def for_cpu(source: Source) -> Source:
         proto = shape_inference.infer_shapes(proto)
     except Exception:  # every CPU rewrite reads the inferred shapes
         return source
-    if _default_opset(proto) < conv_transpose.COL2IM_OPSET and _has_col2im(proto):
-        with contextlib.suppress(Exception):  # a model the converter cannot take: no Col2Im
+    shapes, types = static_shapes(proto.graph)
+    opsets = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    sums = any(_leading_axes(n, constants) for n in proto.graph.node)
+    col2im = any(_becomes_col2im(n, shapes, types) for n in proto.graph.node)
+    blocked = any(_becomes_blocked(n, constants, shapes, opsets) for n in proto.graph.node)
+    if not (sums or col2im or blocked):
+        return source  # no pass has a candidate: most segments of a training graph
+    if col2im and _default_opset(proto) < conv_transpose.COL2IM_OPSET:
+        try:
             proto = version_converter.convert_version(proto, conv_transpose.COL2IM_OPSET)
+        except Exception:  # a model the converter cannot take: its ConvTransposes stay
+            col2im = False
     model = ir.serde.deserialize_model(proto)
-    if not cpu_passes()(model).modified:
+    if not cpu_passes(sums=sums, col2im=col2im, blocked=blocked)(model).modified:
         return source
     return ir.serde.serialize_model(model).SerializeToString()
 
 
-def cpu_passes() -> ir.passes.PassManager:
+def cpu_passes(
+    *, sums: bool = True, col2im: bool = True, blocked: bool = True
+) -> ir.passes.PassManager:
     """The CPU provider's rewrites in order, as one onnx-ir pass over a model whose values
-    carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CPU_RULES` and the
-    ConvTransposes as Col2Im (:data:`~traingraph.runtime.rewrites.conv_transpose.RULES`, where
-    the model's opset has Col2Im), then the Convs in the blocked layout
-    (:class:`~traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`)."""
-    return ir.passes.PassManager([
-        rewrites.rules_pass([*rewrites.CPU_RULES, *conv_transpose.RULES]),
-        nchwc.ConvsAsNchwc(),
-    ])  # fmt: skip
+    carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CPU_RULES` (``sums``) and
+    the ConvTransposes as Col2Im (:data:`~traingraph.runtime.rewrites.conv_transpose.RULES`,
+    ``col2im``, where the model's opset has Col2Im) in one pass over the nodes, then the Convs
+    in the blocked layout (:class:`~traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`,
+    ``blocked``). :func:`for_cpu` leaves out those without a candidate in the model: the
+    rewriter tries every rule on every node."""
+    rules = [*(rewrites.CPU_RULES if sums else ()), *(conv_transpose.RULES if col2im else ())]
+    passes: list[ir.passes.PassBase] = [rewrites.rules_pass(rules)] if rules else []
+    if blocked:
+        passes.append(nchwc.ConvsAsNchwc())
+    return ir.passes.PassManager(passes)
 
 
 def _cpu_candidate(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> bool:
-    """Whether one of :func:`cpu_passes` may rewrite ``node``: a ReduceSum over leading axes, a
-    ConvTranspose, or a Conv whose filter is not a constant."""
+    """Whether one of :func:`cpu_passes` may rewrite ``node``, before its shapes are known: a
+    ReduceSum over leading axes, a ConvTranspose, or a Conv whose filter is not a constant."""
     if is_conv_transpose(node) or _leading_axes(node, constants):
         return True
     return (
@@ -174,15 +187,27 @@ def _cpu_candidate(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProt
     )  # fmt: skip
 
 
-def _has_col2im(proto: onnx.ModelProto) -> bool:
-    """Whether a ConvTranspose of ``proto`` (with its inferred shapes) becomes a Col2Im."""
-    if not any(is_conv_transpose(n) for n in proto.graph.node):
-        return False
-    shapes, types = static_shapes(proto.graph)
-    return any(
-        transposed_geometry(n, shapes) and types.get(n.input[0]) == onnx.TensorProto.FLOAT
-        for n in proto.graph.node
-    )
+def _becomes_col2im(
+    node: onnx.NodeProto, shapes: Mapping[str, list[int | None]], types: Mapping[str, int]
+) -> bool:
+    """Whether :data:`~traingraph.runtime.rewrites.conv_transpose.RULES` rewrite ``node``, given
+    the inferred shapes and element types of the values (at opset 18)."""
+    geometry = transposed_geometry(node, shapes)
+    return geometry is not None and types.get(node.input[0]) == onnx.TensorProto.FLOAT
+
+
+def _becomes_blocked(
+    node: onnx.NodeProto,
+    constants: Mapping[str, onnx.TensorProto],
+    shapes: Mapping[str, list[int | None]],
+    opsets: list[onnx.OperatorSetIdProto],
+) -> bool:
+    """Whether :class:`~traingraph.runtime.rewrites.nchwc.ConvsAsNchwc` rewrites ``node``, given
+    the inferred shapes (its form learned here where it is not yet)."""
+    return (
+        _cpu_candidate(node, constants) and node.op_type == "Conv"
+        and nchwc._form_for(node, shapes, opsets) is not None
+    )  # fmt: skip
 
 
 def _mentions(source: Source, texts: tuple[bytes, ...]) -> bool:
