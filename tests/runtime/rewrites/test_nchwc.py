@@ -168,3 +168,13 @@ def test_module_trains_the_same_with_blocked_convs(tmp_path, monkeypatch):
     assert any(calls)
     plain = _train(tmp_path, SessionConfig(specialize=False), batches)
     assert_same_training(blocked, plain, one_scale=True)
+
+
+def test_float64_conv_stays():
+    # the blocked kernels are float32 only
+    model = _conv_model([2, 16, 8, 8], [16, 16, 3, 3], False, pads=[1, 1, 1, 1])
+    for value in [*model.graph.input, *model.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    modified, rewritten = _blocked(model)
+    assert not modified
+    assert [n.domain for n in rewritten.graph.node] == [""]

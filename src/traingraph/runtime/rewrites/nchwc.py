@@ -117,6 +117,8 @@ def _candidate(node: ir.Node, opsets: Sequence[onnx.OperatorSetIdProto]) -> _For
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
     x, w = node.inputs[0], node.inputs[1]
+    if x is None or x.dtype not in (None, ir.DataType.FLOAT):  # the blocked kernels: float32
+        return None
     producer = w.producer() if w is not None else None
     if w is None or w.is_initializer() or (producer is not None and producer.op_type == "Constant"):
         return None

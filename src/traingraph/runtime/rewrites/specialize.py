@@ -137,6 +137,7 @@ def for_cpu(source: Source) -> Source:
     constants = constant_tensors(proto.graph)
     if not any(_cpu_candidate(n, constants) for n in proto.graph.node):
         return source
+    given = list(proto.graph.value_info)
     try:
         proto = shape_inference.infer_shapes(proto)
     except Exception:  # every CPU rewrite reads the inferred shapes
@@ -148,6 +149,12 @@ def for_cpu(source: Source) -> Source:
     blocked = any(_becomes_blocked(n, constants, shapes, opsets) for n in proto.graph.node)
     if not (sums or col2im or blocked):
         return source  # no pass has a candidate: most segments of a training graph
+    # the shapes the passes read: the inputs of the candidates (the rest costs a conversion)
+    read = {v for n in proto.graph.node if _cpu_candidate(n, constants) for v in n.input}
+    read.update(v.name for v in given)
+    kept = [v for v in proto.graph.value_info if v.name in read]
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(kept)
     if col2im and _default_opset(proto) < conv_transpose.COL2IM_OPSET:
         try:
             proto = version_converter.convert_version(proto, conv_transpose.COL2IM_OPSET)
