@@ -1,17 +1,21 @@
 """What a step holds in memory between runs: onnxruntime's CPU arena after a session's first
-run (:class:`~traingraph.runtime.session.BoundRunner`)."""
+run (:class:`~traingraph.runtime.session.BoundRunner`), and the shared arena's growth
+(:func:`~traingraph.runtime.session.shared_cpu_arena`)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from traingraph.runtime import session
 from traingraph.runtime.device import Device
 from traingraph.runtime.session import BoundRunner, SessionConfig, create_session
 
@@ -104,50 +108,48 @@ def test_sessions_without_the_arena_are_not_asked_to_shrink_it():
     np.testing.assert_allclose(runner.run({"y": None})["y"].numpy(), 4 * x + 6, rtol=1e-6)
 
 
-def _chain(count: int = 8):
-    """y = x + 0 + 1 + ... : ``count`` values of x's size, each alive until the next."""
-    nodes = [helper.make_node("Add", [f"a{i}", f"c{i}"], [f"a{i + 1}"]) for i in range(count)]
-    nodes[0].input[0] = "x"
-    nodes[-1].output[0] = "y"
-    graph = helper.make_graph(
-        nodes,
-        "chain",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
-        [helper.make_tensor(f"c{i}", TensorProto.FLOAT, [], [float(i)]) for i in range(count)],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-
-
-def _sessions_in_turn(pattern: bool) -> float:
+def _sessions_in_turn(region: int) -> tuple[float, str]:
     """MiB that three steps of sessions run in turn on the shared arena (as a segmented
-    step's segments are, each on values of another size) add to the resident memory, after
-    checking their results."""
+    step's segments are: each on values of another size, its outputs in host buffers of the
+    step's own) add to the resident memory, with the arena grown by regions of at least
+    ``region`` bytes after a first run's shrink (-1: onnxruntime's default), after checking
+    their results; and a digest of those results."""
+    session.SHARED_ARENA_REGION = region  # read when the arena is registered, below
     device = Device("cpu")
-    config = SessionConfig(intra_op_threads=1, specialize=False, memory_pattern=pattern)
-    sizes = [2, 4, 6, 8]  # MiB
-    runners = [BoundRunner(create_session(_chain(), device, config), device) for _ in sizes]
-    xs = [np.full(size * MIB // 4, 0.5, np.float32) for size in sizes]
+    config = SessionConfig(intra_op_threads=1, specialize=False)
+    sizes = [1, 2, 3, 4]  # MiB
+    runners = [BoundRunner(create_session(_many(16), device, config), device) for _ in sizes]
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(size * MIB // 4).astype(np.float32) for size in sizes]
+    ys = [np.empty_like(x) for x in xs]
+    digest = hashlib.sha256()
     before = _resident()
     for _ in range(3):
-        for runner, x in zip(runners, xs):
+        for runner, x, y in zip(runners, xs, ys):
             runner.bind_input("x", x)
-            np.testing.assert_array_equal(runner.run({"y": None})["y"].numpy(), x + 28)
-    return (_resident() - before) / MIB
+            runner.run({"y": ort.OrtValue.ortvalue_from_numpy(y)})
+            want = 16 * x.astype(np.float64) + sum(range(16))
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+            digest.update(y.tobytes())
+    return (_resident() - before) / MIB, digest.hexdigest()
 
 
-def test_sessions_in_turn_reuse_what_the_ones_before_freed_without_the_memory_pattern():
-    # With the pattern, each session's run takes one block of its own size, which the blocks
-    # of the sessions before it, freed, seldom hold: the arena grows by the sum of them.
+def test_the_shared_arena_grows_by_large_regions_that_later_blocks_reuse():
+    # From the second run on, each session's values take one block of its own size (the
+    # memory pattern). Grown by small regions of doubling size, the arena spreads the blocks
+    # over regions whose free memory does not merge; grown by a region of
+    # SHARED_ARENA_REGION address space, each block takes what the ones before it freed.
     # Measured in fresh interpreters, as above.
     env = _fresh_env()
-    grown = {}
-    for pattern in (True, False):
-        code = f"import test_step_memory as t; print(t._sessions_in_turn({pattern}))"
+    grown, digests = {}, {}
+    for region in (-1, session.SHARED_ARENA_REGION):
+        code = f"import test_step_memory as t; print(*t._sessions_in_turn({region}))"
         done = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        grown[pattern] = float(done.stdout)
-    assert grown[True] - grown[False] > 8, grown
+        size, digests[region] = done.stdout.split()
+        grown[region] = float(size)
+    assert len(set(digests.values())) == 1  # the same results
+    assert grown[-1] - grown[session.SHARED_ARENA_REGION] > 24, grown

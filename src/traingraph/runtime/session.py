@@ -200,8 +200,18 @@ def shared_cpu_arena() -> None:
 
     Sessions created with the config entry ``session.use_env_allocators=1`` allocate their
     CPU tensors from it instead of from an arena of their own. The arena (onnxruntime's BFC
-    arena, default settings) locks around each allocation, so sessions run one after another
-    or from several threads may share it.
+    arena) locks around each allocation, so sessions run one after another or from several
+    threads may share it.
+
+    Once a first run has given its free regions back (:class:`BoundRunner`), the arena grows
+    by regions of at least :data:`SHARED_ARENA_REGION` bytes, address space of which only the
+    pages written become resident: the blocks that the memory pattern takes from the second
+    run on, one per session and each of its own size, then come from one or two regions, where
+    a freed block merges with its free neighbours and the next session's block takes its
+    place. onnxruntime's default grows from 2 MiB regions, doubling the size of the next one
+    each time a block does not fit; a block freed in one of those regions cannot join the free
+    memory of another, and the step's blocks spread over all of them (efficientnet_b0 at batch
+    32, 1 thread: peak resident memory 1720 -> 1430 MiB).
     """
     global _arena_registered
     with _arena_lock:
@@ -210,8 +220,14 @@ def shared_cpu_arena() -> None:
         info = ort.OrtMemoryInfo(
             "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
         )
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        config = ort.OrtArenaCfg({"initial_growth_chunk_size_bytes": SHARED_ARENA_REGION})
+        ort.create_and_register_allocator(info, config)
         _arena_registered = True
+
+
+SHARED_ARENA_REGION = 1 << 28
+"""The least bytes by which the shared CPU arena grows after a shrink (:func:`shared_cpu_arena`):
+address space, resident only where written."""
 
 
 def create_session(
