@@ -125,10 +125,10 @@ def for_cpu(source: Source) -> Source:
     itself where nothing applies.
 
     Where a node may be rewritten (found in the bytes, then among the nodes), the model's
-    shapes are inferred, it is converted to :data:`~traingraph.runtime.rewrites.conv_transpose.
-    COL2IM_OPSET` where it is older and has a ConvTranspose that becomes a Col2Im, then to
-    onnx-ir; :func:`cpu_passes` run over it, and it is serialized once where they changed it.
-    Where shape inference fails, the model stays; where the conversion fails, its
+    shapes are inferred; where a pass has a candidate among the nodes with their shapes, the
+    model is converted to opset 18 where it is older and a ConvTranspose becomes a Col2Im, then
+    to onnx-ir; :func:`cpu_passes` run over it, and it is serialized once where they changed
+    it. Where shape inference fails, the model stays; where the conversion fails, its
     ConvTransposes do.
     """
     if not _mentions(source, (b"Conv", b"ReduceSum")):
