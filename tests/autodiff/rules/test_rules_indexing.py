@@ -90,6 +90,11 @@ GATHERS = [
     ((3, 4), -1, np.array(2, dtype=np.int64)),
     ((2, 3, 4), 2, ints(-1, 0, -1)),
     ((4, 3), 0, np.array([[3, 3], [-1, 0]], dtype=np.int32)),
+    # one position or a run of neighbouring ones: the gradient is a Pad where the axis is static
+    ((3, 4, 2), 0, np.array(1, dtype=np.int64)),
+    ((2, 6, 3), 1, ints(2, 3, 4)),
+    ((2, 5), -1, ints(-3, -2, -1)),
+    ((4, 3), 0, ints(3, 2)),
 ]
 
 
@@ -105,6 +110,22 @@ def test_gather(case, opset, dynamic):
         "Gather", {"x": x, "indices": indices}, {"axis": axis}, const_inputs=["indices"],
         opset=opset, dynamic=dynamic, torch_fn=take(positions),
     )
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis", "indices"),
+    [((3, "n", 8), 0, np.array(0, dtype=np.int64)), (("n", 5), 1, ints(1, 2))],
+)
+def test_gradient_of_a_constant_position_or_run_is_one_pad(shape, axis, indices):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node("Gather", ["x", "i"], ["y"], axis=axis)
+    model = helper.make_model(
+        helper.make_graph([node], "g", [x], [y], [numpy_helper.from_array(indices, "i")]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    ops = {n.op_type for n in build_gradient_graph(model, ["x"]).graph.node}
+    assert "Pad" in ops and not ops & {"ScatterND", "ScatterElements", "MatMul"}, ops
 
 
 @pytest.mark.parametrize("opset", [13, 18])

@@ -155,6 +155,12 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     dimensions come first (``g'``): ``dx'[d] = sum_{i: index[i] = d} g'[i]``.
     """
     b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
+    padded = _gather_pads(ctx)
+    if padded is not None:
+        pads, axis = padded
+        if np.ndim(ctx.const_input(1)) == 0:
+            g = b.unsqueeze(g, [axis])
+        return [b.op("Pad", g, b.ints(pads))]
     if int(ctx.attr("axis", 0)) == 0:
         # Axis 0 needs no rank: the rows are the first dimension whatever follows.
         index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, 0))
@@ -170,6 +176,36 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     rows_shape = b.Gather(b.shape(x), b.ints(perm_x))
     rows = scatter_add_rows(ctx, rows_shape, index, b.Transpose(g, perm=perm_g))
     return [b.Transpose(rows, perm=[int(p) for p in np.argsort(perm_x)])]
+
+
+def _gather_pads(ctx: GradContext) -> tuple[list[int], int] | None:
+    """Pad's ``pads`` and the axis, where a Gather picks one constant position or a constant
+    run of neighbouring ones, in order, along a static axis (``qkv[0]``, ``x[:, 0]``, a range
+    of rows); else None.
+
+    The gradient is then ``g`` zero-padded on that axis (unsqueezed first for one position):
+    one pass, where the general scatter with accumulation is slow on some providers
+    (onnxruntime's CUDA ScatterND with ``reduction="add"`` runs one index per thread block,
+    so a single index of a large slice is one block's work).
+    """
+    x = ctx.x(0)
+    r = rank(x)
+    index = ctx.const_input(1)
+    if r is None or index is None or np.ndim(index) > 1:
+        return None
+    axis = int(ctx.attr("axis", 0)) % r
+    size = static_dim(x, axis)
+    if size is None:
+        return None
+    positions = np.asarray(index, np.int64).reshape(-1)
+    if positions.size == 0 or np.any(positions < -size) or np.any(positions >= size):
+        return None
+    positions = positions % size
+    if np.any(np.diff(positions) != 1):
+        return None
+    pads = [0] * (2 * r)
+    pads[axis], pads[axis + r] = int(positions[0]), size - 1 - int(positions[-1])
+    return pads, axis
 
 
 @register_gradient("GatherElements")
