@@ -137,15 +137,12 @@ def _col2im(op: Any, g: ir.Value, w: ir.Value, y: ir.Value, b: ir.Value | None =
     return op.Add(image_out, bias)
 
 
-CONV_TRANSPOSE_AS_COL2IM = pattern.RewriteRule(
-    _conv_transpose, _col2im, _fits, name="conv_transpose_as_col2im"
-)
-CONV_TRANSPOSE_WITH_BIAS_AS_COL2IM = pattern.RewriteRule(
-    _conv_transpose_with_bias, _col2im, _fits, name="conv_transpose_with_bias_as_col2im"
-)
-RULES: tuple[pattern.RewriteRule, ...] = (
-    CONV_TRANSPOSE_AS_COL2IM,
-    CONV_TRANSPOSE_WITH_BIAS_AS_COL2IM,
+RULES: tuple[pattern.RewriteRule, ...] = tuple(
+    pattern.RewriteRule(target, _col2im, _fits, name=name)
+    for target, name in [
+        (_conv_transpose, "conv_transpose_as_col2im"),
+        (_conv_transpose_with_bias, "conv_transpose_with_bias_as_col2im"),
+    ]
 )
 """ConvTranspose, without and with a bias, as Col2Im."""
 
