@@ -105,18 +105,18 @@ def step(model: str, chunks: int) -> None:
 
     cache = HERE / ".envs" / "cache"
     meta, _, data = load_entry(cache / model)
-    rewrite = nchwc.convs_as_nchwc
+    learned = nchwc.form_for
     steppers = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         write_artifacts(cache / model, meta, directory)
         for on in (True, False):
-            nchwc.convs_as_nchwc = rewrite if on else (lambda *args: False)  # type: ignore[assignment]
+            nchwc.form_for = learned if on else (lambda *args: None)  # type: ignore[assignment]
             state = CheckpointState.load_checkpoint(directory / "checkpoint")
             module = Module(directory / "training_model.onnx", state)
             module.train()
             steppers.append((module, Optimizer(directory / "optimizer_model.onnx", module)))
-        nchwc.convs_as_nchwc = rewrite  # type: ignore[assignment]
+        nchwc.form_for = learned  # type: ignore[assignment]
         samples = alternate(steppers, data["x"], data["y"], chunks, 12)
     on, off = samples
     print(f"{model}: blocked {np.median(on):.3f} ms, plain {np.median(off):.3f} ms,"

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,12 +137,12 @@ def _col2im(op: Any, g: ir.Value, w: ir.Value, y: ir.Value, b: ir.Value | None =
     return op.Add(image_out, bias)
 
 
+_TARGETS: list[tuple[Callable[..., ir.Value], str]] = [
+    (_conv_transpose, "conv_transpose_as_col2im"),
+    (_conv_transpose_with_bias, "conv_transpose_with_bias_as_col2im"),
+]
 RULES: tuple[pattern.RewriteRule, ...] = tuple(
-    pattern.RewriteRule(target, _col2im, _fits, name=name)
-    for target, name in [
-        (_conv_transpose, "conv_transpose_as_col2im"),
-        (_conv_transpose_with_bias, "conv_transpose_with_bias_as_col2im"),
-    ]
+    pattern.RewriteRule(target, _col2im, _fits, name=name) for target, name in _TARGETS
 )
 """ConvTranspose, without and with a bias, as Col2Im."""
 

@@ -127,7 +127,7 @@ def _candidate(node: ir.Node, opsets: Sequence[onnx.OperatorSetIdProto]) -> _For
     return form_of(_dims(x), _dims(w), attributes, bias, opsets)
 
 
-def _form_for(
+def form_for(
     node: onnx.NodeProto,
     shapes: Mapping[str, list[int | None]],
     opsets: Sequence[onnx.OperatorSetIdProto],

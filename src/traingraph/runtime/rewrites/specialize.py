@@ -213,7 +213,7 @@ def _becomes_blocked(
     the inferred shapes (its form learned here where it is not yet)."""
     return (
         _cpu_candidate(node, constants) and node.op_type == "Conv"
-        and nchwc._form_for(node, shapes, opsets) is not None
+        and nchwc.form_for(node, shapes, opsets) is not None
     )  # fmt: skip
 
 

@@ -117,7 +117,7 @@ def test_the_blocked_conv_filters_are_reordered_by_a_transpose(
     reordered = next(
         n.output[0] for n in model.graph.node if n.op_type == "Reshape" and moved in n.input
     )
-    form = nchwc._form_for(conv, shapes, model.opset_import)  # type: ignore[arg-type]
+    form = nchwc.form_for(conv, shapes, model.opset_import)  # type: ignore[arg-type]
     assert form is not None
     size = int(np.prod(w_shape))
     (reorder,) = [p for p in form.gathers.values() if isinstance(p, nchwc._Reorder)]
