@@ -65,12 +65,13 @@ class SessionConfig:
         memory_arena: Use onnxruntime's CPU memory arena (off gives exact memory measurements).
         memory_pattern: Let onnxruntime plan a run's values from the first run and allocate
             them, from the second on, as one block (its memory pattern). Off, each value is
-            allocated from the arena as it is written and freed after its last reader: a CPU
-            session's values then fill the regions that those of the sessions before it (a
-            segmented step's other segments) freed, where a block of its own seldom fits
-            them, and a step holds less (efficientnet_b0 at batch 32: about 120 MiB), at the
+            allocated from the arena as it is written and freed after its last reader, at the
             cost of an allocation per value (a step of many small values, as a small
-            transformer's, takes several percent longer). None (the default) means on for CPU
+            transformer's, takes several percent longer). On the shared CPU arena
+            (:func:`shared_cpu_arena`) each session's block takes what the blocks of the
+            sessions before it freed, and a segmented step holds about as much either way
+            (efficientnet_b0 at batch 32, 1 thread: 1425 MiB at its peak with the pattern
+            and without; vit_tiny at batch 16: 557 and 553). None (the default) means on for CPU
             sessions and off for CUDA ones: a CUDA session's pattern block comes on top of
             what its arena grew to in the first run, which that arena keeps (ResNet-50 at
             batch 64 holds 18.3 GiB of GPU memory with the pattern and 10.3 without, at the
