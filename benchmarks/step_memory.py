@@ -7,7 +7,8 @@ prints the process's resident memory (``VmRSS``) and high-water mark (``VmHWM``)
 stage, and, after load and after each step, the bytes each block holds: the training state's
 (``TrainingState.held_bytes``) and the buffers a segmented step keeps for the values that cross
 its cuts, each as allocated / resident MiB (resident pages read from ``/proc/self/pagemap``;
-Linux only).
+Linux only), and the resident MiB outside them (onnxruntime's arenas, the sessions, the
+libraries, the interpreter, the data).
 
     python benchmarks/step_memory.py --entry CACHE/resnet18 --steps 3 --threads 1
 """
@@ -46,15 +47,18 @@ def resident_mib(array: np.ndarray) -> float:
     return float((words >> np.uint64(63)).sum()) * PAGE / MIB
 
 
-def memory() -> str:
-    """The process's resident memory and its high-water mark, in MiB."""
-    fields = {}
+def _status_mib(field: str) -> float:
+    """The MiB of ``field`` (``VmRSS``, ``VmHWM``) in ``/proc/self/status``."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith(("VmRSS", "VmHWM")):
-                key, value = line.split(":")
-                fields[key] = int(value.split()[0]) / 1024
-    return f"RSS {fields['VmRSS']:.0f} MiB, high-water {fields['VmHWM']:.0f} MiB"
+            if line.startswith(f"{field}:"):
+                return int(line.split(":")[1].split()[0]) / 1024
+    raise KeyError(field)
+
+
+def memory() -> str:
+    """The process's resident memory and its high-water mark, in MiB."""
+    return f"RSS {_status_mib('VmRSS'):.0f} MiB, high-water {_status_mib('VmHWM'):.0f} MiB"
 
 
 def _root(array: np.ndarray) -> np.ndarray:
@@ -74,8 +78,10 @@ def blocks(state: Any, runner: Any) -> str:
     }
     held = state.held_bytes()
     parts = []
+    resident = 0.0
     for name, group in stores.items():
         flats = [s.flat for s in group if s.flat is not None]
+        resident += sum(map(resident_mib, flats))
         parts.append(f"{name} {held[name] / MIB:.1f}/{sum(map(resident_mib, flats)):.1f}")
     # the segmented runner's buffers of the values that cross its cuts (shared by values
     # that do not live at the same time)
@@ -83,7 +89,11 @@ def blocks(state: Any, runner: Any) -> str:
     cuts += list(getattr(runner, "_kept", {}).values())
     roots = {_root(a).ctypes.data: _root(a) for a in cuts}
     allocated = sum(a.nbytes for a in roots.values()) / MIB
+    resident += sum(map(resident_mib, roots.values()))
     parts.append(f"segment buffers {allocated:.1f}/{sum(map(resident_mib, roots.values())):.1f}")
+    # the rest of the process's resident memory: onnxruntime's arenas, the sessions, the
+    # libraries, the interpreter and the data
+    parts.append(f"the rest -/{_status_mib('VmRSS') - resident:.0f}")
     return ", ".join(parts)
 
 
