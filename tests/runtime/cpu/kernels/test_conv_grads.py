@@ -3,6 +3,7 @@ training model, and Module's train steps with and without it."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 
 import numpy as np
@@ -207,6 +208,32 @@ def test_split_takes_each_single_conv_weight_gradient(tmp_path):
     assert not outputs & {g.output for g in grads}
     assert {g.dy for g in grads} <= outputs
     assert len(split.graph.node) < len(model.graph.node)
+
+
+class PatchNet(nn.Module):
+    """A ViT-style patch embedding (16 x 16 windows, stride 16) and a strided 3 x 3 Conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 16, stride=16)
+        self.conv = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(torch.relu(self.patch(x))).mean(dim=(2, 3)))
+
+
+def test_split_leaves_strides_beyond_the_kernel_to_the_graph(tmp_path, caplog):
+    onnx_model = export(seeded(PatchNet), torch.zeros(2, 3, 64, 64), training=True)
+    artifacts.generate_artifacts(
+        onnx_model, loss=artifacts.LossType.CrossEntropyLoss, optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        _, grads = conv_grads.split_weight_grads(onnx.load(tmp_path / "training_model.onnx"))
+    assert [g.param for g in grads] == ["conv.weight"]  # 256 stride phases: not the kernel's
+    assert "dropped" not in caplog.text  # not a candidate refused at its check: none at all
+    assert conv_grads.MAX_STRIDE_PHASES < 16 * 16
 
 
 def test_split_leaves_models_without_a_float32_conv_alone(tmp_path):

@@ -96,6 +96,10 @@ __all__ = [
 if TYPE_CHECKING:
     from traingraph.runtime.tensors import TensorStore
 
+MAX_STRIDE_PHASES = 64
+"""The most stride phases (``stride_h * stride_w``) the C weight-gradient kernel takes; a Conv
+of larger strides (a 16 x 16 patch embedding) keeps the gradient its graph computes."""
+
 
 @dataclass(frozen=True)
 class MaxPoolRoute:
@@ -458,6 +462,8 @@ def _candidates(
             continue
         pads = [int(p) for p in attrs.get("pads", [0, 0, 0, 0])]
         strides, dilations = pair_of(attrs.get("strides")), pair_of(attrs.get("dilations"))
+        if strides[0] * strides[1] > MAX_STRIDE_PHASES:
+            continue
         out_shape = [w_shape[0]]
         for axis in range(2):
             extent = (w_shape[2 + axis] - 1) * dilations[axis] + 1  # type: ignore[operator]
