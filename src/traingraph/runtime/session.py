@@ -69,13 +69,11 @@ class SessionConfig:
             cost of an allocation per value (a step of many small values, as a small
             transformer's, takes several percent longer). On the shared CPU arena
             (:func:`shared_cpu_arena`) each session's block takes what the blocks of the
-            sessions before it freed, and a segmented step holds about as much either way
-            (efficientnet_b0 at batch 32, 1 thread: 1425 MiB at its peak with the pattern
-            and without; vit_tiny at batch 16: 557 and 553). None (the default) means on for CPU
-            sessions and off for CUDA ones: a CUDA session's pattern block comes on top of
-            what its arena grew to in the first run, which that arena keeps (ResNet-50 at
-            batch 64 holds 18.3 GiB of GPU memory with the pattern and 10.3 without, at the
-            same speed, on an H200).
+            sessions before it freed, and a segmented step holds about as much either way.
+            None (the default) means on for CPU sessions and off for CUDA ones: a CUDA
+            session's pattern block comes on top of what its arena grew to in the first run,
+            which that arena keeps, and a large model holds most of its values twice
+            (``benchmarks/RESULTS.md``, GPU section, has the figures).
         shared_arena: With ``memory_arena``, CPU sessions allocate from one arena registered
             once per process (:func:`shared_cpu_arena`) instead of one arena each: a segmented
             step's many sessions, and several Modules in one process, then reuse the same
@@ -211,8 +209,7 @@ def shared_cpu_arena() -> None:
     a freed block merges with its free neighbours and the next session's block takes its
     place. onnxruntime's default grows from 2 MiB regions, doubling the size of the next one
     each time a block does not fit; a block freed in one of those regions cannot join the free
-    memory of another, and the step's blocks spread over all of them (efficientnet_b0 at batch
-    32, 1 thread: peak resident memory 1720 -> 1430 MiB).
+    memory of another, and the step's blocks would spread over all of them.
     """
     global _arena_registered
     with _arena_lock:

@@ -54,9 +54,8 @@ it has weight gradients or grouped Convs, and serialized once (:func:`cuda_passe
   one ungrouped Conv over the channels folded into the batch, between two Reshapes; the values
   and their layout are the same. On small inputs cuDNN's grouped direct kernel is the slower
   form (LeNet at batch 64 and ResNet-8 at batch 32 train 4-20% faster folded); on larger ones
-  the folded Conv is, by up to 4.6x (ResNet-50's stride-2 unfolds at batch 64), and a
-  ResNet-50 step at batch 64 takes 105 ms folded against 78 ms grouped on an H100
-  (``benchmarks/conv_grad_micro.py --device cuda``, ``benchmarks/gpu_bench.py``).
+  the folded Conv is, by up to 4.6x (ResNet-50's stride-2 unfolds at batch 64;
+  ``benchmarks/conv_grad_micro.py --device cuda`` times both forms).
 
 Example:
     >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
