@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -454,9 +455,9 @@ def host_grads_finite(grads: TensorStore) -> bool:
 
 def finite_loss(value: ort.OrtValue) -> bool:
     """Whether a scalar loss on the host is finite; True for other outputs and device values."""
-    if value.device_name().lower() != "cpu" or int(np.prod(value.shape())) != 1:
+    if value.device_name().lower() != "cpu" or math.prod(value.shape()) != 1:
         return True
-    return bool(np.isfinite(value.numpy()).all())
+    return math.isfinite(value.numpy().item())
 
 
 def _grad_output(param: str, outputs: Sequence[str]) -> str:
