@@ -385,13 +385,33 @@ def _in_use(value: ir.Value) -> bool:
     return bool(value.name) and (bool(value.uses()) or value.is_graph_output())
 
 
+def _reversed_in_time(
+    b: OpBuilder, v: ir.Value, reverses: Sequence[bool], time: int, direction: int
+) -> ir.Value:
+    """``v`` with the time axis ``time`` reversed in the reverse directions (along the axis
+    ``direction``); reversing twice gives ``v`` back."""
+    if not any(reverses):
+        return v
+
+    def flip(piece: ir.Value) -> ir.Value:
+        return b.slice(piece, [-1], [-(2**62)], [time], [-1])
+
+    if all(reverses):
+        return flip(v)
+    pieces = split(b, v, len(reverses), axis=direction)
+    flipped = [flip(p) if reverse else p for p, reverse in zip(pieces, reverses)]
+    return b.Concat(*flipped, axis=direction)
+
+
 def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """The gradient of an LSTM or GRU node, which is replaced by its forward written step by
     step (see the module docstring); an LSTM with peepholes takes :func:`_recurrent_gradient`.
 
-    Every per-step tensor is feature-major, ``[features, N]``: the step's ``Gemm`` then
-    multiplies the recurrence weights by the small ``[H, N]`` state, which is cheaper to pack
-    than the weights.
+    Every per-step tensor is feature-major, ``[D, features, N]`` with the directions stacked:
+    each step's ``MatMul`` multiplies the recurrence weights of every direction by the small
+    ``[D, H, N]`` state, which is cheaper to pack than the weights, and each of the step's ops
+    serves all directions. A reverse direction runs over its input reversed in time, its
+    outputs and their gradients reversed back.
     """
     spec = recurrent_spec(ctx)
     lstm = spec.op_type == "LSTM"
@@ -399,7 +419,7 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     if (lstm and ctx.has_input(7)) or ctx.node.graph is None or dtype is None:
         return _recurrent_gradient(ctx, grads)
     b, layout, count = ctx.b, spec.layout, len(spec.reverses)
-    steps, hidden = spec.steps, spec.hidden
+    steps, hidden, reverses = spec.steps, spec.hidden, spec.reverses
     scratch = ir.Graph([], [], nodes=[], opset_imports={"": ctx.opset})
     fb = OpBuilder(scratch, ctx.opset, prefix=b.fresh_name("forward"))
     # perms from layout 0 / 1 to feature-major: [T, D, N, H] / [N, T, D, H] -> [T, D, H, N],
@@ -415,65 +435,59 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 
     x = _time_major(fb, ctx.x(0), layout, [1, 0, 2])
     assert x is not None
-    x2 = fb.Flatten(x, axis=2)
-    xt = fb.Transpose(x2, perm=[1, 0])
-    h0s, c0s = (
-        _per_direction(fb, _permuted(fb, v, states_in), count)
-        for v in (optional(5), optional(6) if lstm else None)
+    # the input rows [D, T*N, I], reversed in time for a reverse direction
+    by_order = {
+        reverse: fb.unsqueeze(fb.Flatten(_reversed_in_time(fb, x, [reverse], 0, 0), axis=2), [0])
+        for reverse in set(reverses)
+    }
+    rows = [by_order[reverse] for reverse in reverses]
+    x2 = fb.Concat(*rows, axis=0) if count > 1 else rows[0]
+    xt = fb.Transpose(x2, perm=[0, 2, 1])
+    h0, c0 = (
+        _permuted(fb, v, states_in) for v in (optional(5), optional(6) if lstm else None)
     )
-    zeros = None
-    if any(s is None for s in (*h0s, *(c0s if lstm else ()))):
-        shape = fb.Concat(fb.ints([hidden]), fb.shape(x, 1, 2), axis=0)
+    if h0 is None or (lstm and c0 is None):
+        shape = fb.Concat(fb.ints([count, hidden]), fb.shape(x, 1, 2), axis=0)
         zeros = fb.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, dtype.numpy())))
-    ws, rs = _per_direction(fb, ctx.x(1), count), _per_direction(fb, ctx.x(2), count)
-    biases = _per_direction(fb, optional(3), count)
-    inputs, forwards = [], []
-    for k, reverse in enumerate(spec.reverses):
-        w, r, h0 = ws[k], rs[k], h0s[k] or zeros
-        assert w is not None and r is not None and h0 is not None
-        order = list(range(steps - 1, -1, -1) if reverse else range(steps))
-        c0 = (c0s[k] or zeros) if lstm else None
-        d = DirectionInputs(x2, xt, w, r, biases[k], h0, c0, order, dtype)
-        inputs.append(d)
-        forwards.append(FORWARDS[spec.op_type](fb, d, spec))
+        h0 = h0 or zeros
+        c0 = (c0 or zeros) if lstm else None
+    d = DirectionInputs(
+        x2, xt, ctx.x(1), ctx.x(2), optional(3), h0, c0, list(range(steps)), dtype
+    )
+    fwd = FORWARDS[spec.op_type](fb, d, spec)
     new: list[ir.Value | None] = [None] * len(ctx.outputs)
     if _in_use(ctx.outputs[0]):
-        pieces = [f.h[t] for t in range(steps) for f in forwards]  # [T, D, H, N] in order
-        rows = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        y = fb.Reshape(rows, fb.ints([steps, count, hidden, -1]))
-        new[0] = fb.Transpose(y, perm=steps_out)
-    finals: dict[int, list[ir.Value | None]] = {
-        1: [f.h[f.order[-1]] for f in forwards],
-        2: [f.c for f in forwards],
-    }
-    for k, states in finals.items():
-        if k < len(ctx.outputs) and _in_use(ctx.outputs[k]):
-            state = _stack(fb, [s for s in states if s is not None], 0)
+        pieces = [fwd.h[t] for t in range(steps)]  # [D, H, N] each
+        hs = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        y = fb.Reshape(hs, fb.ints([steps, count, hidden, -1]))  # [T, D, H, N]
+        new[0] = fb.Transpose(_reversed_in_time(fb, y, reverses, 0, 1), perm=steps_out)
+    finals = {1: fwd.h[steps - 1], 2: fwd.c}
+    for k, state in finals.items():
+        if k < len(ctx.outputs) and _in_use(ctx.outputs[k]) and state is not None:
             new[k] = fb.Transpose(state, perm=states_out)
     _replace_outputs(ctx, scratch, new)
 
-    dy = _permuted(b, grad(0), steps_in)
-    # dY by step and direction: [H, N] pieces in (step, direction) order
-    dy_steps = None if dy is None else split(b, b.Flatten(dy, axis=3), steps * count, axis=0)
-    dy_h, dy_c = (_per_direction(b, _permuted(b, grad(k), states_in), count) for k in (1, 2))
-    by_input: dict[int, list[ir.Value]] = {i: [] for i in (0, 1, 2, 3, 5, 6)}
-    for k, (d, fwd) in enumerate(zip(inputs, forwards)):
-        g = OutputGradients(None if dy_steps is None else dy_steps[k::count], dy_h[k], dy_c[k])
-        for i, value in BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need).items():
-            by_input[i].append(value)
+    dy = _permuted(b, grad(0), steps_in)  # [T, D, H, N]
+    dy_steps = None
+    if dy is not None:
+        # by step, [D, H, N] each, every direction in the order of its steps
+        dy = _reversed_in_time(b, dy, reverses, 0, 1)
+        shape = b.Concat(b.ints([-1]), b.shape(dy, 2, 4), axis=0)
+        dy_steps = split(b, b.Reshape(dy, shape), steps, axis=0)
+    dy_h, dy_c = (_permuted(b, grad(k), states_in) for k in (1, 2))
+    g = OutputGradients(dy_steps, dy_h, dy_c)
+    by_input = BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need)
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
-    if by_input[0]:
-        dx_columns = by_input[0][0]  # [I, T*N]
-        for other in by_input[0][1:]:
-            dx_columns = b.Add(dx_columns, other)
-        dx = b.Reshape(dx_columns, b.ints([0, steps, -1]))
+    if 0 in by_input:
+        dx = b.Reshape(by_input[0], b.ints([0, 0, steps, -1]))  # [D, I, T, N]
+        dx = _reversed_in_time(b, dx, reverses, 2, 0)
+        dx = b.sum(dx, [0], keepdims=False) if count > 1 else b.squeeze(dx, [0])
         out[0] = b.Transpose(dx, perm=[2, 1, 0] if layout else [1, 2, 0])
-    for i in (1, 2, 3):
-        if by_input[i]:
-            out[i] = _stack(b, by_input[i], 0)
-    for i in (5, 6):
-        if by_input[i]:
-            out[i] = b.Transpose(_stack(b, by_input[i], 0), perm=states_out)
+    for i, value in by_input.items():
+        if i in (1, 2, 3):
+            out[i] = value
+        elif i in (5, 6):
+            out[i] = b.Transpose(value, perm=states_out)
     return out
 
 

@@ -1,10 +1,12 @@
-"""The step-by-step forward and backward of one direction of an LSTM or GRU, feature-major.
+"""The step-by-step forward and backward of an LSTM or GRU, all directions at once.
 
 :func:`traingraph.autodiff.rules.recurrent` replaces a recurrent node whose gradient is needed
-by its forward written step by step (:data:`FORWARDS`: one ``Gemm`` over all steps for the
-input, then per step the recurrence ``Gemm`` and the gate math, keeping what the backward reads)
-and writes the gradient from those steps (:data:`BACKWARDS`). Every per-step tensor is
-``[features, N]``; the gate orders are ONNX's (LSTM ``i, o, f, c``, GRU ``z, r, h``).
+by its forward written step by step (:data:`FORWARDS`: one ``MatMul`` over all steps for the
+input, then per step the recurrence ``MatMul`` and the gate math, keeping what the backward
+reads) and writes the gradient from those steps (:data:`BACKWARDS`). Every per-step tensor is
+``[D, features, N]``, the ``D`` directions stacked, so that one op a step serves them all; a
+reverse direction runs over its input reversed in time, so that step ``s`` of every direction
+is its ``s``-th step. The gate orders are ONNX's (LSTM ``i, o, f, c``, GRU ``z, r, h``).
 """
 
 from __future__ import annotations
@@ -26,17 +28,24 @@ GATES = {"LSTM": 4, "GRU": 3}
 
 
 def projection_bias(
-    b: OpBuilder, bias: ir.Value | None, spec: RecurrentSpec, dtype: ir.DataType
+    b: OpBuilder,
+    bias: ir.Value | None,
+    spec: RecurrentSpec,
+    dtype: ir.DataType,
+    stacked: bool = False,
 ) -> tuple[ir.Value | None, ir.Value | None]:
-    """``(bias added to x_t W^T, GRU's Rb_h applied inside the reset gate or None)``."""
+    """``(bias added to x_t W^T, GRU's Rb_h applied inside the reset gate or None)``, the
+    biases along the last axis of ``bias``: one direction's ``[2*G*H]`` or, ``stacked``, all
+    directions' ``[D, 2*G*H]``."""
     if bias is None:
         return None, None
     size = GATES[spec.op_type] * spec.hidden
-    w_bias, r_bias = b.split(bias, [size, size], axis=0)
+    w_bias, r_bias = b.split(bias, [size, size], axis=-1)
     if spec.op_type == "GRU" and spec.linear_before_reset:
-        r_zr, r_h = b.split(r_bias, [size - spec.hidden, spec.hidden], axis=0)
-        zeros = b.const(np.zeros(spec.hidden), dtype)
-        return b.Add(w_bias, b.Concat(r_zr, zeros, axis=0)), r_h
+        r_zr, r_h = b.split(r_bias, [size - spec.hidden, spec.hidden], axis=-1)
+        lead = (len(spec.reverses),) if stacked else ()
+        zeros = b.const(np.zeros((*lead, spec.hidden)), dtype)
+        return b.Add(w_bias, b.Concat(r_zr, zeros, axis=-1)), r_h
     return b.Add(w_bias, r_bias), None
 
 
@@ -51,14 +60,14 @@ def split(b: OpBuilder, x: ir.Value, pieces: int, axis: int) -> tuple[ir.Value, 
 
 
 def columns(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
-    """``[X, N]`` pieces by time step side by side: ``[X, T*N]``, time-major columns."""
-    return b.Concat(*(pieces[t] for t in range(steps)), axis=1) if steps > 1 else pieces[0]
+    """``[D, X, N]`` pieces by time step side by side: ``[D, X, T*N]``, time-major columns."""
+    return b.Concat(*(pieces[t] for t in range(steps)), axis=-1) if steps > 1 else pieces[0]
 
 
 @dataclass
 class Steps:
-    """One direction's forward by time step, every tensor feature-major (``[features, N]``):
-    ``order`` the steps in the order the direction runs them, ``h0`` the initial hidden state,
+    """The directions' forward by time step, every tensor feature-major (``[D, features, N]``):
+    ``order`` the steps in the order they run, ``h0`` the initial hidden state,
     ``h`` the hidden states and ``c`` the final cell state (LSTM), with what the direction's
     backward reads (see the subclasses)."""
 
@@ -68,7 +77,7 @@ class Steps:
     h: dict[int, ir.Value] = field(default_factory=dict)
 
     def previous(self, b: OpBuilder, steps: int) -> ir.Value:
-        """The hidden state before each step as time-major columns ``[H, T*N]``."""
+        """The hidden state before each step as time-major columns ``[D, H, T*N]``."""
         before = dict(zip(self.order, [self.h0] + [self.h[t] for t in self.order[:-1]]))
         return columns(b, before, steps)
 
@@ -90,8 +99,8 @@ class Steps:
 
 @dataclass
 class LstmSteps(Steps):
-    """An LSTM direction's steps, with the forget gates ``f``, the gate slopes ``slope``
-    (``[4H, N]``: what ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates'
+    """LSTM steps, with the forget gates ``f``, the gate slopes ``slope``
+    (``[D, 4H, N]``: what ``[dc_t, dh_t, dc_t, dc_t]`` is multiplied by to give the gates'
     gradient) and ``through`` (``o_t (1 - tanh^2 c_t)``: what ``dh_t`` is multiplied by in
     ``dc_t``)."""
 
@@ -102,7 +111,7 @@ class LstmSteps(Steps):
 
 @dataclass
 class GruSteps(Steps):
-    """A GRU direction's steps, with the update gates ``z``, the reset gates ``r``, the
+    """GRU steps, with the update gates ``z``, the reset gates ``r``, the
     candidates ``n`` and ``inner``: ``u_t = R_h h_{t-1} + Rb_h`` (linear_before_reset=1) or
     ``r_t h_{t-1}`` (linear_before_reset=0)."""
 
@@ -114,11 +123,11 @@ class GruSteps(Steps):
 
 @dataclass(frozen=True)
 class DirectionInputs:
-    """One direction's inputs: ``x2`` the time-major input rows ``[T*N, I]`` and ``xt`` their
-    transpose ``[I, T*N]``, ``w`` ``[G*H, I]``, ``r`` ``[G*H, H]``, ``bias`` ``[2*G*H]`` (``G``
-    gates), the initial states ``[H, N]`` (zeros where absent; no cell state for GRU),
-    ``order`` the steps in the order the direction runs them and ``dtype`` the node's float
-    type."""
+    """The directions' inputs: ``x2`` the time-major input rows ``[D, T*N, I]`` (reversed in
+    time for a reverse direction) and ``xt`` their transpose ``[D, I, T*N]``, ``w``
+    ``[D, G*H, I]``, ``r`` ``[D, G*H, H]``, ``bias`` ``[D, 2*G*H]`` (``G`` gates), the initial
+    states ``[D, H, N]`` (zeros where absent; no cell state for GRU), ``order`` the steps in
+    the order they run and ``dtype`` the node's float type."""
 
     x2: ir.Value
     xt: ir.Value
@@ -133,9 +142,9 @@ class DirectionInputs:
 
 @dataclass(frozen=True)
 class OutputGradients:
-    """One direction's output gradients, feature-major: ``dy`` those of its hidden states by
-    step (``[H, N]`` each), ``dy_h`` / ``dy_c`` those of its final states; None where
-    absent."""
+    """The output gradients, feature-major: ``dy`` those of the hidden states by step
+    (``[D, H, N]`` each, in the order of the steps the directions run), ``dy_h`` / ``dy_c``
+    those of the final states; None where absent."""
 
     dy: Sequence[ir.Value] | None
     dy_h: ir.Value | None
@@ -145,21 +154,23 @@ class OutputGradients:
 def projection(
     b: OpBuilder, d: DirectionInputs, bias: ir.Value | None, steps: int
 ) -> tuple[ir.Value, ...]:
-    """``W x_t + bias`` by step (``[G*H, N]`` each), from one ``Gemm`` over all steps."""
-    column = [] if bias is None else [b.unsqueeze(bias, [1])]
-    return split(b, b.Gemm(d.w, d.xt, *column), steps, axis=1)
+    """``W x_t + bias`` by step (``[D, G*H, N]`` each), from one ``MatMul`` over all steps."""
+    projected = b.MatMul(d.w, d.xt)
+    if bias is not None:
+        projected = b.Add(projected, b.unsqueeze(bias, [2]))
+    return split(b, projected, steps, axis=2)
 
 
 def lstm_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> LstmSteps:
-    """An LSTM direction's forward: one ``Gemm`` over all steps for ``W x_t + Wb + Rb``, then
-    one ``Gemm`` per step for the gates, and the slopes its gradient reads, made while the
+    """The LSTM forward: one ``MatMul`` over all steps for ``W x_t + Wb + Rb``, then one
+    ``MatMul`` per step for the gates, and the slopes its gradient reads, made while the
     step's gates are at hand (the module docstring's formulas with ``i_t g_t``, ``h_t`` and
     ``f_t c_{t-1}`` reused: ``[i_t g_t, h_t, f_t c_{t-1}] (1 - [i, o, f])``,
     ``i_t - i_t g_t g_t`` and ``o_t - h_t tanh c_t``)."""
     hidden = spec.hidden
     bias = d.bias
     if bias is not None:
-        bias = b.Add(*b.split(bias, [4 * hidden] * 2, axis=0))
+        bias = b.Add(*b.split(bias, [4 * hidden] * 2, axis=1))
     pieces = projection(b, d, bias, spec.steps)
     one = b.const(1.0, d.dtype)
     assert d.c0 is not None
@@ -167,16 +178,16 @@ def lstm_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> LstmS
     gate_sizes, iof_sizes = b.ints([3 * hidden, hidden]), b.ints([hidden] * 3)
     h, c = d.h0, d.c0
     for t in d.order:
-        gates = b.Gemm(d.r, h, pieces[t])
-        pre_iof, pre_g = b.op("Split", gates, gate_sizes, axis=0, num_outputs=2)
+        gates = b.Add(b.MatMul(d.r, h), pieces[t])
+        pre_iof, pre_g = b.op("Split", gates, gate_sizes, axis=1, num_outputs=2)
         iof, g = b.Sigmoid(pre_iof), b.Tanh(pre_g)
-        i, o, f = b.op("Split", iof, iof_sizes, axis=0, num_outputs=3)
+        i, o, f = b.op("Split", iof, iof_sizes, axis=1, num_outputs=3)
         fc, ig = b.Mul(f, c), b.Mul(i, g)
         c = b.Add(fc, ig)
         tanh_c = b.Tanh(c)
         h = b.Mul(o, tanh_c)
-        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=0), b.Sub(one, iof))
-        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=0)
+        slope_iof = b.Mul(b.Concat(ig, h, fc, axis=1), b.Sub(one, iof))
+        steps.slope[t] = b.Concat(slope_iof, b.Sub(i, b.Mul(ig, g)), axis=1)
         steps.through[t] = b.Sub(o, b.Mul(h, tanh_c))
         steps.h[t], steps.f[t] = h, f
     steps.c = c
@@ -184,28 +195,32 @@ def lstm_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> LstmS
 
 
 def gru_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> GruSteps:
-    """A GRU direction's forward: one ``Gemm`` over all steps for ``W x_t`` and the biases
-    outside the reset gate, then per step one ``Gemm`` for the update and reset gates and one
-    for the candidate."""
+    """The GRU forward: one ``MatMul`` over all steps for ``W x_t`` and the biases outside the
+    reset gate, then per step one ``MatMul`` for the update and reset gates and one for the
+    candidate."""
     hidden = spec.hidden
-    x_bias, rb_h = projection_bias(b, d.bias, spec, d.dtype)
-    column = [] if x_bias is None else [b.unsqueeze(x_bias, [1])]
-    p_zr, p_h = b.split(b.Gemm(d.w, d.xt, *column), [2 * hidden, hidden], axis=0)
-    p_zr_t, p_h_t = split(b, p_zr, spec.steps, axis=1), split(b, p_h, spec.steps, axis=1)
-    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
-    rb_column = [] if rb_h is None else [b.unsqueeze(rb_h, [1])]
+    x_bias, rb_h = projection_bias(b, d.bias, spec, d.dtype, stacked=True)
+    projected = b.MatMul(d.w, d.xt)
+    if x_bias is not None:
+        projected = b.Add(projected, b.unsqueeze(x_bias, [2]))
+    p_zr, p_h = b.split(projected, [2 * hidden, hidden], axis=1)
+    p_zr_t, p_h_t = split(b, p_zr, spec.steps, axis=2), split(b, p_h, spec.steps, axis=2)
+    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=1)
+    rb_column = None if rb_h is None else b.unsqueeze(rb_h, [2])
     steps = GruSteps(d.order, d.h0)
     halves = b.ints([hidden] * 2)
     h = d.h0
     for t in d.order:
-        zr = b.Sigmoid(b.Gemm(r_zr, h, p_zr_t[t]))
-        z, r = b.op("Split", zr, halves, axis=0, num_outputs=2)
+        zr = b.Sigmoid(b.Add(b.MatMul(r_zr, h), p_zr_t[t]))
+        z, r = b.op("Split", zr, halves, axis=1, num_outputs=2)
         if spec.linear_before_reset:
-            inner = b.Gemm(r_h, h, *rb_column)
+            inner = b.MatMul(r_h, h)
+            if rb_column is not None:
+                inner = b.Add(inner, rb_column)
             n = b.Tanh(b.Add(p_h_t[t], b.Mul(r, inner)))
         else:
             inner = b.Mul(r, h)
-            n = b.Tanh(b.Gemm(r_h, inner, p_h_t[t]))
+            n = b.Tanh(b.Add(b.MatMul(r_h, inner), p_h_t[t]))
         h = b.Add(n, b.Mul(z, b.Sub(h, n)))
         steps.z[t], steps.r[t], steps.n[t], steps.inner[t], steps.h[t] = z, r, n, inner, h
     return steps
@@ -219,11 +234,11 @@ def lstm_backward(
     spec: RecurrentSpec,
     need: Callable[[int], bool],
 ) -> dict[int, ir.Value]:
-    """The gradients of one LSTM direction by node input where wanted: X (as ``[I, T*N]``),
-    W, R, B, initial_h and initial_c (``[H, N]``). Six nodes a step: ``dh_t = dY_t + R^T
-    dG_{t+1}`` in one ``Gemm``, ``dc_t``, then ``dG_t``."""
+    """The LSTM gradients by node input where wanted: X (as ``[D, I, T*N]``, in the steps'
+    order), W, R, B, initial_h and initial_c (``[D, H, N]``). Seven nodes a step: ``dh_t =
+    dY_t + R^T dG_{t+1}``, ``dc_t``, then ``dG_t``."""
     assert isinstance(fwd, LstmSteps)
-    r_t = b.Transpose(d.r, perm=[1, 0])
+    r_t = b.Transpose(d.r, perm=[0, 2, 1])
     dgates: dict[int, ir.Value] = {}
     dc: ir.Value | None = None
     after: int | None = None
@@ -232,24 +247,26 @@ def lstm_backward(
             dh, c_back = fwd.hidden_gradient(b, t, None, g.dy, g.dy_h), g.dy_c
         else:
             back = dgates[after]
-            dh = b.MatMul(r_t, back) if g.dy is None else b.Gemm(r_t, back, g.dy[t])
+            dh = b.MatMul(r_t, back)
+            if g.dy is not None:
+                dh = b.Add(dh, g.dy[t])
             c_back = b.Mul(dc, fwd.f[after])
         from_h = b.Mul(dh, fwd.through[t])
         dc = from_h if c_back is None else b.Add(from_h, c_back)
-        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=0), fwd.slope[t])
+        dgates[t] = b.Mul(b.Concat(dc, dh, dc, dc, axis=1), fwd.slope[t])
         after = t
     assert dc is not None and after is not None
-    dg = columns(b, dgates, spec.steps)  # [4H, T*N]
-    first = after  # the step the direction runs first
+    dg = columns(b, dgates, spec.steps)  # [D, 4H, T*N]
+    first = after  # the step that runs first
 
     def bias_gradient() -> ir.Value:
-        db = b.sum(dg, [1], keepdims=False)
-        return b.Concat(db, db, axis=0)
+        db = b.sum(dg, [2], keepdims=False)
+        return b.Concat(db, db, axis=1)
 
     makers: dict[int, Callable[[], ir.Value]] = {
-        0: lambda: b.MatMul(b.Transpose(d.w, perm=[1, 0]), dg),
+        0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), dg),
         1: lambda: b.MatMul(dg, d.x2),
-        2: lambda: b.Gemm(dg, fwd.previous(b, spec.steps), transB=1),
+        2: lambda: b.MatMul(dg, b.Transpose(fwd.previous(b, spec.steps), perm=[0, 2, 1])),
         3: bias_gradient,
         5: lambda: b.MatMul(r_t, dgates[first]),
         6: lambda: b.Mul(dc, fwd.f[first]),
@@ -265,8 +282,8 @@ def gru_backward(
     spec: RecurrentSpec,
     need: Callable[[int], bool],
 ) -> dict[int, ir.Value]:
-    """The gradients of one GRU direction by node input where wanted: X (as ``[I, T*N]``),
-    W, R, B and initial_h (``[H, N]``). The slopes come from the forward's gates over all
+    """The GRU gradients by node input where wanted: X (as ``[D, I, T*N]``, in the steps'
+    order), W, R, B and initial_h (``[D, H, N]``). The slopes come from the forward's gates over all
     steps at once; only the backward recurrence runs step by step::
 
         dn_t = dh_t (1 - z_t) (1 - n_t^2),   dz_t = dh_t (h_{t-1} - n_t) z_t (1 - z_t)
@@ -281,7 +298,7 @@ def gru_backward(
     h_prev = fwd.previous(b, steps)
     z, r, n = (columns(b, v, steps) for v in (fwd.z, fwd.r, fwd.n))
     inner = columns(b, fwd.inner, steps)
-    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=0)
+    r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=1)
     one = b.const(1.0, d.dtype)
     to_n = b.Mul(b.Sub(one, z), b.Sub(one, b.Mul(n, n)))  # dn_t = dh_t * to_n
     to_z = b.Mul(b.Sub(h_prev, n), b.Mul(z, b.Sub(one, z)))  # dz_t = dh_t * to_z
@@ -290,41 +307,41 @@ def gru_backward(
     dh_t: dict[int, ir.Value] = {}
     dgates: dict[int, ir.Value] = {}  # the rows R (R_zr without linear_before_reset) takes
     if spec.linear_before_reset:
-        r_t = b.Transpose(d.r, perm=[1, 0])
+        r_t = b.Transpose(d.r, perm=[0, 2, 1])
         # dgates_t = [dz_t, dr_t, dn_t r_t] = [dh_t, dh_t, dh_t] * slopes
-        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=0)
-        slope_t = split(b, slopes, steps, axis=1)
+        slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=1)
+        slope_t = split(b, slopes, steps, axis=2)
         after = None
         for t in reversed(order):
             back = None
             if after is not None:
-                back = b.Gemm(r_t, dgates[after], b.Mul(dh_t[after], z_t[after]))
+                back = b.Add(b.MatMul(r_t, dgates[after]), b.Mul(dh_t[after], z_t[after]))
             dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
-            dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=0), slope_t[t])
+            dgates[t] = b.Mul(b.Concat(dh, dh, dh, axis=1), slope_t[t])
             after = t
         assert after is not None
-        first = after  # the step the direction runs first
+        first = after  # the step that runs first
         dh_all = columns(b, dh_t, steps)
         d_r_rows = columns(b, dgates, steps)  # [dz, dr, dn r]
-        d_zr = b.slice(d_r_rows, [0], [2 * hidden], [0])
+        d_zr = b.slice(d_r_rows, [0], [2 * hidden], [1])
         d_n = b.Mul(dh_all, to_n)
-        d_x_rows = b.Concat(d_zr, d_n, axis=0)  # [dz, dr, dn]
+        d_x_rows = b.Concat(d_zr, d_n, axis=1)  # [dz, dr, dn]
 
         def recurrence_gradient() -> ir.Value:
-            return b.Gemm(d_r_rows, h_prev, transB=1)
+            return b.MatMul(d_r_rows, b.Transpose(h_prev, perm=[0, 2, 1]))
 
         def bias_gradient() -> ir.Value:
             return b.Concat(
-                b.sum(d_x_rows, [1], keepdims=False), b.sum(d_r_rows, [1], keepdims=False), axis=0
+                b.sum(d_x_rows, [2], keepdims=False), b.sum(d_r_rows, [2], keepdims=False), axis=1
             )
 
         def initial_gradient() -> ir.Value:
-            return b.Gemm(r_t, dgates[first], b.Mul(dh_t[first], z_t[first]))
+            return b.Add(b.MatMul(r_t, dgates[first]), b.Mul(dh_t[first], z_t[first]))
 
     else:
-        r_zr_t, r_h_t = b.Transpose(r_zr, perm=[1, 0]), b.Transpose(r_h, perm=[1, 0])
-        to_n_t, to_z_t = split(b, to_n, steps, axis=1), split(b, to_z, steps, axis=1)
-        to_r_t = split(b, b.Mul(h_prev, r_slope), steps, axis=1)
+        r_zr_t, r_h_t = b.Transpose(r_zr, perm=[0, 2, 1]), b.Transpose(r_h, perm=[0, 2, 1])
+        to_n_t, to_z_t = split(b, to_n, steps, axis=2), split(b, to_z, steps, axis=2)
+        to_r_t = split(b, b.Mul(h_prev, r_slope), steps, axis=2)
         reset_t = fwd.r
         d_n_t: dict[int, ir.Value] = {}
         reset: dict[int, ir.Value] = {}  # e_t = R_h^T dn_t
@@ -335,33 +352,35 @@ def gru_backward(
                 direct = b.Add(
                     b.Mul(dh_t[after], z_t[after]), b.Mul(reset[after], reset_t[after])
                 )
-                back = b.Gemm(r_zr_t, dgates[after], direct)
+                back = b.Add(b.MatMul(r_zr_t, dgates[after]), direct)
             dh = dh_t[t] = fwd.hidden_gradient(b, t, back, g.dy, g.dy_h)
             d_n_t[t] = b.Mul(dh, to_n_t[t])
             reset[t] = b.MatMul(r_h_t, d_n_t[t])
-            dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=0)
+            dgates[t] = b.Concat(b.Mul(dh, to_z_t[t]), b.Mul(reset[t], to_r_t[t]), axis=1)
             after = t
         assert after is not None
         first = after
         d_zr = columns(b, dgates, steps)
         d_n = columns(b, d_n_t, steps)
-        d_x_rows = b.Concat(d_zr, d_n, axis=0)
+        d_x_rows = b.Concat(d_zr, d_n, axis=1)
 
         def recurrence_gradient() -> ir.Value:
             return b.Concat(
-                b.Gemm(d_zr, h_prev, transB=1), b.Gemm(d_n, inner, transB=1), axis=0
+                b.MatMul(d_zr, b.Transpose(h_prev, perm=[0, 2, 1])),
+                b.MatMul(d_n, b.Transpose(inner, perm=[0, 2, 1])),
+                axis=1,
             )
 
         def bias_gradient() -> ir.Value:
-            db = b.sum(d_x_rows, [1], keepdims=False)
-            return b.Concat(db, db, axis=0)
+            db = b.sum(d_x_rows, [2], keepdims=False)
+            return b.Concat(db, db, axis=1)
 
         def initial_gradient() -> ir.Value:
             direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], reset_t[first]))
-            return b.Gemm(r_zr_t, dgates[first], direct)
+            return b.Add(b.MatMul(r_zr_t, dgates[first]), direct)
 
     makers: dict[int, Callable[[], ir.Value]] = {
-        0: lambda: b.MatMul(b.Transpose(d.w, perm=[1, 0]), d_x_rows),
+        0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), d_x_rows),
         1: lambda: b.MatMul(d_x_rows, d.x2),
         2: recurrence_gradient,
         3: bias_gradient,
