@@ -205,6 +205,28 @@ def test_float64_lstm_of_unknown_input_size():
     check_float64("LSTM", None, "bidirectional", 0, (0,), symbolic_input=True)
 
 
+@pytest.mark.parametrize("op,lbr,per_step", [("LSTM", None, 2), ("GRU", 1, 2), ("GRU", 0, 3)])
+def test_directions_share_each_steps_ops(op, lbr, per_step):
+    # Both directions of a bidirectional node run each step as one op of each kind: the
+    # recurrence MatMuls are per step as many as one direction needs (forward and backward),
+    # plus the same fixed count over all steps as a single direction.
+    def matmuls(direction):
+        inputs = rnn_inputs(op, direction, h0=True)
+        attrs = {"hidden_size": HIDDEN, "direction": direction}
+        if lbr is not None:
+            attrs["linear_before_reset"] = lbr
+        model = make_op_model(op, inputs, attrs, num_outputs=2, dynamic="none")
+        data = {k: v for k, v in inputs.items() if v is not None}
+        outs = session(model).run(None, data)
+        loss_model = add_weighted_sum_loss(model, ["y0"], outs[:1])
+        grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
+        return sum(n.op_type in ("MatMul", "Gemm") for n in grad_model.graph.node)
+
+    forward, bidirectional = matmuls("forward"), matmuls("bidirectional")
+    assert forward == bidirectional
+    assert forward >= per_step * SEQ
+
+
 def check_float64(op, lbr, direction, layout, used, symbolic_input=False):
     """The float64 gradient check of ``test_float64``; ``symbolic_input`` makes the input size
     of X and W a dimension name."""

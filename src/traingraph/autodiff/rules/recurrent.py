@@ -1,9 +1,10 @@
 """Gradients of LSTM and GRU over the static time steps of the recurrence.
 
 The node is replaced in the training graph by its forward written step by step
-(:func:`_stepwise_gradient`): one ``Gemm`` over all steps for ``X W^T`` and the biases, then
-per step a ``Gemm`` or two for the recurrence and the gates' elementwise math; the gradient
-reads the gates the forward made instead of recomputing them. For LSTM the forward also makes
+(:func:`_stepwise_gradient`): one ``MatMul`` over all steps for ``X W^T`` and the biases, then
+per step a ``MatMul`` or two for the recurrence and the gates' elementwise math, each op
+serving every direction at once; the gradient reads the gates the forward made instead of
+recomputing them. For LSTM the forward also makes
 the slopes the backward recurrence reads, while the step's gates are at hand. With gate order
 ``i, o, f, c`` (``g`` the candidate ``c``) and ``t + 1`` the step after ``t`` in the
 direction's order:
@@ -15,10 +16,12 @@ direction's order:
 
 and for GRU as :func:`~traingraph.autodiff.rules.recurrent_steps.gru_backward` says (the steps
 are built in :mod:`traingraph.autodiff.rules.recurrent_steps`). The weight, bias and input
-gradients are then one ``Gemm`` or ``MatMul`` over all steps: ``dW = dG^T X``,
+gradients are then one ``MatMul`` each over all steps: ``dW = dG^T X``,
 ``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``. The steps hold their tensors
-feature-major (``[H, N]``, the transposes of the rows above), so that each step's ``Gemm``
-takes the weights as its first operand and the small state as the second.
+feature-major with the directions stacked (``[D, H, N]``, the transposes of the rows above),
+so that each step's ``MatMul`` takes the weights as its first operand and the small state as
+the second; a reverse direction runs over its input reversed in time, so that step ``s`` of
+every direction is that direction's ``s``-th step.
 
 An LSTM with peepholes keeps its node: the rule rebuilds the node's forward computation from
 primitive ops (``MatMul``, ``Add``, ``Mul``, ``Sigmoid``, ``Tanh``, ``Split``, ``Concat``, ...)
