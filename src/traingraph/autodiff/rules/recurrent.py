@@ -438,11 +438,16 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 
     x = _time_major(fb, ctx.x(0), layout, [1, 0, 2])
     assert x is not None
-    # the input rows [D, T*N, I], reversed in time for a reverse direction
-    by_order = {
-        reverse: fb.unsqueeze(fb.Flatten(_reversed_in_time(fb, x, [reverse], 0, 0), axis=2), [0])
-        for reverse in set(reverses)
-    }
+    # the input rows [D, T*N, I], reversed in time for a reverse direction, with a column of
+    # ones where the node has a bias
+    by_order = {}
+    for reverse in set(reverses):
+        x_rows = fb.Flatten(_reversed_in_time(fb, x, [reverse], 0, 0), axis=2)
+        if ctx.has_input(3):
+            shape = fb.Concat(fb.shape(x_rows, 0, 1), fb.ints([1]), axis=0)
+            ones = fb.op("ConstantOfShape", shape, value=ir.tensor(np.ones(1, dtype.numpy())))
+            x_rows = fb.Concat(x_rows, ones, axis=1)
+        by_order[reverse] = fb.unsqueeze(x_rows, [0])
     rows = [by_order[reverse] for reverse in reverses]
     x2 = fb.Concat(*rows, axis=0) if count > 1 else rows[0]
     xt = fb.Transpose(x2, perm=[0, 2, 1])

@@ -133,10 +133,15 @@ class GruSteps(Steps):
 @dataclass(frozen=True)
 class DirectionInputs:
     """The directions' inputs: ``x2`` the time-major input rows ``[D, T*N, I]`` (reversed in
-    time for a reverse direction) and ``xt`` their transpose ``[D, I, T*N]``, ``w``
-    ``[D, G*H, I]``, ``r`` ``[D, G*H, H]``, ``bias`` ``[D, 2*G*H]`` (``G`` gates), the initial
-    states ``[D, H, N]`` (zeros where absent; no cell state for GRU), ``order`` the steps in
-    the order they run and ``dtype`` the node's float type."""
+    time for a reverse direction) and ``xt`` their transpose ``[D, I, T*N]``, with a last
+    column (row) of ones where the node has a bias, ``w`` ``[D, G*H, I]``, ``r``
+    ``[D, G*H, H]``, ``bias`` ``[D, 2*G*H]`` (``G`` gates), the initial states ``[D, H, N]``
+    (zeros where absent; no cell state for GRU), ``order`` the steps in the order they run and
+    ``dtype`` the node's float type.
+
+    With the ones, the input projection's ``MatMul`` adds the bias (a last column of the
+    weights) and the weight gradient's ``MatMul`` sums the bias gradient over all steps (its
+    last column)."""
 
     x2: ir.Value
     xt: ir.Value
@@ -160,14 +165,26 @@ class OutputGradients:
     dy_c: ir.Value | None
 
 
-def projection(
-    b: OpBuilder, d: DirectionInputs, bias: ir.Value | None, steps: int
-) -> tuple[ir.Value, ...]:
-    """``W x_t + bias`` by step (``[D, G*H, N]`` each), from one ``MatMul`` over all steps."""
-    projected = b.MatMul(d.w, d.xt)
-    if bias is not None:
-        projected = b.Add(projected, b.unsqueeze(bias, [2]))
-    return split(b, projected, steps, axis=2)
+def projection(b: OpBuilder, d: DirectionInputs, bias: ir.Value | None) -> ir.Value:
+    """``W x_t + bias`` as time-major columns ``[D, G*H, T*N]``, one ``MatMul`` over all steps
+    (``bias`` ``[D, G*H]`` is None exactly where the node has none)."""
+    if bias is None:
+        return b.MatMul(d.w, d.xt)
+    return b.MatMul(b.Concat(d.w, b.unsqueeze(bias, [2]), axis=2), d.xt)
+
+
+def weight_gradients(
+    b: OpBuilder, d: DirectionInputs, rows: ir.Value, need: Callable[[int], bool]
+) -> tuple[ir.Value | None, ir.Value | None]:
+    """``(dW, the column sums of rows or None)`` where wanted from ``rows`` ``[D, G*H, T*N]``
+    (the gradients of the input projection): one ``MatMul`` by the input rows, whose last
+    column is the sums where the rows have ones."""
+    if d.bias is None or not need(1):
+        total = b.sum(rows, [2], keepdims=False) if need(3) else None
+        return (b.MatMul(rows, d.x2) if need(1) else None), total
+    full = b.MatMul(rows, d.x2)
+    dw = b.slice(full, [0], [-1], [2])
+    return dw, b.squeeze(b.slice(full, [-1], [2**62], [2]), [2]) if need(3) else None
 
 
 def lstm_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> LstmSteps:
@@ -180,7 +197,7 @@ def lstm_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> LstmS
     bias = d.bias
     if bias is not None:
         bias = b.Add(*b.split(bias, [4 * hidden] * 2, axis=1))
-    pieces = projection(b, d, bias, spec.steps)
+    pieces = split(b, projection(b, d, bias), spec.steps, axis=2)
     one = b.const(1.0, d.dtype)
     assert d.c0 is not None
     steps = LstmSteps(d.order, d.h0)
@@ -209,9 +226,7 @@ def gru_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> GruSte
     candidate."""
     hidden = spec.hidden
     x_bias, rb_h = projection_bias(b, d.bias, spec, d.dtype, stacked=True)
-    projected = b.MatMul(d.w, d.xt)
-    if x_bias is not None:
-        projected = b.Add(projected, b.unsqueeze(x_bias, [2]))
+    projected = projection(b, d, x_bias)
     p_zr, p_h = b.split(projected, [2 * hidden, hidden], axis=1)
     p_zr_t, p_h_t = split(b, p_zr, spec.steps, axis=2), split(b, p_h, spec.steps, axis=2)
     r_zr, r_h = b.split(d.r, [2 * hidden, hidden], axis=1)
@@ -267,20 +282,17 @@ def lstm_backward(
     assert dc is not None and after is not None
     dg = columns(b, dgates, spec.steps)  # [D, 4H, T*N]
     first = after  # the step that runs first
-
-    def bias_gradient() -> ir.Value:
-        db = b.sum(dg, [2], keepdims=False)
-        return b.Concat(db, db, axis=1)
-
-    makers: dict[int, Callable[[], ir.Value]] = {
+    dw, db = weight_gradients(b, d, dg, need)
+    makers: dict[int, Callable[[], ir.Value | None]] = {
         0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), dg),
-        1: lambda: b.MatMul(dg, d.x2),
+        1: lambda: dw,
         2: lambda: b.MatMul(dg, b.Transpose(fwd.previous(b, spec.steps), perm=[0, 2, 1])),
-        3: bias_gradient,
+        3: lambda: None if db is None else b.Concat(db, db, axis=1),
         5: lambda: b.MatMul(r_t, dgates[first]),
         6: lambda: b.Mul(dc, fwd.f[first]),
     }
-    return {i: make() for i, make in makers.items() if need(i)}
+    made = {i: make() for i, make in makers.items() if need(i)}
+    return {i: v for i, v in made.items() if v is not None}
 
 
 def gru_backward(
@@ -339,10 +351,8 @@ def gru_backward(
         def recurrence_gradient() -> ir.Value:
             return b.MatMul(d_r_rows, b.Transpose(h_prev, perm=[0, 2, 1]))
 
-        def bias_gradient() -> ir.Value:
-            return b.Concat(
-                b.sum(d_x_rows, [2], keepdims=False), b.sum(d_r_rows, [2], keepdims=False), axis=1
-            )
+        def bias_gradient(db: ir.Value) -> ir.Value:
+            return b.Concat(db, b.sum(d_r_rows, [2], keepdims=False), axis=1)
 
         def initial_gradient() -> ir.Value:
             return b.Add(b.MatMul(r_t, dgates[first]), b.Mul(dh_t[first], z_t[first]))
@@ -380,22 +390,23 @@ def gru_backward(
                 axis=1,
             )
 
-        def bias_gradient() -> ir.Value:
-            db = b.sum(d_x_rows, [2], keepdims=False)
+        def bias_gradient(db: ir.Value) -> ir.Value:
             return b.Concat(db, db, axis=1)
 
         def initial_gradient() -> ir.Value:
             direct = b.Add(b.Mul(dh_t[first], z_t[first]), b.Mul(reset[first], reset_t[first]))
             return b.Add(b.MatMul(r_zr_t, dgates[first]), direct)
 
-    makers: dict[int, Callable[[], ir.Value]] = {
+    dw, db = weight_gradients(b, d, d_x_rows, need)
+    makers: dict[int, Callable[[], ir.Value | None]] = {
         0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), d_x_rows),
-        1: lambda: b.MatMul(d_x_rows, d.x2),
+        1: lambda: dw,
         2: recurrence_gradient,
-        3: bias_gradient,
+        3: lambda: None if db is None else bias_gradient(db),
         5: initial_gradient,
     }
-    return {i: make() for i, make in makers.items() if need(i)}
+    made = {i: make() for i, make in makers.items() if need(i)}
+    return {i: v for i, v in made.items() if v is not None}
 
 
 FORWARDS: dict[str, Callable[[OpBuilder, DirectionInputs, RecurrentSpec], Steps]] = {
