@@ -28,7 +28,7 @@ from traingraph.ir.builder import OpBuilder
 
 F32 = {"eps": 1e-2, "rtol": 5e-3, "atol": 1e-3}
 SEQ, BATCH, INPUT, HIDDEN = 3, 2, 3, 2
-GATES = {"LSTM": 4, "GRU": 3}
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 INPUT_NAMES = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"]
 
 
@@ -54,7 +54,7 @@ def rnn_inputs(op, direction="forward", *, bias=True, h0=False, c0=False, peepho
         "initial_c": r(*state_shape) if c0 else None,
         "P": r(d, 3 * HIDDEN) if peepholes else None,
     }
-    if op == "GRU":
+    if op != "LSTM":
         del inputs["initial_c"], inputs["P"]
     return inputs
 
@@ -84,7 +84,7 @@ def torch_rnn(op, names, attrs):
     sequence)."""
     direction = attrs.get("direction", "forward")
     layout = attrs.get("layout", 0)
-    order = [0, 2, 3, 1] if op == "LSTM" else [1, 0, 2]
+    order = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2], "RNN": [0]}[op]
 
     def fn(*tensors):
         t = dict(zip(names, tensors))
@@ -173,6 +173,21 @@ def test_gru(direction, bias, h0, linear_before_reset):
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("h0", [True, False])
+def test_rnn(direction, bias, h0):
+    inputs = rnn_inputs("RNN", direction, bias=bias, h0=h0)
+    check_rnn("RNN", inputs, {"direction": direction})
+
+
+@pytest.mark.parametrize("direction", ["reverse", "bidirectional"])
+@pytest.mark.parametrize("used", [(0,), (1,)])
+def test_rnn_gradient_of_some_outputs(direction, used):
+    inputs = rnn_inputs("RNN", direction, h0=True)
+    check_rnn("RNN", inputs, {"direction": direction}, used=used)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("used", [(0,), (1,), (2,), (1, 2)])
 def test_lstm_gradient_of_some_outputs(direction, used):
     # Gradients reach the steps through Y alone (a tagger), or through the final states alone.
@@ -192,9 +207,9 @@ def test_gru_gradient_of_some_outputs(direction, used, linear_before_reset):
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 @pytest.mark.parametrize("layout", [0, 1])
 @pytest.mark.parametrize("used", [(0,), (0, 1)])
-@pytest.mark.parametrize("op,lbr", [("LSTM", None), ("GRU", 1), ("GRU", 0)])
+@pytest.mark.parametrize("op,lbr", [("LSTM", None), ("GRU", 1), ("GRU", 0), ("RNN", None)])
 def test_float64(op, lbr, direction, layout, used):
-    # onnxruntime's LSTM and GRU are float32-only and reject layout=1: onnx's reference
+    # onnxruntime's LSTM, GRU and RNN are float32-only and reject layout=1: onnx's reference
     # evaluator runs the gradient graph in float64, checked against torch.autograd in float64
     # (finite differences for GRU's linear_before_reset=0, which torch lacks).
     check_float64(op, lbr, direction, layout, used)
@@ -205,7 +220,9 @@ def test_float64_lstm_of_unknown_input_size():
     check_float64("LSTM", None, "bidirectional", 0, (0,), symbolic_input=True)
 
 
-@pytest.mark.parametrize("op,lbr,per_step", [("LSTM", None, 2), ("GRU", 1, 2), ("GRU", 0, 3)])
+@pytest.mark.parametrize(
+    "op,lbr,per_step", [("LSTM", None, 2), ("GRU", 1, 2), ("GRU", 0, 3), ("RNN", None, 2)]
+)
 def test_directions_share_each_steps_ops(op, lbr, per_step):
     # Both directions of a bidirectional node run each step as one op of each kind: the
     # recurrence MatMuls are per step as many as one direction needs (forward and backward),
@@ -273,7 +290,7 @@ def check_float64(op, lbr, direction, layout, used, symbolic_input=False):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
 def test_without_y_output(op):
     # The replaced forward computes the final states alone where the node has no Y.
     inputs = rnn_inputs(op, "bidirectional", h0=True)

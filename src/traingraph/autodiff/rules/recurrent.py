@@ -1,4 +1,4 @@
-"""Gradients of LSTM and GRU over the static time steps of the recurrence.
+"""Gradients of LSTM, GRU and RNN over the static time steps of the recurrence.
 
 The node is replaced in the training graph by its forward written step by step
 (:func:`_stepwise_gradient`): one ``MatMul`` over all steps for ``X W^T`` and the biases, then
@@ -14,7 +14,8 @@ direction's order:
     dG_t = [dc_t, dh_t, dc_t, dc_t] * [i_t g_t (1 - i_t), h_t (1 - o_t),
                                        f_t c_{t-1} (1 - f_t), i_t (1 - g_t^2)]
 
-and for GRU as :func:`~traingraph.autodiff.rules.recurrent_steps.gru_backward` says (the steps
+for GRU as :func:`~traingraph.autodiff.rules.recurrent_steps.gru_backward` says and for RNN as
+:func:`~traingraph.autodiff.rules.recurrent_steps.rnn_backward` says (the steps
 are built in :mod:`traingraph.autodiff.rules.recurrent_steps`). The weight, bias and input
 gradients are then one ``MatMul`` each over all steps: ``dW = dG^T X``,
 ``dR = dG^T H_prev``, ``dB = sum dG``, ``dX = dG W``. The steps hold their tensors
@@ -73,7 +74,11 @@ from traingraph.ir.model import max_ir_version
 
 Grads = Sequence[ir.Value | None]
 
-_DEFAULT_ACTIVATIONS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh")}
+_DEFAULT_ACTIVATIONS = {
+    "LSTM": ("sigmoid", "tanh", "tanh"),
+    "GRU": ("sigmoid", "tanh"),
+    "RNN": ("tanh",),
+}
 _DIRECTIONS = {"forward": (False,), "reverse": (True,), "bidirectional": (False, True)}
 _SEQUENCE_LENS = 4
 
@@ -83,7 +88,7 @@ class RecurrentSpec:
     """The form of one LSTM / GRU node.
 
     Attributes:
-        op_type: ``"LSTM"`` or ``"GRU"``.
+        op_type: ``"LSTM"``, ``"GRU"`` or ``"RNN"``.
         hidden: The hidden size ``H``.
         reverses: For each direction, whether it runs from the last step to the first.
         steps: The static sequence length.
@@ -407,7 +412,7 @@ def _reversed_in_time(
 
 
 def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """The gradient of an LSTM or GRU node, which is replaced by its forward written step by
+    """The gradient of an LSTM, GRU or RNN node, which is replaced by its forward written step by
     step (see the module docstring); an LSTM with peepholes takes :func:`_recurrent_gradient`.
 
     Every per-step tensor is feature-major, ``[D, features, N]`` with the directions stacked:
@@ -501,3 +506,4 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 
 register_gradient("LSTM")(_stepwise_gradient)
 register_gradient("GRU")(_stepwise_gradient)
+register_gradient("RNN")(_stepwise_gradient)

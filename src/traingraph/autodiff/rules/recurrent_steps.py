@@ -1,4 +1,4 @@
-"""The step-by-step forward and backward of an LSTM or GRU, all directions at once.
+"""The step-by-step forward and backward of an LSTM, GRU or RNN, all directions at once.
 
 :func:`traingraph.autodiff.rules.recurrent` replaces a recurrent node whose gradient is needed
 by its forward written step by step (:data:`FORWARDS`: one ``MatMul`` over all steps for the
@@ -6,7 +6,8 @@ input, then per step the recurrence ``MatMul`` and the gate math, keeping what t
 reads) and writes the gradient from those steps (:data:`BACKWARDS`). Every per-step tensor is
 ``[D, features, N]``, the ``D`` directions stacked, so that one op a step serves them all; a
 reverse direction runs over its input reversed in time, so that step ``s`` of every direction
-is its ``s``-th step. The gate orders are ONNX's (LSTM ``i, o, f, c``, GRU ``z, r, h``).
+is its ``s``-th step. The gate orders are ONNX's (LSTM ``i, o, f, c``, GRU ``z, r, h``; RNN
+has one).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from traingraph.ir.builder import OpBuilder
 if TYPE_CHECKING:
     from traingraph.autodiff.rules.recurrent import RecurrentSpec
 
-GATES = {"LSTM": 4, "GRU": 3}
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 """The gates of each recurrent op."""
 
 
@@ -128,6 +129,13 @@ class GruSteps(Steps):
     r: dict[int, ir.Value] = field(default_factory=dict)
     n: dict[int, ir.Value] = field(default_factory=dict)
     inner: dict[int, ir.Value] = field(default_factory=dict)
+
+
+@dataclass
+class RnnSteps(Steps):
+    """RNN steps, with the slopes ``1 - h_t^2`` of their ``tanh``."""
+
+    slope: dict[int, ir.Value] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,56 @@ def gru_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> GruSte
         h = b.Add(n, b.Mul(z, b.Sub(h, n)))
         steps.z[t], steps.r[t], steps.n[t], steps.inner[t], steps.h[t] = z, r, n, inner, h
     return steps
+
+
+def rnn_forward(b: OpBuilder, d: DirectionInputs, spec: RecurrentSpec) -> RnnSteps:
+    """The RNN forward: one ``MatMul`` over all steps for ``W x_t + Wb + Rb``, then per step
+    ``h_t = tanh(R h_{t-1} + W x_t + Wb + Rb)`` and its slope ``1 - h_t^2``."""
+    bias = d.bias
+    if bias is not None:
+        bias = b.Add(*b.split(bias, [spec.hidden] * 2, axis=1))
+    pieces = split(b, projection(b, d, bias), spec.steps, axis=2)
+    one = b.const(1.0, d.dtype)
+    steps = RnnSteps(d.order, d.h0)
+    h = d.h0
+    for t in d.order:
+        h = b.Tanh(b.Add(b.MatMul(d.r, h), pieces[t]))
+        steps.slope[t], steps.h[t] = b.Sub(one, b.Mul(h, h)), h
+    return steps
+
+
+def rnn_backward(
+    b: OpBuilder,
+    fwd: Steps,
+    d: DirectionInputs,
+    g: OutputGradients,
+    spec: RecurrentSpec,
+    need: Callable[[int], bool],
+) -> dict[int, ir.Value]:
+    """The RNN gradients by node input where wanted: X (as ``[D, I, T*N]``, in the steps'
+    order), W, R, B and initial_h (``[D, H, N]``). Three nodes a step: ``dh_t = dY_t + R^T
+    dA_{t+1}`` and ``dA_t = dh_t (1 - h_t^2)``, ``A_t`` the step's ``tanh`` input."""
+    assert isinstance(fwd, RnnSteps)
+    r_t = transposed(b, d.r, spec.hidden)
+    da: dict[int, ir.Value] = {}
+    after: int | None = None
+    for t in reversed(fwd.order):
+        back = None if after is None else b.MatMul(r_t, da[after])
+        da[t] = b.Mul(fwd.hidden_gradient(b, t, back, g.dy, g.dy_h), fwd.slope[t])
+        after = t
+    assert after is not None
+    first = after  # the step that runs first
+    rows = columns(b, da, spec.steps)  # [D, H, T*N]
+    dw, db = weight_gradients(b, d, rows, need)
+    makers: dict[int, Callable[[], ir.Value | None]] = {
+        0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), rows),
+        1: lambda: dw,
+        2: lambda: b.MatMul(rows, b.Transpose(fwd.previous(b, spec.steps), perm=[0, 2, 1])),
+        3: lambda: None if db is None else b.Concat(db, db, axis=1),
+        5: lambda: b.MatMul(r_t, da[first]),
+    }
+    made = {i: make() for i, make in makers.items() if need(i)}
+    return {i: v for i, v in made.items() if v is not None}
 
 
 def lstm_backward(
@@ -412,8 +470,9 @@ def gru_backward(
 FORWARDS: dict[str, Callable[[OpBuilder, DirectionInputs, RecurrentSpec], Steps]] = {
     "LSTM": lstm_forward,
     "GRU": gru_forward,
+    "RNN": rnn_forward,
 }
-BACKWARDS = {"LSTM": lstm_backward, "GRU": gru_backward}
+BACKWARDS = {"LSTM": lstm_backward, "GRU": gru_backward, "RNN": rnn_backward}
 
 
 __all__ = [
@@ -424,6 +483,7 @@ __all__ = [
     "GruSteps",
     "LstmSteps",
     "OutputGradients",
+    "RnnSteps",
     "Steps",
     "columns",
     "projection_bias",
