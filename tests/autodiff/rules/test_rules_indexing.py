@@ -128,6 +128,43 @@ def test_gradient_of_a_constant_position_or_run_is_one_pad(shape, axis, indices)
     assert "Pad" in ops and not ops & {"ScatterND", "ScatterElements", "MatMul"}, ops
 
 
+def test_gradient_of_repeated_rows_adds_every_update_with_two_threads():
+    # An embedding's gradient: 4096 rows added into 50. onnxruntime's CPU ScatterND with
+    # reduction="add" loses some of them when two threads add into one row; the rule's
+    # ScatterElements keeps every update, in one order.
+    import onnxruntime as ort
+
+    rows, width, count = 50, 256, 4096
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])
+    i = helper.make_tensor_value_info("i", TensorProto.INT64, [count])
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [count, width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [
+        helper.make_node("Gather", ["x", "i"], ["e"]),
+        helper.make_node("Mul", ["e", "w"], ["y"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x, i, w], [y]), opset_imports=[helper.make_opsetid("", 18)]
+    )
+    grad = build_gradient_graph(model, ["x"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(
+        grad.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    feeds = {
+        "x": r(rows, width).astype(np.float32),
+        "i": rng.integers(0, rows, count),
+        "w": r(count, width).astype(np.float32),
+    }
+    expected = np.zeros((rows, width))
+    np.add.at(expected, feeds["i"], feeds["w"].astype(np.float64))
+    results = [session.run(["x_grad"], feeds)[0] for _ in range(8)]
+    for result in results:
+        np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(result, results[0])
+
+
 @pytest.mark.parametrize("opset", [13, 18])
 def test_gather_against_index_select(opset):
     x, indices = r(6, 3), ints(1, 5, 1, 0)

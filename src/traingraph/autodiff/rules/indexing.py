@@ -74,14 +74,24 @@ def scatter_add_rows(
     """Zeros of shape ``rows_shape = [D, *rest]`` with ``updates[i]`` added to row ``index[i]``.
 
     ``index`` (int64, any shape, values in ``[0, D)``) may repeat a row; repeats accumulate.
-    ``updates`` has shape ``index.shape + rest``. From opset 16 this is ``ScatterND`` with
-    ``reduction="add"``; before, it is ``onehot(index)^T @ updates`` with a ``[M, D]`` one-hot
-    matrix (``M = index.size``), which also accumulates.
+    ``updates`` has shape ``index.shape + rest``. From opset 16 this is ``ScatterElements``
+    with ``reduction="add"`` on axis 0 of ``updates`` flattened to ``[M, R]`` (``M =
+    index.size``, ``R = prod(rest)``), each row's index repeated across it; before, it is
+    ``onehot(index)^T @ updates`` with a ``[M, D]`` one-hot matrix, which also accumulates.
+    ``ScatterND`` with ``reduction="add"`` would take the rows as they are, but onnxruntime's
+    CPU kernel adds rows from several threads without ordering them, so that updates of one
+    row are lost when the index repeats it (an embedding's gradient; ``tests/autodiff/rules/
+    test_rules_indexing.py`` shows it), and its CUDA kernel gives each index one thread block.
     """
     b, like = ctx.b, ctx.x(0)
     if b.opset >= _SCATTER_REDUCTION_SINCE:
-        base = _zeros(b, rows_shape, like)
-        return b.ScatterND(base, b.unsqueeze(index, [-1]), updates, reduction="add")
+        flat = _flat(b, index)
+        rows = b.Reshape(updates, b.Concat(b.shape(flat), b.ints([-1]), axis=0))
+        depth = b.slice(rows_shape, [0], [1], [0])
+        base = _zeros(b, b.Concat(depth, b.shape(rows, 1, 2), axis=0), like)
+        positions = b.Expand(b.unsqueeze(flat, [1]), b.shape(rows))
+        summed = b.ScatterElements(base, positions, rows, axis=0, reduction="add")
+        return b.Reshape(summed, rows_shape)
     column = b.Reshape(index, b.ints([-1, 1]))
     depth = b.Gather(rows_shape, b.const(np.int64(0)))
     rows = b.Range(b.const(np.int64(0)), depth, b.const(np.int64(1)))
