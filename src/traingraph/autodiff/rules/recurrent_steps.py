@@ -296,13 +296,30 @@ def rnn_backward(
     assert after is not None
     first = after  # the step that runs first
     rows = columns(b, da, spec.steps)  # [D, H, T*N]
+    return node_gradients(b, fwd, d, spec, need, rows, lambda: b.MatMul(r_t, da[first]))
+
+
+def node_gradients(
+    b: OpBuilder,
+    fwd: Steps,
+    d: DirectionInputs,
+    spec: RecurrentSpec,
+    need: Callable[[int], bool],
+    rows: ir.Value,
+    initial_h: Callable[[], ir.Value],
+    more: dict[int, Callable[[], ir.Value | None]] | None = None,
+) -> dict[int, ir.Value]:
+    """The gradients by node input, where wanted, from the gates' gradients ``rows`` (``[D,
+    G*H, T*N]``, every step's columns): X, W, R and B over all steps at once; initial_h from
+    ``initial_h``, and those of ``more`` (LSTM's initial_c)."""
     dw, db = weight_gradients(b, d, rows, need)
     makers: dict[int, Callable[[], ir.Value | None]] = {
         0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), rows),
         1: lambda: dw,
         2: lambda: b.MatMul(rows, b.Transpose(fwd.previous(b, spec.steps), perm=[0, 2, 1])),
         3: lambda: None if db is None else b.Concat(db, db, axis=1),
-        5: lambda: b.MatMul(r_t, da[first]),
+        5: initial_h,
+        **(more or {}),
     }
     made = {i: make() for i, make in makers.items() if need(i)}
     return {i: v for i, v in made.items() if v is not None}
@@ -340,17 +357,11 @@ def lstm_backward(
     assert dc is not None and after is not None
     dg = columns(b, dgates, spec.steps)  # [D, 4H, T*N]
     first = after  # the step that runs first
-    dw, db = weight_gradients(b, d, dg, need)
-    makers: dict[int, Callable[[], ir.Value | None]] = {
-        0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), dg),
-        1: lambda: dw,
-        2: lambda: b.MatMul(dg, b.Transpose(fwd.previous(b, spec.steps), perm=[0, 2, 1])),
-        3: lambda: None if db is None else b.Concat(db, db, axis=1),
-        5: lambda: b.MatMul(r_t, dgates[first]),
-        6: lambda: b.Mul(dc, fwd.f[first]),
-    }
-    made = {i: make() for i, make in makers.items() if need(i)}
-    return {i: v for i, v in made.items() if v is not None}
+    final_dc = dc
+    return node_gradients(
+        b, fwd, d, spec, need, dg, lambda: b.MatMul(r_t, dgates[first]),
+        {6: lambda: b.Mul(final_dc, fwd.f[first])},
+    )  # fmt: skip
 
 
 def gru_backward(
