@@ -199,3 +199,51 @@ def test_shared_filters_as_batch_leaves_biases_padding_modes_and_distinct_filter
     assert rewrites.apply(same, rewrites.CUDA_FOLD_RULES) is None
     distinct = _grouped(rng.standard_normal((6, 1, 3, 3)))
     assert rewrites.apply(distinct, rewrites.CUDA_FOLD_RULES) is None
+
+
+def _scatter_model(reduction: str, index_depth: int = 1) -> onnx.ModelProto:
+    node = helper.make_node("ScatterND", ["data", "idx", "upd"], ["y"], reduction=reduction)
+    shape = [50, 256] if index_depth == 1 else [50, 4, 64]
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("data", TensorProto.FLOAT, shape),
+         helper.make_tensor_value_info("idx", TensorProto.INT64, [4096, index_depth]),
+         helper.make_tensor_value_info("upd", TensorProto.FLOAT, [4096, *shape[index_depth:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_scatter_of_rows_with_a_reduction_becomes_scatter_elements_and_keeps_every_update():
+    # onnxruntime's CPU ScatterND adds rows from two threads without ordering them and loses
+    # some where the indices repeat a row; the rewritten form applies every update, in order.
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    model = _scatter_model("add")
+    rewritten = onnx.load_from_string(for_cpu(model.SerializeToString()))
+    assert "ScatterND" not in _ops(rewritten) and "ScatterElements" in _ops(rewritten)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "data": rng.standard_normal((50, 256)).astype(np.float32),
+        "idx": rng.integers(-50, 50, (4096, 1)),
+        "upd": rng.standard_normal((4096, 256)).astype(np.float32),
+    }
+    expected = feeds["data"].astype(np.float64)
+    np.add.at(expected, feeds["idx"][:, 0], feeds["upd"].astype(np.float64))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(
+        rewritten.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    results = [session.run(None, feeds)[0] for _ in range(8)]
+    for result in results:
+        np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(result, results[0])
+
+
+def test_scatters_without_a_reduction_or_of_elements_stay():
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    for model in (_scatter_model("none"), _scatter_model("add", index_depth=2)):
+        source = model.SerializeToString()
+        assert "ScatterND" in _ops(onnx.load_from_string(for_cpu(source)))

@@ -167,6 +167,46 @@ COLUMN_SUMS_AS_MATMUL = pattern.RewriteRule(
 COLUMN_SUMS_BY_ATTRIBUTE_AS_MATMUL = pattern.RewriteRule(
     _column_sums_by_attribute, _gemv, _is_column_sum, name="column_sums_by_attribute_as_matmul"
 )
+def _scatter_rows(op: Any, data: ir.Value, indices: ir.Value, updates: ir.Value) -> ir.Value:
+    return op.ScatterND(data, indices, updates, _allow_other_attributes=True, _outputs=["y"])
+
+
+def _reduces_rows(context: Any, data: ir.Value, indices: ir.Value, y: ir.Value, **_: Any) -> bool:
+    node = y.producer()
+    reduction = node.attributes.get_string("reduction", "none") if node is not None else "none"
+    last = indices.shape[-1] if indices.shape is not None and indices.shape.rank() else None
+    return reduction != "none" and last == 1
+
+
+def _rows_as_elements(
+    op: Any, data: ir.Value, indices: ir.Value, updates: ir.Value, y: ir.Value
+) -> ir.Value:
+    node = y.producer()
+    assert node is not None
+    def ints(*values: int) -> ir.Value:
+        return op.Constant(value=ir.tensor(np.array(values, np.int64)))
+
+    flat = op.Reshape(indices, ints(-1))
+    rows = op.Reshape(updates, op.Concat(op.Shape(flat), ints(-1), axis=0))
+    table = op.Reshape(data, op.Concat(op.Shape(data, end=1), op.Shape(rows, start=1), axis=0))
+    positions = op.Expand(op.Unsqueeze(flat, ints(1)), op.Shape(rows))
+    summed = op.ScatterElements(
+        table, positions, rows, axis=0, reduction=node.attributes.get_string("reduction")
+    )
+    return op.Reshape(summed, op.Shape(data))
+
+
+SCATTER_ROWS_AS_ELEMENTS = pattern.RewriteRule(
+    _scatter_rows, _rows_as_elements, _reduces_rows, name="scatter_rows_as_elements"
+)
+SCATTER_RULES: tuple[pattern.RewriteRule, ...] = (SCATTER_ROWS_AS_ELEMENTS,)
+"""The CPU provider's rule for ``ScatterND`` with a reduction over rows (indices ``[..., 1]``):
+the same ``ScatterElements`` on axis 0 of the data as ``[D, R]`` and the updates as ``[M, R]``,
+each row's index repeated across it. onnxruntime's CPU ScatterND adds rows from several threads
+without ordering them and loses updates of a row that the indices repeat; its ScatterElements
+applies every update, in index order."""
+
+
 CPU_RULES: tuple[pattern.RewriteRule, ...] = (
     COLUMN_SUMS_AS_MATMUL,
     COLUMN_SUMS_BY_ATTRIBUTE_AS_MATMUL,

@@ -130,7 +130,7 @@ def for_cpu(source: Source) -> Source:
     it. Where shape inference fails, the model stays; where the conversion fails, its
     ConvTransposes do.
     """
-    if not _mentions(source, (b"Conv", b"ReduceSum")):
+    if not _mentions(source, (b"Conv", b"ReduceSum", b"ScatterND")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = constant_tensors(proto.graph)
@@ -144,9 +144,10 @@ def for_cpu(source: Source) -> Source:
     shapes, types = static_shapes(proto.graph)
     opsets = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
     sums = any(_leading_axes(n, constants) for n in proto.graph.node)
+    scatters = any(_reduces_by_scatter(n) for n in proto.graph.node)
     col2im = any(_becomes_col2im(n, shapes, types) for n in proto.graph.node)
     blocked = any(_becomes_blocked(n, constants, shapes, opsets) for n in proto.graph.node)
-    if not (sums or col2im or blocked):
+    if not (sums or scatters or col2im or blocked):
         return source  # no pass has a candidate: most segments of a training graph
     # the shapes the passes read: the inputs of the candidates (the rest costs a conversion)
     read = {v for n in proto.graph.node if _cpu_candidate(n, constants) for v in n.input}
@@ -160,22 +161,28 @@ def for_cpu(source: Source) -> Source:
         except Exception:  # a model the converter cannot take: its ConvTransposes stay
             col2im = False
     model = ir.serde.deserialize_model(proto)
-    if not cpu_passes(sums=sums, col2im=col2im, blocked=blocked)(model).modified:
+    passes = cpu_passes(sums=sums, scatters=scatters, col2im=col2im, blocked=blocked)
+    if not passes(model).modified:
         return source
     return ir.serde.serialize_model(model).SerializeToString()
 
 
 def cpu_passes(
-    *, sums: bool = True, col2im: bool = True, blocked: bool = True
+    *, sums: bool = True, scatters: bool = True, col2im: bool = True, blocked: bool = True
 ) -> ir.passes.PassManager:
     """The CPU provider's rewrites in order, as one onnx-ir pass over a model whose values
-    carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CPU_RULES` (``sums``) and
+    carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CPU_RULES` (``sums``),
+    :data:`~traingraph.runtime.rewrites.SCATTER_RULES` (``scatters``) and
     the ConvTransposes as Col2Im (:data:`~traingraph.runtime.rewrites.conv_transpose.RULES`,
     ``col2im``, where the model's opset has Col2Im) in one pass over the nodes, then the Convs
     in the blocked layout (:class:`~traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`,
     ``blocked``). :func:`for_cpu` leaves out those without a candidate in the model: the
     rewriter tries every rule on every node."""
-    rules = [*(rewrites.CPU_RULES if sums else ()), *(conv_transpose.RULES if col2im else ())]
+    rules = [
+        *(rewrites.CPU_RULES if sums else ()),
+        *(rewrites.SCATTER_RULES if scatters else ()),
+        *(conv_transpose.RULES if col2im else ()),
+    ]
     passes: list[ir.passes.PassBase] = [rewrites.rules_pass(rules)] if rules else []
     if blocked:
         passes.append(nchwc.ConvsAsNchwc())
@@ -185,12 +192,20 @@ def cpu_passes(
 def _cpu_candidate(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> bool:
     """Whether one of :func:`cpu_passes` may rewrite ``node``, before its shapes are known: a
     ReduceSum over leading axes, a ConvTranspose, or a Conv whose filter is not a constant."""
-    if is_conv_transpose(node) or _leading_axes(node, constants):
+    if is_conv_transpose(node) or _leading_axes(node, constants) or _reduces_by_scatter(node):
         return True
     return (
         node.op_type == "Conv" and node.domain in ("", "ai.onnx")
         and len(node.input) > 1 and node.input[1] not in constants
     )  # fmt: skip
+
+
+def _reduces_by_scatter(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a ``ScatterND`` with a reduction (a candidate of
+    :data:`~traingraph.runtime.rewrites.SCATTER_RULES`)."""
+    if node.op_type != "ScatterND" or node.domain not in ("", "ai.onnx"):
+        return False
+    return next((a.s for a in node.attribute if a.name == "reduction"), b"none") != b"none"
 
 
 def _becomes_col2im(
