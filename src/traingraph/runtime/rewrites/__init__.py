@@ -41,6 +41,10 @@ inferred shapes (with the ConvTranspose rules of :mod:`traingraph.runtime.rewrit
   MatMul runs it as a vectorized GEMV over contiguous rows, where its ReduceSum over leading
   axes walks the kept axis with a stride. The sums are the same, added in another order.
 
+and :data:`SCATTER_RULES` (``scatter_rows_as_elements``): a ``ScatterND`` with a reduction over
+rows is the same ``ScatterElements`` on axis 0, which applies every update in index order
+where onnxruntime's CPU ScatterND, with two threads or more, loses updates of repeated rows.
+
 Example:
     >>> model = apply(model, CUDA_RULES)  # doctest: +SKIP
     >>> modified = rules_pass(CUDA_FOLD_RULES)(ir_model).modified  # doctest: +SKIP

@@ -26,6 +26,9 @@ pass has a candidate (most segments); otherwise it is converted to onnx-ir once,
   both forms).
 - The rules of :mod:`traingraph.runtime.rewrites` for the CPU: a float32 ``ReduceSum`` over
   the leading axes of a static shape as ``MatMul(ones, X)`` between two Reshapes.
+- A ``ScatterND`` with a reduction over rows (indices ``[..., 1]``) as a ``ScatterElements`` on
+  axis 0 (:data:`traingraph.runtime.rewrites.SCATTER_RULES`): onnxruntime's CPU ScatterND
+  adds rows from several threads without ordering them and loses updates of repeated rows.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph (the onnx-ir pass
   :class:`traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`): onnxruntime blocks only Convs with
