@@ -8,9 +8,8 @@ import onnx
 import torch
 from torch import nn
 
-from torch_models import export, seeded
+from torch_models import export, seeded, train_curve
 from traingraph import artifacts, optim
-from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime.session import SessionConfig
 
 VOCAB, WIDTH, CLASSES = 40, 256, 5
@@ -32,20 +31,6 @@ class Tagger(nn.Module):
         return self.head(nn.functional.gelu(self.hidden(h)).mean(dim=1))
 
 
-def _run(directory, batches) -> tuple[list[float], dict[str, np.ndarray]]:
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    config = SessionConfig(intra_op_threads=2)
-    module = Module(directory / "training_model.onnx", state, session_config=config)
-    opt = Optimizer(directory / "optimizer_model.onnx", module)
-    module.train()
-    losses = []
-    for tokens, labels in batches:
-        losses.append(float(module(tokens, labels)))
-        opt.step()
-        module.lazy_reset_grad()
-    return losses, {name: p.data.copy() for name, p in state.parameters.items()}
-
-
 def test_two_runs_with_two_threads_give_the_same_bits(tmp_path) -> None:
     model = export(seeded(Tagger), torch.zeros(2, 64, dtype=torch.int64), training=True)
     artifacts.generate_artifacts(
@@ -58,7 +43,8 @@ def test_two_runs_with_two_threads_give_the_same_bits(tmp_path) -> None:
     batches = [
         (rng.integers(0, VOCAB, (64, 64)), rng.integers(0, CLASSES, 64)) for _ in range(4)
     ]
-    first, second = _run(tmp_path, batches), _run(tmp_path, batches)
+    config = SessionConfig(intra_op_threads=2)
+    first, second = (train_curve(tmp_path, batches, session_config=config) for _ in range(2))
     assert first[0] == second[0]
     for name, value in first[1].items():
         np.testing.assert_array_equal(value, second[1][name], err_msg=name)

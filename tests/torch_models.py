@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from traingraph import artifacts, optim
+from traingraph.api import CheckpointState, Module, Optimizer
+from traingraph.runtime.session import SessionConfig
 
 
 class MLP(nn.Module):
@@ -151,3 +153,25 @@ def residual_artifacts(directory: Path) -> Path:
         artifact_directory=directory,
     )
     return directory
+
+
+def train_curve(
+    directory: Path,
+    batches: list[tuple[np.ndarray, np.ndarray]],
+    device: str = "cpu",
+    session_config: SessionConfig | None = None,
+) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Train the artifacts in ``directory`` (``checkpoint``, ``training_model.onnx``,
+    ``optimizer_model.onnx``) one step per batch: the losses, and the parameters after."""
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(
+        directory / "training_model.onnx", state, device=device, session_config=session_config
+    )
+    opt = Optimizer(directory / "optimizer_model.onnx", module)
+    module.train()
+    losses = []
+    for x, y in batches:
+        losses.append(float(module(x, y)))
+        opt.step()
+        module.lazy_reset_grad()
+    return losses, {name: p.data.copy() for name, p in state.parameters.items()}

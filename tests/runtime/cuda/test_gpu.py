@@ -29,6 +29,7 @@ from torch_models import (
     classification_data,
     export,
     seeded,
+    train_curve,
 )
 from traingraph import artifacts, optim
 from traingraph import layers as L
@@ -91,14 +92,7 @@ def _batches(shape: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def _curve(directory, device: str, batches) -> tuple[list[float], dict[str, np.ndarray]]:
-    state, module, opt = _open(directory, device)
-    module.train()
-    losses = []
-    for x, y in batches:
-        losses.append(float(module(x, y)))
-        opt.step()
-        module.lazy_reset_grad()
-    return losses, {n: p.data for n, p in state.parameters.items()}
+    return train_curve(directory, batches, device)
 
 
 def test_cuda_without_provider_names_the_fix(monkeypatch) -> None:
