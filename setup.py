@@ -37,6 +37,7 @@ setup(
                 "src/traingraph/runtime/csrc/permute.h",
                 "src/traingraph/runtime/csrc/clip.h",
                 "src/traingraph/runtime/csrc/maxpool.h",
+                "src/traingraph/runtime/csrc/activation_grads.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

@@ -1890,6 +1890,7 @@ done:
 #include "permute.h"
 #include "clip.h"
 #include "maxpool.h"
+#include "activation_grads.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1905,6 +1906,8 @@ static PyMethodDef methods[] = {
     {"permute", permute, METH_VARARGS, permute_doc},
     {"clip_grad", clip_grad, METH_VARARGS, clip_grad_doc},
     {"max_pool_grad", max_pool_grad, METH_VARARGS, max_pool_grad_doc},
+    {"hardswish_grad", hardswish_grad, METH_VARARGS, hardswish_grad_doc},
+    {"silu_grad", silu_grad, METH_VARARGS, silu_grad_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1914,6 +1917,6 @@ PyMODINIT_FUNC PyInit__convc(void)
                        "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
                        " convolutions' weight gradients, max-pool gradient routing, batch-norm"
                        " gradients, Dropout masks, column sums, Winograd convolutions, GELU and"
-                       " layer-norm gradients, axis permutations, Clip gradients.",
+                       " layer-norm gradients, axis permutations, Clip, HardSwish and SiLU gradients.",
                        methods);
 }

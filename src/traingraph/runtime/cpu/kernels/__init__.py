@@ -33,6 +33,7 @@ import onnx
 from traingraph.errors import ModelError
 from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.cpu.kernels.activation_grads import split_hardswish_grads, split_silu_grads
 from traingraph.runtime.cpu.kernels.batch_norm import split_batch_norm_grads, split_max_pool_grads
 from traingraph.runtime.cpu.kernels.bn_forward import split_batch_norm_forwards
 from traingraph.runtime.cpu.kernels.clip_grad import split_clip_grads
@@ -151,6 +152,8 @@ REGISTRY: tuple[KernelSpec, ...] = (
     KernelSpec("flipped_filter", lambda s: list(split_flipped_filters(s.model, s.taken)), None),
     KernelSpec("gelu", lambda s: list(split_gelus(s.model, s.taken, s.read)), None),
     KernelSpec("clip_grad", lambda s: list(split_clip_grads(s.model, s.taken)), None),
+    KernelSpec("hardswish_grad", lambda s: list(split_hardswish_grads(s.model, s.taken)), None),
+    KernelSpec("silu_grad", lambda s: list(split_silu_grads(s.model, s.taken)), None),
     KernelSpec(
         "layer_norm_grad",
         lambda s: list(split_layer_norm_grads(s.model, s.taken)),

@@ -1,0 +1,294 @@
+"""The input gradients of HardSwish and SiLU, one native pass each on the CPU.
+
+The autodiff rules write them as chains of elementwise ops, and onnxruntime makes one pass over
+the activation per op:
+
+- ``HardSwish`` (:func:`traingraph.autodiff.rules.elementwise.hard_swish`):
+  ``Mul(g, Where(Less(x, -3), 0, Where(Greater(x, 3), 1, Add(Div(x, 3), 0.5))))``, seven
+  passes, two of them onnxruntime's Where with a scalar branch, the slowest of its elementwise
+  kernels (MobileNetV3 has one HardSwish per block and a large one after its stem).
+- SiLU, ``x * Sigmoid(x)`` as exported (EfficientNet has two per block): the Mul's and the
+  Sigmoid's rules give ``Sum(Mul(g, s), Mul(Mul(g, x), Mul(s, Sub(1, s))))``, six passes.
+
+:class:`HardSwishGrad` and :class:`SiluGrad` compute the same float operations in the same
+order in one pass (``_convc.hardswish_grad``, ``_convc.silu_grad``; no fused multiply-adds), so
+each element is the graph's, NaN and infinities included; the load-time check
+(:func:`traingraph.runtime.cpu.verify.verified_kernels`) compares the two. The matchers take
+any one-element float32 constants in the HardSwish form (the rule's -3, 3, 0, 1, 3 and 0.5 are
+not assumed) and either operand order of each Mul and of the Sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
+
+Shapes = Mapping[str, list[int | None]]
+
+
+@dataclass(frozen=True)
+class HardSwishGrad(OneOutput):
+    """``out = g * Where(x < lo, below, Where(x > hi, above, x / divisor + offset))``.
+
+    Attributes:
+        x: The HardSwish's input.
+        g: The gradient of its output, of ``x``'s shape.
+        out: The gradient of ``x``.
+        lo: The bound below which the slope is ``below`` (-3 in the rule).
+        hi: The bound above which the slope is ``above`` (3).
+        below: The slope below ``lo`` (0).
+        above: The slope above ``hi`` (1).
+        divisor: ``x``'s divisor in the slope between the bounds (3).
+        offset: The offset of that slope (0.5).
+    """
+
+    x: str
+    g: str
+    out: str
+    lo: float
+    hi: float
+    below: float
+    above: float
+    divisor: float
+    offset: float
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.g]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        x, g = _same_shape(self.out, values, [self.x, self.g])
+        assert NATIVE is not None
+        target = output_array(out, self.out, x.shape)
+        constants = (self.lo, self.hi, self.below, self.above, self.divisor, self.offset)
+        NATIVE.hardswish_grad(x, g, target, *constants, threads)
+
+
+@dataclass(frozen=True)
+class SiluGrad(OneOutput):
+    """``out = g s + (g x) (s (1 - s))``: the input gradient of ``x * s``, ``s = Sigmoid(x)``.
+
+    Attributes:
+        x: The Sigmoid's input (the Mul's other operand).
+        s: The Sigmoid's output.
+        g: The gradient of the Mul's output, of ``x``'s shape.
+        out: The gradient of ``x``.
+    """
+
+    x: str
+    s: str
+    g: str
+    out: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.s, self.g]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        x, s, g = _same_shape(self.out, values, [self.x, self.s, self.g])
+        assert NATIVE is not None
+        NATIVE.silu_grad(x, s, g, output_array(out, self.out, x.shape), threads)
+
+
+def _same_shape(out: str, values: Arrays, names: list[str]) -> list[np.ndarray]:
+    arrays = [values[n] for n in names]
+    if any(a.shape != arrays[0].shape for a in arrays):
+        shapes = ", ".join(f"{n} {list(a.shape)}" for n, a in zip(names, arrays))
+        raise ValueError(
+            f"activation gradient {out!r}: {shapes}; expected one shape (the graph's"
+            " elementwise form without broadcasting)"
+        )
+    return arrays
+
+
+def split_hardswish_grads(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[HardSwishGrad, set[int]]]:
+    """Each HardSwish input gradient of the rule's form in float32 ``model`` whose intermediate
+    values only it reads, as a :class:`HardSwishGrad` with the indices of its seven nodes (none
+    in ``taken``), checked numerically. ``[]`` where the extension is missing or nothing
+    matches."""
+    if not graph_match.can_match(model, "hardswish_grad", "Where"):
+        return []
+    g = graph_match.GraphIndex.of(model.graph)
+    constants = graph_match.constant_values(model.graph)
+    shapes = graph_match.inferred_shapes(model)
+    matches = []
+    for i, node in enumerate(g.nodes):
+        if i not in taken and node.op_type == "Mul" and node.domain in ("", "ai.onnx"):
+            match = _hardswish(g, i, constants, shapes, taken)
+            if match is not None:
+                matches.append(match)
+    return verify.verified_kernels(model, g, matches, shapes)
+
+
+def split_silu_grads(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[SiluGrad, set[int]]]:
+    """Each input gradient of ``x * Sigmoid(x)`` in float32 ``model`` of the rules' form whose
+    intermediate values only it reads, as a :class:`SiluGrad` with the indices of its six nodes
+    (none in ``taken``), checked numerically. ``[]`` where the extension is missing or nothing
+    matches."""
+    if not graph_match.can_match(model, "silu_grad", "Sigmoid"):
+        return []
+    g = graph_match.GraphIndex.of(model.graph)
+    constants = graph_match.constant_values(model.graph)
+    shapes = graph_match.inferred_shapes(model)
+    matches = []
+    for node in g.nodes:
+        if node.op_type == "Sigmoid" and node.domain in ("", "ai.onnx"):
+            match = _silu(g, node, constants, shapes, taken)
+            if match is not None:
+                matches.append(match)
+    return verify.verified_kernels(model, g, matches, shapes)
+
+
+def _float(constants: Mapping[str, np.ndarray], name: str) -> float | None:
+    """``name``'s value where it is a float32 constant of one element, else None."""
+    value = constants.get(name)
+    if value is None or value.dtype != np.float32 or value.size != 1:
+        return None
+    return float(value.reshape(-1)[0])
+
+
+def _fill(constants: Mapping[str, np.ndarray], name: str) -> float | None:
+    """A Where's constant branch: onnxruntime's Where writes a -0.0 scalar as 0.0, so -0.0 is
+    not taken."""
+    value = _float(constants, name)
+    return None if value is None or (value == 0.0 and np.signbit(value)) else value
+
+
+def _inner(
+    g: graph_match.GraphIndex, value: str, op_type: str, reader: int, taken: Set[int]
+) -> tuple[int, onnx.NodeProto] | None:
+    """``value``'s producer where it is an ``op_type`` node whose output only ``reader``
+    reads."""
+    found = g.produced_by(value, op_type, taken)
+    if found is None or g.only_reader(value, taken) != reader:
+        return None
+    return found
+
+
+def _one_shape(shapes: Shapes, *names: str) -> bool:
+    """Whether the values have one known shape (no broadcasting in the elementwise form)."""
+    first = shapes.get(names[0])
+    return first is not None and all(shapes.get(n) == first for n in names[1:])
+
+
+def _hardswish(
+    g: graph_match.GraphIndex,
+    i: int,
+    constants: Mapping[str, np.ndarray],
+    shapes: Shapes,
+    taken: Set[int],
+) -> tuple[HardSwishGrad, set[int]] | None:
+    mul = g.nodes[i]
+    for grad, slope in (tuple(mul.input), tuple(reversed(mul.input))):
+        outer = _inner(g, slope, "Where", i, taken)
+        if outer is None:
+            continue
+        outer_i, outer_node = outer
+        less = _inner(g, outer_node.input[0], "Less", outer_i, taken)
+        upper = _inner(g, outer_node.input[2], "Where", outer_i, taken)
+        if less is None or upper is None:
+            continue
+        x = less[1].input[0]
+        greater = _inner(g, upper[1].input[0], "Greater", upper[0], taken)
+        add = _inner(g, upper[1].input[2], "Add", upper[0], taken)
+        if greater is None or add is None or greater[1].input[0] != x:
+            continue
+        div_value, offset_value = add[1].input
+        div = _inner(g, div_value, "Div", add[0], taken)
+        if div is None:
+            div_value, offset_value = offset_value, div_value
+            div = _inner(g, div_value, "Div", add[0], taken)
+        if div is None or div[1].input[0] != x:
+            continue
+        scalars = (
+            _float(constants, less[1].input[1]),
+            _float(constants, greater[1].input[1]),
+            _fill(constants, outer_node.input[1]),
+            _fill(constants, upper[1].input[1]),
+            _float(constants, div[1].input[1]),
+            _float(constants, offset_value),
+        )
+        if any(v is None for v in scalars) or not _one_shape(shapes, x, grad, mul.output[0]):
+            continue
+        lo, hi, below, above, divisor, offset = (float(v) for v in scalars if v is not None)
+        kernel = HardSwishGrad(x, grad, mul.output[0], lo, hi, below, above, divisor, offset)
+        nodes = {i, outer_i, less[0], upper[0], greater[0], add[0], div[0]}
+        return kernel, nodes
+    return None
+
+
+def _silu(
+    g: graph_match.GraphIndex,
+    sigmoid: onnx.NodeProto,
+    constants: Mapping[str, np.ndarray],
+    shapes: Shapes,
+    taken: Set[int],
+) -> tuple[SiluGrad, set[int]] | None:
+    x, s = sigmoid.input[0], sigmoid.output[0]
+    readers = {j: g.nodes[j] for j in g.consumers.get(s, ()) if j not in taken}
+    # (1 - s) and its product with s: the Sigmoid's slope
+    subs = [
+        j for j, n in readers.items()
+        if n.op_type == "Sub" and n.input[1] == s and _float(constants, n.input[0]) == 1.0
+    ]  # fmt: skip
+    for sub_i in subs:
+        slope = _reader(g, g.nodes[sub_i].output[0], "Mul", taken)
+        if slope is None or set(slope[1].input) != {s, g.nodes[sub_i].output[0]}:
+            continue
+        # (g x) times the slope, and g s beside it, summed into x's gradient
+        through = _reader(g, slope[1].output[0], "Mul", taken)
+        if through is None:
+            continue
+        gx = _other(through[1], slope[1].output[0])
+        gx_node = _inner(g, gx, "Mul", through[0], taken) if gx else None
+        if gx_node is None or x not in gx_node[1].input:
+            continue
+        grad = _other(gx_node[1], x)
+        total = _reader(g, through[1].output[0], "Sum", taken) or _reader(
+            g, through[1].output[0], "Add", taken
+        )
+        if grad is None or total is None or len(total[1].input) != 2:
+            continue
+        direct_value = _other(total[1], through[1].output[0])
+        direct = _inner(g, direct_value, "Mul", total[0], taken) if direct_value else None
+        if direct is None or sorted(direct[1].input) != sorted([grad, s]):
+            continue
+        out = total[1].output[0]
+        if not _one_shape(shapes, x, s, grad, out):
+            continue
+        nodes = {sub_i, slope[0], through[0], gx_node[0], total[0], direct[0]}
+        return SiluGrad(x, s, grad, out), nodes
+    return None
+
+
+def _reader(
+    g: graph_match.GraphIndex, value: str, op_type: str, taken: Set[int]
+) -> tuple[int, onnx.NodeProto] | None:
+    """The one reader of ``value`` where it is a default-domain ``op_type`` node."""
+    j = g.only_reader(value, taken)
+    if j is None:
+        return None
+    node = g.nodes[j]
+    return (j, node) if node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def _other(node: onnx.NodeProto, value: str) -> str | None:
+    """The other input of the two-input ``node`` that reads ``value`` once."""
+    if len(node.input) != 2 or list(node.input).count(value) != 1:
+        return None
+    return node.input[1] if node.input[0] == value else node.input[0]
+
+
+__all__ = ["HardSwishGrad", "SiluGrad", "split_hardswish_grads", "split_silu_grads"]

@@ -1,0 +1,138 @@
+"""The HardSwish and SiLU input gradients as one native pass each: found in the graphs the
+autodiff rules write, equal to them element for element (NaN, infinities and the bounds
+included), and Module's train steps equal with the kernels and without."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from gradcheck import adamw_artifacts, artifact_steps, assert_same_training
+from torch_models import export, seeded
+from traingraph.runtime.cpu import native
+from traingraph.runtime.cpu.kernels import activation_grads
+
+pytestmark = pytest.mark.skipif(
+    native.NATIVE is None or not hasattr(native.NATIVE, "silu_grad"),
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+
+class Net(nn.Module):
+    """Linear, an activation, Linear."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.act = nn.Hardswish() if act == "hardswish" else nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+KINDS = {"hardswish": activation_grads.HardSwishGrad, "silu": activation_grads.SiluGrad}
+SPLIT = {
+    "hardswish": activation_grads.split_hardswish_grads,
+    "silu": activation_grads.split_silu_grads,
+}
+
+
+def _training_model(tmp_path, act: str) -> onnx.ModelProto:
+    directory = adamw_artifacts(tmp_path, export(seeded(Net, act=act), torch.zeros(2, 6)))
+    return onnx.load(directory / "training_model.onnx")
+
+
+def _replaced(model: onnx.ModelProto, nodes: set[int], kernel) -> onnx.ModelProto:
+    """The model of the nodes a match replaces, reading the kernel's inputs."""
+    graph = model.graph
+    chosen = [graph.node[i] for i in sorted(nodes)]
+    read = {v for n in chosen for v in n.input}
+    made = {v for n in chosen for v in n.output}
+    constants = [t for t in graph.initializer if t.name in read]
+    constants += [n for n in graph.node if n.op_type == "Constant" and n.output[0] in read - made]
+    nodes_out = [n for n in constants if isinstance(n, onnx.NodeProto)] + chosen
+    initializers = [t for t in constants if isinstance(t, onnx.TensorProto)]
+    f = onnx.TensorProto.FLOAT
+    inputs = [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.inputs]
+    outputs = [onnx.helper.make_tensor_value_info(kernel.out, f, None)]
+    sub = onnx.helper.make_graph(nodes_out, "match", inputs, outputs, initializer=initializers)
+    return onnx.helper.make_model(sub, opset_imports=model.opset_import)
+
+
+def _inputs(kernel, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    values = {v: rng.standard_normal((7, 16)).astype(np.float32) * 4 for v in kernel.inputs}
+    x = values[kernel.x].reshape(-1)
+    x[:9] = [np.nan, np.inf, -np.inf, 3.0, -3.0, 0.0, -0.0, 2.9999998, -3.0000002]
+    values[kernel.g].reshape(-1)[9:12] = [np.nan, np.inf, -np.inf]
+    if isinstance(kernel, activation_grads.SiluGrad):
+        s = 1 / (1 + np.exp(-values[kernel.x].astype(np.float64)))
+        values[kernel.s] = s.astype(np.float32)
+    return values
+
+
+@pytest.mark.parametrize("act", ["hardswish", "silu"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_rules_form_is_found_and_computed_exactly(tmp_path, act, threads):
+    model = _training_model(tmp_path, act)
+    found = SPLIT[act](model)
+    assert len(found) == 1
+    kernel, nodes = found[0]
+    assert isinstance(kernel, KINDS[act])
+    assert len(nodes) == (7 if act == "hardswish" else 6)
+    session = ort.InferenceSession(
+        _replaced(model, nodes, kernel).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    for seed in range(3):
+        values = _inputs(kernel, seed)
+        want = session.run(None, values)[0]
+        out: dict[str, np.ndarray] = {}
+        kernel.compute(values, out, threads)
+        got = out[kernel.out]
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)
+        assert np.array_equal(got[finite], want[finite])  # bit for bit, infinities included
+        assert np.array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+
+
+def test_kernels_write_in_place_and_reject_mismatched_shapes():
+    x = np.linspace(-5, 5, 40, dtype=np.float32).reshape(4, 10)
+    g = np.ones_like(x)
+    kernel = activation_grads.HardSwishGrad("x", "g", "dx", -3.0, 3.0, 0.0, 1.0, 3.0, 0.5)
+    target = np.full_like(x, np.nan)
+    out = {"dx": target}
+    kernel.compute({"x": x, "g": g}, out, 2)
+    assert out["dx"] is target
+    at = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    nn.functional.hardswish(at).backward(torch.ones_like(at))
+    np.testing.assert_allclose(target, at.grad.numpy(), rtol=1e-6, atol=1e-7)
+    silu = activation_grads.SiluGrad("x", "s", "g", "dx")
+    with pytest.raises(ValueError, match=r"s \[4, 5\]"):
+        silu.compute({"x": x, "s": x[:, :5].copy(), "g": g}, {}, 1)
+
+
+def test_intermediate_values_read_elsewhere_stay_in_the_graph(tmp_path):
+    model = _training_model(tmp_path, "hardswish")
+    _, nodes = activation_grads.split_hardswish_grads(model)[0]
+    where = next(model.graph.node[i] for i in nodes if model.graph.node[i].op_type == "Where")
+    model.graph.node.append(onnx.helper.make_node("Identity", [where.output[0]], ["copy"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("copy", 1, None))
+    assert activation_grads.split_hardswish_grads(model) == []
+
+
+@pytest.mark.parametrize("act", ["hardswish", "silu"])
+def test_module_trains_as_the_graph_does(tmp_path, act):
+    directory = adamw_artifacts(tmp_path, export(seeded(Net, act=act), torch.zeros(2, 6)))
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
+        for n in (5, 5, 3)  # the batch changes: the kernel's output follows it
+    ]
+    name = f"{act}_grad"
+    got = artifact_steps(directory, batches, KINDS[act])
+    expected = artifact_steps(directory, batches, KINDS[act], without=name)
+    assert_same_training(got, expected)
