@@ -247,3 +247,91 @@ def test_scatters_without_a_reduction_or_of_elements_stay():
     for model in (_scatter_model("none"), _scatter_model("add", index_depth=2)):
         source = model.SerializeToString()
         assert "ScatterND" in _ops(onnx.load_from_string(for_cpu(source)))
+
+
+def _one_row_scatter(index: int, reduction: str = "add") -> onnx.ModelProto:
+    """``scatter_add_rows`` of the Gather gradient for one index: ``g`` ``[n, 5]`` added into
+    row ``index mod D`` of zeros ``[D, n * 5]``, the depth read from ``x`` ``[D, n, 5]`` at run
+    time (shape inference leaves the scattered values' shapes open)."""
+
+    def ints(name: str, *values: int) -> onnx.NodeProto:
+        tensor = helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+        return helper.make_node("Constant", [], [name], value=tensor)
+
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    nodes = [
+        helper.make_node("Constant", [], ["index"], value=helper.make_tensor(
+            "index", TensorProto.INT64, [], [index])),
+        helper.make_node("Constant", [], ["zero"], value=zero),
+        ints("minus_one", -1), ints("one", 1), ints("begin", 0), ints("end", 1), ints("axis", 0),
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "zero_i"], ["depth_scalar"]),
+        helper.make_node("Mod", ["index", "depth_scalar"], ["wrapped"]),
+        helper.make_node("Reshape", ["wrapped", "minus_one"], ["flat"]),
+        helper.make_node("Shape", ["flat"], ["count"]),
+        helper.make_node("Concat", ["count", "minus_one"], ["rows_shape"], axis=0),
+        helper.make_node("Reshape", ["g", "rows_shape"], ["rows"]),
+        helper.make_node("Slice", ["x_shape", "begin", "end", "axis"], ["depth"]),
+        helper.make_node("Shape", ["rows"], ["width"], start=1, end=2),
+        helper.make_node("Concat", ["depth", "width"], ["table_shape"], axis=0),
+        helper.make_node("Expand", ["zero", "table_shape"], ["table"]),
+        helper.make_node("Unsqueeze", ["flat", "one"], ["column"]),
+        helper.make_node("Shape", ["rows"], ["rows_dims"]),
+        helper.make_node("Expand", ["column", "rows_dims"], ["positions"]),
+        helper.make_node(
+            "ScatterElements", ["table", "positions", "rows"], ["y"], axis=0, reduction=reduction
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes, "one_row",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["d", "n", 5]),
+         helper.make_tensor_value_info("g", TensorProto.FLOAT, ["n", 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[helper.make_tensor("zero_i", TensorProto.INT64, [], [0])],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_one_row_scatter_into_zeros_becomes_a_where_with_the_same_values():
+    # a Gather of one position (qkv[0] of an exported attention) has this gradient where the
+    # axis is not static; onnxruntime's ScatterElements walks the row on one thread
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((7, 5)).astype(np.float32)
+    g.reshape(-1)[:5] = [np.nan, np.inf, -np.inf, -0.0, 0.0]
+    x = np.zeros((3, 7, 5), np.float32)
+    for index in (0, 2, -1, -3):
+        for reduction in ("add", "none"):
+            model = _one_row_scatter(index, reduction)
+            rewritten = onnx.load_from_string(for_cpu(model.SerializeToString()))
+            assert "ScatterElements" not in _ops(rewritten) and "Where" in _ops(rewritten)
+            assert "Expand" not in _ops(rewritten)  # the table is not filled any more
+            onnx.checker.check_model(rewritten, full_check=True)
+            for threads in (1, 2):
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = threads
+                sessions = [
+                    ort.InferenceSession(m.SerializeToString(), options,
+                                         providers=["CPUExecutionProvider"])
+                    for m in (model, rewritten)
+                ]  # fmt: skip
+                want, got = (s.run(None, {"x": x, "g": g})[0] for s in sessions)
+                assert got.shape == want.shape == (3, 35)
+                assert np.array_equal(got, want, equal_nan=True)
+                assert np.array_equal(np.signbit(got), np.signbit(want))  # -0.0 as the scatter
+
+
+def test_scatters_of_several_rows_or_other_tables_stay():
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    several = _one_row_scatter(1)
+    flat = next(n for n in several.graph.node if n.output[0] == "flat")
+    flat.input[0] = "indices"  # two indices: their rows go to one table row each
+    several.graph.node.insert(0, helper.make_node(
+        "Constant", [], ["indices"],
+        value=helper.make_tensor("indices", TensorProto.INT64, [2], [0, 1])))  # fmt: skip
+    multiplied = _one_row_scatter(1, "mul")
+    for model in (several, multiplied):
+        rewritten = for_cpu(model.SerializeToString())
+        assert "ScatterElements" in _ops(onnx.load_from_string(rewritten))

@@ -29,6 +29,9 @@ pass has a candidate (most segments); otherwise it is converted to onnx-ir once,
 - A ``ScatterND`` with a reduction over rows (indices ``[..., 1]``) as a ``ScatterElements`` on
   axis 0 (:data:`traingraph.runtime.rewrites.SCATTER_RULES`): onnxruntime's CPU ScatterND
   adds rows from several threads without ordering them and loses updates of repeated rows.
+  A ``ScatterElements`` that adds one row into a constant-filled table (a Gather of one
+  position's gradient) as a broadcast ``Where``: one parallel pass where onnxruntime fills the
+  table, then walks the row on one thread.
 - A Conv whose filter is a graph input (a parameter, or a filter computed from one) runs in
   onnxruntime's blocked NCHWc kernels, with the filter reordered in the graph (the onnx-ir pass
   :class:`traingraph.runtime.rewrites.nchwc.ConvsAsNchwc`): onnxruntime blocks only Convs with
@@ -133,7 +136,7 @@ def for_cpu(source: Source) -> Source:
     it. Where shape inference fails, the model stays; where the conversion fails, its
     ConvTransposes do.
     """
-    if not _mentions(source, (b"Conv", b"ReduceSum", b"ScatterND")):
+    if not _mentions(source, (b"Conv", b"ReduceSum", b"Scatter")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = constant_tensors(proto.graph)
@@ -155,6 +158,8 @@ def for_cpu(source: Source) -> Source:
     # the shapes the passes read: the inputs of the candidates (the rest costs a conversion)
     read = {v for n in proto.graph.node if _cpu_candidate(n, constants) for v in n.input}
     read.update(v.name for v in given)
+    if scatters:
+        read.update(_scatter_reads(proto.graph))
     kept = [v for v in proto.graph.value_info if v.name in read]
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(kept)
@@ -187,6 +192,8 @@ def cpu_passes(
         *(conv_transpose.RULES if col2im else ()),
     ]
     passes: list[ir.passes.PassBase] = [rewrites.rules_pass(rules)] if rules else []
+    if scatters:  # the one-row scatter's table and positions, read by nothing else now
+        passes.append(ir.passes.common.RemoveUnusedNodesPass())
     if blocked:
         passes.append(nchwc.ConvsAsNchwc())
     return ir.passes.PassManager(passes)
@@ -204,11 +211,37 @@ def _cpu_candidate(node: onnx.NodeProto, constants: Mapping[str, onnx.TensorProt
 
 
 def _reduces_by_scatter(node: onnx.NodeProto) -> bool:
-    """Whether ``node`` is a ``ScatterND`` with a reduction (a candidate of
-    :data:`~traingraph.runtime.rewrites.SCATTER_RULES`)."""
-    if node.op_type != "ScatterND" or node.domain not in ("", "ai.onnx"):
+    """Whether ``node`` is a candidate of :data:`~traingraph.runtime.rewrites.SCATTER_RULES`:
+    a ``ScatterND`` with a reduction, or a ``ScatterElements`` that adds or writes."""
+    if node.op_type not in ("ScatterND", "ScatterElements") or node.domain not in ("", "ai.onnx"):
         return False
-    return next((a.s for a in node.attribute if a.name == "reduction"), b"none") != b"none"
+    reduction = next((a.s for a in node.attribute if a.name == "reduction"), b"none")
+    if node.op_type == "ScatterND":
+        return reduction != b"none"
+    return reduction in (b"add", b"none")
+
+
+def _scatter_reads(graph: onnx.GraphProto) -> set[str]:
+    """The values whose shapes ``one_row_scatter_as_where`` reads beside a ScatterElements'
+    inputs (:func:`traingraph.runtime.rewrites._one_row_parts`): the index and the table's
+    depth, two nodes above it."""
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def above(value: str, op_type: str, k: int) -> str | None:
+        node = producer.get(value)
+        if node is None or node.op_type != op_type or len(node.input) <= k:
+            return None
+        return node.input[k]
+
+    read: set[str] = set()
+    for node in graph.node:
+        if node.op_type == "ScatterElements" and len(node.input) == 3:
+            column = above(node.input[1], "Expand", 0)
+            flat = above(column, "Unsqueeze", 0) if column else None
+            shape = above(node.input[0], "Expand", 1)
+            depth = above(shape, "Concat", 0) if shape else None
+            read.update(v for v in (flat, depth) if v)
+    return read
 
 
 def _becomes_col2im(
