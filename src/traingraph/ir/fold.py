@@ -241,6 +241,69 @@ def fold_shape_computations(graph: ir.Graph) -> bool:
     return True
 
 
+_BIASED_OPS = {"Conv": 2, "ConvTranspose": 2, "Gemm": 2}
+"""Ops with an optional bias input, and its position."""
+_ZERO_PRESERVING = frozenset({"Expand", "Cast", "CastLike", "Identity", "Reshape", "Unsqueeze"})
+"""Ops whose output is all zeros where their first input is."""
+
+
+def drop_zero_biases(graph: ir.Graph) -> int:
+    """Remove the bias input of each ``Conv``, ``ConvTranspose`` and ``Gemm`` whose bias is
+    zeros computed from constants, and the nodes left without readers.
+
+    Exporters give a convolution without a bias one filled with zeros (the dynamo exporter:
+    ``Expand(CastLike(0, x), [C])``); the providers then add it to every output element, a
+    full pass over the output for nothing. Adding zeros changes no value but a ``-0`` (to
+    ``+0``), NaN and infinities included (a provider's kernel may still round differently
+    where it adds a bias inside its accumulation). Initializers are never taken for such a
+    bias: a zero initializer may be a parameter, which training moves.
+
+    Returns:
+        How many bias inputs were removed.
+    """
+    removed = 0
+    for node in list(graph):
+        position = _BIASED_OPS.get(node.op_type)
+        if position is None or node.domain not in ("", "ai.onnx"):
+            continue
+        if len(node.inputs) <= position or not _is_computed_zeros(node.inputs[position]):
+            continue
+        bias = node.inputs[position]
+        node.resize_inputs(position)
+        _remove_if_unused(graph, bias)
+        removed += 1
+    return removed
+
+
+def _remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
+    """Remove the node computing ``value`` where nothing reads it, then its inputs' likewise."""
+    node = None if value is None else value.producer()
+    if node is None or any(o.uses() or o.is_graph_output() for o in node.outputs):
+        return
+    inputs = list(node.inputs)
+    graph.remove(node, safe=True)
+    for v in inputs:
+        _remove_if_unused(graph, v)
+
+
+def _is_computed_zeros(value: ir.Value | None, depth: int = _MAX_DEPTH) -> bool:
+    """Whether ``value`` is all zeros, computed from ``Constant`` nodes (not initializers)."""
+    if value is None or depth == 0 or value.is_graph_input() or value.is_initializer():
+        return False
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "Constant":
+        array = constant_attribute_value(node)
+        return array is not None and array.dtype != object and not np.any(array)
+    if node.op_type == "ConstantOfShape":
+        attr = node.attributes.get("value")
+        return attr is None or not np.any(attr.value.numpy())
+    if node.op_type in _ZERO_PRESERVING:
+        return _is_computed_zeros(node.inputs[0] if node.inputs else None, depth - 1)
+    return False
+
+
 def _reads_shapes(value: ir.Value, memo: dict[ir.Value, bool]) -> bool:
     """Whether ``value`` is computed from a ``Shape`` or ``Size`` with nothing but constants,
     integer initializers and the evaluable ops besides (no floating-point initializer)."""

@@ -13,7 +13,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.errors import ModelError
-from traingraph.ir.fold import densify_sparse_constants, fold_shape_computations
+from traingraph.ir.fold import densify_sparse_constants, drop_zero_biases, fold_shape_computations
 
 ModelLike: TypeAlias = "str | os.PathLike[str] | onnx.ModelProto | ir.Model"
 
@@ -68,6 +68,7 @@ def _prepare(m: ir.Model, *, infer_shapes: bool) -> None:
     if m.functions:
         common_passes.InlinePass()(m)
         common_passes.RemoveUnusedFunctionsPass()(m)
+    drop_zero_biases(m.graph)  # an exporter's zero bias is an addition over every output
     if infer_shapes:
         infer_shapes_in_place(m)
         if fold_shape_computations(m.graph):  # shapes behind computed Slice bounds, Resize sizes
