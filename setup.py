@@ -38,6 +38,7 @@ setup(
                 "src/traingraph/runtime/csrc/clip.h",
                 "src/traingraph/runtime/csrc/maxpool.h",
                 "src/traingraph/runtime/csrc/activation_grads.h",
+                "src/traingraph/runtime/csrc/depthwise.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

@@ -1891,6 +1891,7 @@ done:
 #include "clip.h"
 #include "maxpool.h"
 #include "activation_grads.h"
+#include "depthwise.h"
 
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
@@ -1908,6 +1909,8 @@ static PyMethodDef methods[] = {
     {"max_pool_grad", max_pool_grad, METH_VARARGS, max_pool_grad_doc},
     {"hardswish_grad", hardswish_grad, METH_VARARGS, hardswish_grad_doc},
     {"silu_grad", silu_grad, METH_VARARGS, silu_grad_doc},
+    {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,
+     depthwise_conv_transpose_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1917,6 +1920,7 @@ PyMODINIT_FUNC PyInit__convc(void)
                        "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
                        " convolutions' weight gradients, max-pool gradient routing, batch-norm"
                        " gradients, Dropout masks, column sums, Winograd convolutions, GELU and"
-                       " layer-norm gradients, axis permutations, Clip, HardSwish and SiLU gradients.",
+                       " layer-norm gradients, axis permutations, Clip, HardSwish and SiLU gradients, depthwise"
+                       " transposed convolutions.",
                        methods);
 }

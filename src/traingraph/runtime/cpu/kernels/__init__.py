@@ -38,6 +38,7 @@ from traingraph.runtime.cpu.kernels.batch_norm import split_batch_norm_grads, sp
 from traingraph.runtime.cpu.kernels.bn_forward import split_batch_norm_forwards
 from traingraph.runtime.cpu.kernels.clip_grad import split_clip_grads
 from traingraph.runtime.cpu.kernels.col2im import split_col2ims
+from traingraph.runtime.cpu.kernels.depthwise import split_depthwise_conv_transposes
 from traingraph.runtime.cpu.kernels.direct_conv import split_direct_convs
 from traingraph.runtime.cpu.kernels.flipped_filter import split_flipped_filters
 from traingraph.runtime.cpu.kernels.gelu import split_gelus
@@ -158,6 +159,11 @@ REGISTRY: tuple[KernelSpec, ...] = (
         "layer_norm_grad",
         lambda s: list(split_layer_norm_grads(s.model, s.taken)),
         "layer_norm_grad",
+    ),
+    KernelSpec(
+        "depthwise_conv_transpose",
+        lambda s: list(split_depthwise_conv_transposes(s.model, s.taken)),
+        "conv_input_grad",
     ),
     KernelSpec("col2im", _col2ims, "conv_input_grad"),
 )
