@@ -2,17 +2,21 @@
 
 ``--write DIR`` writes the artifacts of zoo model ``--model`` (``benchmarks/zoo.py``, from its
 cache entry) with the traingraph that is imported, so that a second checkout's ``src`` on
-``PYTHONPATH`` writes the other side. Without it, the artifacts ``--a`` and ``--b`` are loaded
-with the installed runtime and run with torch eager (the entry's weights, batches and
-optimizer) in turn, step by step; the median wall and CPU ms per step of each are printed, then
-each side's loss after the same steps. With ``--profile``, onnxruntime's time by op type of
-side B (the profiler's overhead is in the step times then).
+``PYTHONPATH`` writes the other side. Without it, the artifacts ``--a`` and ``--b`` (``--a``
+again where not given) are loaded with the installed runtime and run with torch eager (the
+entry's weights, batches and optimizer) in turn, step by step; the median wall and CPU ms per
+step of each are printed, then each side's loss after the same steps. ``--a-without NAMES``
+leaves native kernels (``traingraph.runtime.cpu.kernels.names()``) or CPU rewrite rules (their
+names in ``traingraph.runtime.rewrites``) out of side A, to time a runtime change on the same
+artifacts. With ``--profile``, onnxruntime's time by op type of side B (the profiler's overhead
+is in the step times then).
 
 Run from the repository root::
 
     PYTHONPATH=OLD/src python benchmarks/zoo_ab.py --model lstm_tagger --write A
     python benchmarks/zoo_ab.py --model lstm_tagger --write B
     python benchmarks/zoo_ab.py --model lstm_tagger --a A --b B --threads 1
+    python benchmarks/zoo_ab.py --model vit_tiny --a B --a-without one_row_scatter_as_where
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="lstm_tagger", choices=list(zoo.BENCH_MODELS))
     parser.add_argument("--write", type=Path, help="write the artifacts here and exit")
     parser.add_argument("--a", type=Path, help="artifacts of side A")
-    parser.add_argument("--b", type=Path, help="artifacts of side B")
+    parser.add_argument("--b", type=Path, help="artifacts of side B (default: --a)")
+    parser.add_argument(
+        "--a-without", default="", help="kernels or CPU rewrite rules left out of side A (a,b)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15, help="timed steps of each side")
     parser.add_argument("--profile", action="store_true", help="onnxruntime's ops of side B")
@@ -58,20 +65,40 @@ def main(argv: list[str] | None = None) -> int:
         args.write.mkdir(parents=True, exist_ok=True)
         write_artifacts(entry, meta, args.write)
         return 0
-    if args.a is None or args.b is None:
-        parser.error("give --a and --b (artifact folders), or --write")
+    if args.a is None:
+        parser.error("give --a (and --b) artifact folders, or --write")
+    args.b = args.b or args.a
 
     from traingraph.api import CheckpointState, Module, Optimizer
+    from traingraph.runtime import rewrites
+    from traingraph.runtime.cpu import kernels
     from traingraph.runtime.session import SessionConfig
+
+    left_out = {name for name in args.a_without.split(",") if name}
+    rule_sets = ("CPU_RULES", "SCATTER_RULES")
+    rule_names = {r.name for rules in rule_sets for r in getattr(rewrites, rules)}
+    unknown = left_out - rule_names - set(kernels.names())
+    if unknown:
+        parser.error(f"--a-without: {sorted(unknown)} are no kernels or CPU rewrite rules")
 
     torch.set_num_threads(args.threads)
     batches = [(data["x"][k], data["y"][k]) for k in range(len(data["x"]))]
     profiles = tempfile.TemporaryDirectory()
 
-    def traingraph_side(folder: Path, profile: bool) -> Callable[[int], float]:
-        config = SessionConfig(intra_op_threads=args.threads, profile=profile)
+    def traingraph_side(folder: Path, profile: bool, without: set[str]) -> Callable[[int], float]:
+        chosen = set(kernels.names()) - without if without & set(kernels.names()) else None
+        config = SessionConfig(
+            intra_op_threads=args.threads, profile=profile, native_kernels=chosen
+        )
         state = CheckpointState.load_checkpoint(folder / "checkpoint")
-        module = Module(folder / "training_model.onnx", state, session_config=config)
+        kept = {rules: getattr(rewrites, rules) for rules in rule_sets}
+        for rules, given in kept.items():  # the sessions are made (and rewritten) here
+            setattr(rewrites, rules, tuple(r for r in given if r.name not in without))
+        try:
+            module = Module(folder / "training_model.onnx", state, session_config=config)
+        finally:
+            for rules, given in kept.items():
+                setattr(rewrites, rules, given)
         optimizer = Optimizer(folder / "optimizer_model.onnx", module)
         module.train()
 
@@ -99,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     folders = args.a.resolve(), args.b.resolve()
     os.chdir(profiles.name)  # the profile lands here
     sides = {
-        "A": traingraph_side(folders[0], False),
-        "B": traingraph_side(folders[1], args.profile),
+        "A": traingraph_side(folders[0], False, left_out),
+        "B": traingraph_side(folders[1], args.profile, set()),
         "torch eager": torch_step,
     }
     wall: dict[str, list[float]] = {k: [] for k in sides}
