@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper
 
 from traingraph.runtime import rewrites
@@ -128,14 +129,16 @@ def test_column_sums_as_matmul_leaves_dynamic_and_narrow_sums():
     assert rewrites.apply(_column_sum([6, 5, 8], 17), rewrites.CPU_RULES) is None
 
 
-def _reduction(op: str, axes: list[int], by_attribute: bool) -> onnx.ModelProto:
+def _reduction(
+    op: str, axes: list[int], by_attribute: bool, keepdims: int = 0
+) -> onnx.ModelProto:
     if by_attribute:
-        nodes = [helper.make_node(op, ["x"], ["r"], axes=axes, keepdims=0)]
+        nodes = [helper.make_node(op, ["x"], ["r"], axes=axes, keepdims=keepdims)]
     else:
         tensor = helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes)
         nodes = [
             helper.make_node("Constant", [], ["axes"], value=tensor),
-            helper.make_node(op, ["x", "axes"], ["r"], keepdims=0),
+            helper.make_node(op, ["x", "axes"], ["r"], keepdims=keepdims),
         ]
     x = ("x", TensorProto.FLOAT, [2, 3, 4, 5])
     model = _model(nodes, [x], [("r", TensorProto.FLOAT, None)])
@@ -145,17 +148,25 @@ def _reduction(op: str, axes: list[int], by_attribute: bool) -> onnx.ModelProto:
     return model
 
 
-def test_reductions_over_runs_reduce_each_run_in_turn():
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize(
+    ("axes", "runs"), [([3, 0, 1], 2), ([0, 2, 3], 2), ([0, 2], 2), ([1, 3], 2), ([0, 1, 3], 2)]
+)
+def test_reductions_over_runs_reduce_each_run_in_turn(axes, runs, keepdims):
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
     x[1, 2, 0, 0] = np.inf
     for op in ("ReduceSum", "ReduceMean"):
         for by_attribute in (True, False):
-            model = _reduction(op, [3, 0, 1], by_attribute)
+            model = _reduction(op, axes, by_attribute, keepdims)
             rewritten = rewrites.apply(model, rewrites.REDUCTIONS_OVER_RUNS)
-            assert rewritten is not None and _ops(rewritten) == [op, op]
+            assert rewritten is not None and _ops(rewritten) == [op] * runs
             (got,), (want,) = _run(rewritten, {"x": x}), _run(model, {"x": x})
-            assert got.shape == want.shape == (4,)
+            expected = x.astype(np.float64).sum(axis=tuple(axes), keepdims=bool(keepdims))
+            if op == "ReduceMean":
+                expected /= np.prod([x.shape[a] for a in axes])
+            assert got.shape == want.shape == expected.shape
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_reductions_over_runs_leave_one_run_and_negative_axes():
