@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,13 +18,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from onnx_ir.passes.common import shape_inference
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
-from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
+from traingraph.ir.model import ModelLike, default_opset, infer_shapes_in_place, load_ir, to_proto
 from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
 from traingraph.limits import (
@@ -370,36 +368,14 @@ def _infer_shapes(m: ir.Model) -> None:
     an error, never a silently skipped inference.
     """
     check_ir_model(m)
-    memory_errors = _MemoryErrors()
-    logger = logging.getLogger(shape_inference.__name__)  # the pass logs what it catches
-    logger.addHandler(memory_errors)
-    try:
-        common_passes.ShapeInferencePass(data_prop=data_propagation_allowed(m))(m)
-    except MemoryError as exc:
-        memory_errors.error = exc
-    except Exception:  # inference is optional, see the docstring
-        pass
-    finally:
-        logger.removeHandler(memory_errors)
-    if memory_errors.error is not None:
+    failure = infer_shapes_in_place(m, data_prop=data_propagation_allowed(m))
+    if isinstance(failure, MemoryError):
         raise SizeLimitError(
             "shape inference of the training graph ran out of memory; the model declares"
             f" tensors too large for this machine (limit {max_tensor_elements()} elements per"
             f" tensor, set with {MAX_ELEMENTS_VARIABLE}). Lower the limit, or export the"
             " model with smaller static dimensions"
-        ) from memory_errors.error
-
-
-class _MemoryErrors(logging.Handler):
-    """Keeps the MemoryError of a log record (onnx_ir's shape inference logs and goes on)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.error: BaseException | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.exc_info and isinstance(record.exc_info[1], MemoryError):
-            self.error = record.exc_info[1]
+        ) from failure
 
 
 def describe_optimizer(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import logging
 import os
 from pathlib import Path
 from typing import TypeAlias
@@ -81,16 +81,28 @@ _SEQUENCE_OPS = frozenset(
 )
 
 
-def infer_shapes_in_place(m: ir.Model) -> None:
+def infer_shapes_in_place(m: ir.Model, *, data_prop: bool = True) -> BaseException | None:
     """Infer the shapes and types of ``m``'s values with onnx's shape inference.
 
     Shape inference is a help, not a requirement: where it fails the model keeps what it had,
-    and rules that need a shape say so. onnx-ir's pass copies back only dtypes and tensor
-    shapes, which would give a sequence of tensors (a ``SplitToSequence`` output) a tensor
-    type; the outputs of the sequence ops keep a sequence type here.
+    and rules that need a shape say so. onnx's strict inference gives up on the whole model at
+    the first node it rejects, and its data propagation rejects some valid models (it treats
+    a ``Mul`` of a ``[4, 1, 1]`` and an ``[8]`` tensor, both computed from shapes, as a shape
+    computation of mismatched lengths): a failed attempt is retried without data propagation,
+    then node by node (``strict_mode=False``, which leaves unknown only what follows a
+    rejected node); a ``MemoryError`` is not retried. onnx-ir's pass copies back
+    only dtypes and tensor shapes, which would give a sequence of tensors (a
+    ``SplitToSequence`` output) a tensor type; the outputs of the sequence ops keep a sequence
+    type here.
+
+    Returns:
+        The exception of the last attempt, None where one succeeded.
     """
-    with contextlib.suppress(Exception):
-        common_passes.ShapeInferencePass()(m)
+    attempts = [(True, data_prop), (True, False), (False, False)]
+    for strict, propagate in dict.fromkeys(attempts):
+        failure = _inference_failure(m, strict_mode=strict, data_prop=propagate)
+        if failure is None or isinstance(failure, MemoryError):
+            break
     for graph in m.graphs():
         for node in graph:
             if node.op_type not in _SEQUENCE_OPS or node.domain not in ("", "ai.onnx"):
@@ -99,6 +111,34 @@ def infer_shapes_in_place(m: ir.Model) -> None:
                 if isinstance(value.type, ir.TensorType):
                     value.type = ir.SequenceType(value.type)
                     value.shape = None
+    return failure
+
+
+def _inference_failure(m: ir.Model, **options: bool) -> BaseException | None:
+    """Run onnx-ir's shape inference pass on ``m`` with ``options``; the exception that made
+    it leave the model unchanged (it logs it and goes on), or None where it ran."""
+    failures = _LoggedFailures()
+    logger = logging.getLogger(common_passes.shape_inference.__name__)
+    logger.addHandler(failures)
+    try:
+        common_passes.ShapeInferencePass(**options)(m)
+    except Exception as error:  # inference is optional, see infer_shapes_in_place
+        return error
+    finally:
+        logger.removeHandler(failures)
+    return failures.error
+
+
+class _LoggedFailures(logging.Handler):
+    """Keeps the exception of the first failure record logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.error: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is None and record.exc_info and record.exc_info[1] is not None:
+            self.error = record.exc_info[1]
 
 
 def default_opset(m: ir.Model) -> int:
