@@ -75,7 +75,7 @@ def standardize_grad(
     """
     centered = b.Sub(gh, b.mean(gh, axes))
     projected = b.Mul(xhat, b.mean(b.Mul(gh, xhat), axes))
-    return b.Mul(rstd, b.Sub(centered, projected))
+    return b.Mul(b.Sub(centered, projected), rstd)  # the broadcast operand on the right
 
 
 def _known_rank(ctx: GradContext, x: ir.Value, minimum: int) -> int:
@@ -215,8 +215,10 @@ def _batch_norm_training_grads(
         am = b.Mul(a, inverse_channel_count(b, x, scale))
         k = b.Mul(b.Mul(am, rstd), d_scale)
         c = b.Sub(b.Mul(am, sum_g), b.Mul(k, shift))
-        shifted = b.Add(b.Mul(_per_channel(b, k, r), centered), _per_channel(b, c, r))
-        out[0] = b.Sub(b.Mul(_per_channel(b, a, r), g), shifted)
+        # the full-size operand first: a provider's per-channel broadcast takes the
+        # per-channel operand on the right (onnxruntime's CUDA kernels have a fast path only so)
+        shifted = b.Add(b.Mul(centered, _per_channel(b, k, r)), _per_channel(b, c, r))
+        out[0] = b.Sub(b.Mul(g, _per_channel(b, a, r)), shifted)
     return out
 
 
