@@ -271,6 +271,47 @@ def _t5() -> nn.Module:
     return Seq2SeqLM(tf.T5ForConditionalGeneration(config))
 
 
+_ENCODER = {
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "intermediate_size": 2 * HIDDEN,
+    "max_position_embeddings": 2 * SEQ + 2,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+"""The BERT-like config fields every small encoder of the zoo shares."""
+_DECODER = {
+    "hidden_size": HIDDEN,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": HEADS,
+    "intermediate_size": 2 * HIDDEN,
+    "max_position_embeddings": 4 * SEQ,
+}
+"""The Llama-like config fields every small decoder of the zoo shares."""
+
+
+def _classifier(model: str, config: str, **fields: Any) -> Callable[[], nn.Module]:
+    """A Hugging Face sequence classifier ``model`` built from its ``config`` class."""
+
+    def build() -> nn.Module:
+        tf = _transformers()
+        settings = getattr(tf, config)(vocab_size=VOCAB, num_labels=CLASSES, **fields)
+        return SequenceClassifier(getattr(tf, model)(settings))
+
+    return build
+
+
+def _causal(model: str, config: str, **fields: Any) -> Callable[[], nn.Module]:
+    """A Hugging Face causal LM ``model`` built from its ``config`` class."""
+
+    def build() -> nn.Module:
+        tf = _transformers()
+        return CausalLM(getattr(tf, model)(getattr(tf, config)(vocab_size=VOCAB, **fields)))
+
+    return build
+
+
 def _case(
     name: str,
     build: Callable[[], nn.Module],
@@ -283,6 +324,18 @@ def _case(
 
 
 _MASKED = ("input_ids", "attention_mask")
+
+def _causal_case(name: str, model: str, config: str, slow: bool = False, **fields: Any) -> ZooCase:
+    return _case(name, _causal(model, config, **fields), _ids, _next_tokens, ("input_ids",),
+                 optimizer=ADAMW, slow=slow)  # fmt: skip
+
+
+def _classifier_case(
+    name: str, model: str, config: str, slow: bool = False, **fields: Any
+) -> ZooCase:
+    return _case(name, _classifier(model, config, **fields), _ids_and_mask, _classes, _MASKED,
+                 optimizer=ADAMW, slow=slow)  # fmt: skip
+
 _SDPA_GQA = (
     "the TorchScript exporter has no conversion of scaled_dot_product_attention with"
     " enable_gqa=True (Llama's grouped-query attention): AssertionError in"
@@ -337,5 +390,29 @@ LANGUAGE_CASES: list[ZooCase] = [
     ),
     _case("lstm", lambda: RecurrentClassifier("lstm"), _ids, _classes, ("input_ids",)),
     _case("gru", lambda: RecurrentClassifier("gru"), _ids, _classes, ("input_ids",)),
+    # more families: ALiBi (BLOOM), sliding-window and rotary attention (Mistral), then slow
+    _causal_case("bloom", "BloomForCausalLM", "BloomConfig", hidden_size=HIDDEN, n_layer=LAYERS,
+                 n_head=HEADS),
+    _causal_case("mistral", "MistralForCausalLM", "MistralConfig", num_key_value_heads=HEADS,
+                 **_DECODER),
+    _causal_case("qwen2", "Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=HEADS,
+                 **_DECODER, slow=True),
+    _causal_case("gemma", "GemmaForCausalLM", "GemmaConfig", num_key_value_heads=HEADS,
+                 head_dim=HIDDEN // HEADS, **_DECODER, slow=True),
+    _causal_case("phi", "PhiForCausalLM", "PhiConfig", resid_pdrop=0.0, embd_pdrop=0.0,
+                 attention_dropout=0.0, **_DECODER, slow=True),
+    _causal_case("gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", **_DECODER, slow=True),
+    _causal_case("opt", "OPTForCausalLM", "OPTConfig", hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                 num_attention_heads=HEADS, ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN,
+                 max_position_embeddings=4 * SEQ, dropout=0.0, attention_dropout=0.0, slow=True),
+    _classifier_case("albert", "AlbertForSequenceClassification", "AlbertConfig",
+                     embedding_size=16, classifier_dropout_prob=0.0, **_ENCODER, slow=True),
+    _classifier_case("electra", "ElectraForSequenceClassification", "ElectraConfig",
+                     embedding_size=16, **_ENCODER, slow=True),
+    _classifier_case("deberta_v2", "DebertaV2ForSequenceClassification", "DebertaV2Config",
+                     pooler_dropout=0.0, **_ENCODER, slow=True),
+    _classifier_case("mobilebert", "MobileBertForSequenceClassification", "MobileBertConfig",
+                     embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
+                     num_feedforward_networks=1, **_ENCODER, slow=True),
 ]
 """The language models of the zoo."""

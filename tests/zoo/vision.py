@@ -126,6 +126,11 @@ def _seg_case(name: str, build: Callable[[], nn.Module], size: int, **kw: object
     return ZooCase(name, build, _images(size), _pixel_classes, **kw)  # type: ignore[arg-type]
 
 
+_ADAPTIVE_POOL = (
+    "the TorchScript exporter has no conversion of adaptive_avg_pool2d to an output size that"
+    " does not divide the input's (AlexNet's 6 x 6 from 64 x 64 images): SymbolicValueError"
+)
+
 VISION_CASES = [
     _case("resnet18", _classifier("resnet18")),
     _case("resnet50", _classifier("resnet50"), slow=True),
@@ -147,6 +152,16 @@ VISION_CASES = [
     ),
     _seg_case("fcn_resnet50", _segmentation("fcn_resnet50"), 64, slow=True),
     _seg_case("unet", UNet, 64),
+    # more families, slow: dense and inception blocks, grouped convs, shifted windows
+    _case("densenet121", _classifier("densenet121"), slow=True),
+    _case("googlenet", _classifier("googlenet", aux_logits=False, init_weights=True), slow=True),
+    _case("resnext50_32x4d", _classifier("resnext50_32x4d"), slow=True),
+    _case("mnasnet0_5", _classifier("mnasnet0_5"), slow=True),
+    _case("mobilenet_v3_large", _classifier("mobilenet_v3_large"), slow=True),
+    _case("regnet_x_400mf", _classifier("regnet_x_400mf"), slow=True),
+    _case("efficientnet_v2_s", _classifier("efficientnet_v2_s"), slow=True),
+    _case("swin_t", _classifier("swin_t"), optimizer=ADAMW, slow=True),
+    _case("alexnet", _classifier("alexnet"), slow=True, xfail={"torchscript": _ADAPTIVE_POOL}),
 ]
 """The vision models; the ones at a real width (ResNet-50, ConvNeXt-T, ViT-B/16, FCN on
-ResNet-50) are slow."""
+ResNet-50) and the further families after the U-Net are slow."""
