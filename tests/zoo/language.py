@@ -9,8 +9,10 @@ logits laid out for the harness's cross-entropy, ``(N, C)`` or ``(N, C, T)``:
 - the encoders (BERT, DistilBERT, RoBERTa, ``nn.TransformerEncoder``, LSTM, GRU) classify a
   sequence into one of 3 classes; the transformers take an attention mask whose last tokens of
   the second sequence are padding;
-- the decoders (GPT-2, Llama) return the logits of the next token at each position but the
-  last, ``(N, V, T - 1)``; their labels are the input tokens shifted by one (causal LM loss);
+- the decoders (GPT-2, Llama, BLOOM, Mistral, and as slow cases Qwen2, Gemma, Phi, GPT-NeoX,
+  OPT) return the logits of the next token at each position but the last, ``(N, V, T - 1)``;
+  their labels are the input tokens shifted by one (causal LM loss); the further encoders
+  (ALBERT, ELECTRA, DeBERTa-v2, MobileBERT) are slow sequence classifiers like BERT;
 - T5 returns the decoder's logits ``(N, V, T)`` for a seq2seq task, reversing the input
   sequence: the decoder reads the reversed sequence shifted right by one start token.
 
