@@ -26,9 +26,11 @@ out-of-memory stays there and the memory figure is that system's alone. A run re
 of each of its first ``--curve`` steps (compilation and capture included), then times
 ``--repeats`` runs of ``--steps`` steps without reading the loss (median ms/step). Every step
 copies its batch from host memory. Reported: samples/s, the GPU memory the run holds at its end
-beyond the CUDA context (onnxruntime's arena and PyTorch's caching allocator both keep their
-peak), and the largest relative distance of the loss curve from ``torch_eager`` in the same
-precision (the same weights and batches; float32 against ``torch_eager`` fp32 too).
+beyond the CUDA context (onnxruntime's arena keeps its peak; PyTorch's caching allocator can
+give memory back, so its rows add in parentheses the peak it reserved,
+``torch.cuda.max_memory_reserved``), and the largest relative distance of the loss curve from
+``torch_eager`` in the same precision (the same weights and batches; float32 against
+``torch_eager`` fp32 too).
 
 The models are exported (``traingraph.from_torch``) and their artifacts generated once per
 model and precision under ``--cache``; ``--prepare`` only does that (it needs no GPU), so the
@@ -401,6 +403,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         result["gpu_mem_gib"] = (used - free) / 2**30
         if system.startswith("torch"):
             result["torch_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            result["torch_max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return result
 
 
@@ -450,9 +453,12 @@ def markdown(rows: list[dict[str, Any]], device: str, tg_config: str) -> str:
             )
             continue
         mem = r.get("gpu_mem_gib")
+        memory = "-" if mem is None else f"{mem:.2f}"
+        if "torch_max_reserved_gib" in r:
+            memory += f" (peak {r['torch_max_reserved_gib']:.2f})"
         lines.append(
             f"| {row['model']} | {row['batch']} | {row['precision']} | {row['system']} |"
-            f" {r['ms']:.2f} | {r['samples_per_s']:.0f} | {'-' if mem is None else f'{mem:.2f}'}"
+            f" {r['ms']:.2f} | {r['samples_per_s']:.0f} | {memory}"
             f" | {row.get('curve', '-')} | {row.get('curve_fp32', '-')} |"
         )
     return "\n".join(lines) + "\n"
