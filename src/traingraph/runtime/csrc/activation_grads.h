@@ -1,10 +1,13 @@
-/* Input gradients of elementwise activations, one pass each (included by kernels.c).
+/* Input gradients of elementwise activations, one pass each (included by kernels.c, after
+ * gelu.h, whose exponential the SiLU's shares).
  *
  * The autodiff rules write each as a chain of onnxruntime ops, one pass over the activation
  * per op (a HardSwish's gradient seven, two of them slow Wheres, a SiLU's six). Here the same
  * float operations in the same order, each rounded to float32 as the graph rounds it (no
- * contraction into fused multiply-adds), so every element is the graph's, NaN and infinities
- * included.
+ * contraction into fused multiply-adds): the HardSwish's is every element the graph's, NaN
+ * and infinities included. The SiLU's computes the Sigmoid itself (reading it would keep the
+ * forward's Sigmoid output alive until the backward), as onnxruntime's does at its ends:
+ * exactly 0 from x <= -18 and 1 from x >= 18, NaN for NaN.
  */
 
 #pragma GCC push_options
@@ -33,21 +36,50 @@ TARGETS static void hardswish_range(const void *arg, Py_ssize_t i0, Py_ssize_t i
 }
 
 struct silu {
-    const float *x, *s, *g;
+    const float *x, *g;
     float *out;
     Py_ssize_t size;
 };
 
-/* out = g s + (g x) (s (1 - s)), with s = Sigmoid(x) read, not recomputed */
+/* Sigmoid(x): 1 / (1 + e) for x >= 0, e / (1 + e) below, e = exp(-|x|), 0 from |x| >= 18 */
+static inline __attribute__((always_inline)) v16 silu_sigmoid(v16 x)
+{
+    const v16i magnitude = (v16i){0} + INT32_MAX;
+    const v16 a = (v16)((v16i)x & magnitude), one = (v16){0} + 1.0f;
+    const v16 e = gelu_select(a < 18.0f, gelu_exp(gelu_select(a < 18.0f, -a, (v16){0})),
+                              (v16){0});
+    const v16 t = one / (one + e);
+    return gelu_select(x == x, gelu_select(x >= 0.0f, t, e * t), x);
+}
+
+/* out = g s + (g x) (s (1 - s)), s = Sigmoid(x) */
 TARGETS static void silu_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
 {
     const struct silu *p = arg;
-    const float *restrict x = p->x, *restrict s = p->s, *restrict g = p->g;
-    float *restrict out = p->out;
-    for (Py_ssize_t i = i0; i < i1; i++) {
-        const float direct = g[i] * s[i], through = g[i] * x[i];
-        const float slope = s[i] * (1.0f - s[i]);
-        out[i] = direct + through * slope;
+    for (Py_ssize_t i = i0; i < i1; i += 16) {
+        const Py_ssize_t count = i1 - i < 16 ? i1 - i : 16;
+        v16 x = {0}, g = {0};
+        if (count == 16) {
+            x = *(const v16u *)(p->x + i);
+            g = *(const v16u *)(p->g + i);
+        }
+        else {
+            for (Py_ssize_t j = 0; j < count; j++) {
+                x[j] = p->x[i + j];
+                g[j] = p->g[i + j];
+            }
+        }
+        const v16 s = silu_sigmoid(x);
+        const v16 direct = g * s, through = g * x, slope = s * (1.0f - s);
+        const v16 out = direct + through * slope;
+        if (count == 16) {
+            *(v16u *)(p->out + i) = out;
+        }
+        else {
+            for (Py_ssize_t j = 0; j < count; j++) {
+                p->out[i + j] = out[j];
+            }
+        }
     }
 }
 
@@ -107,26 +139,27 @@ static PyObject *hardswish_grad(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(silu_grad_doc,
-"silu_grad(x, s, g, out, threads)\n--\n\n"
-"Write ``g s + (g x) (s (1 - s))`` into ``out`` (the input gradient of ``x Sigmoid(x)``, with\n"
-"``s`` the Sigmoid's output): ``x``, ``s``, ``g`` and ``out`` float32 and C-contiguous of one\n"
-"size. ``threads`` threads share the elements.");
+"silu_grad(x, g, out, threads)\n--\n\n"
+"Write ``g s + (g x) (s (1 - s))`` into ``out``, ``s = Sigmoid(x)`` (the input gradient of\n"
+"``x Sigmoid(x)``; the Sigmoid as onnxruntime's at its ends: 0 from x <= -18, 1 from x >= 18):\n"
+"``x``, ``g`` and ``out`` float32 and C-contiguous of one size. ``threads`` threads share the\n"
+"elements.");
 
 static PyObject *silu_grad(PyObject *self, PyObject *args)
 {
-    PyObject *objects[4];
+    PyObject *objects[3];
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOi:silu_grad", &objects[0], &objects[1], &objects[2],
-                          &objects[3], &threads)) {
+    if (!PyArg_ParseTuple(args, "OOOi:silu_grad", &objects[0], &objects[1], &objects[2],
+                          &threads)) {
         return NULL;
     }
-    static const char *const names[4] = {"x", "s", "g", "out"};
-    Py_buffer views[4];
+    static const char *const names[3] = {"x", "g", "out"};
+    Py_buffer views[3];
     Py_ssize_t held = 0;
     PyObject *result = NULL;
-    if (same_size_arrays(objects, views, 4, "silu_grad: array", names, &held) == 0) {
-        struct silu p = {.x = views[0].buf, .s = views[1].buf, .g = views[2].buf,
-                         .out = views[3].buf, .size = views[0].len / 4};
+    if (same_size_arrays(objects, views, 3, "silu_grad: array", names, &held) == 0) {
+        struct silu p = {.x = views[0].buf, .g = views[1].buf, .out = views[2].buf,
+                         .size = views[0].len / 4};
         run_elementwise(silu_range, &p, p.size, threads);
         result = Py_NewRef(Py_None);
     }

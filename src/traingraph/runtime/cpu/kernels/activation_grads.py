@@ -10,12 +10,18 @@ the activation per op:
 - SiLU, ``x * Sigmoid(x)`` as exported (EfficientNet has two per block): the Mul's and the
   Sigmoid's rules give ``Sum(Mul(g, s), Mul(Mul(g, x), Mul(s, Sub(1, s))))``, six passes.
 
-:class:`HardSwishGrad` and :class:`SiluGrad` compute the same float operations in the same
-order in one pass (``_convc.hardswish_grad``, ``_convc.silu_grad``; no fused multiply-adds), so
-each element is the graph's, NaN and infinities included; the load-time check
-(:func:`traingraph.runtime.cpu.verify.verified_kernels`) compares the two. The matchers take
-any one-element float32 constants in the HardSwish form (the rule's -3, 3, 0, 1, 3 and 0.5 are
-not assumed) and either operand order of each Mul and of the Sum.
+:class:`HardSwishGrad` computes the same float operations in the same order in one pass
+(``_convc.hardswish_grad``; no fused multiply-adds), so each element is the graph's, NaN and
+infinities included. :class:`SiluGrad` (``_convc.silu_grad``) computes the Sigmoid itself
+from ``x``, as onnxruntime's at its ends (0 from ``x <= -18``, 1 from ``x >= 18``, NaN for
+NaN), then the graph's operations in its order: reading the forward's Sigmoid output instead
+would keep that activation alive from the forward to the backward (EfficientNet-B0's step
+held 248 MiB more), where the graph lets onnxruntime compute it again in the backward. Its
+values differ from the graph's by the Sigmoid's rounding (about 1e-7 relative); NaN and
+infinities fall where the graph's do. The load-time check
+(:func:`traingraph.runtime.cpu.verify.verified_kernels`) compares each kernel with its nodes.
+The matchers take any one-element float32 constants in the HardSwish form (the rule's -3, 3,
+0, 1, 3 and 0.5 are not assumed) and either operand order of each Mul and of the Sum.
 """
 
 from __future__ import annotations
@@ -73,29 +79,28 @@ class HardSwishGrad(OneOutput):
 
 @dataclass(frozen=True)
 class SiluGrad(OneOutput):
-    """``out = g s + (g x) (s (1 - s))``: the input gradient of ``x * s``, ``s = Sigmoid(x)``.
+    """``out = g s + (g x) (s (1 - s))``: the input gradient of ``x * s``, ``s = Sigmoid(x)``
+    (computed here from ``x``).
 
     Attributes:
         x: The Sigmoid's input (the Mul's other operand).
-        s: The Sigmoid's output.
         g: The gradient of the Mul's output, of ``x``'s shape.
         out: The gradient of ``x``.
     """
 
     x: str
-    s: str
     g: str
     out: str
 
     @property
     def inputs(self) -> list[str]:
-        return [self.x, self.s, self.g]
+        return [self.x, self.g]
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
-        x, s, g = _same_shape(self.out, values, [self.x, self.s, self.g])
+        x, g = _same_shape(self.out, values, [self.x, self.g])
         assert NATIVE is not None
-        NATIVE.silu_grad(x, s, g, output_array(out, self.out, x.shape), threads)
+        NATIVE.silu_grad(x, g, output_array(out, self.out, x.shape), threads)
 
 
 def _same_shape(out: str, values: Arrays, names: list[str]) -> list[np.ndarray]:
@@ -135,7 +140,8 @@ def split_silu_grads(
 ) -> list[tuple[SiluGrad, set[int]]]:
     """Each input gradient of ``x * Sigmoid(x)`` in float32 ``model`` of the rules' form whose
     intermediate values only it reads, as a :class:`SiluGrad` with the indices of its six nodes
-    (none in ``taken``), checked numerically. ``[]`` where the extension is missing or nothing
+    and of the Sigmoid (none in ``taken``; the Sigmoid, which the forward's product reads too,
+    stays in the graph), checked numerically. ``[]`` where the extension is missing or nothing
     matches."""
     if not graph_match.can_match(model, "silu_grad", "Sigmoid"):
         return []
@@ -143,9 +149,9 @@ def split_silu_grads(
     constants = graph_match.constant_values(model.graph)
     shapes = graph_match.inferred_shapes(model)
     matches = []
-    for node in g.nodes:
-        if node.op_type == "Sigmoid" and node.domain in ("", "ai.onnx"):
-            match = _silu(g, node, constants, shapes, taken)
+    for i, node in enumerate(g.nodes):
+        if i not in taken and node.op_type == "Sigmoid" and node.domain in ("", "ai.onnx"):
+            match = _silu(g, i, constants, shapes, taken)
             if match is not None:
                 matches.append(match)
     return verify.verified_kernels(model, g, matches, shapes)
@@ -231,11 +237,14 @@ def _hardswish(
 
 def _silu(
     g: graph_match.GraphIndex,
-    sigmoid: onnx.NodeProto,
+    i: int,
     constants: Mapping[str, np.ndarray],
     shapes: Shapes,
     taken: Set[int],
 ) -> tuple[SiluGrad, set[int]] | None:
+    """The gradient's six nodes and the Sigmoid ``i`` (which the kernel computes again; the
+    forward's product still reads it, so it stays in the graph)."""
+    sigmoid = g.nodes[i]
     x, s = sigmoid.input[0], sigmoid.output[0]
     readers = {j: g.nodes[j] for j in g.consumers.get(s, ()) if j not in taken}
     # (1 - s) and its product with s: the Sigmoid's slope
@@ -268,8 +277,8 @@ def _silu(
         out = total[1].output[0]
         if not _one_shape(shapes, x, s, grad, out):
             continue
-        nodes = {sub_i, slope[0], through[0], gx_node[0], total[0], direct[0]}
-        return SiluGrad(x, s, grad, out), nodes
+        nodes = {i, sub_i, slope[0], through[0], gx_node[0], total[0], direct[0]}
+        return SiluGrad(x, grad, out), nodes
     return None
 
 
