@@ -346,3 +346,51 @@ def test_scatters_of_several_rows_or_other_tables_stay():
     for model in (several, multiplied):
         rewritten = for_cpu(model.SerializeToString())
         assert "ScatterElements" in _ops(onnx.load_from_string(rewritten))
+
+
+def _expanded_sum(op_type: str, first: bool, target: list[int]) -> onnx.ModelProto:
+    """``op_type(a, Expand(b, Shape(x)))`` (the Expand first where ``first``): a global average
+    pool's gradient added to the pooled input's other gradient."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Expand", ["b", "x_shape"], ["e"]),
+        helper.make_node(op_type, ["e", "a"] if first else ["a", "e"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "expanded",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3, 4, 5]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3, 1, 1]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, target)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_expanded_addend_of_the_same_shape_becomes_a_broadcasting_add():
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    rng = np.random.default_rng(0)
+    feeds = {
+        "a": rng.standard_normal((2, 3, 4, 5)).astype(np.float32),
+        "b": rng.standard_normal((2, 3, 1, 1)).astype(np.float32),
+        "x": np.zeros((2, 3, 4, 5), np.float32),
+    }
+    feeds["a"].reshape(-1)[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    feeds["b"].reshape(-1)[1:4] = [-np.inf, -0.0, np.nan]
+    for op_type in ("Sum", "Add"):
+        for first in (True, False):
+            model = _expanded_sum(op_type, first, [2, 3, 4, 5])
+            rewritten = onnx.load_from_string(for_cpu(model.SerializeToString()))
+            assert _ops(rewritten) == ["Add"]
+            want, got = _run(model, feeds)[0], _run(rewritten, feeds)[0]
+            assert got.shape == want.shape == (2, 3, 4, 5)
+            assert np.array_equal(got, want, equal_nan=True)
+            assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
+def test_an_expand_past_the_addends_shape_stays():
+    from traingraph.runtime.rewrites.specialize import for_cpu
+
+    model = _expanded_sum("Sum", False, [3, 2, 3, 4, 5])  # a rank the sum takes from it
+    source = model.SerializeToString()
+    assert "Expand" in _ops(onnx.load_from_string(for_cpu(source)))

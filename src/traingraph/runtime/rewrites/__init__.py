@@ -41,6 +41,10 @@ inferred shapes (with the ConvTranspose rules of :mod:`traingraph.runtime.rewrit
   axes of 64 elements or more, is ``MatMul(ones, X)`` between two Reshapes: onnxruntime's
   MatMul runs it as a vectorized GEMV over contiguous rows, where its ReduceSum over leading
   axes walks the kept axis with a stride. The sums are the same, added in another order.
+- ``expanded_addend_as_broadcast_*``: ``Sum(a, Expand(b, shape))`` (or ``Add``, either order)
+  where the Expand has ``a``'s static shape is ``Add(a, b)``: one broadcasting pass on every
+  thread instead of onnxruntime's single-threaded Expand and a Sum
+  (:data:`EXPANDED_ADDEND_AS_BROADCAST`).
 
 and :data:`SCATTER_RULES` (``scatter_rows_as_elements``): a ``ScatterND`` with a reduction over
 rows is the same ``ScatterElements`` on axis 0, which applies every update in index order
@@ -363,9 +367,69 @@ SCATTER_RULES: tuple[pattern.RewriteRule, ...] = (
   index outside ``[-D, D)``, which the scatter rejects, is taken modulo ``D``."""
 
 
+def _static(value: ir.Value) -> list[int] | None:
+    """``value``'s dimensions where all are known numbers; else None."""
+    if value.shape is None:
+        return None
+    dims = list(value.shape.dims)
+    return dims if all(isinstance(d, int) for d in dims) else None  # type: ignore[return-value]
+
+
+def _expanded_addend(op_type: str, first: bool) -> Any:
+    def expanded(op: Any, a: ir.Value, b: ir.Value, shape: ir.Value) -> ir.Value:
+        e = op.Expand(b, shape, _outputs=["e"])
+        operands = (e, a) if first else (a, e)
+        return getattr(op, op_type)(*operands, _outputs=["total"])
+
+    return expanded
+
+
+def _broadcasts_to(
+    context: Any, a: ir.Value, b: ir.Value, e: ir.Value, total: ir.Value, **_: Any
+) -> bool:
+    """Whether the Expand of ``b`` has ``a``'s static shape (the sum is then ``a``'s shape,
+    and adding ``b`` broadcast gives every element the same value): its inferred shape, or
+    that of the value whose Shape it expands to."""
+    a_dims, b_dims, e_dims = _static(a), _static(b), _static(e)
+    expand = e.producer()
+    shape = expand.inputs[1] if expand is not None and len(expand.inputs) == 2 else None
+    if e_dims is None and shape is not None:
+        source = _made_by(shape, "Shape", 1)
+        if source is not None and source.inputs[0] is not None and not source.attributes:
+            e_dims = _static(source.inputs[0])
+            if e_dims is not None and b_dims is not None and len(b_dims) > len(e_dims):
+                return False
+    if a_dims is None or b_dims is None or e_dims != a_dims or len(b_dims) > len(a_dims):
+        return False
+    if a.dtype != b.dtype:
+        return False
+    padded = [1] * (len(a_dims) - len(b_dims)) + b_dims
+    return all(q in (1, d) for q, d in zip(padded, a_dims))
+
+
+def _broadcast_add(op: Any, a: ir.Value, b: ir.Value, **_: Any) -> ir.Value:
+    return op.Add(a, b)
+
+
+EXPANDED_ADDEND_AS_BROADCAST: tuple[pattern.RewriteRule, ...] = tuple(
+    pattern.RewriteRule(
+        _expanded_addend(op_type, first), _broadcast_add, _broadcasts_to,
+        name=f"expanded_addend_as_broadcast_{op_type.lower()}_{k}",
+    )  # fmt: skip
+    for op_type in ("Sum", "Add")
+    for k, first in enumerate((True, False))
+)
+"""``Sum(a, Expand(b, shape))`` or ``Add`` (either order) where the Expand has ``a``'s static
+shape: ``Add(a, b)``. The gradient of a global average pool (a squeeze-excitation block's, a
+classifier head's) is such an Expand of the per-channel gradient, added to the other gradient
+of the pooled input: onnxruntime's Expand writes the full tensor on one thread, then Sum reads
+it again; its broadcasting Add makes one pass, on every thread. Each element is ``a + b`` in
+both."""
+
 CPU_RULES: tuple[pattern.RewriteRule, ...] = (
     COLUMN_SUMS_AS_MATMUL,
     COLUMN_SUMS_BY_ATTRIBUTE_AS_MATMUL,
+    *EXPANDED_ADDEND_AS_BROADCAST,
 )
 """The rules of the CPU provider."""
 

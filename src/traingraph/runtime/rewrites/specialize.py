@@ -73,7 +73,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 import numpy as np
 import onnx
@@ -136,11 +136,13 @@ def for_cpu(source: Source) -> Source:
     it. Where shape inference fails, the model stays; where the conversion fails, its
     ConvTransposes do.
     """
-    if not _mentions(source, (b"Conv", b"ReduceSum", b"Scatter")):
+    if not _mentions(source, (b"Conv", b"ReduceSum", b"Scatter", b"Expand")):
         return source  # most models: found without parsing them
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     constants = constant_tensors(proto.graph)
-    if not any(_cpu_candidate(n, constants) for n in proto.graph.node):
+    expanded = {n.output[0] for n in proto.graph.node if _is_expand(n)}
+    broadcasts = any(_adds_expanded(n, expanded) for n in proto.graph.node)
+    if not broadcasts and not any(_cpu_candidate(n, constants) for n in proto.graph.node):
         return source
     given = list(proto.graph.value_info)
     try:
@@ -149,7 +151,7 @@ def for_cpu(source: Source) -> Source:
         return source
     shapes, types = static_shapes(proto.graph)
     opsets = [o for o in proto.opset_import if o.domain in ("", "ai.onnx")]
-    sums = any(_leading_axes(n, constants) for n in proto.graph.node)
+    sums = broadcasts or any(_leading_axes(n, constants) for n in proto.graph.node)
     scatters = any(_reduces_by_scatter(n) for n in proto.graph.node)
     col2im = any(_becomes_col2im(n, shapes, types) for n in proto.graph.node)
     blocked = any(_becomes_blocked(n, constants, shapes, opsets) for n in proto.graph.node)
@@ -160,6 +162,14 @@ def for_cpu(source: Source) -> Source:
     read.update(v.name for v in given)
     if scatters:
         read.update(_scatter_reads(proto.graph))
+    for node in proto.graph.node:  # an expanded addend's sum: its operands and the Expand's
+        if _adds_expanded(node, expanded):
+            read.update(node.input)
+            for n in proto.graph.node:  # the Expand, and the Shape it expands to
+                if n.output and n.output[0] in node.input:
+                    read.update(n.input)
+                    read.update(v for m in proto.graph.node if m.output and m.output[0] in n.input
+                                and m.op_type == "Shape" for v in m.input)  # fmt: skip
     kept = [v for v in proto.graph.value_info if v.name in read]
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(kept)
@@ -192,8 +202,8 @@ def cpu_passes(
         *(conv_transpose.RULES if col2im else ()),
     ]
     passes: list[ir.passes.PassBase] = [rewrites.rules_pass(rules)] if rules else []
-    if scatters:  # the one-row scatter's table and positions, read by nothing else now
-        passes.append(ir.passes.common.RemoveUnusedNodesPass())
+    if scatters or sums:  # what a rule's replacement no longer reads (a one-row scatter's
+        passes.append(ir.passes.common.RemoveUnusedNodesPass())  # table, an Expand's Shape)
     if blocked:
         passes.append(nchwc.ConvsAsNchwc())
     return ir.passes.PassManager(passes)
@@ -219,6 +229,18 @@ def _reduces_by_scatter(node: onnx.NodeProto) -> bool:
     if node.op_type == "ScatterND":
         return reduction != b"none"
     return reduction in (b"add", b"none")
+
+
+def _is_expand(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Expand" and node.domain in ("", "ai.onnx") and len(node.output) == 1
+
+
+def _adds_expanded(node: onnx.NodeProto, expanded: Set[str]) -> bool:
+    """Whether ``node`` is a two-input Sum or Add of an Expand's output (a candidate of
+    :data:`~traingraph.runtime.rewrites.EXPANDED_ADDEND_AS_BROADCAST`)."""
+    if node.op_type not in ("Sum", "Add") or node.domain not in ("", "ai.onnx"):
+        return False
+    return len(node.input) == 2 and any(v in expanded for v in node.input)
 
 
 def _scatter_reads(graph: onnx.GraphProto) -> set[str]:
