@@ -393,22 +393,42 @@ def _in_use(value: ir.Value) -> bool:
     return bool(value.name) and (bool(value.uses()) or value.is_graph_output())
 
 
-def _reversed_in_time(
-    b: OpBuilder, v: ir.Value, reverses: Sequence[bool], time: int, direction: int
-) -> ir.Value:
-    """``v`` with the time axis ``time`` reversed in the reverse directions (along the axis
-    ``direction``); reversing twice gives ``v`` back."""
-    if not any(reverses):
+def _step_order(b: OpBuilder, steps: int, reverses: Sequence[bool]) -> ir.Value:
+    """The ``Gather`` indices that take a ``[T*D, ...]`` tensor (row ``t*D + d``: time ``t``
+    of direction ``d``) from time order to the directions' step order, where a reverse
+    direction's step ``s`` is time ``T - 1 - s``; the same indices take it back."""
+    count = len(reverses)
+    return b.ints(
+        [(steps - 1 - t if reverse else t) * count + d
+         for t in range(steps) for d, reverse in enumerate(reverses)]
+    )  # fmt: skip
+
+
+def _in_step_order(b: OpBuilder, v: ir.Value, steps: int, reverses: Sequence[bool]) -> ir.Value:
+    """``v`` (``[T*D, ...]``, rows as :func:`_step_order` says) reordered between time order
+    and step order by one ``Gather``; ``v`` itself where no direction is reversed."""
+    if not any(reverses) or steps == 1:
         return v
+    return b.Gather(v, _step_order(b, steps, reverses), axis=0)
 
-    def flip(piece: ir.Value) -> ir.Value:
-        return b.slice(piece, [-1], [-(2**62)], [time], [-1])
 
-    if all(reverses):
-        return flip(v)
-    pieces = split(b, v, len(reverses), axis=direction)
-    flipped = [flip(p) if reverse else p for p, reverse in zip(pieces, reverses)]
-    return b.Concat(*flipped, axis=direction)
+def _directions_summed(
+    b: OpBuilder, v: ir.Value, reverses: Sequence[bool], time: int
+) -> ir.Value:
+    """The sum over the leading direction axis of ``v`` with the time axis ``time`` reversed in
+    the reverse directions: one ``Slice`` a direction (reversing where it is reversed) and the
+    ``Add`` of the slices, the direction axis squeezed."""
+    if len(reverses) == 1 and not reverses[0]:
+        return b.squeeze(v, [0])
+    total = None
+    for d, reverse in enumerate(reverses):
+        if reverse:
+            piece = b.slice(v, [d, -1], [d + 1, -(2**62)], [0, time], [1, -1])
+        else:
+            piece = b.slice(v, [d], [d + 1], [0])
+        total = piece if total is None else b.Add(total, piece)
+    assert total is not None
+    return b.squeeze(total, [0])
 
 
 def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
@@ -443,18 +463,21 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 
     x = _time_major(fb, ctx.x(0), layout, [1, 0, 2])
     assert x is not None
-    # the input rows [D, T*N, I], reversed in time for a reverse direction, with a column of
-    # ones where the node has a bias
-    by_order = {}
-    for reverse in set(reverses):
-        x_rows = fb.Flatten(_reversed_in_time(fb, x, [reverse], 0, 0), axis=2)
-        if ctx.has_input(3):
-            shape = fb.Concat(fb.shape(x_rows, 0, 1), fb.ints([1]), axis=0)
-            ones = fb.op("ConstantOfShape", shape, value=ir.tensor(np.ones(1, dtype.numpy())))
-            x_rows = fb.Concat(x_rows, ones, axis=1)
-        by_order[reverse] = fb.unsqueeze(x_rows, [0])
-    rows = [by_order[reverse] for reverse in reverses]
-    x2 = fb.Concat(*rows, axis=0) if count > 1 else rows[0]
+    # the input rows [D, T*N, I], reversed in time for a reverse direction (one Gather over
+    # the time axis), with a column of ones where the node has a bias
+    if ctx.has_input(3):
+        shape = fb.Concat(fb.shape(x, 0, 2), fb.ints([1]), axis=0)
+        ones = fb.op("ConstantOfShape", shape, value=ir.tensor(np.ones(1, dtype.numpy())))
+        x = fb.Concat(x, ones, axis=2)
+    if any(reverses) and steps > 1:
+        times = [
+            t for reverse in reverses
+            for t in (range(steps - 1, -1, -1) if reverse else range(steps))
+        ]  # fmt: skip
+        x = fb.Gather(x, fb.ints(times), axis=0)  # [D*T, N, I]
+    elif count > 1:
+        x = fb.Concat(*[x] * count, axis=0)
+    x2 = fb.Reshape(x, fb.ints([count, -1, 0]))
     xt = fb.Transpose(x2, perm=[0, 2, 1])
     h0, c0 = (
         _permuted(fb, v, states_in) for v in (optional(5), optional(6) if lstm else None)
@@ -471,9 +494,10 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     new: list[ir.Value | None] = [None] * len(ctx.outputs)
     if _in_use(ctx.outputs[0]):
         pieces = [fwd.h[t] for t in range(steps)]  # [D, H, N] each
-        hs = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        hs = fb.Concat(*pieces, axis=0) if len(pieces) > 1 else pieces[0]  # [T*D, H, N]
+        hs = _in_step_order(fb, hs, steps, reverses)  # in time order
         y = fb.Reshape(hs, fb.ints([steps, count, hidden, -1]))  # [T, D, H, N]
-        new[0] = fb.Transpose(_reversed_in_time(fb, y, reverses, 0, 1), perm=steps_out)
+        new[0] = fb.Transpose(y, perm=steps_out)
     finals = {1: fwd.h[steps - 1], 2: fwd.c}
     for k, state in finals.items():
         if k < len(ctx.outputs) and _in_use(ctx.outputs[k]) and state is not None:
@@ -484,17 +508,16 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     dy_steps = None
     if dy is not None:
         # by step, [D, H, N] each, every direction in the order of its steps
-        dy = _reversed_in_time(b, dy, reverses, 0, 1)
         shape = b.Concat(b.ints([-1]), b.shape(dy, 2, 4), axis=0)
-        dy_steps = split(b, b.Reshape(dy, shape), steps, axis=0)
+        dy = _in_step_order(b, b.Reshape(dy, shape), steps, reverses)  # [T*D, H, N]
+        dy_steps = split(b, dy, steps, axis=0)
     dy_h, dy_c = (_permuted(b, grad(k), states_in) for k in (1, 2))
     g = OutputGradients(dy_steps, dy_h, dy_c)
     by_input = BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need)
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if 0 in by_input:
         dx = b.Reshape(by_input[0], b.ints([0, 0, steps, -1]))  # [D, I, T, N]
-        dx = _reversed_in_time(b, dx, reverses, 2, 0)
-        dx = b.sum(dx, [0], keepdims=False) if count > 1 else b.squeeze(dx, [0])
+        dx = _directions_summed(b, dx, reverses, 2)  # [I, T, N]
         out[0] = b.Transpose(dx, perm=[2, 1, 0] if layout else [1, 2, 0])
     for i, value in by_input.items():
         if i in (1, 2, 3):
