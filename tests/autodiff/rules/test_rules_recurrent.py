@@ -5,6 +5,8 @@ finite-difference step and looser tolerances.
 """
 
 
+import collections
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -242,6 +244,31 @@ def test_directions_share_each_steps_ops(op, lbr, per_step):
     forward, bidirectional = matmuls("forward"), matmuls("bidirectional")
     assert forward == bidirectional
     assert forward >= per_step * SEQ
+
+
+@pytest.mark.parametrize("op,lbr", [("LSTM", None), ("GRU", 1), ("GRU", 0), ("RNN", None)])
+def test_reverse_direction_reordered_by_gathers(op, lbr):
+    # A bidirectional node's gradient takes its reverse direction's input rows, hidden states
+    # and their gradients between time order and step order by one Gather each, and sums the
+    # directions' input gradients by one Slice a direction: it holds as many Concat, Split and
+    # ReduceSum nodes over all steps as a forward node's.
+    def op_types(direction):
+        inputs = rnn_inputs(op, direction, h0=True)
+        attrs = {"hidden_size": HIDDEN, "direction": direction}
+        if lbr is not None:
+            attrs["linear_before_reset"] = lbr
+        model = make_op_model(op, inputs, attrs, num_outputs=2, dynamic="none")
+        data = {k: v for k, v in inputs.items() if v is not None}
+        outs = session(model).run(None, data)
+        loss_model = add_weighted_sum_loss(model, ["y0"], outs[:1])
+        grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
+        return collections.Counter(n.op_type for n in grad_model.graph.node)
+
+    forward, bidirectional = op_types("forward"), op_types("bidirectional")
+    for op_type in ("Concat", "Split", "ReduceSum"):
+        assert bidirectional[op_type] == forward[op_type], op_type
+    assert (forward["Gather"], bidirectional["Gather"]) == (0, 3)
+    assert bidirectional["Slice"] - forward["Slice"] == 2
 
 
 def check_float64(op, lbr, direction, layout, used, symbolic_input=False):
