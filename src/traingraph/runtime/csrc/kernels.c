@@ -1891,6 +1891,7 @@ done:
 #include "clip.h"
 #include "maxpool.h"
 #include "activation_grads.h"
+#include "lstm_cell.h"
 #include "depthwise.h"
 
 static PyMethodDef methods[] = {
@@ -1909,6 +1910,7 @@ static PyMethodDef methods[] = {
     {"max_pool_grad", max_pool_grad, METH_VARARGS, max_pool_grad_doc},
     {"hardswish_grad", hardswish_grad, METH_VARARGS, hardswish_grad_doc},
     {"silu_grad", silu_grad, METH_VARARGS, silu_grad_doc},
+    {"lstm_cell", lstm_cell, METH_VARARGS, lstm_cell_doc},
     {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,
      depthwise_conv_transpose_doc},
     {NULL, NULL, 0, NULL},

@@ -1,0 +1,137 @@
+"""An LSTM's forward steps with each step's gate math in one native pass: the cell against the
+float64 formulas (NaN and infinities where they fall), the rule's chain of steps found in a
+training model and computed as its nodes compute it, and Module's train steps equal with the
+kernel and without."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from gradcheck import adamw_artifacts, artifact_steps, assert_same_training
+from torch_models import export, seeded
+from traingraph.runtime.cpu import native
+from traingraph.runtime.cpu.kernels import lstm_cell
+
+pytestmark = pytest.mark.skipif(
+    native.NATIVE is None or not hasattr(native.NATIVE, "lstm_cell"),
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+STEPS, FEATURES, HIDDEN, CLASSES = 5, 4, 8, 3
+
+
+class Tagger(nn.Module):
+    """A bidirectional LSTM over the sequence, a Linear on its last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(FEATURES, HIDDEN, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def _artifacts(tmp_path):
+    return adamw_artifacts(tmp_path, export(seeded(Tagger), torch.zeros(2, STEPS, FEATURES)))
+
+
+def _cell_reference(mm, piece, c_prev):
+    """The cell's outputs in float64: h, c, slope, through, f."""
+    gates = mm.astype(np.float64) + piece
+    with np.errstate(over="ignore", invalid="ignore"):
+        i, o, f = (1 / (1 + np.exp(-gates[:, k * HIDDEN:(k + 1) * HIDDEN])) for k in range(3))
+        g = np.tanh(gates[:, 3 * HIDDEN:])
+        fc, ig = f * c_prev, i * g
+        c = fc + ig
+        h = o * np.tanh(c)
+        slope = np.concatenate([ig * (1 - i), h * (1 - o), fc * (1 - f), i - ig * g], axis=1)
+        return h, c, slope, o - h * np.tanh(c), f
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cell_computes_the_gate_math(threads):
+    rng = np.random.default_rng(0)
+    mm = (rng.standard_normal((2, 4 * HIDDEN, 16)) * 3).astype(np.float32)
+    piece = rng.standard_normal(mm.shape).astype(np.float32)
+    c_prev = rng.standard_normal((2, HIDDEN, 16)).astype(np.float32)
+    mm[0, :4, 0] = [np.nan, np.inf, -np.inf, 30.0]  # into i, the Sigmoid's ends
+    mm[1, 3 * HIDDEN:3 * HIDDEN + 4, 1] = [np.inf, -np.inf, 1e-9, -0.01]  # into g, Tanh's
+    c_prev[1, 5, 2] = np.inf
+    outs = [np.empty(s, np.float32) for s in [c_prev.shape] * 2 + [mm.shape] + [c_prev.shape] * 2]
+    native.NATIVE.lstm_cell(mm, piece, c_prev, *outs, HIDDEN * 16, threads)
+    for got, want in zip(outs, _cell_reference(mm, piece, c_prev)):
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        assert np.array_equal(np.isinf(got), np.isinf(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=2e-6, atol=2e-7)
+    with pytest.raises(ValueError, match="slope has"):
+        native.NATIVE.lstm_cell(mm, piece, c_prev, outs[0], outs[1], outs[0], outs[3], outs[4],
+                                HIDDEN * 16, 1)  # fmt: skip
+
+
+def test_the_rules_steps_are_found_and_computed_as_the_graph(tmp_path):
+    model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
+    found = lstm_cell.split_lstm_forwards(model)
+    assert len(found) == 1
+    kernel, nodes = found[0]
+    assert len(kernel.steps) == STEPS and len(nodes) == 19 * STEPS
+    # the chain's nodes alone, on inputs at an initialized LSTM's scale, with a NaN and an
+    # infinity in one step's projection
+    graph = model.graph
+    chosen = [graph.node[i] for i in sorted(nodes)]
+    read = {v for n in chosen for v in n.input}
+    constants = [n for n in graph.node if n.op_type == "Constant" and n.output[0] in read]
+    initializers = [t for t in graph.initializer if t.name in read]
+    f = onnx.TensorProto.FLOAT
+    sub = onnx.helper.make_graph(
+        constants + chosen, "steps",
+        [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.inputs],
+        [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.outputs],
+        initializer=initializers,
+    )  # fmt: skip
+    sub_model = onnx.helper.make_model(sub, opset_imports=model.opset_import)
+    providers = ["CPUExecutionProvider"]
+    session = ort.InferenceSession(sub_model.SerializeToString(), providers=providers)
+    rng = np.random.default_rng(0)
+    values = {v: rng.standard_normal((2, 4 * HIDDEN, 3)).astype(np.float32) for v in kernel.inputs}
+    values[kernel.r] = rng.uniform(-1, 1, (2, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 3
+    for v in kernel.inputs[1:3]:
+        values[v] = values[v][:, :HIDDEN].copy()
+    values[kernel.steps[2].piece][0, 1, 0] = np.nan
+    values[kernel.steps[3].piece][1, 3 * HIDDEN, 2] = np.inf
+    want = dict(zip(kernel.outputs, session.run(kernel.outputs, values)))
+    out: dict[str, np.ndarray] = {}
+    kernel.compute(values, out, 2)
+    for name in kernel.outputs:
+        assert np.array_equal(np.isnan(out[name]), np.isnan(want[name])), name
+        finite = np.isfinite(want[name])
+        np.testing.assert_allclose(out[name][finite], want[name][finite], atol=2e-6, err_msg=name)
+
+
+def test_intermediate_values_read_elsewhere_stay_in_the_graph(tmp_path):
+    model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
+    _, nodes = lstm_cell.split_lstm_forwards(model)[0]
+    tanh = next(model.graph.node[i] for i in sorted(nodes) if model.graph.node[i].op_type == "Tanh")
+    model.graph.node.append(onnx.helper.make_node("Identity", [tanh.output[0]], ["copy"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("copy", 1, None))
+    found = lstm_cell.split_lstm_forwards(model)
+    assert all(tanh.output[0] not in k.outputs for k, _ in found)
+    assert all(len(k.steps) < STEPS for k, _ in found)
+
+
+def test_module_trains_as_the_graph_does(tmp_path):
+    directory = _artifacts(tmp_path)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, STEPS, FEATURES)).astype(np.float32), rng.integers(0, 3, n))
+        for n in (4, 4, 3)  # the batch changes: the kernel's arrays follow it
+    ]
+    got = artifact_steps(directory, batches, lstm_cell.LstmForward)
+    expected = artifact_steps(directory, batches, lstm_cell.LstmForward, without="lstm_forward")
+    assert_same_training(got, expected)
