@@ -204,30 +204,34 @@ def unfolded_weight_grad(x: np.ndarray, dy: np.ndarray, grad: WeightGrad, out: n
     infinity in a window thus reaches every column of that window (``0 * inf`` is NaN), as it
     does in the graph. The native kernel multiplies each value by its own weight only, so
     where it writes a NaN or an infinity (it does wherever a value it reads is one),
-    :func:`compute` writes this form instead."""
-    oh, ow = dy.shape[2:]
+    :func:`compute` writes this form instead.
+
+    Column ``k``'s sum ``window_k * 1 + sum_{j != k} window_j * 0`` is ``window_k`` where every
+    other window's value is finite (the zero products add nothing but the sign of a zero) and
+    NaN where one is not; it is formed so for every group at once, and each group's product
+    with the output gradient is one ``einsum``."""
+    n, oh, ow = dy.shape[0], *dy.shape[2:]
     kh, kw = out.shape[2:]
     (top, left), (bottom, right) = grad.pads, grad.end_pads
     padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
     (sh, sw), (dh, dw) = grad.strides, grad.dilations
-    cg, og = x.shape[1] // grad.group, dy.shape[1] // grad.group
-    one_hot = np.eye(kh * kw, dtype=np.float32)
+    groups = grad.group
+    cg, og = x.shape[1] // groups, dy.shape[1] // groups
+    windows = [
+        padded[:, :, i * dh : i * dh + (oh - 1) * sh + 1 : sh,
+               j * dw : j * dw + (ow - 1) * sw + 1 : sw]
+        for i in range(kh)
+        for j in range(kw)
+    ]  # fmt: skip
+    not_finite = [~np.isfinite(w) for w in windows]
+    count = np.sum(not_finite, axis=0, dtype=np.int32)
+    grads = dy.reshape(n, groups, og, oh * ow)
     with np.errstate(over="ignore", invalid="ignore"):
-        for g in range(grad.group):
-            xs = padded[:, g * cg : (g + 1) * cg]
-            windows = [
-                xs[:, :, i * dh : i * dh + (oh - 1) * sh + 1 : sh,
-                   j * dw : j * dw + (ow - 1) * sw + 1 : sw]
-                for i in range(kh)
-                for j in range(kw)
-            ]  # fmt: skip
-            for k in range(kh * kw):
-                column = windows[0] * one_hot[k, 0]
-                for other in range(1, kh * kw):
-                    column = column + windows[other] * one_hot[k, other]
-                out[g * og : (g + 1) * og, :, k // kw, k % kw] = np.tensordot(
-                    dy[:, g * og : (g + 1) * og], column, axes=([0, 2, 3], [0, 2, 3])
-                )
+        for k, window in enumerate(windows):
+            column = np.where(count - not_finite[k] > 0, np.float32(np.nan), window)
+            columns = column.reshape(n, groups, cg, oh * ow)
+            products = np.einsum("ngop,ngcp->goc", grads, columns, optimize=True)
+            out[:, :, k // kw, k % kw] = products.reshape(groups * og, cg)
 
 
 def reads(grad: WeightGrad) -> tuple[str, ...]:
