@@ -2,7 +2,7 @@
  * after activation_grads.h, whose Sigmoid it shares).
  *
  * The LSTM gradient rule (autodiff/rules/recurrent_steps.py, lstm_forward) writes each step
- * as seventeen onnxruntime ops after the MatMul, each a pass over the step's [D, 4H, N] or
+ * as eighteen onnxruntime ops after the MatMul, each a pass over the step's [D, 4H, N] or
  * [D, H, N] tensors, every direction stacked. Here the same float operations in the same
  * order, each rounded to float32 (no contraction into fused multiply-adds); the Sigmoid and
  * Tanh are computed here, as onnxruntime's within their rounding and at their ends (Sigmoid

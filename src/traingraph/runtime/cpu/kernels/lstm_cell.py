@@ -6,15 +6,17 @@ features, N]``): per step the recurrence ``MatMul`` and eighteen elementwise, ``
 ``Concat`` ops on the step's small tensors, which also make what the backward reads (the
 gates' slopes, ``o (1 - tanh^2 c)`` and the forget gate). onnxruntime runs each of those ops
 as one pass with its own dispatch, and they do not scale with threads: at two threads they
-took about as long as the step's ``MatMul``.
+took twice as long as the step's ``MatMul`` (the zoo's LSTM tagger, onnxruntime's profiler).
 
 :class:`LstmForward` runs a whole chain of such steps between two onnxruntime segments: each
 step's ``MatMul`` on onnxruntime (a session of that one op, so the products are the graph's),
-then ``_convc.lstm_cell``, the seventeen ops' float operations in their order in one pass
+then ``_convc.lstm_cell``, the eighteen ops' float operations in their order in one pass
 (no fused multiply-adds), with the Sigmoid and Tanh computed there as onnxruntime's within
 their rounding (about 1e-7) and at their ends (0 and 1, -1 and 1 for infinities, NaN for
 NaN). The load-time check (:func:`traingraph.runtime.cpu.verify.verified_kernels`) compares
-the kernel with its nodes, non-finite inputs included.
+the kernel with its nodes, non-finite inputs included, with the recurrence weights at an
+initialized LSTM's scale: under larger ones the recurrence is chaotic, and the Sigmoid's and
+Tanh's rounding differences would grow over the steps.
 """
 
 from __future__ import annotations
