@@ -22,7 +22,7 @@ Tanh's rounding differences would grow over the steps.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -204,6 +204,11 @@ class _InitScale(verify.Check):
 
     def __init__(self, shapes: Mapping[str, list[int | None]]) -> None:
         self.shapes = shapes
+
+    def form(self, kernel: LstmForward, nodes: set[int]) -> Hashable | None:
+        """The chains of one length and shapes share one check (a stack of layers): the
+        matcher fixed every node and its wiring, so that only their inputs' values differ."""
+        return len(kernel.steps), tuple(tuple(self.shapes.get(v) or ()) for v in kernel.inputs)
 
     def inputs(
         self, matches: Sequence[tuple[LstmForward, set[int]]]
