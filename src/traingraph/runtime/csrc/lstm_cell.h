@@ -150,7 +150,16 @@ static PyObject *lstm_cell(PyObject *self, PyObject *args)
     struct lstm_cell p = {.mm = views[0].buf, .piece = views[1].buf, .c_prev = views[2].buf,
                           .h = views[3].buf, .c = views[4].buf, .slope = views[5].buf,
                           .through = views[6].buf, .f = views[7].buf, .block = block};
-    run_elementwise(lstm_cell_range, &p, size, threads);
+    /* a Sigmoid or Tanh an element: enough work for a second thread from a few thousand on */
+    const struct split share = {lstm_cell_range, &p, size};
+    Py_BEGIN_ALLOW_THREADS
+    if (threads <= 1 || size < 4096) {
+        lstm_cell_range(&p, 0, size);
+    }
+    else {
+        pool_run(split_share, &share, threads);
+    }
+    Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
     for (Py_ssize_t k = 0; k < held; k++) {
