@@ -91,6 +91,8 @@ def scatter_add_rows(
         base = _zeros(b, b.Concat(depth, b.shape(rows, 1, 2), axis=0), like)
         positions = b.Expand(b.unsqueeze(flat, [1]), b.shape(rows))
         summed = b.ScatterElements(base, positions, rows, axis=0, reduction="add")
+        if rank(like) == 2:  # already [D, R]
+            return summed
         return b.Reshape(summed, rows_shape)
     column = b.Reshape(index, b.ints([-1, 1]))
     depth = b.Gather(rows_shape, b.const(np.int64(0)))
