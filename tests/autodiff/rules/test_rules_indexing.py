@@ -165,6 +165,44 @@ def test_gradient_of_repeated_rows_adds_every_update_with_two_threads():
         np.testing.assert_array_equal(result, results[0])
 
 
+@pytest.mark.parametrize("rows", [2, 8, 9])
+def test_gradient_of_a_small_table_adds_each_update_into_its_own_row(rows):
+    # Up to SMALL_TABLE_ROWS rows (a token-type table) the rule selects with Where and sums;
+    # from 9 on it scatters. Either way a NaN update reaches its own row only.
+    import onnxruntime as ort
+
+    from traingraph.autodiff.rules.indexing import SMALL_TABLE_ROWS
+
+    width, count = 16, 300
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])
+    i = helper.make_tensor_value_info("i", TensorProto.INT64, [3, count // 3])
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, count // 3, width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [
+        helper.make_node("Gather", ["x", "i"], ["e"]),
+        helper.make_node("Mul", ["e", "w"], ["y"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x, i, w], [y]), opset_imports=[helper.make_opsetid("", 18)]
+    )
+    grad = build_gradient_graph(model, ["x"])
+    ops = {n.op_type for n in grad.graph.node}
+    assert ("ScatterElements" not in ops) == (rows <= SMALL_TABLE_ROWS)
+    index = rng.integers(0, rows, (3, count // 3))
+    index[0, 0], index[1, 0] = rows - 1, -1  # a negative index counts from the end
+    weights = r(3, count // 3, width).astype(np.float32)
+    weights[0, 0, 3] = np.nan  # row rows - 1, column 3
+    session = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": r(rows, width).astype(np.float32), "i": index, "w": weights}
+    (got,) = session.run(["x_grad"], feeds)
+    expected = np.zeros((rows, width))
+    np.add.at(expected, index.reshape(-1) % rows, weights.reshape(-1, width).astype(np.float64))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    assert np.isnan(got).sum() == 1
+    finite = ~np.isnan(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("opset", [13, 18])
 def test_gather_against_index_select(opset):
     x, indices = r(6, 3), ints(1, 5, 1, 0)

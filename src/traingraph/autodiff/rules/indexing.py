@@ -68,8 +68,19 @@ def _zeros(b: OpBuilder, shape: ir.Value, like: ir.Value) -> ir.Value:
     return b.Expand(b.scalar(0.0, like), shape)
 
 
+SMALL_TABLE_ROWS = 8
+"""Up to this many rows (a static count), :func:`scatter_add_rows` selects each row's updates
+with a ``Where`` and sums them, instead of scattering: token-type and other small embedding
+tables, where onnxruntime's CPU ScatterElements adds thousands of rows into two one element
+at a time on one thread."""
+
+
 def scatter_add_rows(
-    ctx: GradContext, rows_shape: ir.Value, index: ir.Value, updates: ir.Value
+    ctx: GradContext,
+    rows_shape: ir.Value,
+    index: ir.Value,
+    updates: ir.Value,
+    depth: int | None = None,
 ) -> ir.Value:
     """Zeros of shape ``rows_shape = [D, *rest]`` with ``updates[i]`` added to row ``index[i]``.
 
@@ -82,8 +93,19 @@ def scatter_add_rows(
     CPU kernel adds rows from several threads without ordering them, so that updates of one
     row are lost when the index repeats it (an embedding's gradient; ``tests/autodiff/rules/
     test_rules_indexing.py`` shows it), and its CUDA kernel gives each index one thread block.
+    Where ``depth``, the static ``D``, is at most :data:`SMALL_TABLE_ROWS`, row ``d`` is the sum
+    over ``i`` of ``Where(index[i] == d, updates[i], 0)``: the same terms, each update reaching
+    its own row only (a NaN too), summed in another order.
     """
     b, like = ctx.b, ctx.x(0)
+    if depth is not None and depth <= SMALL_TABLE_ROWS:
+        flat = _flat(b, index)
+        rows = b.Reshape(updates, b.Concat(b.shape(flat), b.ints([-1]), axis=0))
+        table = b.const(np.arange(depth, dtype=np.int64).reshape(1, depth))
+        mask = b.unsqueeze(b.Equal(b.unsqueeze(flat, [1]), table), [2])
+        picked = b.Where(mask, b.unsqueeze(rows, [1]), b.scalar(0.0, like))
+        summed = b.sum(picked, [0], keepdims=False)
+        return summed if rank(like) == 2 else b.Reshape(summed, rows_shape)
     if b.opset >= _SCATTER_REDUCTION_SINCE:
         flat = _flat(b, index)
         rows = b.Reshape(updates, b.Concat(b.shape(flat), b.ints([-1]), axis=0))
@@ -176,17 +198,19 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     if int(ctx.attr("axis", 0)) == 0:
         # Axis 0 needs no rank: the rows are the first dimension whatever follows.
         index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, 0))
-        return [scatter_add_rows(ctx, b.shape(x), index, g)]
+        return [scatter_add_rows(ctx, b.shape(x), index, g, static_dim(x, 0))]
     r = _known_rank(ctx, x, "the data input")
     axis = int(ctx.attr("axis", 0)) % r
     index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, axis))
     if axis == 0:
-        return [scatter_add_rows(ctx, b.shape(x), index, g)]
+        return [scatter_add_rows(ctx, b.shape(x), index, g, static_dim(x, 0))]
     q = _known_rank(ctx, ctx.x(1), "the indices")
     perm_x = [axis, *range(axis), *range(axis + 1, r)]
     perm_g = [*range(axis, axis + q), *range(axis), *range(axis + q, r - 1 + q)]
     rows_shape = b.Gather(b.shape(x), b.ints(perm_x))
-    rows = scatter_add_rows(ctx, rows_shape, index, b.Transpose(g, perm=perm_g))
+    rows = scatter_add_rows(
+        ctx, rows_shape, index, b.Transpose(g, perm=perm_g), static_dim(x, axis)
+    )
     return [b.Transpose(rows, perm=[int(p) for p in np.argsort(perm_x)])]
 
 
