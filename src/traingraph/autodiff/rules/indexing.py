@@ -109,8 +109,8 @@ def scatter_add_rows(
     if b.opset >= _SCATTER_REDUCTION_SINCE:
         flat = _flat(b, index)
         rows = b.Reshape(updates, b.Concat(b.shape(flat), b.ints([-1]), axis=0))
-        depth = b.slice(rows_shape, [0], [1], [0])
-        base = _zeros(b, b.Concat(depth, b.shape(rows, 1, 2), axis=0), like)
+        first = b.slice(rows_shape, [0], [1], [0])
+        base = _zeros(b, b.Concat(first, b.shape(rows, 1, 2), axis=0), like)
         positions = b.Expand(b.unsqueeze(flat, [1]), b.shape(rows))
         summed = b.ScatterElements(base, positions, rows, axis=0, reduction="add")
         if rank(like) == 2:  # already [D, R]
