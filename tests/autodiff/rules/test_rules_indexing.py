@@ -128,16 +128,12 @@ def test_gradient_of_a_constant_position_or_run_is_one_pad(shape, axis, indices)
     assert "Pad" in ops and not ops & {"ScatterND", "ScatterElements", "MatMul"}, ops
 
 
-def test_gradient_of_repeated_rows_adds_every_update_with_two_threads():
-    # An embedding's gradient: 4096 rows added into 50. onnxruntime's CPU ScatterND with
-    # reduction="add" loses some of them when two threads add into one row; the rule's
-    # ScatterElements keeps every update, in one order.
-    import onnxruntime as ort
-
-    rows, width, count = 50, 256, 4096
+def _embedding_gradient(rows, width, index_shape):
+    """The gradient graph (output ``x_grad``) of ``Gather(x [rows, width], i) * w``, ``i`` int64
+    of ``index_shape``, ``w`` of the gathered shape, at opset 18."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])
-    i = helper.make_tensor_value_info("i", TensorProto.INT64, [count])
-    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [count, width])
+    i = helper.make_tensor_value_info("i", TensorProto.INT64, index_shape)
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [*index_shape, width])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     nodes = [
         helper.make_node("Gather", ["x", "i"], ["e"]),
@@ -146,7 +142,17 @@ def test_gradient_of_repeated_rows_adds_every_update_with_two_threads():
     model = helper.make_model(
         helper.make_graph(nodes, "g", [x, i, w], [y]), opset_imports=[helper.make_opsetid("", 18)]
     )
-    grad = build_gradient_graph(model, ["x"])
+    return build_gradient_graph(model, ["x"])
+
+
+def test_gradient_of_repeated_rows_adds_every_update_with_two_threads():
+    # An embedding's gradient: 4096 rows added into 50. onnxruntime's CPU ScatterND with
+    # reduction="add" loses some of them when two threads add into one row; the rule's
+    # ScatterElements keeps every update, in one order.
+    import onnxruntime as ort
+
+    rows, width, count = 50, 256, 4096
+    grad = _embedding_gradient(rows, width, [count])
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(
@@ -174,18 +180,7 @@ def test_gradient_of_a_small_table_adds_each_update_into_its_own_row(rows):
     from traingraph.autodiff.rules.indexing import SMALL_TABLE_ROWS
 
     width, count = 16, 300
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, width])
-    i = helper.make_tensor_value_info("i", TensorProto.INT64, [3, count // 3])
-    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, count // 3, width])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    nodes = [
-        helper.make_node("Gather", ["x", "i"], ["e"]),
-        helper.make_node("Mul", ["e", "w"], ["y"]),
-    ]
-    model = helper.make_model(
-        helper.make_graph(nodes, "g", [x, i, w], [y]), opset_imports=[helper.make_opsetid("", 18)]
-    )
-    grad = build_gradient_graph(model, ["x"])
+    grad = _embedding_gradient(rows, width, [3, count // 3])
     ops = {n.op_type for n in grad.graph.node}
     assert ("ScatterElements" not in ops) == (rows <= SMALL_TABLE_ROWS)
     index = rng.integers(0, rows, (3, count // 3))

@@ -222,6 +222,21 @@ def test_float64_lstm_of_unknown_input_size():
     check_float64("LSTM", None, "bidirectional", 0, (0,), symbolic_input=True)
 
 
+def _gradient_op_counts(op, lbr, direction):
+    """The op types, counted, of the gradient graph of one ``op`` node (``direction``, with an
+    initial state; GRU's ``linear_before_reset`` ``lbr``) under a weighted-sum loss."""
+    inputs = rnn_inputs(op, direction, h0=True)
+    attrs = {"hidden_size": HIDDEN, "direction": direction}
+    if lbr is not None:
+        attrs["linear_before_reset"] = lbr
+    model = make_op_model(op, inputs, attrs, num_outputs=2, dynamic="none")
+    data = {k: v for k, v in inputs.items() if v is not None}
+    outs = session(model).run(None, data)
+    loss_model = add_weighted_sum_loss(model, ["y0"], outs[:1])
+    grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
+    return collections.Counter(n.op_type for n in grad_model.graph.node)
+
+
 @pytest.mark.parametrize(
     "op,lbr,per_step", [("LSTM", None, 2), ("GRU", 1, 2), ("GRU", 0, 3), ("RNN", None, 2)]
 )
@@ -230,16 +245,8 @@ def test_directions_share_each_steps_ops(op, lbr, per_step):
     # recurrence MatMuls are per step as many as one direction needs (forward and backward),
     # plus the same fixed count over all steps as a single direction.
     def matmuls(direction):
-        inputs = rnn_inputs(op, direction, h0=True)
-        attrs = {"hidden_size": HIDDEN, "direction": direction}
-        if lbr is not None:
-            attrs["linear_before_reset"] = lbr
-        model = make_op_model(op, inputs, attrs, num_outputs=2, dynamic="none")
-        data = {k: v for k, v in inputs.items() if v is not None}
-        outs = session(model).run(None, data)
-        loss_model = add_weighted_sum_loss(model, ["y0"], outs[:1])
-        grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
-        return sum(n.op_type in ("MatMul", "Gemm") for n in grad_model.graph.node)
+        ops = _gradient_op_counts(op, lbr, direction)
+        return ops["MatMul"] + ops["Gemm"]
 
     forward, bidirectional = matmuls("forward"), matmuls("bidirectional")
     assert forward == bidirectional
@@ -252,19 +259,8 @@ def test_reverse_direction_reordered_by_gathers(op, lbr):
     # and their gradients between time order and step order by one Gather each, and sums the
     # directions' input gradients by one Slice a direction: it holds as many Concat, Split and
     # ReduceSum nodes over all steps as a forward node's.
-    def op_types(direction):
-        inputs = rnn_inputs(op, direction, h0=True)
-        attrs = {"hidden_size": HIDDEN, "direction": direction}
-        if lbr is not None:
-            attrs["linear_before_reset"] = lbr
-        model = make_op_model(op, inputs, attrs, num_outputs=2, dynamic="none")
-        data = {k: v for k, v in inputs.items() if v is not None}
-        outs = session(model).run(None, data)
-        loss_model = add_weighted_sum_loss(model, ["y0"], outs[:1])
-        grad_model = build_gradient_graph(loss_model, wrt=list(data), loss="loss")
-        return collections.Counter(n.op_type for n in grad_model.graph.node)
-
-    forward, bidirectional = op_types("forward"), op_types("bidirectional")
+    forward = _gradient_op_counts(op, lbr, "forward")
+    bidirectional = _gradient_op_counts(op, lbr, "bidirectional")
     for op_type in ("Concat", "Split", "ReduceSum"):
         assert bidirectional[op_type] == forward[op_type], op_type
     assert (forward["Gather"], bidirectional["Gather"]) == (0, 3)

@@ -26,8 +26,9 @@ The matchers take any one-element float32 constants in the HardSwish form (the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx
@@ -121,18 +122,7 @@ def split_hardswish_grads(
     values only it reads, as a :class:`HardSwishGrad` with the indices of its seven nodes (none
     in ``taken``), checked numerically. ``[]`` where the extension is missing or nothing
     matches."""
-    if not graph_match.can_match(model, "hardswish_grad", "Where"):
-        return []
-    g = graph_match.GraphIndex.of(model.graph)
-    constants = graph_match.constant_values(model.graph)
-    shapes = graph_match.inferred_shapes(model)
-    matches = []
-    for i, node in enumerate(g.nodes):
-        if i not in taken and node.op_type == "Mul" and node.domain in ("", "ai.onnx"):
-            match = _hardswish(g, i, constants, shapes, taken)
-            if match is not None:
-                matches.append(match)
-    return verify.verified_kernels(model, g, matches, shapes)
+    return _split(model, taken, "hardswish_grad", "Where", "Mul", _hardswish)
 
 
 def split_silu_grads(
@@ -143,17 +133,37 @@ def split_silu_grads(
     and of the Sigmoid (none in ``taken``; the Sigmoid, which the forward's product reads too,
     stays in the graph), checked numerically. ``[]`` where the extension is missing or nothing
     matches."""
-    if not graph_match.can_match(model, "silu_grad", "Sigmoid"):
+    return _split(model, taken, "silu_grad", "Sigmoid", "Sigmoid", _silu)
+
+
+_Match = TypeVar("_Match")
+
+
+def _split(
+    model: onnx.ModelProto,
+    taken: Set[int],
+    function: str,
+    present: str,
+    anchor: str,
+    match: Callable[
+        [graph_match.GraphIndex, int, Mapping[str, np.ndarray], Shapes, Set[int]],
+        tuple[_Match, set[int]] | None,
+    ],
+) -> list[tuple[_Match, set[int]]]:
+    """The matches ``match`` finds from each default-domain ``anchor`` node not in ``taken``,
+    checked numerically; ``[]`` where the extension lacks ``function`` or ``model`` holds no
+    ``present`` node."""
+    if not graph_match.can_match(model, function, present):
         return []
     g = graph_match.GraphIndex.of(model.graph)
     constants = graph_match.constant_values(model.graph)
     shapes = graph_match.inferred_shapes(model)
     matches = []
     for i, node in enumerate(g.nodes):
-        if i not in taken and node.op_type == "Sigmoid" and node.domain in ("", "ai.onnx"):
-            match = _silu(g, i, constants, shapes, taken)
-            if match is not None:
-                matches.append(match)
+        if i not in taken and node.op_type == anchor and node.domain in ("", "ai.onnx"):
+            found = match(g, i, constants, shapes, taken)
+            if found is not None:
+                matches.append(found)
     return verify.verified_kernels(model, g, matches, shapes)
 
 
