@@ -9,6 +9,7 @@ own persistent buffers; their initial values travel in the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from traingraph.autodiff.engine import differentiate, name_output, values_by_nam
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
+from traingraph.ir.fold import compose_transposes
 from traingraph.ir.model import ModelLike, default_opset, infer_shapes_in_place, load_ir, to_proto
 from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
@@ -309,6 +311,8 @@ def build_train_graph(
     losses = [loss_value] if loss_value is not None else []
     graph.outputs.clear()
     graph.outputs.extend([*losses, *extra, *grad_outputs, *update_outputs, *finite])
+    forward_nodes = set(itertools.islice(graph, forward_node_count))
+    forward_node_count -= sum(n in forward_nodes for n in compose_transposes(graph))
     forward_names = [v.name or "" for v in [*losses, *extra, *update_outputs]]
     grad_names = [v.name or "" for v in [*grad_outputs, *finite]]
     if forward_first:

@@ -8,7 +8,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from traingraph.ir.fold import Dim, constant_value, partial_value
+from traingraph.ir.fold import Dim, compose_transposes, constant_value, partial_value
 from traingraph.ir.model import load_ir
 
 
@@ -263,3 +263,89 @@ def test_nonzero_and_initializer_biases_stay():
     zeros = numpy_helper.from_array(np.zeros(4, np.float32), "b")
     m = load_ir(_biased_model([], [zeros]))
     assert len([n for n in m.graph if n.op_type == "Conv"][0].inputs) == 3
+
+
+def _transposes_model(outer_perm, graph_output=False):
+    """x -> Transpose([1, 2, 0]) -> t, read by Relu and by a second Transpose(``outer_perm``)."""
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[1, 2, 0]),
+        helper.make_node("Relu", ["t"], ["r"]),
+        helper.make_node("Transpose", ["t"], ["u"], **({"perm": outer_perm} if outer_perm else {})),
+        helper.make_node("Neg", ["u"], ["n"]),
+    ]
+    outputs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in ("r", "n")]
+    if graph_output:
+        outputs.append(helper.make_tensor_value_info("u", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])], outputs
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize(
+    ("outer_perm", "graph_output", "expected_perm"),
+    [
+        ([2, 0, 1], False, None),  # cancels: the Neg reads x
+        ([2, 0, 1], True, [0, 1, 2]),  # cancels, but u is an output: an identity Transpose
+        ([1, 0, 2], False, [2, 1, 0]),
+        (None, False, [0, 2, 1]),  # no perm: the axes reversed
+    ],
+)
+def test_a_transpose_of_a_transpose_reads_the_first_ones_input(
+    outer_perm, graph_output, expected_perm
+):
+    proto = onnx.shape_inference.infer_shapes(_transposes_model(outer_perm, graph_output))
+    m = ir.from_proto(proto)
+    compose_transposes(m.graph)
+    transposes = [n for n in m.graph if n.op_type == "Transpose"]
+    assert transposes[0].outputs[0].name == "t"  # the Relu still reads the first
+    if expected_perm is None:
+        assert len(transposes) == 1
+        assert [n for n in m.graph if n.op_type == "Neg"][0].inputs[0].name == "x"
+    else:
+        assert transposes[1].inputs[0].name == "x"
+        assert list(transposes[1].attributes["perm"].as_ints()) == expected_perm
+    x = np.random.default_rng(0).normal(size=(2, 3, 4)).astype(np.float32)
+    x[0, 1, 2], x[1, 0, 3] = np.nan, -np.inf
+    expected = _run_all(proto, x)
+    got = _run_all(ir.to_proto(m), x)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_a_transpose_read_only_by_another_goes():
+    proto = _transposes_model([2, 0, 1])
+    del proto.graph.node[1]  # the Relu
+    del proto.graph.output[0]
+    m = ir.from_proto(proto)
+    removed = compose_transposes(m.graph)
+    assert [n.op_type for n in removed] == ["Transpose", "Transpose"]
+    assert [n.op_type for n in m.graph] == ["Neg"]
+
+
+def _run_all(proto, x):
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, {"x": x})))
+
+
+def test_training_graph_of_a_linear_reads_its_weight_untransposed():
+    """torch exports ``nn.Linear`` as ``MatMul(x, Transpose(W))``; the input gradient's
+    ``Transpose`` of that reads ``W`` itself."""
+    torch = pytest.importorskip("torch")
+    from traingraph import artifacts, from_torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    exported = from_torch(model, torch.randn(4, 2, 6), exporter="torchscript")  # MatMuls
+    program = artifacts.generate_artifacts(exported, loss=artifacts.LossType.MSELoss)
+    graph = program.train_model.graph
+    assert sum(n.op_type == "Transpose" for n in exported.graph.node) == 2
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.op_type == "Transpose":
+            source = producer.get(node.input[0])
+            assert source is None or source.op_type != "Transpose", node.name

@@ -275,15 +275,79 @@ def drop_zero_biases(graph: ir.Graph) -> int:
     return removed
 
 
-def _remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
-    """Remove the node computing ``value`` where nothing reads it, then its inputs' likewise."""
+def compose_transposes(graph: ir.Graph) -> list[ir.Node]:
+    """Read each ``Transpose`` of a ``Transpose`` from the first one's input, with the two
+    permutations composed (none where they cancel), and remove the nodes that leaves unread.
+
+    A gradient rule transposes what its forward node read, and the forward often read a
+    transposed value itself: a ``Linear`` exported as ``MatMul(x, Transpose(W))`` gets the
+    input gradient ``MatMul(dy, Transpose(Transpose(W)))``. Composed, the gradient reads ``W``,
+    and the forward's ``Transpose(W)`` keeps one reader, which a runtime folds into its
+    ``MatMul`` instead of writing the transposed copy (and keeping it alive for the backward
+    pass). A transpose moves elements without computing, so every value stays the same.
+
+    Returns:
+        The nodes removed.
+    """
+    removed: list[ir.Node] = []
+    for node in list(graph):
+        if node.graph is not graph:
+            continue  # removed as an earlier node's source
+        inner = _transpose_of(node)
+        if inner is None:
+            continue
+        source = inner.inputs[0]
+        first, second = _perm(inner), _perm(node)
+        if source is None or first is None or second is None or len(first) != len(second):
+            continue
+        composed = [first[axis] for axis in second]
+        transposed = inner.outputs[0]
+        if composed == sorted(composed) and not node.outputs[0].is_graph_output():
+            node.outputs[0].replace_all_uses_with(source)
+            graph.remove(node, safe=True)
+            removed.append(node)
+        else:
+            node.replace_input_with(0, source)
+            node.attributes["perm"] = ir.AttrInt64s("perm", composed)
+        removed += _remove_if_unused(graph, transposed)
+    return removed
+
+
+def _transpose_of(node: ir.Node) -> ir.Node | None:
+    """The ``Transpose`` that computes the input of the ``Transpose`` ``node``, else None."""
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or not node.inputs:
+        return None
+    value = node.inputs[0]
+    inner = None if value is None else value.producer()
+    if inner is None or inner.op_type != "Transpose" or inner.domain not in ("", "ai.onnx"):
+        return None
+    return inner
+
+
+def _perm(node: ir.Node) -> list[int] | None:
+    """A ``Transpose``'s permutation (its input's axes reversed where it has none), or None
+    where its input's rank is unknown."""
+    attr = node.attributes.get("perm")
+    if attr is not None:
+        return [int(a) for a in attr.as_ints()]
+    value = node.inputs[0]
+    if value is None or value.shape is None:
+        return None
+    return list(reversed(range(len(value.shape))))
+
+
+def _remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> list[ir.Node]:
+    """Remove the node computing ``value`` where nothing reads it, then its inputs' likewise;
+    return the nodes removed."""
     node = None if value is None else value.producer()
     if node is None or any(o.uses() or o.is_graph_output() for o in node.outputs):
-        return
+        return []
     inputs = list(node.inputs)
     graph.remove(node, safe=True)
+    removed = [node]
     for v in inputs:
-        _remove_if_unused(graph, v)
+        removed += _remove_if_unused(graph, v)
+    return removed
 
 
 def _is_computed_zeros(value: ir.Value | None, depth: int = _MAX_DEPTH) -> bool:
@@ -519,6 +583,7 @@ _ELEMENTWISE = frozenset({"Neg", "Add", "Sub", "Mul", "Div", "Max", "Min"})
 
 __all__ = [
     "Dim",
+    "compose_transposes",
     "constant_attribute_value",
     "constant_value",
     "densify_sparse_constants",
