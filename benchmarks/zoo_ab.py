@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15, help="timed steps of each side")
     parser.add_argument("--profile", action="store_true", help="onnxruntime's ops of side B")
+    parser.add_argument("--top-nodes", type=int, default=0, help="with --profile: slowest nodes")
     args = parser.parse_args(argv)
 
     entry = zoo.prepare_entry(args.model, CACHE)
@@ -158,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         print("  onnxruntime ops of B, ms per step:")
         for op, ms, n in ort_ops(profiles.name, args.repeats + 1)[:20]:
             print(f"    {op:30s} {ms:8.1f}  ({n} nodes)")
+        if args.top_nodes:
+            print(f"  slowest {args.top_nodes} nodes of B, ms per step:")
+            for node, ms, n in ort_ops(profiles.name, args.repeats + 1, by_node=True)[
+                : args.top_nodes
+            ]:
+                print(f"    {node:70s} {ms:8.2f}  (x{n})")
     profiles.cleanup()
     return 0
 

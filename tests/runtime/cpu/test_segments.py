@@ -616,3 +616,39 @@ def test_a_reshape_of_a_value_alive_after_the_cut_is_computed_again_there():
     for _ in range(2):
         runner.bind_input("x", x)
         np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+
+
+def test_an_identity_at_a_cut_reads_its_input_instead_of_copying_it():
+    # z = 2 y is the kernel; i = Identity(z) (a Dropout of ratio 0 in training mode) is read
+    # after it and again in a later segment: no segment writes i, the readers read z; an
+    # Identity whose output the graph returns stays
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [8, 4]) for n in "xrk"]
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Exp", ["x"], ["y"]),
+            helper.make_node("Mul", ["y", "two"], ["z"]),
+            helper.make_node("Identity", ["z"], ["i"]),
+            helper.make_node("Identity", ["i"], ["j"]),
+            helper.make_node("Neg", ["j"], ["n"]),
+            helper.make_node("Identity", ["n"], ["k"]),
+            helper.make_node("Mul", ["n", "i"], ["r"]),
+        ],
+        "g", floats[:1], floats[1:], [two],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    plan = segments.plan_segments(model, [(_Double(), {1})])
+    ops = [n.op_type for s in plan.segments for n in s.model.graph.node]
+    assert ops.count("Identity") == 1  # k's, a graph output
+    assert all("i" not in s.outputs and "i" not in s.inputs for s in plan.segments)
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
+    )
+    x = np.random.default_rng(2).standard_normal((8, 4)).astype(np.float32)
+    x[0, :2] = [np.nan, np.inf]
+    want = ort.InferenceSession(model.SerializeToString()).run(["r", "k"], {"x": x})
+    for _ in range(2):  # the first run, and one with the values' buffers
+        runner.bind_input("x", x)
+        got = runner.run({"r": None, "k": None})
+        np.testing.assert_array_equal(got["r"].numpy(), want[0])
+        np.testing.assert_array_equal(got["k"].numpy(), want[1])
