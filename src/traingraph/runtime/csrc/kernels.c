@@ -1894,6 +1894,150 @@ done:
 #include "lstm_cell.h"
 #include "depthwise.h"
 
+/* ------------------------------------------------ row scatter-add (an embedding's gradient) */
+
+/* out = data (or zeros); out[index[i]] += updates[i] for i in order: ScatterElements(axis=0,
+ * reduction="add") of indices constant along each row. The threads split the rows of out; each
+ * writes its rows' start, then walks every index in order and adds the updates of those in its
+ * rows, so that each row's sum is taken in the graph's order. */
+struct scatter_rows {
+    const int64_t *index; /* [m], each in [-d, d) */
+    const float *updates; /* [m, r] */
+    const float *data;    /* [d, r], or NULL for zeros */
+    float *out;           /* [d, r] */
+    Py_ssize_t m, d, r;
+};
+
+/* o += u over r floats as onnxruntime's x86 build adds them (o + u, where two NaNs give the
+ * first's): a NaN of o stays (quieted, as o + o gives it), so that the payload and sign of a NaN
+ * already in a row do not depend on the operand order the compiler picks. */
+static inline __attribute__((always_inline)) void scatter_row_add(float *restrict o,
+                                                                  const float *restrict u,
+                                                                  Py_ssize_t r)
+{
+    Py_ssize_t k = 0;
+    for (; k + 16 <= r; k += 16) {
+        const v16 a = *(const v16u *)(o + k);
+        *(v16u *)(o + k) = a + gelu_select(a == a, *(const v16u *)(u + k), a);
+    }
+    for (; k < r; k++) {
+        const float a = o[k];
+        o[k] = a + (a == a ? u[k] : a);
+    }
+}
+
+TARGETS static int scatter_rows_share(const void *arg, int t, int threads)
+{
+    const struct scatter_rows *s = arg;
+    const Py_ssize_t r0 = s->d * t / threads, r1 = s->d * (t + 1) / threads, r = s->r;
+    if (r1 <= r0) {
+        return 0;
+    }
+    float *out = s->out + r0 * r;
+    const size_t bytes = sizeof(float) * (size_t)((r1 - r0) * r);
+    if (s->data == NULL) {
+        memset(out, 0, bytes);
+    }
+    else if (s->data != s->out) {
+        memcpy(out, s->data + r0 * r, bytes);
+    }
+    for (Py_ssize_t i = 0; i < s->m; i++) {
+        const int64_t v = s->index[i];
+        const int64_t row = v < 0 ? v + s->d : v;
+        if (row >= r0 && row < r1) {
+            scatter_row_add(s->out + row * r, s->updates + i * r, r);
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(scatter_add_rows_doc,
+"scatter_add_rows(index, updates, data, out, threads)\n--\n\n"
+"Write ``data`` (zeros where it is None) into ``out`` ``[D, R]``, then add row ``updates[i]``\n"
+"into row ``index[i]`` for each ``i`` in order: ``ScatterElements(data, indices, updates,\n"
+"axis=0, reduction=\"add\")`` where every element of row ``i`` of ``indices`` is ``index[i]``.\n"
+"``index`` int64 ``[M]`` (a negative index counts from the end; each within ``[-D, D)``, else\n"
+"IndexError), ``updates`` float32 ``[M, R]``, ``data`` and ``out`` float32 ``[D, R]``, all\n"
+"C-contiguous. ``threads`` threads share the rows of ``out``.");
+
+static PyObject *scatter_add_rows(PyObject *self, PyObject *args)
+{
+    PyObject *objects[4];
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOi:scatter_add_rows", &objects[0], &objects[1], &objects[2],
+                          &objects[3], &threads)) {
+        return NULL;
+    }
+    Py_buffer views[4];
+    int held[4] = {0};
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(objects[0], &views[0], PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "scatter_add_rows: index must be a numpy array; got %.200s",
+                     Py_TYPE(objects[0])->tp_name);
+        return NULL;
+    }
+    held[0] = 1;
+    const char *format = views[0].format ? views[0].format : "B";
+    if (*format == '=' || *format == '<' || *format == '@') {
+        format++;
+    }
+    if ((strcmp(format, "q") != 0 && strcmp(format, "l") != 0) || views[0].itemsize != 8 ||
+        views[0].ndim != 1 || !PyBuffer_IsContiguous(&views[0], 'C')) {
+        PyErr_Format(PyExc_ValueError,
+                     "scatter_add_rows: index has format %s and %d dimensions; expected a"
+                     " C-contiguous int64 vector",
+                     format, views[0].ndim);
+        goto done;
+    }
+    static const char *const names[4] = {"index", "updates", "data", "out"};
+    for (int k = 1; k < 4; k++) {
+        if (k == 2 && objects[k] == Py_None) {
+            continue;
+        }
+        if (float32_array(objects[k], &views[k], -1, k == 3, "scatter_add_rows: array", k,
+                          names[k]) < 0) {
+            goto done;
+        }
+        held[k] = 1;
+        if (views[k].ndim != 2) {
+            PyErr_Format(PyExc_ValueError,
+                         "scatter_add_rows: %s has %d dimensions; expected 2", names[k],
+                         views[k].ndim);
+            goto done;
+        }
+    }
+    const Py_ssize_t m = views[0].shape[0], d = views[3].shape[0], r = views[3].shape[1];
+    if (views[1].shape[0] != m || views[1].shape[1] != r ||
+        (held[2] && (views[2].shape[0] != d || views[2].shape[1] != r))) {
+        PyErr_Format(PyExc_ValueError,
+                     "scatter_add_rows: index [%zd], updates [%zd, %zd], data [%zd, %zd] and out"
+                     " [%zd, %zd]; expected index [M], updates [M, R], data and out [D, R]",
+                     m, views[1].shape[0], views[1].shape[1], held[2] ? views[2].shape[0] : d,
+                     held[2] ? views[2].shape[1] : r, d, r);
+        goto done;
+    }
+    const int64_t *index = views[0].buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (index[i] < -(int64_t)d || index[i] >= (int64_t)d) {
+            PyErr_Format(PyExc_IndexError,
+                         "scatter_add_rows: index %lld (at position %zd) is out of range for %zd"
+                         " rows; expected -%zd <= index < %zd",
+                         (long long)index[i], i, d, d, d);
+            goto done;
+        }
+    }
+    struct scatter_rows s = {.index = index, .updates = views[1].buf,
+                             .data = held[2] ? views[2].buf : NULL, .out = views[3].buf,
+                             .m = m, .d = d, .r = r};
+    if (run_shares(scatter_rows_share, &s, d * r + m * r, threads) >= 0) {
+        result = Py_NewRef(Py_None);
+    }
+done:
+    release_held(views, held, 4);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
@@ -1913,6 +2057,7 @@ static PyMethodDef methods[] = {
     {"lstm_cell", lstm_cell, METH_VARARGS, lstm_cell_doc},
     {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,
      depthwise_conv_transpose_doc},
+    {"scatter_add_rows", scatter_add_rows, METH_VARARGS, scatter_add_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

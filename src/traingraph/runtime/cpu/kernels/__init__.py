@@ -46,6 +46,7 @@ from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
 from traingraph.runtime.cpu.kernels.lstm_cell import split_lstm_forwards
 from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
 from traingraph.runtime.cpu.kernels.max_pool import split_max_pool_scatters
+from traingraph.runtime.cpu.kernels.scatter_rows import split_scatter_add_rows
 from traingraph.runtime.cpu.kernels.winograd import split_winograd_convs
 from traingraph.runtime.cpu.native import Arrays, Outputs
 from traingraph.runtime.session import SessionConfig
@@ -156,6 +157,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
     KernelSpec("clip_grad", lambda s: list(split_clip_grads(s.model, s.taken)), None),
     KernelSpec("hardswish_grad", lambda s: list(split_hardswish_grads(s.model, s.taken)), None),
     KernelSpec("silu_grad", lambda s: list(split_silu_grads(s.model, s.taken)), None),
+    KernelSpec("scatter_add_rows", lambda s: list(split_scatter_add_rows(s.model, s.taken)), None),
     KernelSpec("lstm_forward", lambda s: list(split_lstm_forwards(s.model, s.taken)), None),
     KernelSpec(
         "layer_norm_grad",
