@@ -199,6 +199,17 @@ def test_model_inputs_and_outputs() -> None:
     assert model.ir_version <= onnx.IR_VERSION
 
 
+def test_outputs_are_written_by_the_nodes_that_compute_them() -> None:
+    """No ``Identity`` holds a new value apart and copies it into the output at the end: for
+    a flat update, each would be a temporary the size of every parameter."""
+    f32 = np.dtype(np.float32)
+    flat = [ParamInfo("flat", (1000,), f32)]
+    for optimizer in (AdamW(), SGD(momentum=0.9), RMSProp()):
+        model = build_optimizer_model(optimizer, flat)
+        assert not [n for n in model.graph.node if n.op_type == "Identity"], optimizer
+        assert [o.name for o in model.graph.output][0] == "flat_out"
+
+
 def test_state_slots_and_init_state() -> None:
     params = {"w": np.zeros((2, 2), np.float64), "s": np.zeros((), np.float64)}
     optimizer = Adagrad(initial_accumulator_value=0.25)

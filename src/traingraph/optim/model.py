@@ -252,6 +252,14 @@ def build_flat_optimizer_model(
 
 
 def _output(b: OpBuilder, value: ir.Value, name: str, like: ir.Value) -> ir.Value:
+    """``value`` as the graph output ``name``: itself, renamed, where a node of the graph
+    computes it (a runtime then writes it into the output's buffer, where an ``Identity``
+    would keep it in memory of its own until the end of the run and copy it there: for a
+    flat update, a temporary the size of all the parameters per output); else an
+    ``Identity`` of it (an input passed through, or a value that is an output already)."""
+    if value.producer() is not None and not value.is_graph_output():
+        value.name, value.type, value.shape = name, like.type, like.shape
+        return value
     out = b.Identity(value)
     out.name, out.type, out.shape = name, like.type, like.shape
     return out
