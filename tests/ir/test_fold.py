@@ -332,7 +332,7 @@ def _run_all(proto, x):
     return dict(zip(names, session.run(names, {"x": x})))
 
 
-def test_training_graph_of_a_linear_reads_its_weight_untransposed():
+def test_training_graph_of_a_linear_reads_its_weight_untransposed(tmp_path):
     """torch exports ``nn.Linear`` as ``MatMul(x, Transpose(W))``; the input gradient's
     ``Transpose`` of that reads ``W`` itself."""
     torch = pytest.importorskip("torch")
@@ -341,7 +341,9 @@ def test_training_graph_of_a_linear_reads_its_weight_untransposed():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     exported = from_torch(model, torch.randn(4, 2, 6), exporter="torchscript")  # MatMuls
-    program = artifacts.generate_artifacts(exported, loss=artifacts.LossType.MSELoss)
+    program = artifacts.generate_artifacts(
+        exported, loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path
+    )
     graph = program.train_model.graph
     assert sum(n.op_type == "Transpose" for n in exported.graph.node) == 2
     producer = {o: n for n in graph.node for o in n.output}
