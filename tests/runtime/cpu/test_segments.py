@@ -110,7 +110,7 @@ def test_every_batch_norm_gradient_is_matched_and_planned(tmp_path):
     assert by_scale["bn2.weight"].dy == by_scale["down.1.weight"].dy  # one gradient, two BNs
     assert all(grad.dscale == f"{grad.scale}_grad" for grad in by_scale.values())
     plan = segments.plan_segments(model, found)
-    kernels = [[k.scale for k in ks] for ks in plan.kernels]
+    kernels = [[k.scale for k in ks if not isinstance(k, segments.ViewStep)] for ks in plan.kernels]
     # the block's BNs first (its two branches together), then bn1, then the stem's
     assert [sorted(ks) for ks in kernels if ks] == [
         ["bn2.weight", "down.1.weight"], ["bn1.weight"], ["bn.weight"],
@@ -606,8 +606,10 @@ def test_a_reshape_of_a_value_alive_after_the_cut_is_computed_again_there():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     plan = segments.plan_segments(model, [(_Double(), {5})])
     first, second = plan.segments
-    assert first.outputs == ["g", "y"] and sorted(second.inputs) == ["g", "x", "z"]
-    assert [n.op_type for n in second.model.graph.node][0] == "Reshape"
+    # its copy in the second segment reads x there: a view of x's memory before it
+    assert first.outputs == ["g", "y"] and sorted(second.inputs) == ["g", "t", "x", "z"]
+    assert "Reshape" not in [n.op_type for n in second.model.graph.node]
+    assert plan.kernels[0][-1] == segments.ViewStep("x", "t", (32, 32))
     runner = segments.SegmentedRunner(
         plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
     )
@@ -652,3 +654,57 @@ def test_an_identity_at_a_cut_reads_its_input_instead_of_copying_it():
         got = runner.run({"r": None, "k": None})
         np.testing.assert_array_equal(got["r"].numpy(), want[0])
         np.testing.assert_array_equal(got["k"].numpy(), want[1])
+
+
+def test_views_at_a_cut_are_taken_without_copies():
+    # y = Reshape(e) is what the kernel reads: the first segment writes e and y is a view of
+    # it; w = Reshape(z) of the kernel's output is a view of z taken before the second segment
+    floats = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])]
+    out = [helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 6])]
+    flat = helper.make_tensor("flat", TensorProto.INT64, [1], [24])
+    square = helper.make_tensor("square", TensorProto.INT64, [2], [4, 6])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Exp", ["x"], ["e"]),
+            helper.make_node("Reshape", ["e", "flat"], ["y"]),
+            helper.make_node("Mul", ["y", "y"], ["z"]),  # the kernel's node
+            helper.make_node("Reshape", ["z", "square"], ["w"]),
+            helper.make_node("Mul", ["w", "e"], ["r"]),
+        ],
+        "g", floats, out, [flat, square],
+    )  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    )
+
+    class Square:
+        inputs, outputs = ["y"], ["z"]
+
+        def compute(self, values, out, threads):
+            out.setdefault("z", np.empty_like(values["y"]))[...] = values["y"] * values["y"]
+
+    plan = segments.plan_segments(model, [(Square(), {2})])
+    first, second = plan.segments
+    assert first.outputs == ["e"] and "Reshape" not in str(plan.segments)
+    assert plan.kernels[0][0] == segments.ViewStep("e", "y", (24,))
+    assert plan.kernels[0][-1] == segments.ViewStep("z", "w", (4, 6))
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
+    )
+    x = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
+    x[1, :3] = [np.nan, np.inf, -np.inf]
+    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], {"x": x})
+    for _ in range(3):  # the first run, and runs with the values' buffers
+        runner.bind_input("x", x)
+        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+    assert set(runner._cuts) | set(runner._kept) == {"e", "z"}  # no buffer of a view's own
+
+
+def test_a_view_step_never_copies():
+    step = segments.ViewStep("a", "b", (-1, 4))
+    out = {}
+    a = np.arange(12, dtype=np.float32)
+    step.compute({"a": a}, out, 1)
+    assert out["b"].shape == (3, 4) and np.shares_memory(out["b"], a)
+    with pytest.raises(ValueError, match="not contiguous"):  # a strided source would copy
+        step.compute({"a": np.arange(12, dtype=np.float32).reshape(3, 4).T}, {}, 1)

@@ -185,8 +185,10 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     initializers = {t.name: t for t in graph.initializer}
     graph_inputs = {i.name: i for i in graph.input}
     types = _types(model)
+    graph_outputs = {o.name for o in graph.output}
     segments: list[Segment] = []
     plan_kernels: list[list[Kernel]] = []
+    first: list[Kernel] = list(kernels.get(-1, []))
     for s in range(last + 1):
         members = nodes_at.get(s, [])
         needed = sorted({v for n in members for v in n.input if v in constants})
@@ -197,6 +199,11 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         outputs = sorted(
             o for o in produced if o in outside or readers.get(o)
         )
+        members, inputs, outputs, before, after = _views_at_cuts(
+            members, inputs, outputs, graph_outputs, types
+        )
+        if before:
+            (plan_kernels[-1] if plan_kernels else first).extend(before)
         sub = helper.make_graph(
             members,
             f"{graph.name or 'training'}_segment{s}",
@@ -207,10 +214,10 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         segment = helper.make_model(sub, opset_imports=list(model.opset_import))
         segment.ir_version = model.ir_version
         segments.append(Segment(segment, inputs, outputs))
-        plan_kernels.append(kernels.get(s, []))
+        plan_kernels.append([*after, *kernels.get(s, [])])
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
-    return Plan(segments, plan_kernels, others, kernels.get(-1, []))
+    return Plan(segments, plan_kernels, others, first)
 
 
 def _without_identities(
@@ -247,6 +254,127 @@ def _without_identities(
             node = renamed
         result.append(node)
     return result
+
+
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
+"""Ops whose output is their first input's elements in the same order, under another shape."""
+
+
+@dataclass(frozen=True)
+class ViewStep:
+    """``out``: the memory of ``source`` seen with the shape ``shape`` (-1 for the one
+    dimension the inferred shape leaves open), without a copy. It stands for a node of
+    :data:`VIEW_OPS` at a cut (:func:`_views_at_cuts`), where onnxruntime would copy the whole
+    tensor into, or out of, the buffer the value is bound to."""
+
+    source: str
+    out: str
+    shape: tuple[int, ...]
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.source]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.out]
+
+    def compute(
+        self, values: Mapping[str, np.ndarray], out: dict[str, np.ndarray], threads: int
+    ) -> None:
+        """Set ``out[self.out]`` to the view (never a copy: a source that is not contiguous
+        raises)."""
+        source = values[self.source]
+        if not source.flags.c_contiguous:
+            raise ValueError(
+                f"the view {self.out!r} of {self.source!r}: the source is not contiguous"
+                f" (strides {source.strides}), so its shape {list(self.shape)} would need a copy"
+            )
+        out[self.out] = source.reshape(self.shape)  # a contiguous array reshapes in place
+
+
+def _views_at_cuts(
+    members: list[onnx.NodeProto],
+    inputs: list[str],
+    outputs: list[str],
+    pinned: Set[str],
+    types: Mapping[str, onnx.ValueInfoProto],
+) -> tuple[list[onnx.NodeProto], list[str], list[str], list[ViewStep], list[ViewStep]]:
+    """A segment's nodes, inputs and outputs with the view nodes (:data:`VIEW_OPS`) at its
+    ends taken out as :class:`ViewStep` s: those that run before it (a view of one of its
+    inputs) and after it (a view it outputs, of a value it computes or reads).
+
+    onnxruntime hands a view's memory over inside a session, but a session's input lives in
+    memory it does not own, and an output is written into the buffer bound to it: at a cut,
+    a Reshape of a Gemm's output (an exported ``Linear`` of 3-D input reshapes its 2-D product
+    back) or of a value the segment reads copies the whole tensor every step. A view whose
+    output is a graph output, whose shape inference leaves more than one dimension open, or
+    that reads a constant, stays."""
+    before: list[ViewStep] = []
+    after: list[ViewStep] = []
+    nodes = list(members)
+    inputs, outputs = list(inputs), list(outputs)
+    changed = True
+    while changed:
+        changed = False
+        produced = {o for n in nodes for o in n.output if o}
+        readers: dict[str, int] = {}
+        for n in nodes:
+            for v in n.input:
+                readers[v] = readers.get(v, 0) + 1
+        for k, node in enumerate(nodes):
+            if node.op_type not in VIEW_OPS or node.domain not in ("", "ai.onnx"):
+                continue
+            if len(node.output) != 1 or not node.input or node.output[0] in pinned:
+                continue
+            source, out = node.input[0], node.output[0]
+            shape = _view_shape(types.get(out))
+            if shape is None:
+                continue
+            if source in inputs:  # a view of what the segment reads: taken before it
+                before.append(ViewStep(source, out, shape))
+                del nodes[k]
+                inputs.append(out)
+                if readers[source] == 1:
+                    inputs.remove(source)
+                if out in outputs:
+                    outputs.remove(out)
+            elif out in outputs and source in produced:  # a view it writes: taken after it
+                after.append(ViewStep(source, out, shape))
+                outputs.remove(out)
+                if source not in outputs:
+                    outputs.append(source)
+                if not readers.get(out):
+                    del nodes[k]
+            else:
+                continue
+            changed = True
+            break
+    return nodes, sorted(inputs), sorted(outputs), _in_order(before), _in_order(after)
+
+
+def _in_order(steps: list[ViewStep]) -> list[ViewStep]:
+    """``steps`` with each after the step that writes its source (a view of a view)."""
+    ordered: list[ViewStep] = []
+    waiting = list(steps)
+    while waiting:
+        pending = {s.out for s in waiting}
+        ready = [s for s in waiting if s.source not in pending] or waiting
+        ordered += ready
+        waiting = [s for s in waiting if s not in ready]
+    return ordered
+
+
+def _view_shape(info: onnx.ValueInfoProto | None) -> tuple[int, ...] | None:
+    """The inferred shape of a tensor, -1 for its one dimension that is not static; None
+    where it has no shape or more than one such dimension."""
+    if info is None or not info.type.HasField("tensor_type"):
+        return None
+    tensor = info.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor.shape.dim)
+    return dims if dims.count(-1) <= 1 else None
 
 
 RECOMPUTED = frozenset({
@@ -463,11 +591,16 @@ class SegmentedRunner:
                 self._steps += before  # a segment's filter reorders, just before it
                 self._steps.append((runner, segment))
             self._steps += kernels
-        # the values each step reads for the last time
+        # the values each step reads for the last time (a view's source lives as long as
+        # the view: both are the source's memory)
         last: dict[str, int] = {}
         for i, step in enumerate(self._steps):
             for name in _reads(step):
                 last[name] = i
+        for i in reversed(range(len(self._steps))):
+            step = self._steps[i]
+            if isinstance(step, ViewStep):
+                last[step.source] = max(last.get(step.source, i), last.get(step.out, i))
         self._done: list[list[str]] = [[] for _ in self._steps]
         for name, i in last.items():
             self._done[i].append(name)
@@ -540,7 +673,7 @@ class SegmentedRunner:
             else:
                 self._run_kernel(step, values, outputs, kept)
             if written is not None:
-                for name in _writes(step):
+                for name in [] if isinstance(step, ViewStep) else _writes(step):
                     value = values[name]
                     if outputs.get(name) is None and isinstance(
                         value, ort.OrtValue if isinstance(step, tuple) else np.ndarray
