@@ -426,7 +426,7 @@ def test_conv_weight_gradients_from_the_native_kernel_match_the_graph(variant: s
     # the weight gradients are computed between the segments, as soon as their values are
     # written
     assert kernels.count("WeightGradKernel") == 3 and not fast.step.gradients.after_run
-    kernels = [k for k in kernels if k != "WeightGradKernel"]
+    kernels = [k for k in kernels if k not in ("WeightGradKernel", "ViewStep")]
     # the strided Conv's input gradient is finished natively (its Col2Im, and the Relu mask
     # where no BatchNorm kernel takes it); the 3 x 3 Conv's by Winograd's transforms
     assert kernels == {
