@@ -708,3 +708,52 @@ def test_a_view_step_never_copies():
     assert out["b"].shape == (3, 4) and np.shares_memory(out["b"], a)
     with pytest.raises(ValueError, match="not contiguous"):  # a strided source would copy
         step.compute({"a": np.arange(12, dtype=np.float32).reshape(3, 4).T}, {}, 1)
+
+
+def test_a_linear_of_rows_at_a_cut_writes_its_product_into_the_cut():
+    # o = x @ w + b of a 3-D x is what a kernel reads: the segment computes it on x's rows
+    # (the Gemm onnxruntime would make) and outputs the 2-D sum, of which o is a view
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4])
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 5])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, [5])
+    r = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["batch", 3, 5])
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["m"]),
+            helper.make_node("Add", ["m", "b"], ["o"]),
+            helper.make_node("Neg", ["o"], ["z"]),  # the kernel's node
+            helper.make_node("Mul", ["z", "o"], ["r"]),
+        ],
+        "g", [x, w, b], [r],
+    )  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    )
+
+    class Negate:
+        inputs, outputs = ["o"], ["z"]
+
+        def compute(self, values, out, threads):
+            out.setdefault("z", np.empty_like(values["o"]))[...] = -values["o"]
+
+    plan = segments.plan_segments(model, [(Negate(), {2})])
+    first = plan.segments[0]
+    assert first.outputs == ["o/rows_sum"]
+    assert [n.op_type for n in first.model.graph.node if n.op_type != "Constant"] == [
+        "Reshape", "MatMul", "Add"
+    ]  # fmt: skip
+    assert plan.kernels[0][0] == segments.ViewStep("o/rows_sum", "o", (-1, 3, 5))
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
+    )
+    rng = np.random.default_rng(4)
+    feeds = {
+        "x": rng.standard_normal((2, 3, 4)).astype(np.float32),
+        "w": rng.standard_normal((4, 5)).astype(np.float32),
+        "b": np.array([0, np.nan, np.inf, -1, 2], np.float32),
+    }
+    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], feeds)
+    for _ in range(3):
+        for name, value in feeds.items():
+            runner.bind_input(name, value)
+        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)

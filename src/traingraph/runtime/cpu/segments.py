@@ -199,6 +199,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         outputs = sorted(
             o for o in produced if o in outside or readers.get(o)
         )
+        members, flat_types = _flat_gemms(members, outputs, graph_outputs, types)
         members, inputs, outputs, before, after = _views_at_cuts(
             members, inputs, outputs, graph_outputs, types
         )
@@ -208,7 +209,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
             members,
             f"{graph.name or 'training'}_segment{s}",
             [graph_inputs.get(v) or types.get(v) or _float(v) for v in inputs],
-            [types.get(o) or _float(o) for o in outputs],
+            [types.get(o) or flat_types.get(o) or _float(o) for o in outputs],
             [initializers[v] for v in sorted({v for v in read if v in initializers})],
         )
         segment = helper.make_model(sub, opset_imports=list(model.opset_import))
@@ -351,6 +352,81 @@ def _views_at_cuts(
             changed = True
             break
     return nodes, sorted(inputs), sorted(outputs), _in_order(before), _in_order(after)
+
+
+def _flat_gemms(
+    members: list[onnx.NodeProto],
+    outputs: list[str],
+    pinned: Set[str],
+    types: Mapping[str, onnx.ValueInfoProto],
+) -> tuple[list[onnx.NodeProto], dict[str, onnx.ValueInfoProto]]:
+    """A segment's nodes with each output ``Add(MatMul(x, w), b)`` of an ``x`` of rank 3 or
+    more (an exported ``Linear``) written on ``x``'s rows: ``Reshape(Add(MatMul(Reshape(x,
+    [-1, K]), w), b), shape)``; and the types of the 2-D sums, which the segment outputs
+    instead (:func:`_views_at_cuts` then takes the last Reshape as a view).
+
+    onnxruntime fuses the MatMul and the Add into a Gemm of the rows itself, and reshapes the
+    Gemm's product back into the output's buffer: a copy of the whole output every step,
+    where the product could be written into that buffer. The values are the same: the
+    MatMul of the rows is the batched MatMul's, row by row, and the Gemm onnxruntime makes of
+    either is one."""
+    producer = {o: k for k, n in enumerate(members) for o in n.output if o}
+    readers: dict[str, int] = {}
+    for n in members:
+        for v in n.input:
+            readers[v] = readers.get(v, 0) + 1
+    nodes = list(members)
+    flat: dict[str, onnx.ValueInfoProto] = {}
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for out in outputs:
+        k = producer.get(out)
+        if k is None or out in pinned:
+            continue
+        add = nodes[k]
+        if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2:
+            continue
+        for product, bias in (tuple(add.input), tuple(reversed(add.input))):
+            j = producer.get(product)
+            if j is None or readers.get(product) != 1 or j in replaced:
+                continue
+            matmul = nodes[j]
+            if matmul.op_type != "MatMul" or matmul.domain not in ("", "ai.onnx"):
+                continue
+            x, w = matmul.input
+            x_shape, w_shape, b_shape = (_view_shape(types.get(v)) for v in (x, w, bias))
+            shape = _view_shape(types.get(out))
+            if x_shape is None or w_shape is None or b_shape is None or shape is None:
+                continue
+            if len(x_shape) < 3 or len(w_shape) != 2 or -1 in w_shape or len(shape) < 3:
+                continue
+            if b_shape not in ((w_shape[1],), (1, w_shape[1])) or shape[-1] != w_shape[1]:
+                continue
+            rows, summed, row_shape = f"{out}/rows", f"{out}/rows_sum", f"{out}/shape"
+            elem = types[out].type.tensor_type.elem_type
+            flat[summed] = helper.make_tensor_value_info(summed, elem, None)
+            replaced[j] = []
+            replaced[k] = [
+                _int64s(f"{out}/row_shape", [-1, w_shape[0]]),
+                helper.make_node("Reshape", [x, f"{out}/row_shape"], [rows]),
+                helper.make_node("MatMul", [rows, w], [f"{out}/rows_product"]),
+                helper.make_node("Add", [f"{out}/rows_product", bias], [summed]),
+                _int64s(row_shape, list(shape)),
+                helper.make_node("Reshape", [summed, row_shape], [out]),
+            ]
+            break
+    if not replaced:
+        return members, flat
+    result: list[onnx.NodeProto] = []
+    for k, node in enumerate(nodes):
+        result += replaced.get(k, [node])
+    return result, flat
+
+
+def _int64s(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name],
+        value=helper.make_tensor(name, onnx.TensorProto.INT64, [len(values)], values),
+    )  # fmt: skip
 
 
 def _in_order(steps: list[ViewStep]) -> list[ViewStep]:
