@@ -549,6 +549,22 @@ class _Double:
         out.setdefault("z", np.empty_like(values["y"]))[...] = values["y"] * 2
 
 
+def _runs_as_the_graph(plan, model, feeds, outputs=("r",), runs=3):
+    """Run ``plan`` ``runs`` times (the first run, then runs with the values' buffers) and
+    compare ``outputs`` with onnxruntime's run of ``model`` whole, bit for bit; the runner."""
+    runner = segments.SegmentedRunner(
+        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
+    )
+    want = ort.InferenceSession(model.SerializeToString()).run(list(outputs), feeds)
+    for _ in range(runs):
+        for name, value in feeds.items():
+            runner.bind_input(name, value)
+        got = runner.run(dict.fromkeys(outputs))
+        for name, value in zip(outputs, want):
+            np.testing.assert_array_equal(got[name].numpy(), value)
+    return runner
+
+
 def test_a_sigmoid_read_after_a_cut_is_computed_again_from_its_input_read_there_too():
     # s = Sigmoid(x) and y = x s in the first segment; after the kernel (z = 2 y), the second
     # reads x and s: it computes s again from x, so that s does not cross the cut
@@ -569,15 +585,9 @@ def test_a_sigmoid_read_after_a_cut_is_computed_again_from_its_input_read_there_
     first, second = plan.segments
     assert first.outputs == ["y"] and sorted(second.inputs) == ["x", "z"]
     assert [n.op_type for n in second.model.graph.node] == ["Sigmoid", "Mul", "Mul"]
-    runner = segments.SegmentedRunner(
-        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
-    )
     x = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     x[0, :3] = [np.nan, np.inf, -np.inf]
-    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], {"x": x})
-    for _ in range(2):  # the first run, and one with the values' buffers
-        runner.bind_input("x", x)
-        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+    runner = _runs_as_the_graph(plan, model, {"x": x})
     # the kept values: y and z only
     assert set(runner._cuts) | set(runner._kept) == {"y", "z"}
 
@@ -610,14 +620,8 @@ def test_a_reshape_of_a_value_alive_after_the_cut_is_computed_again_there():
     assert first.outputs == ["g", "y"] and sorted(second.inputs) == ["g", "t", "x", "z"]
     assert "Reshape" not in [n.op_type for n in second.model.graph.node]
     assert plan.kernels[0][-1] == segments.ViewStep("x", "t", (32, 32))
-    runner = segments.SegmentedRunner(
-        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
-    )
     x = np.random.default_rng(1).standard_normal((32, 32)).astype(np.float32)
-    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], {"x": x})
-    for _ in range(2):
-        runner.bind_input("x", x)
-        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+    _runs_as_the_graph(plan, model, {"x": x})
 
 
 def test_an_identity_at_a_cut_reads_its_input_instead_of_copying_it():
@@ -643,17 +647,9 @@ def test_an_identity_at_a_cut_reads_its_input_instead_of_copying_it():
     ops = [n.op_type for s in plan.segments for n in s.model.graph.node]
     assert ops.count("Identity") == 1  # k's, a graph output
     assert all("i" not in s.outputs and "i" not in s.inputs for s in plan.segments)
-    runner = segments.SegmentedRunner(
-        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
-    )
     x = np.random.default_rng(2).standard_normal((8, 4)).astype(np.float32)
     x[0, :2] = [np.nan, np.inf]
-    want = ort.InferenceSession(model.SerializeToString()).run(["r", "k"], {"x": x})
-    for _ in range(2):  # the first run, and one with the values' buffers
-        runner.bind_input("x", x)
-        got = runner.run({"r": None, "k": None})
-        np.testing.assert_array_equal(got["r"].numpy(), want[0])
-        np.testing.assert_array_equal(got["k"].numpy(), want[1])
+    _runs_as_the_graph(plan, model, {"x": x}, outputs=("r", "k"))
 
 
 def test_views_at_a_cut_are_taken_without_copies():
@@ -688,15 +684,9 @@ def test_views_at_a_cut_are_taken_without_copies():
     assert first.outputs == ["e"] and "Reshape" not in str(plan.segments)
     assert plan.kernels[0][0] == segments.ViewStep("e", "y", (24,))
     assert plan.kernels[0][-1] == segments.ViewStep("z", "w", (4, 6))
-    runner = segments.SegmentedRunner(
-        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
-    )
     x = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
     x[1, :3] = [np.nan, np.inf, -np.inf]
-    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], {"x": x})
-    for _ in range(3):  # the first run, and runs with the values' buffers
-        runner.bind_input("x", x)
-        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+    runner = _runs_as_the_graph(plan, model, {"x": x})
     assert set(runner._cuts) | set(runner._kept) == {"e", "z"}  # no buffer of a view's own
 
 
@@ -743,17 +733,10 @@ def test_a_linear_of_rows_at_a_cut_writes_its_product_into_the_cut():
         "Reshape", "MatMul", "Add"
     ]  # fmt: skip
     assert plan.kernels[0][0] == segments.ViewStep("o/rows_sum", "o", (-1, 3, 5))
-    runner = segments.SegmentedRunner(
-        plan, lambda m: ort.InferenceSession(m.SerializeToString()), Device("cpu"), threads=1
-    )
     rng = np.random.default_rng(4)
     feeds = {
         "x": rng.standard_normal((2, 3, 4)).astype(np.float32),
         "w": rng.standard_normal((4, 5)).astype(np.float32),
         "b": np.array([0, np.nan, np.inf, -1, 2], np.float32),
     }
-    (want,) = ort.InferenceSession(model.SerializeToString()).run(["r"], feeds)
-    for _ in range(3):
-        for name, value in feeds.items():
-            runner.bind_input(name, value)
-        np.testing.assert_array_equal(runner.run({"r": None})["r"].numpy(), want)
+    _runs_as_the_graph(plan, model, feeds)
