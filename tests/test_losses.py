@@ -298,3 +298,48 @@ def test_losses_are_hashable_values() -> None:
     assert CrossEntropyLoss(np.array(W4)) == CrossEntropyLoss(W4)
     pos = BCEWithLogitsLoss(pos_weight=np.ones(3))
     assert hash(pos) == hash(BCEWithLogitsLoss(pos_weight=[1, 1, 1]))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("rank", [3, 4])
+def test_cross_entropy_of_logits_transposed_to_put_classes_second(reduction, rank) -> None:
+    """``F.cross_entropy(logits.transpose(1, 2), labels)`` (a language model's loss over
+    ``[N, S, V]`` logits): the loss reads the logits along their last axis, not the
+    transposed copy, and gives torch's values and gradients."""
+    rng = np.random.default_rng(1)
+    shape = (3, 4, 5) if rank == 3 else (2, 3, 2, 5)
+    logits = rng.standard_normal(shape) * 3.0
+    labels = rng.integers(0, shape[-1], shape[:-1]).astype(np.int64)
+    labels.flat[1] = -100  # ignored
+    perm = [0, rank - 1, *range(1, rank - 1)]
+    pred = ir.Value(
+        name="pred0", shape=ir.Shape(["batch", *shape[1:]]), type=ir.TensorType(ir.DataType.DOUBLE)
+    )
+    loss = CrossEntropyLoss(reduction=reduction)
+    graph = ir.Graph([pred], [], nodes=[], opset_imports={"": 17}, name="loss")
+    b = OpBuilder(graph, 17)
+    moved = b.Transpose(pred, perm=perm)
+    moved.shape = ir.Shape(["batch", shape[-1], *shape[1:-1]])
+    moved.type = pred.type
+    (spec,) = loss.label_specs([moved])
+    target = ir.Value(name=spec.name, shape=spec.shape, type=ir.TensorType(spec.dtype))
+    graph.inputs.append(target)
+    built = loss.build(b, [moved], [target])
+    value = b.Identity(built)
+    value.name, value.type, value.shape = "loss", pred.type, built.shape
+    graph.outputs.append(value)
+    model = ir.to_proto(ir.Model(graph, ir_version=max_ir_version()))
+    onnx.checker.check_model(model, full_check=True)
+    (softmax,) = [n for n in model.graph.node if n.op_type == "LogSoftmax"]
+    assert list(softmax.input) == ["pred0"] and softmax.attribute[0].i == rank - 1
+    feeds = {"pred0": logits, spec.name: labels}
+    (got,) = session(model).run(["loss"], feeds)
+    x = torch.tensor(logits, requires_grad=True)
+    expected = torch.nn.functional.cross_entropy(
+        x.permute(*perm), torch.tensor(labels), reduction=reduction
+    )
+    expected.sum().backward()
+    np.testing.assert_allclose(got, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    grads = check_model_gradient(model, feeds, ["pred0"], loss="loss", rtol=1e-5, atol=1e-7)
+    assert x.grad is not None
+    np.testing.assert_allclose(grads["pred0"], x.grad.numpy(), rtol=1e-9, atol=1e-12)

@@ -173,12 +173,12 @@ def _class_count(b: OpBuilder, x: ir.Value) -> ir.Value:
     return b.cast_like(b.squeeze(b.shape(x, 1, 2), [0]), x)
 
 
-def _class_dims(x: ir.Value) -> ir.Shape | None:
-    """The shape of ``x`` without its class dimension 1."""
+def _class_dims(x: ir.Value, axis: int = 1) -> ir.Shape | None:
+    """The shape of ``x`` without its class dimension ``axis``."""
     if x.shape is None:
         return None
     dims = list(x.shape.dims)
-    return ir.Shape(dims[:1] + dims[2:])
+    return ir.Shape(dims[:axis] + dims[axis + 1 :])
 
 
 def _check_class_rank(loss: Loss, x: ir.Value) -> None:
@@ -211,6 +211,7 @@ def _nll(
     ignore_index: int,
     reduction: str,
     label_smoothing: float = 0.0,
+    axis: int = 1,
 ) -> ir.Value:
     r"""Negative log-likelihood of class indices, with torch's weights, ignore_index and smoothing.
 
@@ -222,19 +223,26 @@ def _nll(
                  + \frac{\epsilon}{C} \sum_c w_c (-\log p_{i,c})\Big)
 
     ``mean`` divides :math:`\sum_i \ell_i` by :math:`\sum_i m_i w_{t_i}`.
+
+    The classes lie along ``axis`` of ``logp`` and ``x`` (1, or the last axis without weights
+    or smoothing); the per-element losses have the other axes in their order either way.
     """
+    if axis != 1 and (weight is not None or label_smoothing > 0.0):
+        raise ValueError("class weights and smoothing take the classes along axis 1")
     ignored = b.Equal(target, b.const(np.int64(ignore_index), name="ignore_index"))
     node = ignored.producer()
     if node is not None:
         node.metadata_props[CLASS_LABELS_KEY] = json.dumps(
-            {"classes": _static_dim(x, 1), "ignore_index": ignore_index}
+            {"classes": _static_dim(x, axis), "ignore_index": ignore_index}
         )
     safe_target = b.Where(ignored, b.const(np.int64(0), name="zero_index"), target)
     zero, one = b.scalar(0.0, like=x), b.scalar(1.0, like=x)
     keep = b.Where(ignored, zero, one)
     w = None if weight is None else _class_weights(b, loss, weight, x, 1)
     weight_of_target = keep if w is None else b.Mul(keep, b.Gather(w, safe_target, axis=0))
-    picked = b.squeeze(b.GatherElements(logp, b.unsqueeze(safe_target, [1]), axis=1), [1])
+    picked = b.squeeze(
+        b.GatherElements(logp, b.unsqueeze(safe_target, [axis]), axis=axis), [axis]
+    )
     per = b.Neg(b.Mul(picked, weight_of_target))
     if label_smoothing > 0.0:
         weighted = logp if w is None else b.Mul(logp, _weights_along_classes(b, w, x))
@@ -244,7 +252,23 @@ def _nll(
     if reduction == "mean":
         total = b.Div(b.sum(per, keepdims=False), b.sum(weight_of_target, keepdims=False))
         return _typed(total, x, ir.Shape([]))
-    return _reduce(b, per, reduction, x, _class_dims(x))
+    return _reduce(b, per, reduction, x, _class_dims(x, axis))
+
+
+def _classes_moved_from_last(x: ir.Value) -> ir.Value | None:
+    """``y`` where ``x = Transpose(y, [0, r - 1, 1, ..., r - 2])`` (rank ``r >= 3``): the
+    classes of ``x`` (axis 1) are ``y``'s last axis, the other axes in their order; else
+    None."""
+    node = x.producer()
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return None
+    source = node.inputs[0] if node.inputs else None
+    perm = node.attributes.get("perm")
+    if source is None or source.shape is None or perm is None:
+        return None
+    rank = len(source.shape)
+    moved = [0, rank - 1, *range(1, rank - 1)]
+    return source if rank >= 3 and list(perm.as_ints()) == moved else None
 
 
 @dataclass(frozen=True)
@@ -477,17 +501,27 @@ class CrossEntropyLoss(Loss):
         _check_class_rank(self, x)
         _check_labels(self, labels, 1)
         target = labels[0]
-        logp = b.LogSoftmax(x, axis=1)
         if target.dtype is not None and is_float(target):
-            return self._probabilities(b, x, logp, target)
+            return self._probabilities(b, x, b.LogSoftmax(x, axis=1), target)
         if target.dtype not in (None, ir.DataType.INT64):
             raise ModelError(
                 f"CrossEntropyLoss: label {target.name!r} has dtype {target.dtype}; expected int64"
                 " class indices or float class probabilities. Cast the labels to int64."
             )
+        source = _classes_moved_from_last(x)
+        if source is not None and self.weight is None and self.label_smoothing == 0.0:
+            # x = Transpose(y) with y's last axis moved to 1 (``logits.transpose(1, 2)``):
+            # the same terms from y along its last axis, without the transposed copy, its
+            # gradient's transpose back, or a LogSoftmax along an inner axis
+            axis = len(source.shape or ()) - 1
+            return _nll(
+                b, b.LogSoftmax(source, axis=axis), target, source, loss=self, weight=None,
+                ignore_index=self.ignore_index, reduction=self.reduction, axis=axis,
+            )
         return _nll(
-            b, logp, target, x, loss=self, weight=self.weight, ignore_index=self.ignore_index,
-            reduction=self.reduction, label_smoothing=self.label_smoothing,
+            b, b.LogSoftmax(x, axis=1), target, x, loss=self, weight=self.weight,
+            ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
         )
 
     def _probabilities(
