@@ -310,7 +310,7 @@ def _views_at_cuts(
     a Reshape of a Gemm's output (an exported ``Linear`` of 3-D input reshapes its 2-D product
     back) or of a value the segment reads copies the whole tensor every step. A view whose
     output is a graph output, whose shape inference leaves more than one dimension open, or
-    that reads a constant, stays."""
+    that reads an initializer, stays."""
     before: list[ViewStep] = []
     after: list[ViewStep] = []
     nodes = list(members)
