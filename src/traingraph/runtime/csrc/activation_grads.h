@@ -1,5 +1,5 @@
-/* Input gradients of elementwise activations, one pass each (included by kernels.c, after
- * gelu.h, whose exponential the SiLU's shares).
+/* Elementwise activations' input gradients, and HardSwish itself, one pass each (included by
+ * kernels.c, after gelu.h, whose exponential the SiLU's shares).
  *
  * The autodiff rules write each as a chain of onnxruntime ops, one pass over the activation
  * per op (a HardSwish's gradient seven, two of them slow Wheres, a SiLU's six). Here the same
@@ -34,6 +34,35 @@ TARGETS static void hardswish_range(const void *arg, Py_ssize_t i0, Py_ssize_t i
         out[i] = g[i] * slope;
     }
 }
+
+struct hardswish_forward {
+    const float *x;
+    float *out;
+    float alpha, beta;
+    Py_ssize_t size;
+};
+
+/* out = x * max(min(x * alpha + beta, 1), 0): HardSwish as onnxruntime runs it, a HardSigmoid
+ * (the product and the sum rounded apart) and a Mul; a NaN keeps its payload, as there, and a
+ * signaling one is quieted by the product (signaling-nans: x * 1 is not x) */
+#pragma GCC push_options
+#pragma GCC optimize("signaling-nans")
+TARGETS static void hardswish_forward_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
+{
+    const struct hardswish_forward *h = arg;
+    const float alpha = h->alpha, beta = h->beta;
+    const float *restrict x = h->x;
+    float *restrict out = h->out;
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        const float v = x[i];
+        float t = v * alpha;
+        t = t + beta;
+        t = t < 1.0f ? t : 1.0f;
+        t = t > 0.0f ? t : 0.0f;
+        out[i] = v * t;
+    }
+}
+#pragma GCC pop_options
 
 struct silu {
     const float *x, *g;
@@ -132,6 +161,35 @@ static PyObject *hardswish_grad(PyObject *self, PyObject *args)
                               .lo = lo, .hi = hi, .below = below, .above = above,
                               .divisor = divisor, .offset = offset, .size = views[0].len / 4};
         run_elementwise(hardswish_range, &h, h.size, threads);
+        result = Py_NewRef(Py_None);
+    }
+    release_views(views, held);
+    return result;
+}
+
+PyDoc_STRVAR(hardswish_doc,
+"hardswish(x, out, alpha, beta, threads)\n--\n\n"
+"Write ``x * max(min(x * alpha + beta, 1), 0)`` into ``out`` (HardSwish as onnxruntime expands\n"
+"it: HardSigmoid, then Mul): ``x`` and ``out`` float32 and C-contiguous of one size.\n"
+"``threads`` threads share the elements.");
+
+static PyObject *hardswish(PyObject *self, PyObject *args)
+{
+    PyObject *objects[2];
+    float alpha, beta;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOffi:hardswish", &objects[0], &objects[1], &alpha, &beta,
+                          &threads)) {
+        return NULL;
+    }
+    static const char *const names[2] = {"x", "out"};
+    Py_buffer views[2];
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (same_size_arrays(objects, views, 2, "hardswish: array", names, &held) == 0) {
+        struct hardswish_forward h = {.x = views[0].buf, .out = views[1].buf, .alpha = alpha,
+                                      .beta = beta, .size = views[0].len / 4};
+        run_elementwise(hardswish_forward_range, &h, h.size, threads);
         result = Py_NewRef(Py_None);
     }
     release_views(views, held);

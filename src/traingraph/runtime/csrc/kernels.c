@@ -2053,6 +2053,7 @@ static PyMethodDef methods[] = {
     {"clip_grad", clip_grad, METH_VARARGS, clip_grad_doc},
     {"max_pool_grad", max_pool_grad, METH_VARARGS, max_pool_grad_doc},
     {"hardswish_grad", hardswish_grad, METH_VARARGS, hardswish_grad_doc},
+    {"hardswish", hardswish, METH_VARARGS, hardswish_doc},
     {"silu_grad", silu_grad, METH_VARARGS, silu_grad_doc},
     {"lstm_cell", lstm_cell, METH_VARARGS, lstm_cell_doc},
     {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,

@@ -146,3 +146,46 @@ def test_module_trains_as_the_graph_does(tmp_path, act):
     got = artifact_steps(directory, batches, KINDS[act])
     expected = artifact_steps(directory, batches, KINDS[act], without=name)
     assert_same_training(got, expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_hardswish_is_onnxruntimes_bit_for_bit(tmp_path, threads):
+    """onnxruntime's CPU provider runs HardSwish as its definition's HardSigmoid and Mul; the
+    kernel's one pass gives every bit of theirs: NaN payloads (a signaling one quieted, as
+    their product does), infinities, signed zeros and the bends at -3 and 3."""
+    model = _training_model(tmp_path, "hardswish")
+    (kernel, nodes), = activation_grads.split_hardswishes(model)
+    assert isinstance(kernel, activation_grads.HardSwish)
+    assert [model.graph.node[i].op_type for i in nodes] == ["HardSwish"]
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("HardSwish", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None])],
+    )  # fmt: skip
+    session = ort.InferenceSession(
+        onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+        .SerializeToString(), providers=["CPUExecutionProvider"],
+    )  # fmt: skip
+    rng = np.random.default_rng(threads)
+    special = np.array(
+        [np.nan, np.inf, -np.inf, 0.0, -0.0, 3.0, -3.0, 2.9999998, -2.9999998, 1e-45, 1e30],
+        np.float32,
+    )
+    payloads = np.array([0x7FC00001, 0xFFC00002, 0x7F800001], np.uint32).view(np.float32)
+    x = np.concatenate([rng.standard_normal(70_001).astype(np.float32) * 4, special, payloads])
+    (want,) = session.run(None, {"x": x})
+    out: dict[str, np.ndarray] = {}
+    activation_grads.HardSwish("x", "y").compute({"x": x}, out, threads)
+    assert np.array_equal(out["y"].view(np.uint32), want.view(np.uint32))
+
+
+def test_module_trains_with_the_hardswish_kernel_as_without(tmp_path):
+    directory = adamw_artifacts(tmp_path, export(seeded(Net, act="hardswish"), torch.zeros(2, 6)))
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
+        for n in (5, 5, 3)
+    ]
+    got = artifact_steps(directory, batches, activation_grads.HardSwish)
+    expected = artifact_steps(directory, batches, activation_grads.HardSwish, without="hardswish")
+    assert_same_training(got, expected)

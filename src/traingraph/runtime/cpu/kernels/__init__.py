@@ -33,7 +33,11 @@ import onnx
 from traingraph.errors import ModelError
 from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.kernels import conv_grads
-from traingraph.runtime.cpu.kernels.activation_grads import split_hardswish_grads, split_silu_grads
+from traingraph.runtime.cpu.kernels.activation_grads import (
+    split_hardswish_grads,
+    split_hardswishes,
+    split_silu_grads,
+)
 from traingraph.runtime.cpu.kernels.batch_norm import split_batch_norm_grads, split_max_pool_grads
 from traingraph.runtime.cpu.kernels.bn_forward import split_batch_norm_forwards
 from traingraph.runtime.cpu.kernels.clip_grad import split_clip_grads
@@ -156,6 +160,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
     KernelSpec("gelu", lambda s: list(split_gelus(s.model, s.taken, s.read)), None),
     KernelSpec("clip_grad", lambda s: list(split_clip_grads(s.model, s.taken)), None),
     KernelSpec("hardswish_grad", lambda s: list(split_hardswish_grads(s.model, s.taken)), None),
+    KernelSpec("hardswish", lambda s: list(split_hardswishes(s.model, s.taken)), None),
     KernelSpec("silu_grad", lambda s: list(split_silu_grads(s.model, s.taken)), None),
     KernelSpec("scatter_add_rows", lambda s: list(split_scatter_add_rows(s.model, s.taken)), None),
     KernelSpec("lstm_forward", lambda s: list(split_lstm_forwards(s.model, s.taken)), None),

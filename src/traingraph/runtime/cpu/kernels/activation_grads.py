@@ -104,6 +104,39 @@ class SiluGrad(OneOutput):
         NATIVE.silu_grad(x, g, output_array(out, self.out, x.shape), threads)
 
 
+HARDSWISH_ALPHA = float(np.float32(1 / 6))
+"""The slope of the HardSigmoid that ONNX's HardSwish is defined by (``alpha = 1/6``)."""
+
+
+@dataclass(frozen=True)
+class HardSwish(OneOutput):
+    """``out = x * max(min(x * alpha + beta, 1), 0)``: an ONNX ``HardSwish``, which
+    onnxruntime's CPU provider runs as the HardSigmoid and the Mul of its definition, two
+    passes and a temporary; here one pass, the same float operations (each rounded apart).
+
+    Attributes:
+        x: The input.
+        out: The output, of ``x``'s shape.
+        alpha: The HardSigmoid's slope (1/6).
+        beta: Its offset (0.5).
+    """
+
+    x: str
+    out: str
+    alpha: float = HARDSWISH_ALPHA
+    beta: float = 0.5
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        x = values[self.x]
+        assert NATIVE is not None
+        NATIVE.hardswish(x, output_array(out, self.out, x.shape), self.alpha, self.beta, threads)
+
+
 def _same_shape(out: str, values: Arrays, names: list[str]) -> list[np.ndarray]:
     arrays = [values[n] for n in names]
     if any(a.shape != arrays[0].shape for a in arrays):
@@ -123,6 +156,28 @@ def split_hardswish_grads(
     in ``taken``), checked numerically. ``[]`` where the extension is missing or nothing
     matches."""
     return _split(model, taken, "hardswish_grad", "Where", "Mul", _hardswish)
+
+
+def split_hardswishes(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[HardSwish, set[int]]]:
+    """Each ``HardSwish`` node of float32 ``model`` (none in ``taken``) as a :class:`HardSwish`,
+    checked numerically. ``[]`` where the extension is missing or nothing matches."""
+    return _split(model, taken, "hardswish", "HardSwish", "HardSwish", _hardswish_node)
+
+
+def _hardswish_node(
+    g: graph_match.GraphIndex,
+    i: int,
+    constants: Mapping[str, np.ndarray],
+    shapes: Shapes,
+    taken: Set[int],
+) -> tuple[HardSwish, set[int]] | None:
+    node = g.nodes[i]
+    if len(node.input) != 1 or len(node.output) != 1:
+        return None
+    x, out = node.input[0], node.output[0]
+    return (HardSwish(x, out), {i}) if _one_shape(shapes, x, out) else None
 
 
 def split_silu_grads(
@@ -310,4 +365,11 @@ def _other(node: onnx.NodeProto, value: str) -> str | None:
     return node.input[1] if node.input[0] == value else node.input[0]
 
 
-__all__ = ["HardSwishGrad", "SiluGrad", "split_hardswish_grads", "split_silu_grads"]
+__all__ = [
+    "HardSwish",
+    "HardSwishGrad",
+    "SiluGrad",
+    "split_hardswish_grads",
+    "split_hardswishes",
+    "split_silu_grads",
+]
