@@ -300,9 +300,15 @@ def test_losses_are_hashable_values() -> None:
     assert hash(pos) == hash(BCEWithLogitsLoss(pos_weight=[1, 1, 1]))
 
 
+WEIGHT_SMOOTHING = {"weight": [0.5, 1.0, 2.0, 1.5, 0.7], "label_smoothing": 0.2}
+
+
+@pytest.mark.parametrize("options", [{}, WEIGHT_SMOOTHING], ids=["plain", "weight_smoothing"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("rank", [3, 4])
-def test_cross_entropy_of_logits_transposed_to_put_classes_second(reduction, rank) -> None:
+def test_cross_entropy_of_logits_transposed_to_put_classes_second(
+    reduction, rank, options
+) -> None:
     """``F.cross_entropy(logits.transpose(1, 2), labels)`` (a language model's loss over
     ``[N, S, V]`` logits): the loss reads the logits along their last axis, not the
     transposed copy, and gives torch's values and gradients."""
@@ -315,7 +321,7 @@ def test_cross_entropy_of_logits_transposed_to_put_classes_second(reduction, ran
     pred = ir.Value(
         name="pred0", shape=ir.Shape(["batch", *shape[1:]]), type=ir.TensorType(ir.DataType.DOUBLE)
     )
-    loss = CrossEntropyLoss(reduction=reduction)
+    loss = CrossEntropyLoss(reduction=reduction, **options)
     graph = ir.Graph([pred], [], nodes=[], opset_imports={"": 17}, name="loss")
     b = OpBuilder(graph, 17)
     moved = b.Transpose(pred, perm=perm)
@@ -335,8 +341,11 @@ def test_cross_entropy_of_logits_transposed_to_put_classes_second(reduction, ran
     feeds = {"pred0": logits, spec.name: labels}
     (got,) = session(model).run(["loss"], feeds)
     x = torch.tensor(logits, requires_grad=True)
+    weight = options.get("weight")
     expected = torch.nn.functional.cross_entropy(
-        x.permute(*perm), torch.tensor(labels), reduction=reduction
+        x.permute(*perm), torch.tensor(labels), reduction=reduction,
+        weight=None if weight is None else torch.tensor(weight, dtype=torch.float64),
+        label_smoothing=options.get("label_smoothing", 0.0),
     )
     expected.sum().backward()
     np.testing.assert_allclose(got, expected.detach().numpy(), rtol=1e-12, atol=1e-12)

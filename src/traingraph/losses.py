@@ -165,12 +165,12 @@ def _static_dim(x: ir.Value, axis: int) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
-def _class_count(b: OpBuilder, x: ir.Value) -> ir.Value:
-    """The number of classes (dimension 1 of ``x``) as a scalar of ``x``'s dtype."""
-    classes = _static_dim(x, 1)
+def _class_count(b: OpBuilder, x: ir.Value, axis: int = 1) -> ir.Value:
+    """The number of classes (dimension ``axis`` of ``x``) as a scalar of ``x``'s dtype."""
+    classes = _static_dim(x, axis)
     if classes is not None:
         return b.scalar(float(classes), like=x)
-    return b.cast_like(b.squeeze(b.shape(x, 1, 2), [0]), x)
+    return b.cast_like(b.squeeze(b.shape(x, axis, axis + 1), [0]), x)
 
 
 def _class_dims(x: ir.Value, axis: int = 1) -> ir.Shape | None:
@@ -190,14 +190,15 @@ def _check_class_rank(loss: Loss, x: ir.Value) -> None:
         )
 
 
-def _weights_along_classes(b: OpBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
-    """Reshape the class weights ``w`` (C,) to broadcast along dimension 1 of ``x``."""
+def _weights_along_classes(b: OpBuilder, w: ir.Value, x: ir.Value, axis: int = 1) -> ir.Value:
+    """Reshape the class weights ``w`` (C,) to broadcast along dimension ``axis`` of ``x``."""
     if x.shape is None:
         raise ModelError(
             f"class weights need the rank of output {x.name!r}, which is unknown; give the output"
             " a shape"
         )
-    return b.unsqueeze(w, list(range(1, len(x.shape) - 1))) if len(x.shape) > 2 else w
+    trailing = len(x.shape) - 1 - axis
+    return b.unsqueeze(w, list(range(1, 1 + trailing))) if trailing > 0 else w
 
 
 def _nll(
@@ -224,11 +225,9 @@ def _nll(
 
     ``mean`` divides :math:`\sum_i \ell_i` by :math:`\sum_i m_i w_{t_i}`.
 
-    The classes lie along ``axis`` of ``logp`` and ``x`` (1, or the last axis without weights
-    or smoothing); the per-element losses have the other axes in their order either way.
+    The classes lie along ``axis`` of ``logp`` and ``x``; the per-element losses have the
+    other axes in their order.
     """
-    if axis != 1 and (weight is not None or label_smoothing > 0.0):
-        raise ValueError("class weights and smoothing take the classes along axis 1")
     ignored = b.Equal(target, b.const(np.int64(ignore_index), name="ignore_index"))
     node = ignored.producer()
     if node is not None:
@@ -238,16 +237,16 @@ def _nll(
     safe_target = b.Where(ignored, b.const(np.int64(0), name="zero_index"), target)
     zero, one = b.scalar(0.0, like=x), b.scalar(1.0, like=x)
     keep = b.Where(ignored, zero, one)
-    w = None if weight is None else _class_weights(b, loss, weight, x, 1)
+    w = None if weight is None else _class_weights(b, loss, weight, x, axis)
     weight_of_target = keep if w is None else b.Mul(keep, b.Gather(w, safe_target, axis=0))
     picked = b.squeeze(
         b.GatherElements(logp, b.unsqueeze(safe_target, [axis]), axis=axis), [axis]
     )
     per = b.Neg(b.Mul(picked, weight_of_target))
     if label_smoothing > 0.0:
-        weighted = logp if w is None else b.Mul(logp, _weights_along_classes(b, w, x))
-        smooth = b.Neg(b.Mul(b.sum(weighted, [1], keepdims=False), keep))
-        scale = b.Div(b.scalar(label_smoothing, like=x), _class_count(b, x))
+        weighted = logp if w is None else b.Mul(logp, _weights_along_classes(b, w, x, axis))
+        smooth = b.Neg(b.Mul(b.sum(weighted, [axis], keepdims=False), keep))
+        scale = b.Div(b.scalar(label_smoothing, like=x), _class_count(b, x, axis))
         per = b.Add(b.Mul(per, b.scalar(1.0 - label_smoothing, like=x)), b.Mul(smooth, scale))
     if reduction == "mean":
         total = b.Div(b.sum(per, keepdims=False), b.sum(weight_of_target, keepdims=False))
@@ -508,20 +507,18 @@ class CrossEntropyLoss(Loss):
                 f"CrossEntropyLoss: label {target.name!r} has dtype {target.dtype}; expected int64"
                 " class indices or float class probabilities. Cast the labels to int64."
             )
+        # x = Transpose(y) with y's last axis moved to 1 (``logits.transpose(1, 2)``): the same
+        # terms from y along its last axis, without the transposed copy, its gradient's
+        # transpose back, or a LogSoftmax along an inner axis
         source = _classes_moved_from_last(x)
-        if source is not None and self.weight is None and self.label_smoothing == 0.0:
-            # x = Transpose(y) with y's last axis moved to 1 (``logits.transpose(1, 2)``):
-            # the same terms from y along its last axis, without the transposed copy, its
-            # gradient's transpose back, or a LogSoftmax along an inner axis
-            axis = len(source.shape or ()) - 1
-            return _nll(
-                b, b.LogSoftmax(source, axis=axis), target, source, loss=self, weight=None,
-                ignore_index=self.ignore_index, reduction=self.reduction, axis=axis,
-            )
+        if source is not None:
+            x, axis = source, len(source.shape or ()) - 1
+        else:
+            axis = 1
         return _nll(
-            b, b.LogSoftmax(x, axis=1), target, x, loss=self, weight=self.weight,
+            b, b.LogSoftmax(x, axis=axis), target, x, loss=self, weight=self.weight,
             ignore_index=self.ignore_index, reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
+            label_smoothing=self.label_smoothing, axis=axis,
         )
 
     def _probabilities(
