@@ -109,6 +109,11 @@ def inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     return shapes
 
 
+def attributes(node: onnx.NodeProto) -> dict[str, Any]:
+    """``node``'s attributes by name, as Python values."""
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
 def has_subgraph(node: onnx.NodeProto) -> bool:
     return any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute

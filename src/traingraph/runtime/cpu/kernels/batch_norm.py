@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.kernels import conv_grads
@@ -147,7 +146,7 @@ def _match(
     nodes, dx, dscale = found
     if dx is not None and not _like(shapes.get(dx), x_shape):
         return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
+    attrs = graph_match.attributes(bn)
     epsilon = float(attrs.get("epsilon", 1e-5))
     grad = BatchNormGrad(x, scale, dy, epsilon, dx, dscale, dbias, y=y)
     return grad, nodes

@@ -51,6 +51,7 @@ from onnx import helper
 from traingraph.runtime.cpu.graph_match import (
     FLOAT,
     GraphIndex,
+    attributes,
     elem_type,
     exclusive_cone,
     graph_reads,
@@ -456,7 +457,7 @@ def _candidates(
         w_shape = value_dims(inputs[param])
         if len(w_shape) != 4 or None in w_shape or elem_type(inputs[param]) != FLOAT:
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = attributes(node)
         if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
             continue
         if shapes is None:
@@ -603,7 +604,7 @@ def _pooling(
     pools = readers.get((relu.output[0] if relu else conv.output[0], "MaxPool"), [])
     if len(pools) != 1:
         return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in pools[0].attribute}
+    attrs = attributes(pools[0])
     kernel = [int(k) for k in attrs.get("kernel_shape", [])]
     tiles = (
         len(kernel) == 2

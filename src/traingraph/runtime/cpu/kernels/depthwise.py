@@ -21,7 +21,6 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 import onnx
-from onnx import helper
 
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
@@ -99,7 +98,7 @@ def _match(
         return None
     if None in dy_dims[1:] or None in w_dims or None in out_dims[1:]:
         return None
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = graph_match.attributes(node)
     channels = dy_dims[1]
     if attrs.get("group", 1) != channels or w_dims[:2] != [channels, 1]:
         return None

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import onnx
-from onnx import helper
 
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.native import Arrays, NormalizationGrad, Outputs
@@ -76,7 +75,7 @@ def _match(
         return None
     x, scale, bias = ln.input[:3]
     x_shape = shapes.get(x)
-    attrs = {a.name: helper.get_attribute_value(a) for a in ln.attribute}
+    attrs = graph_match.attributes(ln)
     if not x_shape or x_shape[-1] is None or attrs.get("axis", -1) not in (-1, len(x_shape) - 1):
         return None
     if int(attrs.get("stash_type", 1)) != 1:

@@ -91,10 +91,6 @@ def split_max_pool_scatters(
     return verify.verified_kernels(model, g, matches, shapes)
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _flattened(
     g: graph_match.GraphIndex, value: str, constants: Mapping[str, np.ndarray], taken: Set[int]
 ) -> tuple[int, str] | None:
@@ -141,7 +137,7 @@ def _match(
     taken: Set[int],
 ) -> tuple[MaxPoolScatter, set[int]] | None:
     scatter = g.nodes[i]
-    attrs = _attrs(scatter)
+    attrs = graph_match.attributes(scatter)
     if len(scatter.input) != 3 or attrs.get("axis", 0) != 0 or attrs.get("reduction") != b"add":
         return None
     data, positions, updates = (_flattened(g, v, constants, taken) for v in scatter.input)
@@ -155,7 +151,7 @@ def _match(
     dims, pooled = shapes.get(x), shapes.get(grad)
     if dims is None or pooled is None or len(dims) != 4 or None in dims[1:] or len(pooled) != 4:
         return None
-    p = _attrs(pool[1])
+    p = graph_match.attributes(pool[1])
     kernel = list(p.get("kernel_shape", []))  # type: ignore[call-overload]
     pads = list(p.get("pads", [0] * 4))  # type: ignore[call-overload]
     strides = list(p.get("strides", [1, 1]))  # type: ignore[call-overload]

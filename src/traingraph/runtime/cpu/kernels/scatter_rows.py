@@ -146,10 +146,6 @@ class _Columns:
         return name in self._names
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _plus_zero(value: np.ndarray | None) -> bool:
     """Whether ``value`` is a float32 ``+0.0`` of one element, of rank 2 or less."""
     return (
@@ -205,7 +201,7 @@ def _match(
     columns: _Columns,
 ) -> tuple[ScatterAddRows, set[int]] | None:
     scatter = g.nodes[i]
-    attrs = _attrs(scatter)
+    attrs = graph_match.attributes(scatter)
     if len(scatter.input) != 3 or attrs.get("reduction") != b"add":
         return None
     if attrs.get("axis", 0) not in (0, -2):
