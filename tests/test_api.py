@@ -114,7 +114,10 @@ def _parameters_after(
     return opt, {n: p.data for n, p in state.parameters}
 
 
-def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
+@pytest.mark.parametrize("chunk", [None, 100])
+def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path, monkeypatch, chunk):
+    if chunk is not None:  # chunks of 100 elements: several, some splitting a parameter
+        monkeypatch.setattr("traingraph.runtime.optimizer.update.FLAT_CHUNK", chunk)
     onnx_model = export(seeded(MLP), torch.zeros(2, 20))
     artifacts.generate_artifacts(
         onnx_model,
@@ -125,12 +128,19 @@ def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path):
     flat, graph = (_parameters_after(tmp_path, 5, fused=f) for f in (True, False))
     assert flat[0].graph_model.graph.name.endswith("_flat_step")
     assert not graph[0].graph_model.graph.name.endswith("_flat_step")
-    # The update reads the parameters, gradients and the three RMSProp slots as five blocks.
+    # The update reads the parameters, gradients and the three RMSProp slots as five blocks,
+    # each in chunks.
+    layout = flat[0].update.flat
+    chunks = [name for name, _, _ in layout.chunks]
+    assert len(chunks) == (1 if chunk is None else -(-layout.size // chunk))
     flat_inputs = [i.name for i in flat[0].graph_model.graph.input]
-    assert flat_inputs == ["learning_rate", "step", "flat", "flat_grad"] + [
-        f"flat.{kind}" for kind in flat[0].update.flat.kinds
-    ]
-    assert len(flat[0].update.flat.kinds) == 3
+    assert flat_inputs[: 2 + 2 * len(chunks)] == [
+        "learning_rate", "step", *chunks, *(f"{c}_grad" for c in chunks)
+    ]  # fmt: skip
+    assert sorted(flat_inputs[2 + 2 * len(chunks) :]) == sorted(
+        f"{c}.{kind}" for kind in layout.kinds for c in chunks
+    )
+    assert len(layout.kinds) == 3
     for name, value in flat[1].items():
         np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
 

@@ -388,9 +388,11 @@ def test_session_config_refuses_unknown_cuda_options(kwargs, match) -> None:
         SessionConfig(**kwargs).cuda_options()
 
 
-def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients() -> None:
+@pytest.mark.parametrize("chunk", [16, 5])
+def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients(chunk: int) -> None:
     # Gradients at offsets 0 and 8 of a 16-element block: the fused model pads between them
-    # with zeros, writes that vector out, and the optimizer part updates the whole block.
+    # with zeros, writes that vector out chunk by chunk, and the optimizer part updates each
+    # chunk of the block. Chunks of 5 split b's gradient and both paddings.
     from onnx import TensorProto, helper
 
     from traingraph.optim.model import ParamInfo, build_optimizer_model
@@ -420,11 +422,13 @@ def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients() -> 
         ir_version=10,
     )
     sgd = optim.SGD(lr=0.1, momentum=0.9)
-    optimizer = build_optimizer_model(sgd, [ParamInfo("flat", (16,), np.dtype(np.float32))])
-    layout = FlatLayout("flat", 16, {"momentum": (0, 16)})
-    spec = np.dtype(np.float32)
+    layout = FlatLayout("flat", 16, {"momentum_buffer": (0, 16)}, chunk=chunk)
+    assert len(layout.chunks) == (1 if chunk == 16 else 4)
+    f32_dtype = np.dtype(np.float32)
+    chunks = [ParamInfo(n, (stop - start,), f32_dtype) for n, start, stop in layout.chunks]
+    optimizer = build_optimizer_model(sgd, chunks)
     fused = fuse_step_model(
-        train, optimizer, layout, {"a": (0, ((3,), spec)), "b": (8, ((2, 2), spec))}
+        train, optimizer, layout, {"a": (0, ((3,), f32_dtype)), "b": (8, ((2, 2), f32_dtype))}
     )
     assert fused is not None
     onnx.checker.check_model(fused, full_check=True)
@@ -432,27 +436,30 @@ def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients() -> 
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(3).astype(np.float32), rng.standard_normal((2, 2)).astype(np.float32)
     flat = rng.standard_normal(16).astype(np.float32)
-    slots = {
-        i.name: rng.standard_normal(16).astype(np.float32)
-        for i in optimizer.graph.input
-        if i.name.startswith("flat.")
-    }
+    momentum = rng.standard_normal(16).astype(np.float32)
     scalars = {"learning_rate": np.array(0.1, np.float32), "step": np.array(3, np.int64)}
     session = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {"a": a, "b": b, f"{FUSED_PREFIX}flat": flat}
-    feeds |= {FUSED_PREFIX + n: v for n, v in {**scalars, **slots}.items()}
+    feeds = {"a": a, "b": b} | {FUSED_PREFIX + n: v for n, v in scalars.items()}
+    for name, start, stop in layout.chunks:
+        feeds[f"{FUSED_PREFIX}{name}"] = flat[start:stop]
+        feeds[f"{FUSED_PREFIX}{name}.momentum_buffer"] = momentum[start:stop]
     got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     assert "a_grad" not in got and "b_grad" not in got
+    assert float(got["loss"]) == pytest.approx(float(a.sum()))
+
+    def joined(suffix: str) -> np.ndarray:
+        return np.concatenate([got[f"{FUSED_PREFIX}{n}{suffix}"] for n, _, _ in layout.chunks])
 
     grad = np.zeros(16, np.float32)
     grad[:3], grad[8:12] = a * a, -b.reshape(-1)
-    np.testing.assert_array_equal(got[f"{FUSED_PREFIX}flat_grad"], grad)
-    assert float(got["loss"]) == pytest.approx(float(a.sum()))
-    alone = ort.InferenceSession(optimizer.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(joined("_grad"), grad)
+    whole = build_optimizer_model(sgd, [ParamInfo("flat", (16,), f32_dtype)])
+    alone = ort.InferenceSession(whole.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in alone.get_outputs()]
-    want = dict(zip(names, alone.run(None, {"flat": flat, "flat_grad": grad, **scalars, **slots})))
-    for name, value in want.items():
-        np.testing.assert_array_equal(got[FUSED_PREFIX + name], value, err_msg=name)
+    inputs = {"flat": flat, "flat_grad": grad, "flat.momentum_buffer": momentum, **scalars}
+    want = dict(zip(names, alone.run(None, inputs)))
+    np.testing.assert_array_equal(joined("_out"), want["flat_out"])
+    np.testing.assert_array_equal(joined(".momentum_buffer_out"), want["flat.momentum_buffer_out"])
 
 
 def test_fused_step_model_concatenates_many_gradients_in_groups() -> None:

@@ -239,13 +239,14 @@ def fuse_step_model(
     graph ``optimizer``, so a step is one session run (one CUDA graph launch and one wait).
 
     The gradients the training graph outputs one by one are flattened and concatenated, with
-    zeros where the state's block pads between tensors, into the optimizer's gradient vector,
-    which is also an output (to be bound to the gradients' block, so they stay inspectable).
-    The optimizer's names all get :data:`FUSED_PREFIX`.
+    zeros where the state's block pads between tensors, into the gradient vector of each chunk
+    of the flat optimizer (:attr:`FlatLayout.chunks`), which is also an output (to be bound to
+    the gradients' block, so they stay inspectable). A chunk's update can run once its own
+    gradients are computed. The optimizer's names all get :data:`FUSED_PREFIX`.
 
     Args:
         train: The training model (static shapes).
-        optimizer: An optimizer model over one flat vector, as ``flat`` describes.
+        optimizer: An optimizer model over the flat blocks' chunks, as ``flat`` describes.
         flat: How the optimizer model's inputs lie in the state's blocks.
         grads: Parameter -> (offset in the gradients' block, spec), for every gradient output
             ``<parameter>_grad`` of ``train``.
@@ -266,7 +267,6 @@ def fuse_step_model(
     names |= {out for node in graph.node for out in node.output}
     if any(name.startswith(FUSED_PREFIX) for name in names):
         return None
-    grad_vector = f"{FUSED_PREFIX}{flat.name}_grad"
     dtypes = {spec[1] for _, spec in grads.values()}
     if len(dtypes) != 1:
         return None
@@ -274,39 +274,67 @@ def fuse_step_model(
     elem = helper.np_dtype_to_tensor_dtype(dtype)
     flat_shape = f"{FUSED_PREFIX}flatten_shape"
     graph.initializer.append(helper.make_tensor(flat_shape, TensorProto.INT64, [1], [-1]))
-    pieces: list[str] = []
+    ranges = sorted(
+        (offset, offset + int(np.prod(shape, dtype=np.int64)), name)
+        for name, (offset, (shape, _)) in grads.items()
+    )
+    flattened: dict[str, str] = {}
+    for _, _, name in ranges:
+        flattened[name] = f"{FUSED_PREFIX}{name}_grad_flat"
+        reshape = helper.make_node("Reshape", [f"{name}_grad", flat_shape], [flattened[name]])
+        graph.node.append(reshape)
 
-    def pad(start: int, stop: int) -> None:
-        if stop > start:
-            zeros = numpy_helper.from_array(
-                np.zeros(stop - start, dtype), f"{FUSED_PREFIX}pad_{start}"
-            )
-            graph.initializer.append(zeros)
-            pieces.append(zeros.name)
+    def zeros(n: int) -> str:
+        value = numpy_helper.from_array(np.zeros(n, dtype), f"{FUSED_PREFIX}zeros_{n}")
+        if value.name not in {i.name for i in graph.initializer}:
+            graph.initializer.append(value)
+        return value.name
 
-    end = 0
-    for name, (offset, (shape, _)) in sorted(grads.items(), key=lambda item: item[1][0]):
-        pad(end, offset)
-        piece = f"{FUSED_PREFIX}{name}_grad_flat"
-        graph.node.append(helper.make_node("Reshape", [f"{name}_grad", flat_shape], [piece]))
-        pieces.append(piece)
-        end = offset + int(np.prod(shape, dtype=np.int64))
-    pad(end, flat.size)
-    # onnxruntime's CUDA Concat takes at most 32 inputs inside a graph capture.
-    while len(pieces) > _MAX_CONCAT:
-        groups = [pieces[i : i + _MAX_CONCAT] for i in range(0, len(pieces), _MAX_CONCAT)]
-        pieces = []
-        for group in groups:
-            part = f"{FUSED_PREFIX}grad_part_{len(graph.node)}"
-            graph.node.append(helper.make_node("Concat", group, [part], axis=0))
-            pieces.append(part)
-    graph.node.append(helper.make_node("Concat", pieces, [grad_vector], axis=0))
+    def piece(name: str, start: int, stop: int, lo: int, hi: int) -> str:
+        """The part ``[lo, hi)`` of parameter ``name``'s gradient, at ``[start, stop)``."""
+        if (lo, hi) == (start, stop):
+            return flattened[name]
+        out = f"{FUSED_PREFIX}{name}_grad_{lo}"
+        bounds = [f"{out}_{edge}" for edge in ("starts", "ends")]
+        for bound, value in zip(bounds, (lo - start, hi - start)):
+            graph.initializer.append(helper.make_tensor(bound, TensorProto.INT64, [1], [value]))
+        graph.node.append(helper.make_node("Slice", [flattened[name], *bounds], [out]))
+        return out
+
+    vectors = []
+    for chunk, lo, hi in flat.chunks:
+        pieces: list[str] = []
+        end = lo
+        for start, stop, name in ranges:
+            if stop <= lo or start >= hi:
+                continue
+            if max(start, lo) > end:
+                pieces.append(zeros(max(start, lo) - end))
+            pieces.append(piece(name, start, stop, max(start, lo), min(stop, hi)))
+            end = min(stop, hi)
+        if hi > end:
+            pieces.append(zeros(hi - end))
+        # onnxruntime's CUDA Concat takes at most 32 inputs inside a graph capture.
+        while len(pieces) > _MAX_CONCAT:
+            groups = [pieces[i : i + _MAX_CONCAT] for i in range(0, len(pieces), _MAX_CONCAT)]
+            pieces = []
+            for group in groups:
+                part = f"{FUSED_PREFIX}grad_part_{len(graph.node)}"
+                graph.node.append(helper.make_node("Concat", group, [part], axis=0))
+                pieces.append(part)
+        vector = f"{FUSED_PREFIX}{chunk}_grad"
+        if len(pieces) == 1:
+            graph.node.append(helper.make_node("Identity", pieces, [vector]))
+        else:
+            graph.node.append(helper.make_node("Concat", pieces, [vector], axis=0))
+        vectors.append(helper.make_tensor_value_info(vector, elem, [hi - lo]))
     grad_outputs = {f"{name}_grad" for name in grads}
     kept = [o for o in graph.output if o.name not in grad_outputs]
     del graph.output[:]
     graph.output.extend(kept)
-    graph.output.append(helper.make_tensor_value_info(grad_vector, elem, [flat.size]))
-    graph.input.extend(i for i in ours.graph.input if i.name != grad_vector)
+    graph.output.extend(vectors)
+    computed = {v.name for v in vectors}
+    graph.input.extend(i for i in ours.graph.input if i.name not in computed)
     graph.initializer.extend(ours.graph.initializer)
     graph.node.extend(ours.graph.node)
     graph.output.extend(ours.graph.output)
@@ -570,8 +598,9 @@ class CudaGraphStep:
         binding.bind_ortvalue_input(f"{prefix}step", self._feeds.ortvalue("step"))
         flat = self.optimizer_update.flat
         inputs, outputs = optimizer_io(self.step.state, flat)
+        computed = {f"{name}_grad" for name, _, _ in flat.chunks} if flat is not None else set()
         for name, value in inputs.items():
-            if prefix and flat is not None and name == f"{flat.name}_grad":
+            if prefix and name in computed:
                 # The fused graph computes the gradient vector and writes it to the block.
                 binding.bind_ortvalue_output(f"{prefix}{name}", value)
             else:

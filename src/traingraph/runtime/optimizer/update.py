@@ -34,20 +34,38 @@ from traingraph.runtime.session import BoundRunner, SessionConfig, create_sessio
 from traingraph.runtime.state import TrainingState
 from traingraph.runtime.tensors import PingPong, TensorStore
 
+FLAT_CHUNK = 1 << 22
+"""Elements of the trainable parameters' flat block one chunk of a flat optimizer model
+updates (16 MiB of float32). A GPU runs each elementwise op of the update as one kernel over a
+chunk, so a chunk's temporaries are what the update holds beside its inputs and outputs: a
+model over the whole block would hold several temporaries the size of all parameters, which a
+memory arena grown around a training step's activations cannot place in the space they free."""
+
 
 @dataclasses.dataclass(frozen=True)
 class FlatLayout:
-    """Where an optimizer model over one flat vector finds its tensors in the state's blocks.
+    """Where an optimizer model over the flat blocks finds its tensors in the state's blocks.
 
-    The model updates a single parameter ``name`` of ``size`` elements: the trainable
-    parameters' flat block (padding included), with the gradients' block as ``<name>_grad``
-    and, for each slot kind, the range ``kinds[kind]`` of the slots' block as
-    ``<name>.<kind>``.
+    The trainable parameters' flat block (``size`` elements, padding included) is updated in
+    chunks of ``chunk`` elements (:attr:`chunks`), each a parameter of the model: chunk ``c``
+    is the range ``[start, stop)`` of the block, with the same range of the gradients' block
+    as ``<c>_grad`` and, for each slot kind, of the range ``kinds[kind]`` of the slots' block
+    as ``<c>.<kind>``.
     """
 
     name: str
     size: int
     kinds: Mapping[str, tuple[int, int]]
+    chunk: int = dataclasses.field(default_factory=lambda: FLAT_CHUNK)
+
+    @property
+    def chunks(self) -> list[tuple[str, int, int]]:
+        """``(name, start, stop)`` of each chunk: ``name`` alone where one chunk holds all."""
+        starts = range(0, self.size, self.chunk)
+        if len(starts) <= 1:
+            return [(self.name, 0, self.size)]
+        stops = [min(s + self.chunk, self.size) for s in starts]
+        return [(f"{self.name}_{i}", s, e) for i, (s, e) in enumerate(zip(starts, stops))]
 
 
 def flat_layout(
@@ -93,15 +111,17 @@ def optimizer_io(
     slots = state.optimizer_slots
     assert slots is not None
     cur, alt = state.trainable.cur, state.trainable.alt
-    if flat is not None:
-        n = flat.size
-        inputs = {flat.name: cur.block(0, n), f"{flat.name}_grad": state.grads.block(0, n)}
-        outputs = {f"{flat.name}_out": alt.block(0, n)}
-        for kind, (start, stop) in flat.kinds.items():
-            inputs[f"{flat.name}.{kind}"] = slots.cur.block(start, stop)
-            outputs[f"{flat.name}.{kind}_out"] = slots.alt.block(start, stop)
-        return inputs, outputs
     inputs, outputs = {}, {}
+    if flat is not None:
+        for name, start, stop in flat.chunks:
+            inputs[name] = cur.block(start, stop)
+            inputs[f"{name}_grad"] = state.grads.block(start, stop)
+            outputs[f"{name}_out"] = alt.block(start, stop)
+        for kind, (offset, _) in flat.kinds.items():
+            for name, start, stop in flat.chunks:
+                inputs[f"{name}.{kind}"] = slots.cur.block(offset + start, offset + stop)
+                outputs[f"{name}.{kind}_out"] = slots.alt.block(offset + start, offset + stop)
+        return inputs, outputs
     for name in state.grads:
         inputs[name] = cur.ortvalue(name)
         inputs[f"{name}_grad"] = state.grads.ortvalue(name)
@@ -377,9 +397,11 @@ def flat_equivalent(
     kinds = {slot.name[len("flat.") :] for slot in state_slots(optimizer, [flat])}
     if layout is None or kinds != set(layout):
         return build_flat_optimizer_model(optimizer, infos, opset), None
-    model = build_optimizer_model(optimizer, [flat], opset)
+    blocks = FlatLayout(flat.name, size, dict(layout))
+    chunks = [ParamInfo(name, (stop - start,), flat.dtype) for name, start, stop in blocks.chunks]
+    model = build_optimizer_model(optimizer, chunks, opset)
     model.graph.name = f"{optimizer.name}_flat_step"
-    return model, FlatLayout(flat.name, size, dict(layout))
+    return model, blocks
 
 
 def tensor_dtype(elem_type: int) -> np.dtype:
