@@ -184,6 +184,9 @@ def test_cuda_optimizer_updates_the_blocks_as_one_vector(tmp_path) -> None:
             module(x, y)
             opt.step()
             module.lazy_reset_grad()
+        # Its own session runs the update after the training graph: all of it in place.
+        held = module.step.state.held_bytes()
+        assert held["parameters"] == held["gradients"]
         results[fused] = {n: p.data for n, p in state.parameters.items()}
     for name, value in results[False].items():
         np.testing.assert_allclose(results[True][name], value, rtol=1e-6, atol=1e-7, err_msg=name)

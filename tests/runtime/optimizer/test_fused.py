@@ -239,14 +239,14 @@ def test_native_kernel_errors_name_what_was_received():
 @NATIVE
 @pytest.mark.parametrize("fused_form", [True, False], ids=["fused", "graph"])
 def test_bytes_held_by_the_state(fused_form):
-    """The fused update writes the parameters and slots in place: the state holds one copy of
-    the parameters, the gradients and each slot kind. The graph writes second copies, which it
-    allocates on its first update; both give the same numbers."""
+    """Both forms write the parameters and slots in place (the fused kernel itself, the graph
+    through outputs bound over its inputs, as no other node reads them): the state holds one
+    copy of the parameters, the gradients and each slot kind, and the numbers are the same."""
     from traingraph.checkpoint import CheckpointData
     from traingraph.optim import ParamInfo
     from traingraph.program import describe_optimizer
     from traingraph.runtime.device import parse_device
-    from traingraph.runtime.optimizer import OptimizerUpdate
+    from traingraph.runtime.optimizer import InPlace, OptimizerUpdate
     from traingraph.runtime.session import SessionConfig
     from traingraph.runtime.state import TrainingState
 
@@ -265,7 +265,8 @@ def test_bytes_held_by_the_state(fused_form):
     describe_optimizer(model, optimizer, infos)
     update = OptimizerUpdate(model, state, list(params), SessionConfig(), fused=fused_form)
     assert (update.blocks is not None) == fused_form
-    copies = 1 if fused_form else 2
+    assert update.in_place == (InPlace() if fused_form else InPlace(True, True))
+    copies = 1
     for step in range(STEPS):
         state.grads.write_all(grads[step])
         update.apply()
@@ -319,3 +320,32 @@ def test_resumed_slots_are_held_once_and_continue_the_run():
         update.apply()
     for name, value in expected.items():
         np.testing.assert_array_equal(state.read(name), value)
+
+
+def test_an_output_overwrites_its_input_only_where_every_other_reader_runs_first():
+    from onnx import TensorProto, helper
+
+    from traingraph.runtime.optimizer.update import overwritable
+
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Mul", ["a", "g"], ["t"]),
+        helper.make_node("Add", ["a", "t"], ["a_out"]),  # reads a where it writes: yes
+        helper.make_node("Neg", ["b"], ["other"]),  # reads b, does not lead to b_out: no
+        helper.make_node("Add", ["b", "g"], ["b_out"]),
+        helper.make_node("Mul", ["c", "g"], ["c_out"]),  # c broadcast against its output: no
+        helper.make_node("Identity", ["d"], ["d_out"]),  # a copy, not elementwise math: no
+        helper.make_node("Mul", ["e", "g"], ["u"]),
+        helper.make_node("Neg", ["u"], ["e_out"]),  # e read only by an ancestor: yes
+    ]
+    vector = [helper.make_tensor_value_info(n, f32, [4]) for n in ("a", "b", "d", "e", "g")]
+    outs = [helper.make_tensor_value_info(f"{n}_out", f32, [4]) for n in "abcde"]
+    model = helper.make_model(
+        helper.make_graph(
+            nodes,
+            "update",
+            [*vector, helper.make_tensor_value_info("c", f32, [1])],
+            [*outs, helper.make_tensor_value_info("other", f32, [4])],
+        )
+    )
+    assert overwritable(model, {n: f"{n}_out" for n in "abcde"}) == {"a", "e"}

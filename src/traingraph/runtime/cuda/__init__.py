@@ -9,9 +9,10 @@ step): each input batch is copied once into a fixed device buffer (one asynchron
 page-locked memory, :mod:`~traingraph.runtime.cuda.cudart`), and parameters, gradients, updated
 buffers and optimizer slots stay in the :class:`~traingraph.runtime.state.TrainingState` of
 the module's :class:`~traingraph.runtime.step.TrainStep`. That state double-buffers what a step
-rewrites (it reads one copy and writes the other, then swaps), so the step keeps one captured
-graph per buffer layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id`` run
-option.
+rewrites (it reads one copy and writes the other, then swaps) rather than updating it in place
+as ``Optimizer.step()`` does: onnxruntime runs a graph twice in the call that captures it, and
+the second run must see the inputs the first saw. So the step keeps one captured graph per
+buffer layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id`` run option.
 
 Example:
     >>> module = Module("training_model.onnx", state, device="cuda")

@@ -68,6 +68,93 @@ class FlatLayout:
         return [(f"{self.name}_{i}", s, e) for i, (s, e) in enumerate(zip(starts, stops))]
 
 
+@dataclasses.dataclass(frozen=True)
+class InPlace:
+    """Which double-buffered stores an optimizer graph writes in place: its new parameters over
+    the current ones (``parameters``), its new slots over the current slots (``slots``). A
+    store written in place is not swapped and never allocates its second copy."""
+
+    parameters: bool = False
+    slots: bool = False
+
+
+# Ops that read each element of an operand shaped like their output at the index they write, so
+# that the output may be the operand's own buffer.
+_SAME_INDEX = frozenset(
+    {"Abs", "Add", "Div", "Max", "Min", "Mul", "Neg", "Reciprocal", "Sqrt", "Sub", "Sum", "Where"}
+)
+
+
+def overwritable(model: onnx.ModelProto, pairs: Mapping[str, str]) -> set[str]:
+    """The inputs ``x`` of ``pairs`` (input -> the output holding its new value) whose new value
+    may be written over ``x`` itself (no other input may be bound to the same memory).
+
+    That holds where the node writing the output reads ``x``, if at all, as an elementwise op
+    of ``x``'s shape (each element read before it is written), and every other node reading
+    ``x`` is among that node's ancestors, so a runtime runs it before. A node that reads ``x``
+    and does not lead to the output (a training graph's reader of a parameter whose update does
+    not wait for it) keeps ``x`` from being overwritten.
+    """
+    graph = model.graph
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    readers: dict[str, set[int]] = {}
+    for i, node in enumerate(graph.node):
+        for name in node.input:
+            readers.setdefault(name, set()).add(i)
+    shapes = {
+        v.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in shape.dim)
+        for v in (*graph.input, *graph.output)
+        if (shape := v.type.tensor_type.shape) is not None
+    }
+    found = set()
+    for x, out in pairs.items():
+        w = producer.get(out)
+        if w is None:
+            continue
+        writer = graph.node[w]
+        if x in writer.input and (
+            writer.op_type not in _SAME_INDEX
+            or writer.domain not in ("", "ai.onnx")
+            or shapes.get(x) != shapes.get(out)
+            or None in shapes.get(x, (None,))
+        ):
+            continue
+        others = readers.get(x, set()) - {w}
+        if others <= _ancestors(graph, w, producer, others):
+            found.add(x)
+    return found
+
+
+def _ancestors(
+    graph: onnx.GraphProto, node: int, producer: Mapping[str, int], wanted: set[int]
+) -> set[int]:
+    """The nodes ``node`` depends on, searched until every one of ``wanted`` is found."""
+    seen: set[int] = set()
+    stack = [node]
+    while stack and not wanted <= seen:
+        for name in graph.node[stack.pop()].input:
+            i = producer.get(name)
+            if i is not None and i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def writes_in_place(
+    model: onnx.ModelProto, state: TrainingState, flat: FlatLayout | None
+) -> InPlace:
+    """Which of the state's stores the optimizer model ``model``, run on its own, may write in
+    place: those whose every tensor is :func:`overwritable`."""
+    _, outputs = optimizer_io(state, flat, InPlace(True, True))
+    held = [name[: -len("_out")] for name in outputs]
+    params = {n for n, _, _ in flat.chunks} if flat is not None else set(state.grads)
+    ok = overwritable(model, {n: f"{n}_out" for n in held})
+    return InPlace(
+        parameters=all(n in ok for n in held if n in params),
+        slots=all(n in ok for n in held if n not in params),
+    )
+
+
 def flat_layout(
     state: TrainingState, params: list[str], slot_names: Mapping[str, Mapping[str, str]]
 ) -> dict[str, tuple[int, int]] | None:
@@ -103,14 +190,17 @@ def flat_layout(
 
 
 def optimizer_io(
-    state: TrainingState, flat: FlatLayout | None
+    state: TrainingState, flat: FlatLayout | None, in_place: InPlace = InPlace()
 ) -> tuple[dict[str, ort.OrtValue], dict[str, ort.OrtValue]]:
     """The optimizer model's tensor inputs and outputs (all but ``learning_rate`` and
     ``step``) bound to the state: the current parameters, gradients and slots in, the other
-    copies out. Per parameter, or as blocks for a model over the flat vector ``flat``."""
+    copies out (the current ones where ``in_place`` says so). Per parameter, or as blocks for a
+    model over the flat blocks' chunks ``flat``."""
     slots = state.optimizer_slots
     assert slots is not None
-    cur, alt = state.trainable.cur, state.trainable.alt
+    cur = state.trainable.cur
+    alt = cur if in_place.parameters else state.trainable.alt
+    new_slots = slots.cur if in_place.slots else slots.alt
     inputs, outputs = {}, {}
     if flat is not None:
         for name, start, stop in flat.chunks:
@@ -120,7 +210,7 @@ def optimizer_io(
         for kind, (offset, _) in flat.kinds.items():
             for name, start, stop in flat.chunks:
                 inputs[f"{name}.{kind}"] = slots.cur.block(offset + start, offset + stop)
-                outputs[f"{name}.{kind}_out"] = slots.alt.block(offset + start, offset + stop)
+                outputs[f"{name}.{kind}_out"] = new_slots.block(offset + start, offset + stop)
         return inputs, outputs
     for name in state.grads:
         inputs[name] = cur.ortvalue(name)
@@ -128,13 +218,16 @@ def optimizer_io(
         outputs[f"{name}_out"] = alt.ortvalue(name)
     for name in slots.cur:
         inputs[name] = slots.cur.ortvalue(name)
-        outputs[f"{name}_out"] = slots.alt.ortvalue(name)
+        outputs[f"{name}_out"] = new_slots.ortvalue(name)
     return inputs, outputs
 
 
-def optimizer_step(runner: BoundRunner, state: TrainingState, flat: FlatLayout | None) -> None:
+def optimizer_step(
+    runner: BoundRunner, state: TrainingState, flat: FlatLayout | None, in_place: InPlace
+) -> None:
     """Run the optimizer graph once: read the current parameters, gradients and slots, write
-    the other copies, swap, and count the step.
+    the other copies and swap (or write them in place, as ``in_place`` says), and count the
+    step.
 
     The graph's inputs are ``learning_rate``, ``step`` (1-based) and those of
     :func:`optimizer_io`; its outputs ``p_out`` and ``<slot>_out``.
@@ -143,12 +236,14 @@ def optimizer_step(runner: BoundRunner, state: TrainingState, flat: FlatLayout |
     assert slots is not None and state.learning_rate is not None
     runner.bind_input("learning_rate", np.array(state.learning_rate, dtype=np.float32))
     runner.bind_input("step", np.array(state.step + 1, dtype=np.int64))
-    inputs, outputs = optimizer_io(state, flat)
+    inputs, outputs = optimizer_io(state, flat, in_place)
     for name, value in inputs.items():
         runner.bind_input(name, value)
     runner.run(dict(outputs))
-    state.trainable.swap()
-    slots.swap()
+    if not in_place.parameters:
+        state.trainable.swap()
+    if not in_place.slots:
+        slots.swap()
     state.step += 1
 
 
@@ -178,6 +273,8 @@ class OptimizerUpdate:
             (or the fused kernel runs).
         blocks: Slot kind -> its range in the slots' flat block, where the fused kernel
             updates the flat blocks at once; None where it runs per tensor (or the graph runs).
+        in_place: Which stores the graph writes in place (:func:`writes_in_place`); none
+            where the fused kernel runs, which updates them in place itself.
         clips_by_norm: Whether the optimizer clips the gradients by a norm (so a gradient that
             is not finite would make every parameter NaN).
         state: The training state.
@@ -243,8 +340,10 @@ class OptimizerUpdate:
             flat = flat_equivalent(proto, name, hyperparameters, layout, size)
             if flat is not None:
                 self.graph_model, self.flat = flat
+        self.in_place = InPlace()
         self._runner: BoundRunner | None = None
         if self._fused is None:
+            self.in_place = writes_in_place(self.graph_model, state, self.flat)
             session = create_session(self.graph_model, state.device, config)
             self._runner = BoundRunner(session, state.device)
 
@@ -297,7 +396,7 @@ class OptimizerUpdate:
         state = self.state
         if self._fused is None:
             assert self._runner is not None
-            optimizer_step(self._runner, state, self.flat)
+            optimizer_step(self._runner, state, self.flat, self.in_place)
             return
         assert state.optimizer_slots is not None and state.learning_rate is not None
         lr = float(np.float32(state.learning_rate))
