@@ -205,6 +205,68 @@ def test_shape_computations_fold_so_that_shapes_infer():
         np.testing.assert_array_equal(folded.run(None, {"x": x})[0], expected)
 
 
+def test_unflatten_target_folds_through_mod_and_computed_constants():
+    """torch's TorchScript exporter writes ``x.unflatten(-1, (3, 4))`` as a Reshape to
+    ``Concat(Slice(Shape(x), 0, (-1 + 2) mod 2), Concat(Unsqueeze(3), Unsqueeze(4)))``: a
+    ``Mod`` of the dimension and a constant part computed from Constants. Both fold, so the
+    Reshape's output shape is inferred; the model computes the same."""
+    import onnxruntime as ort
+
+    def const(name, value):
+        array = np.array(value, np.int64)
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array))
+
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        const("minus_one", [-1]), const("rank", [2]), const("zero", [0]),
+        helper.make_node("Add", ["minus_one", "rank"], ["sum"]),
+        helper.make_node("Mod", ["sum", "rank"], ["kept"]),
+        helper.make_node("Slice", ["shape", "zero", "kept"], ["lead"]),
+        const("three", 3), const("four", 4),
+        helper.make_node("Unsqueeze", ["three", "zero"], ["three_1"]),
+        helper.make_node("Unsqueeze", ["four", "zero"], ["four_1"]),
+        helper.make_node("Concat", ["three_1", "four_1"], ["tail"], axis=0),
+        helper.make_node("Concat", ["lead", "tail"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m = load_ir(proto)
+    values = {o.name: o for node in m.graph for o in node.outputs}
+    assert values["y"].shape == ir.Shape([5, 3, 4])
+    assert values["target"].producer().op_type == "Constant"
+    x = np.random.default_rng(0).standard_normal((5, 12)).astype(np.float32)
+    run = [
+        ort.InferenceSession(p.SerializeToString()).run(None, {"x": x})[0]
+        for p in (proto, ir.to_proto(m))
+    ]
+    np.testing.assert_array_equal(run[0], run[1])
+
+
+@pytest.mark.parametrize("fmod, expected", [(0, [1, 2, 0, 1]), (1, [-2, -1, 0, 1])])
+def test_integer_mod_folds_with_the_sign_of_its_operands(fmod, expected):
+    """``[-5, -4, 3, 4] mod x.shape[1]`` (3): the divisor's sign, or the dividend's with fmod."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "one"], ["d"], axis=0),
+        helper.make_node("Mod", ["values", "d"], ["m"], fmod=fmod),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.array([-5, -4, 3, 4], np.int64), "values"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("m", TensorProto.INT64, None)], inits,
+    )  # fmt: skip
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert constant_value(model.graph.outputs[0]).tolist() == expected
+
+
 def _biased_model(bias_nodes, bias_inits=(), op="Conv"):
     """``y = op(x, w, b)`` with ``b`` computed by ``bias_nodes`` (or an initializer)."""
     if op == "Conv":

@@ -384,10 +384,23 @@ def _reads_shapes(value: ir.Value, memo: dict[ir.Value, bool]) -> bool:
     else:
         inputs = [v for v in node.inputs if v is not None]
         result = any(_reads_shapes(v, memo) for v in inputs) and all(
-            _reads_shapes(v, memo) or _is_constant(v) for v in inputs
+            _reads_shapes(v, memo) or _from_constants(v) for v in inputs
         )
     memo[value] = result
     return result
+
+
+def _from_constants(value: ir.Value, depth: int = _MAX_DEPTH) -> bool:
+    """Whether ``value`` is a constant (:func:`_is_constant`) or computed from constants alone
+    by the evaluable ops (torch's exporter writes a reshape target's constant part so)."""
+    if _is_constant(value):
+        return True
+    node = value.producer()
+    if node is None or depth <= 0 or node.op_type not in _EVALUATORS:
+        return False
+    return node.domain in ("", "ai.onnx") and all(
+        _from_constants(v, depth - 1) for v in node.inputs if v is not None
+    )
 
 
 def _is_constant(value: ir.Value) -> bool:
@@ -518,6 +531,17 @@ def _div(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray | None:
     return a / b
 
 
+def _mod(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray | None:
+    """Integer ``Mod``: the remainder takes the divisor's sign, or the dividend's with ``fmod``
+    (torch's exporter normalizes negative dimensions so)."""
+    a, b = args[0], args[1]
+    assert a is not None and b is not None
+    if a.dtype.kind not in "iu" or b.dtype.kind not in "iu" or np.any(b == 0):
+        return None
+    remainder = np.fmod if node.attributes.get_int("fmod", 0) else np.mod
+    return remainder(a, b).astype(np.result_type(a, b))
+
+
 def _slice(node: ir.Node, args: list[np.ndarray | None]) -> np.ndarray | None:
     x, starts, ends = args[0], args[1], args[2]
     assert x is not None and starts is not None and ends is not None
@@ -570,6 +594,7 @@ _EVALUATORS: dict[str, Callable[[ir.Node, list[np.ndarray | None]], np.ndarray |
     "Sub": _binary(np.subtract),
     "Mul": _binary(np.multiply),
     "Div": _div,
+    "Mod": _mod,
     "Max": lambda node, args: functools.reduce(np.maximum, args),  # type: ignore[arg-type]
     "Min": lambda node, args: functools.reduce(np.minimum, args),  # type: ignore[arg-type]
 }
@@ -579,7 +604,7 @@ _DATA_ARGS = {
     "Identity": 1, "Cast": 1, "Gather": 1, "Reshape": 1, "Unsqueeze": 1, "Squeeze": 1,
     "Slice": 1, "Concat": _MAX_ELEMENTS,
 }  # fmt: skip
-_ELEMENTWISE = frozenset({"Neg", "Add", "Sub", "Mul", "Div", "Max", "Min"})
+_ELEMENTWISE = frozenset({"Neg", "Add", "Sub", "Mul", "Div", "Mod", "Max", "Min"})
 
 __all__ = [
     "Dim",
