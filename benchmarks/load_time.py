@@ -20,6 +20,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -104,7 +105,8 @@ def load_once(directory: Path, size: int, steps: int) -> tuple[float, float, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("models", nargs="+", help="torchvision model names, e.g. resnet50")
-    parser.add_argument("--cache", type=Path, default=Path("/tmp/traingraph-load-time"))
+    cache = Path(tempfile.gettempdir()) / "traingraph-load-time"
+    parser.add_argument("--cache", type=Path, default=cache)
     parser.add_argument("--size", type=int, default=224, help="input height and width")
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per model")
     parser.add_argument("--save-params", type=Path, help="write params after 3 steps here")
