@@ -145,6 +145,24 @@ def test_optimizer_without_fused_kernel_runs_one_flat_update(tmp_path, monkeypat
         np.testing.assert_array_equal(value, graph[1][name], err_msg=name)
 
 
+def test_flat_update_in_chunks_clips_by_the_norm_of_all_gradients(tmp_path, monkeypatch):
+    """With ``clip_grad_norm`` the flat update's chunks share one global norm: the parameters
+    follow the per-tensor graph's (the norm summed in another order)."""
+    monkeypatch.setattr("traingraph.runtime.optimizer.update.FLAT_CHUNK", 50)
+    onnx_model = export(seeded(MLP), torch.zeros(2, 20))
+    artifacts.generate_artifacts(
+        onnx_model,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.AdamW(lr=1e-2, clip_grad_norm=0.05),
+        artifact_directory=tmp_path,
+    )
+    flat, graph = (_parameters_after(tmp_path, 5, fused=f) for f in (True, False))
+    assert flat[0].update.flat is not None and len(flat[0].update.flat.chunks) > 1
+    assert graph[0].update.flat is None
+    for name, value in flat[1].items():
+        np.testing.assert_allclose(value, graph[1][name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
 def test_returned_outputs_are_not_overwritten_by_the_next_step(tmp_path):
     directory = _artifacts(tmp_path, seeded(MLP))
     x, y = classification_data(2 * BATCH, 20, 5)
