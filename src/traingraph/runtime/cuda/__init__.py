@@ -285,11 +285,14 @@ def fuse_step_model(
         reshape = helper.make_node("Reshape", [f"{name}_grad", flat_shape], [flattened[name]])
         graph.node.append(reshape)
 
+    padding: set[str] = set()
+
     def zeros(n: int) -> str:
-        value = numpy_helper.from_array(np.zeros(n, dtype), f"{FUSED_PREFIX}zeros_{n}")
-        if value.name not in {i.name for i in graph.initializer}:
-            graph.initializer.append(value)
-        return value.name
+        name = f"{FUSED_PREFIX}zeros_{n}"
+        if name not in padding:
+            graph.initializer.append(numpy_helper.from_array(np.zeros(n, dtype), name))
+            padding.add(name)
+        return name
 
     def piece(name: str, start: int, stop: int, lo: int, hi: int) -> str:
         """The part ``[lo, hi)`` of parameter ``name``'s gradient, at ``[start, stop)``."""
