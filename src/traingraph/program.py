@@ -24,7 +24,7 @@ from traingraph.autodiff.engine import differentiate, name_output, values_by_nam
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
-from traingraph.ir.fold import compose_transposes
+from traingraph.ir.fold import compose_transpose_reshapes, compose_transposes
 from traingraph.ir.model import ModelLike, default_opset, infer_shapes_in_place, load_ir, to_proto
 from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
@@ -312,7 +312,9 @@ def build_train_graph(
     graph.outputs.clear()
     graph.outputs.extend([*losses, *extra, *grad_outputs, *update_outputs, *finite])
     forward_nodes = set(itertools.islice(graph, forward_node_count))
-    forward_node_count -= sum(n in forward_nodes for n in compose_transposes(graph))
+    forward_nodes.difference_update(compose_transposes(graph))
+    compose_transpose_reshapes(graph, forward_nodes)
+    forward_node_count = len(forward_nodes)
     forward_names = [v.name or "" for v in [*losses, *extra, *update_outputs]]
     grad_names = [v.name or "" for v in [*grad_outputs, *finite]]
     if forward_first:

@@ -413,3 +413,75 @@ def test_training_graph_of_a_linear_reads_its_weight_untransposed(tmp_path):
         if node.op_type == "Transpose":
             source = producer.get(node.input[0])
             assert source is None or source.op_type != "Transpose", node.name
+
+
+def _transpose_reshape_chain(dims, first, target, second, extra_reader=False):
+    """``x[dims] -> Transpose(first) -> Reshape(target) -> Transpose(second) -> y`` (the
+    Reshape's output also a graph output where ``extra_reader``), shapes inferred."""
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=first),
+        helper.make_node("Reshape", ["t", "target"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["y"], perm=second),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if extra_reader:
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)], outputs,
+        [numpy_helper.from_array(np.array(target, np.int64), "target")],
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(proto)
+
+
+ONE_COPY = ["Reshape", "Transpose", "Reshape"]
+
+
+@pytest.mark.parametrize(
+    "dims, first, target, second, ops",
+    [
+        # torchvision's attention: heads split from the batch, then moved
+        ([50, 48, 64], [1, 0, 2], [16, 3, 50, 64], [0, 2, 1, 3], ONE_COPY),
+        ([16, 3, 64, 50], [0, 1, 3, 2], [48, 50, 64], [1, 0, 2], ONE_COPY),
+        # the two permutations undo each other around the split: no copy at all
+        ([1, 50, 16, 3, 192], [3, 1, 2, 0, 4], [3, 800, 192], [1, 0, 2], ["Reshape"]),
+        ([4, 6], [1, 0], [2, 3, 4], [2, 0, 1], ["Reshape"]),
+    ],
+)
+def test_transpose_reshape_transpose_is_one_copy(dims, first, target, second, ops):
+    """A Transpose, a Reshape that splits or merges axes and a Transpose are written as one
+    Transpose between Reshapes (or none), and the output is the same, element for element."""
+    import onnxruntime as ort
+
+    from traingraph.ir.fold import compose_transpose_reshapes
+
+    proto = _transpose_reshape_chain(dims, first, target, second)
+    m = ir.from_proto(proto)
+    forward = set(m.graph)
+    assert compose_transpose_reshapes(m.graph, forward) == 1
+    assert [n.op_type for n in m.graph if n.op_type != "Constant"] == ops
+    assert forward == set(m.graph) and "target" not in m.graph.initializers
+    x = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
+    run = [
+        ort.InferenceSession(p.SerializeToString()).run(None, {"x": x})[0]
+        for p in (proto, ir.to_proto(m))
+    ]
+    assert run[0].shape == run[1].shape
+    np.testing.assert_array_equal(run[0], run[1])
+
+
+@pytest.mark.parametrize(
+    "dims, first, target, second, extra_reader",
+    [
+        ([6, 4], [1, 0], [3, 8], [1, 0], False),  # 4 x 6 -> 3 x 8 neither splits nor merges
+        ([50, 48, 64], [1, 0, 2], [16, 3, 50, 64], [0, 2, 1, 3], True),  # r is read elsewhere
+    ],
+)
+def test_transpose_reshape_transpose_stays_where_it_is_not_a_split(
+    dims, first, target, second, extra_reader
+):
+    from traingraph.ir.fold import compose_transpose_reshapes
+
+    m = ir.from_proto(_transpose_reshape_chain(dims, first, target, second, extra_reader))
+    assert compose_transpose_reshapes(m.graph, set()) == 0
+    assert [n.op_type for n in m.graph] == ["Transpose", "Reshape", "Transpose"]

@@ -20,7 +20,9 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -311,6 +313,172 @@ def compose_transposes(graph: ir.Graph) -> list[ir.Node]:
             node.attributes["perm"] = ir.AttrInt64s("perm", composed)
         removed += _remove_if_unused(graph, transposed)
     return removed
+
+
+def compose_transpose_reshapes(graph: ir.Graph, forward: set[ir.Node]) -> int:
+    """Write each ``Transpose -> Reshape -> Transpose`` chain of static shapes, whose middle
+    values only the chain reads, as ``Reshape -> Transpose -> Reshape``: one copy instead of two
+    (none where the composed permutation keeps the order).
+
+    The Reshape only splits and merges axes where the two shapes around it have a common
+    refinement (every dimension a product of consecutive factors of it); the input is reshaped
+    to those factors in its own axis order, the factors are permuted as both Transposes move
+    them, and the result reshaped to the chain's output shape. Data is only moved, so every
+    value stays the same. torchvision's attention splits and merges its heads so.
+
+    Args:
+        graph: The graph, changed in place.
+        forward: The forward pass's nodes: a chain is rewritten only where all three of its
+            nodes are among them or none is, and the nodes written for a forward chain are
+            added to it.
+
+    Returns:
+        How many chains were rewritten.
+    """
+    count = 0
+    for node in list(graph):
+        if node.graph is not graph or node.op_type != "Reshape":
+            continue
+        first = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+        uses = list(node.outputs[0].uses())
+        if first is None or first.op_type != "Transpose" or len(uses) != 1:
+            continue
+        second = uses[0].node
+        chain = [first, node, second]
+        if (
+            second.op_type != "Transpose"
+            or any(n.domain not in ("", "ai.onnx") for n in chain)
+            or len(list(first.outputs[0].uses())) != 1
+            or any(v.is_graph_output() for v in (first.outputs[0], node.outputs[0]))
+            or len({n in forward for n in chain}) != 1
+        ):
+            continue
+        x, y = first.inputs[0], second.outputs[0]
+        plan = _moves(x, _perm(first), node.outputs[0], _perm(second))
+        if x is None or plan is None:
+            continue
+        fine, perm, out_dims = plan
+        _replace_chain(graph, chain, x, y, fine, perm, out_dims, forward)
+        count += 1
+    return count
+
+
+def _replace_chain(
+    graph: ir.Graph,
+    chain: list[ir.Node],
+    x: ir.Value,
+    y: ir.Value,
+    fine: list[int],
+    perm: list[int],
+    out_dims: list[int],
+    forward: set[ir.Node],
+) -> None:
+    """Put ``Reshape(fine) -> Transpose(perm) -> Reshape(out_dims)`` (the Transpose left out
+    where ``perm`` keeps the order) in place of ``chain``, writing ``y``."""
+
+    def const(values: list[int], name: str) -> ir.Value:
+        value = ir.AttrTensor("value", ir.tensor(np.array(values, np.int64)))
+        node = ir.Node("", "Constant", [], [value], name=name)
+        new.append(node)
+        return node.outputs[0]
+
+    new: list[ir.Node] = []
+    label = chain[1].name or "moves"
+    current = x
+    if perm != sorted(perm):
+        fine_shape = const(fine, f"{label}/fine_shape")
+        split = ir.Node("", "Reshape", [x, fine_shape], name=f"{label}/fine")
+        new.append(split)
+        order = [ir.AttrInt64s("perm", perm)]
+        moved = ir.Node("", "Transpose", [split.outputs[0]], order, name=f"{label}/moved")
+        new.append(moved)
+        current = moved.outputs[0]
+    target = const(out_dims, f"{label}/out_shape")
+    joined = ir.Node("", "Reshape", [current, target], name=f"{label}/joined")
+    new.append(joined)
+    graph.insert_before(chain[2], new)
+    out = joined.outputs[0]
+    out.name, out.type, out.shape = y.name, y.type, y.shape
+    y.name = None
+    y.replace_all_uses_with(out, replace_graph_outputs=True)
+    if chain[0] in forward:
+        forward.update(new)
+    shape = chain[1].inputs[1] if len(chain[1].inputs) > 1 else None
+    for n in reversed(chain):
+        graph.remove(n, safe=True)
+    forward.difference_update(chain, _remove_if_unused(graph, shape))
+    if shape is not None and shape.name is not None and not shape.uses():
+        graph.initializers.pop(shape.name, None)
+
+
+def _moves(
+    x: ir.Value | None, first: list[int] | None, middle: ir.Value, second: list[int] | None
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``(fine shape of x, permutation of its factors, output shape)`` for the chain
+    ``Transpose(first) -> Reshape (to middle's shape) -> Transpose(second)`` of ``x``, or None
+    where a shape is not static or the Reshape is not a split and merge of axes."""
+    dims, target = _static_dims(x), _static_dims(middle)
+    if dims is None or target is None or first is None or second is None:
+        return None
+    if len(first) != len(dims) or len(second) != len(target) or 0 in dims:
+        return None
+    moved = [dims[a] for a in first]
+    if math.prod(moved) != math.prod(target):
+        return None
+    out_dims = [target[a] for a in second]
+    # the axes of size 1 only change the rank: leave them out
+    b_axes = [first[i] for i in range(len(first)) if moved[i] != 1]  # x's axes, moved order
+    b_dims = [d for d in moved if d != 1]
+    c_axes = [j for j in range(len(target)) if target[j] != 1]
+    c_dims = [target[j] for j in c_axes]
+    products = [*itertools.accumulate(b_dims, operator.mul)]
+    bounds = sorted(set(products) | set(itertools.accumulate(c_dims, operator.mul)))
+    factors, previous = [], 1
+    for bound in bounds:
+        if bound % previous:
+            return None
+        factors.append(bound // previous)
+        previous = bound
+
+    def spans(sizes: list[int]) -> list[list[int]]:
+        """Each dimension's factors (indices), in order."""
+        result, k = [], 0
+        for size in sizes:
+            run, product = [], 1
+            while product < size:
+                product *= factors[k]
+                run.append(k)
+                k += 1
+            if product != size:
+                raise ValueError
+            result.append(run)
+        return result
+
+    try:
+        b_spans, c_spans = spans(b_dims), spans(c_dims)
+    except ValueError:
+        return None
+    # x's own order: each of its axes (size 1 left out) as the factors of its moved position
+    by_axis = dict(zip(b_axes, b_spans))
+    x_order = [k for axis in sorted(by_axis) for k in by_axis[axis]]
+    position = {k: i for i, k in enumerate(x_order)}
+    c_index = {axis: span for axis, span in zip(c_axes, c_spans)}
+    result = [k for axis in second if axis in c_index for k in c_index[axis]]
+    if len(factors) > _MAX_MOVE_RANK:
+        return None
+    return [factors[k] for k in x_order], [position[k] for k in result], out_dims
+
+
+_MAX_MOVE_RANK = 8
+"""The most axes the composed Transpose may have (onnxruntime's CUDA Transpose takes 8)."""
+
+
+def _static_dims(value: ir.Value | None) -> list[int] | None:
+    """``value``'s dimensions where all are known."""
+    if value is None or value.shape is None:
+        return None
+    dims = [d if isinstance(d, int) else None for d in value.shape.dims]
+    return None if None in dims else [int(d) for d in dims if d is not None]
 
 
 def _transpose_of(node: ir.Node) -> ir.Node | None:
@@ -608,6 +776,7 @@ _ELEMENTWISE = frozenset({"Neg", "Add", "Sub", "Mul", "Div", "Mod", "Max", "Min"
 
 __all__ = [
     "Dim",
+    "compose_transpose_reshapes",
     "compose_transposes",
     "constant_attribute_value",
     "constant_value",
