@@ -461,6 +461,12 @@ def test_transpose_reshape_transpose_is_one_copy(dims, first, target, second, op
     assert compose_transpose_reshapes(m.graph, forward) == 1
     assert [n.op_type for n in m.graph if n.op_type != "Constant"] == ops
     assert forward == set(m.graph) and "target" not in m.graph.initializers
+    inferred = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=True).graph
+    dims_of = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+               for v in [*inferred.value_info, *inferred.output]}  # fmt: skip
+    for node in m.graph:
+        if node.op_type != "Constant":  # the values written carry their shapes
+            assert list(node.outputs[0].shape) == dims_of[node.outputs[0].name]
     x = np.random.default_rng(0).standard_normal(dims).astype(np.float32)
     run = [
         ort.InferenceSession(p.SerializeToString()).run(None, {"x": x})[0]

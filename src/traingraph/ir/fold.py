@@ -393,6 +393,8 @@ def _replace_chain(
         moved = ir.Node("", "Transpose", [split.outputs[0]], order, name=f"{label}/moved")
         new.append(moved)
         current = moved.outputs[0]
+        for value, dims in ((split.outputs[0], fine), (current, [fine[a] for a in perm])):
+            value.type, value.shape = y.type, ir.Shape(dims)
     target = const(out_dims, f"{label}/out_shape")
     joined = ir.Node("", "Reshape", [current, target], name=f"{label}/joined")
     new.append(joined)
