@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -496,18 +498,31 @@ def test_values_that_live_at_once_get_memory_apart_and_the_block_holds_the_most_
     assert total < sum(size for size, _, _ in many) / 2
 
 
-class _NegExp:
-    """A kernel that writes ``b = -exp(x)``, replacing an Exp and a Neg."""
+@dataclass(frozen=True)
+class _Elementwise:
+    """A test kernel that writes ``target = fn(source)`` in place of the nodes it replaces."""
 
-    inputs = ["x"]
-    outputs = ["b"]
+    source: str
+    target: str
+    fn: Callable[[np.ndarray], np.ndarray]
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.source]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.target]
 
     def compute(self, values, out, threads):
-        result = -np.exp(values["x"])
-        if "b" in out:
-            out["b"][...] = result
-        else:
-            out["b"] = result
+        x = values[self.source]
+        out.setdefault(self.target, np.empty_like(x))[...] = self.fn(x)
+
+
+NEG_EXP = _Elementwise("x", "b", lambda x: -np.exp(x))
+"""``b = -exp(x)``, replacing an Exp and a Neg."""
+DOUBLE = _Elementwise("y", "z", lambda y: y * 2)
+"""``z = 2 y``, replacing a Mul by a constant 2."""
 
 
 def test_nodes_of_a_kernel_that_others_still_read_stay_in_the_graph():
@@ -524,7 +539,7 @@ def test_nodes_of_a_kernel_that_others_still_read_stay_in_the_graph():
         "g", floats[:1], floats[1:],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    plan = segments.plan_segments(model, [(_NegExp(), {0, 1})])
+    plan = segments.plan_segments(model, [(NEG_EXP, {0, 1})])
     ops = [n.op_type for s in plan.segments for n in s.model.graph.node]
     assert sorted(ops) == ["Exp", "Sqrt"]
     device = Device("cpu")
@@ -537,16 +552,6 @@ def test_nodes_of_a_kernel_that_others_still_read_stay_in_the_graph():
     (c,) = ort.InferenceSession(model.SerializeToString()).run(["c"], {"x": x})
     np.testing.assert_array_equal(results["c"].numpy(), c)
     np.testing.assert_array_equal(results["b"], -np.exp(x))
-
-
-class _Double:
-    """A kernel that writes ``z = 2 y``, replacing a Mul by a constant 2."""
-
-    inputs = ["y"]
-    outputs = ["z"]
-
-    def compute(self, values, out, threads):
-        out.setdefault("z", np.empty_like(values["y"]))[...] = values["y"] * 2
 
 
 def _runs_as_the_graph(plan, model, feeds, outputs=("r",), runs=3):
@@ -581,7 +586,7 @@ def test_a_sigmoid_read_after_a_cut_is_computed_again_from_its_input_read_there_
         "g", floats[:1], floats[1:], [two],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    plan = segments.plan_segments(model, [(_Double(), {2})])
+    plan = segments.plan_segments(model, [(DOUBLE, {2})])
     first, second = plan.segments
     assert first.outputs == ["y"] and sorted(second.inputs) == ["x", "z"]
     assert [n.op_type for n in second.model.graph.node] == ["Sigmoid", "Mul", "Mul"]
@@ -614,7 +619,7 @@ def test_a_reshape_of_a_value_alive_after_the_cut_is_computed_again_there():
         "g", floats[:1], floats[1:], [two, shape],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    plan = segments.plan_segments(model, [(_Double(), {5})])
+    plan = segments.plan_segments(model, [(DOUBLE, {5})])
     first, second = plan.segments
     # its copy in the second segment reads x there: a view of x's memory before it
     assert first.outputs == ["g", "y"] and sorted(second.inputs) == ["g", "t", "x", "z"]
@@ -643,7 +648,7 @@ def test_an_identity_at_a_cut_reads_its_input_instead_of_copying_it():
         "g", floats[:1], floats[1:], [two],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    plan = segments.plan_segments(model, [(_Double(), {1})])
+    plan = segments.plan_segments(model, [(DOUBLE, {1})])
     ops = [n.op_type for s in plan.segments for n in s.model.graph.node]
     assert ops.count("Identity") == 1  # k's, a graph output
     assert all("i" not in s.outputs and "i" not in s.inputs for s in plan.segments)
@@ -672,14 +677,8 @@ def test_views_at_a_cut_are_taken_without_copies():
     model = onnx.shape_inference.infer_shapes(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     )
-
-    class Square:
-        inputs, outputs = ["y"], ["z"]
-
-        def compute(self, values, out, threads):
-            out.setdefault("z", np.empty_like(values["y"]))[...] = values["y"] * values["y"]
-
-    plan = segments.plan_segments(model, [(Square(), {2})])
+    square = _Elementwise("y", "z", lambda y: y * y)
+    plan = segments.plan_segments(model, [(square, {2})])
     first, second = plan.segments
     assert first.outputs == ["e"] and "Reshape" not in str(plan.segments)
     assert plan.kernels[0][0] == segments.ViewStep("e", "y", (24,))
@@ -719,14 +718,7 @@ def test_a_linear_of_rows_at_a_cut_writes_its_product_into_the_cut():
     model = onnx.shape_inference.infer_shapes(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     )
-
-    class Negate:
-        inputs, outputs = ["o"], ["z"]
-
-        def compute(self, values, out, threads):
-            out.setdefault("z", np.empty_like(values["o"]))[...] = -values["o"]
-
-    plan = segments.plan_segments(model, [(Negate(), {2})])
+    plan = segments.plan_segments(model, [(_Elementwise("o", "z", np.negative), {2})])
     first = plan.segments[0]
     assert first.outputs == ["o/rows_sum"]
     assert [n.op_type for n in first.model.graph.node if n.op_type != "Constant"] == [
