@@ -56,6 +56,11 @@ GEOMETRIES = [
     pytest.param((2, 8, 8, 128, 10, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-128-wide"),
     pytest.param((2, 20, 20, 32, 17, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-20-rows"),
     pytest.param((7, 8, 4, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-4-rows"),
+    # unfolds of at most PRODUCT_UNFOLD values a sample and channel: one product by Gemm
+    pytest.param((4, 8, 4, 4, 16, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="small-plane-3x3"),
+    pytest.param((3, 16, 7, 7, 8, (3, 3), (2, 2), (1, 1), (1, 1), 1), id="small-plane-stride-2"),
+    pytest.param((2, 4, 4, 4, 5, (3, 3), (1, 1), (2, 2), (2, 2), 1), id="small-plane-dilated"),
+    pytest.param((5, 32, 5, 3, 24, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="small-plane-1x1"),
 ]
 
 
@@ -92,6 +97,41 @@ def test_kernel_matches_torch(geometry, threads):
     conv_grads.compute([grad], {"x": x, "dy": dy}, {"w_grad": dw}, threads)
     expected = _torch_weight_grad(x, dy, shape, strides, pads, dilations, group)
     np.testing.assert_allclose(dw, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("geometry", [p for p in GEOMETRIES if p.values[0][-1] == 1])
+def test_product_form_matches_torch(geometry, threads):
+    """The product form computes every one-group geometry, not only the small planes that
+    compute() gives it."""
+    n, c, h, w, m, kernel, strides, pads, dilations, _ = geometry
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    y = nn.functional.conv2d(
+        torch.from_numpy(x), torch.zeros(m, c, *kernel), stride=strides, padding=pads,
+        dilation=dilations,
+    )  # fmt: skip
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    shape = (m, c, *kernel)
+    grad = conv_grads.WeightGrad("w_grad", "w", "x", "dy", strides, pads, pads, dilations, 1)
+    dw = np.full(shape, np.nan, np.float32)
+    conv_grads.product_weight_grad(x, dy, grad, dw, threads)
+    expected = _torch_weight_grad(x, dy, shape, strides, pads, dilations, 1)
+    np.testing.assert_allclose(dw, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    strided = np.full((*shape[:3], 2 * shape[3]), np.nan, np.float32)[..., ::2]
+    conv_grads.product_weight_grad(x, dy, grad, strided, threads)
+    np.testing.assert_array_equal(strided, dw)
+
+
+def test_small_planes_take_the_product_form():
+    def grad(group=1):
+        return conv_grads.WeightGrad("g", "w", "x", "dy", (1, 1), (1, 1), (1, 1), (1, 1), group)
+
+    assert conv_grads.by_product(grad(), (16, 512, 4, 4), (3, 3))  # 144 values
+    assert conv_grads.by_product(grad(), (16, 1024, 7, 7), (1, 1))  # 49
+    assert not conv_grads.by_product(grad(), (16, 256, 7, 7), (3, 3))  # 441
+    assert not conv_grads.by_product(grad(), (16, 64, 28, 28), (1, 1))  # 784
+    assert not conv_grads.by_product(grad(group=4), (16, 512, 4, 4), (3, 3))
 
 
 def test_kernel_computes_several_convolutions_in_one_call():

@@ -9,7 +9,11 @@ or more channels and filters, with a height and width divisible by 4, go by Wino
 F(4 x 4, 3 x 3) (36 products per 4 x 4 tile and filter pair instead of 144). That is the
 weight gradient only: the forward Convs and input gradients of
 :mod:`traingraph.runtime.cpu.kernels.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
-(its docstring says why that matters there).
+(its docstring says why that matters there). Where the unfold is small (a plane of a few
+positions late in a network, at most :data:`PRODUCT_UNFOLD` values a sample and channel), the
+gradient is instead one matrix product of the output gradient and the unfold, written by
+onnxruntime's GEMM (:func:`product_weight_grad`): the kernel's sums over each sample's small
+plane are short, and its threads have few samples to share.
 
 :func:`split_weight_grads` finds, in a training model, each gradient output that is the
 weight gradient of one 2-D float32 Conv: the nodes that feed only that output read nothing
@@ -61,6 +65,7 @@ from traingraph.runtime.cpu.graph_match import (
     shared_analyses,
     value_dims,
 )
+from traingraph.runtime.cpu.kernels.products import Product
 from traingraph.runtime.cpu.native import (
     AVAILABLE,
     NATIVE,
@@ -88,6 +93,7 @@ __all__ = [
     "default_threads",
     "find_routes",
     "native_params",
+    "product_weight_grad",
     "reads",
     "run_outputs",
     "split_weight_grads",
@@ -177,6 +183,13 @@ def compute(
             values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
+    native = [
+        g for g in grads
+        if not by_product(g, values[g.dy].shape, targets[g.output].shape[2:])
+    ]  # fmt: skip
+    for g in grads:
+        if g not in native:
+            product_weight_grad(values[g.x], values[g.dy], g, targets[g.output], threads)
     NATIVE.weight_grads(
         [
             (
@@ -188,13 +201,60 @@ def compute(
                 g.dilations,
                 g.group,
             )
-            for g in grads
+            for g in native
         ],
         threads,
     )
     for g in grads:
         if not np.isfinite(targets[g.output]).all():
             unfolded_weight_grad(values[g.x], values[g.dy], g, targets[g.output])
+
+
+PRODUCT_UNFOLD = 196
+"""The most values per sample and input channel (``OH * OW * KH * KW``) in the unfold of a Conv
+whose weight gradient is one matrix product (:func:`product_weight_grad`) rather than the
+native kernel's sums."""
+
+
+def by_product(grad: WeightGrad, dy: tuple[int, ...], kernel: tuple[int, ...]) -> bool:
+    """Whether :func:`compute` writes ``grad`` by :func:`product_weight_grad`: one group, and
+    an unfold of at most :data:`PRODUCT_UNFOLD` values per sample and channel (``dy`` is the
+    output gradient's shape, ``kernel`` the filters' height and width). The native kernel sums
+    each sample's output plane in turn, and its threads share the samples: over a small plane
+    its sums are short and its threads' shares few, while the product sums every sample's
+    positions in one run, after writing the unfold."""
+    return grad.group == 1 and len(dy) == 4 and dy[2] * dy[3] * math.prod(kernel) <= PRODUCT_UNFOLD
+
+
+def product_weight_grad(
+    x: np.ndarray, dy: np.ndarray, grad: WeightGrad, out: np.ndarray, threads: int
+) -> None:
+    """Write the weight gradient of the one-group ``grad`` into ``out`` ``[M, C, KH, KW]`` as
+    one product by onnxruntime's GEMM: ``dy`` as ``[M, N * OH * OW]`` times the transposed
+    unfold of the zero-padded input, ``[C * KH * KW, N * OH * OW]``, whose row ``(c, i, j)``
+    holds the input values that filter tap ``(i, j)`` of channel ``c`` meets at every sample
+    and output position. Each weight's gradient is the sum over the same products as the
+    native kernel's, in another order."""
+    n, c, h, w = x.shape
+    m, oh, ow = dy.shape[1:]
+    kh, kw = out.shape[2:]
+    (sh, sw), (dh, dw), (top, left) = grad.strides, grad.dilations, grad.pads
+    bottom = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - h - top)
+    right = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - w - left)
+    padded = x
+    if top or left or bottom or right:
+        padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    bn, bc, bh, bw = padded.strides
+    taps = np.lib.stride_tricks.as_strided(
+        padded, (c, kh, kw, n, oh, ow), (bc, bh * dh, bw * dw, bn, bh * sh, bw * sw),
+        writeable=False,
+    )  # fmt: skip
+    columns = np.ascontiguousarray(taps, np.float32).reshape(c * kh * kw, n * oh * ow)
+    rows = np.ascontiguousarray(dy.reshape(n, m, oh * ow).transpose(1, 0, 2), np.float32)
+    target = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    Product("Gemm", threads, transB=1)(rows.reshape(m, -1), columns, target.reshape(m, -1))
+    if target is not out:
+        out[...] = target
 
 
 def unfolded_weight_grad(x: np.ndarray, dy: np.ndarray, grad: WeightGrad, out: np.ndarray) -> None:

@@ -21,16 +21,14 @@ Tanh's rounding differences would grow over the steps.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-from onnx import helper
 
 from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.kernels.products import Product
 from traingraph.runtime.cpu.native import NATIVE, Arrays, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
@@ -83,9 +81,13 @@ class LstmForward:
         r = np.ascontiguousarray(values[self.r], np.float32)
         h = np.ascontiguousarray(values[self.steps[0].h_prev], np.float32)
         c = np.ascontiguousarray(values[self.steps[0].c_prev], np.float32)
-        if r.ndim != 3 or h.ndim != 3 or r.shape[1] != 4 * r.shape[2] or h.shape[:2] != (
-            r.shape[0], r.shape[2]
-        ) or c.shape != h.shape:
+        if (
+            r.ndim != 3
+            or h.ndim != 3
+            or r.shape[1] != 4 * r.shape[2]
+            or h.shape[:2] != (r.shape[0], r.shape[2])
+            or c.shape != h.shape
+        ):
             raise ValueError(
                 f"LSTM steps of {self.r!r}: R {list(r.shape)}, h {list(h.shape)}, c"
                 f" {list(c.shape)}; expected R [D, 4H, H] and states [D, H, N]"
@@ -97,7 +99,7 @@ class LstmForward:
         states = {"h": [np.empty(state, np.float32) for _ in range(2)],
                   "c": [np.empty(state, np.float32) for _ in range(2)]}  # fmt: skip
         mm = np.empty(gates, np.float32)
-        matmul = _MatMul(threads)
+        matmul = Product("MatMul", threads)
         for k, step in enumerate(self.steps):
             piece = np.ascontiguousarray(values[step.piece], np.float32)
             if piece.shape != gates:
@@ -119,41 +121,6 @@ class LstmForward:
                 state[1] * state[2], threads,
             )  # fmt: skip
             h, c = h_next, c_next
-
-
-class _MatMul:
-    """``out = a @ b`` by a one-``MatMul`` onnxruntime session on ``threads`` threads."""
-
-    def __init__(self, threads: int) -> None:
-        self._session = _matmul_session(threads)
-        self._binding = self._session.io_binding()
-
-    def __call__(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        for name, array in (("a", a), ("b", b)):
-            self._binding.bind_input(
-                name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data
-            )
-        self._binding.bind_output("y", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-        self._session.run_with_iobinding(self._binding)
-
-
-@functools.cache
-def _matmul_session(threads: int) -> ort.InferenceSession:
-    dims = [["d", "m", "k"], ["d", "k", "n"], ["d", "m", "n"]]
-    a, b, y = (
-        helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)
-        for name, shape in zip("aby", dims)
-    )
-    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["y"])], "mm", [a, b], [y])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
 
 
 def split_lstm_forwards(
@@ -237,8 +204,14 @@ def _step(
     """The step whose recurrence ``MatMul`` is node ``i``: ``(R, the step, its nodes)``."""
     r, h_prev = g.nodes[i].input
 
-    def reader(value: str, op_type: str, inputs: list[str] | None = None, *,
-               any_order: bool = False, outputs: int = 1) -> tuple[int, onnx.NodeProto] | None:
+    def reader(
+        value: str,
+        op_type: str,
+        inputs: list[str] | None = None,
+        *,
+        any_order: bool = False,
+        outputs: int = 1,
+    ) -> tuple[int, onnx.NodeProto] | None:
         for j in sorted(g.consumers.get(value, ())):
             node = g.nodes[j]
             if j in taken or node.op_type != op_type or node.domain not in _DEFAULT:
