@@ -85,7 +85,7 @@ def test_conv_transpose_becomes_columns_and_col2im(
     assert rewritten is not None
     ops = [n.op_type for n in rewritten.graph.node]
     tail = ["Reshape", "Add"] if bias else []
-    assert ops == ["Reshape", "Reshape", "Transpose", "MatMul", "Col2Im", *tail]
+    assert ops == ["Reshape", "Reshape", "Transpose", "Reshape", "MatMul", "Col2Im", *tail]
     col2im = next(n for n in rewritten.graph.node if n.op_type == "Col2Im")
     spatial = len(x_shape) - 2
     got = {a.name: list(a.ints) for a in col2im.attribute}

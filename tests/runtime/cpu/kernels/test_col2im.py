@@ -115,7 +115,7 @@ def test_a_strided_block_is_finished_with_its_sum(tmp_path):
     assert all(producers[t.columns].op_type == "MatMul" for t in kernel.terms)
     # the columns are written after the model's nodes, which keep their places
     assert written.graph.node[: len(model.graph.node)] == model.graph.node[:]
-    assert len(written.graph.node) == len(model.graph.node) + 4 * len(kernel.terms)
+    assert len(written.graph.node) == len(model.graph.node) + 5 * len(kernel.terms)
 
     # with the BatchNorm kernels, the stem's takes the Relu mask (it reads it anyway)
     planned, kernels = segments.find_kernels(model, [])
