@@ -893,10 +893,10 @@ static inline float relu_gate1(float dy, float y)
 }
 
 /* onnxruntime's Relu, max(v, 0) with NaN kept. */
-static inline v16 relu_max(v16 v)
+static inline __attribute__((always_inline)) v16 relu_max(v16 v)
 {
     const v16 zero = {0};
-    return (v16)((v16i)v & ((v > zero) | (v != v)));
+    return (v16)((v16i)v & ~(v <= zero)); /* NaN: not <= 0, kept */
 }
 
 static inline float relu_max1(float v)
