@@ -65,13 +65,13 @@ def columns(b: OpBuilder, pieces: dict[int, ir.Value], steps: int) -> ir.Value:
     return b.Concat(*(pieces[t] for t in range(steps)), axis=-1) if steps > 1 else pieces[0]
 
 
-def transposed(b: OpBuilder, r: ir.Value, hidden: int) -> ir.Value:
-    """``R^T`` (``[D, H, G*H]`` from ``[D, G*H, H]``) as a tensor of its own for the steps'
-    ``MatMul``. It is transposed as ``[D, G*H, H, 1] -> [D, H, 1, G*H]``, which onnxruntime
-    does not fold into each step's ``MatMul`` as a transposed operand (one it multiplies
-    about half again as slowly as a plain one)."""
+def transposed(b: OpBuilder, r: ir.Value) -> ir.Value:
+    """``R^T`` (``[D, X, G*H]`` from ``[D, G*H, X]``: the recurrence weights, or the input
+    weights) as a tensor of its own for a ``MatMul``. It is transposed as ``[D, G*H, X, 1] ->
+    [D, X, 1, G*H]``, which onnxruntime does not fold into the ``MatMul`` as a transposed
+    operand (one it multiplies about half again as slowly as a plain one)."""
     moved = b.Transpose(b.unsqueeze(r, [3]), perm=[0, 2, 3, 1])
-    return b.Reshape(moved, b.ints([0, hidden, -1]))
+    return b.Reshape(moved, b.ints([0, 0, -1]))
 
 
 @dataclass
@@ -286,7 +286,7 @@ def rnn_backward(
     order), W, R, B and initial_h (``[D, H, N]``). Three nodes a step: ``dh_t = dY_t + R^T
     dA_{t+1}`` and ``dA_t = dh_t (1 - h_t^2)``, ``A_t`` the step's ``tanh`` input."""
     assert isinstance(fwd, RnnSteps)
-    r_t = transposed(b, d.r, spec.hidden)
+    r_t = transposed(b, d.r)
     da: dict[int, ir.Value] = {}
     after: int | None = None
     for t in reversed(fwd.order):
@@ -314,7 +314,7 @@ def node_gradients(
     ``initial_h``, and those of ``more`` (LSTM's initial_c)."""
     dw, db = weight_gradients(b, d, rows, need)
     makers: dict[int, Callable[[], ir.Value | None]] = {
-        0: lambda: b.MatMul(b.Transpose(d.w, perm=[0, 2, 1]), rows),
+        0: lambda: b.MatMul(transposed(b, d.w), rows),
         1: lambda: dw,
         2: lambda: b.MatMul(rows, b.Transpose(fwd.previous(b, spec.steps), perm=[0, 2, 1])),
         3: lambda: None if db is None else b.Concat(db, db, axis=1),
@@ -337,7 +337,7 @@ def lstm_backward(
     order), W, R, B, initial_h and initial_c (``[D, H, N]``). Seven nodes a step: ``dh_t =
     dY_t + R^T dG_{t+1}``, ``dc_t``, then ``dG_t``."""
     assert isinstance(fwd, LstmSteps)
-    r_t = transposed(b, d.r, spec.hidden)
+    r_t = transposed(b, d.r)
     dgates: dict[int, ir.Value] = {}
     dc: ir.Value | None = None
     after: int | None = None
@@ -397,7 +397,7 @@ def gru_backward(
     dh_t: dict[int, ir.Value] = {}
     dgates: dict[int, ir.Value] = {}  # the rows R (R_zr without linear_before_reset) takes
     if spec.linear_before_reset:
-        r_t = transposed(b, d.r, hidden)
+        r_t = transposed(b, d.r)
         # dgates_t = [dz_t, dr_t, dn_t r_t] = [dh_t, dh_t, dh_t] * slopes
         slopes = b.Concat(to_z, b.Mul(to_n, b.Mul(inner, r_slope)), b.Mul(to_n, r), axis=1)
         slope_t = split(b, slopes, steps, axis=2)
@@ -427,7 +427,7 @@ def gru_backward(
             return b.Add(b.MatMul(r_t, dgates[first]), b.Mul(dh_t[first], z_t[first]))
 
     else:
-        r_zr_t, r_h_t = transposed(b, r_zr, hidden), transposed(b, r_h, hidden)
+        r_zr_t, r_h_t = transposed(b, r_zr), transposed(b, r_h)
         to_n_t, to_z_t = split(b, to_n, steps, axis=2), split(b, to_z, steps, axis=2)
         to_r_t = split(b, b.Mul(h_prev, r_slope), steps, axis=2)
         reset_t = fwd.r
