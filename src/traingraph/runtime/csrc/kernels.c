@@ -895,8 +895,14 @@ static inline float relu_gate1(float dy, float y)
 /* onnxruntime's Relu, max(v, 0) with NaN kept. */
 static inline __attribute__((always_inline)) v16 relu_max(v16 v)
 {
-    const v16 zero = {0};
-    return (v16)((v16i)v & ~(v <= zero)); /* NaN: not <= 0, kept */
+    /* From the bits b with integer operations, not float comparisons: GCC compiles a
+     * comparison of 64-byte vectors lane by lane (a scalar compare and a branch each) where
+     * AVX-512 is missing (the x86-64-v3 clone of a TARGETS function), while these take two
+     * AVX2 instructions there and one with AVX-512. b >> 31 is -1 where the sign is set, and
+     * (0x7f800000 - |b|) >> 31 where the float is a NaN (neither overflows): -0 gives +0, and a
+     * NaN of either sign stays. */
+    const v16i b = (v16i)v;
+    return (v16)(b & (~(b >> 31) | ((0x7f800000 - (b & 0x7fffffff)) >> 31)));
 }
 
 static inline float relu_max1(float v)

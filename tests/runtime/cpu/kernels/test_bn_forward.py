@@ -39,9 +39,7 @@ def test_kernel_matches_torch(shape, threads, relu, addend):
     other = rng.standard_normal(shape).astype(np.float32) if addend else None
     y = np.full(shape, np.nan, np.float32)
     mean, var = np.full(channels, np.nan, np.float32), np.full(channels, np.nan, np.float32)
-    NATIVE.batch_norm_forward(
-        x, scale, bias, other, y, mean, var, 1e-5, relu, threads
-    )
+    NATIVE.batch_norm_forward(x, scale, bias, other, y, mean, var, 1e-5, relu, threads)
     xt = torch.from_numpy(x).double()
     axes = [0, *range(2, x.ndim)]
     want = torch.nn.functional.batch_norm(
@@ -54,6 +52,28 @@ def test_kernel_matches_torch(shape, threads, relu, addend):
     np.testing.assert_allclose(y, want.numpy(), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(mean, xt.mean(axes).numpy(), rtol=1e-6)
     np.testing.assert_allclose(var, xt.var(axes, unbiased=False).numpy(), rtol=1e-4)
+
+
+def test_relu_keeps_the_bits_onnxruntime_keeps():
+    """The Relu after the BatchNorm on every kind of float: onnxruntime's max(v, 0) with NaN
+    kept, bit for bit (a NaN of either sign and its payload stay; -0 and negative values give
+    +0). A constant channel normalizes to 0, so the output is relu(0 + addend)."""
+    special = np.array(
+        [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, 1.5, -2.5],
+        np.float32,
+    )
+    payload = np.array([0x7FC01234, 0xFFC04321, 0x7F800001, 0xFF800001], np.uint32).view(np.float32)
+    rng = np.random.default_rng(5)
+    values = np.concatenate([special, payload, rng.standard_normal(48).astype(np.float32)])
+    addend = np.resize(values, (2, 3, 4, 8))  # 32 lanes a plane: the vector loop and its lanes
+    x = np.zeros(addend.shape, np.float32)
+    y = np.empty(addend.shape, np.float32)
+    mean, var = np.empty(3, np.float32), np.empty(3, np.float32)
+    scale, bias = np.ones(3, np.float32), np.zeros(3, np.float32)
+    NATIVE.batch_norm_forward(x, scale, bias, addend, y, mean, var, 1e-5, True, 1)
+    v = np.float32(0.0) + addend
+    want = np.where((v > 0) | np.isnan(v), v, np.float32(0.0))
+    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
 
 
 def test_kernel_refuses_arrays_it_cannot_take():
@@ -83,9 +103,11 @@ def test_every_batch_norm_of_a_residual_net_is_taken(tmp_path):
     assert ops["bn.weight"] == sorted([*lowered, "Relu"])
     assert ops["bn1.weight"] == sorted([*lowered, "Relu"])
     # the block's output Add: one of its two BatchNorms adds the other's output, then the Relu
-    stem, block, shortcut = by_scale["bn.weight"][0], by_scale["bn2.weight"][0], by_scale[
-        "down.1.weight"
-    ][0]
+    stem, block, shortcut = (
+        by_scale["bn.weight"][0],
+        by_scale["bn2.weight"][0],
+        by_scale["down.1.weight"][0],
+    )
     fused = [k for k in (block, shortcut) if k.addend is not None]
     plain = [k for k in (block, shortcut) if k.addend is None]
     assert len(fused) == 1 and len(plain) == 1
