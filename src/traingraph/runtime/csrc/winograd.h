@@ -74,13 +74,13 @@ static inline const float *wino_filter(const float *g, Py_ssize_t kk, Py_ssize_t
     return turned;
 }
 
-/* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3] (see wino_filter
- * for `flipped`); `row` holds 16 k floats: one channel's 16 rows of U, written together (U's
+/* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3] and the channels
+ * c0 <= c < c1 (see wino_filter for `flipped`); `row` holds 16 k floats: one channel's 16 rows of U, written together (U's
  * planes lie a multiple of 4 KiB apart, where stores scattered over them stall). */
 TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_t k, Py_ssize_t c,
-                                 int flipped)
+                                 int flipped, Py_ssize_t c0, Py_ssize_t c1)
 {
-    for (Py_ssize_t cc = 0; cc < c; cc++) {
+    for (Py_ssize_t cc = c0; cc < c1; cc++) {
         for (Py_ssize_t kk = 0; kk < k; kk++) {
             float turned[9];
             const float *t = wino_filter(g, kk, cc, k, c, flipped, turned);
@@ -417,11 +417,12 @@ static inline void wino4_taps(const float *t, Py_ssize_t stride, float out[6])
     out[5] = c;
 }
 
-/* U[f][c][k] = (G g[k, c] G^T)[f / 6][f % 6]; `row` holds 36 k floats (as in wino_filters). */
+/* U[f][c][k] = (G g[k, c] G^T)[f / 6][f % 6] for c0 <= c < c1; `row` holds 36 k floats (as in
+ * wino_filters). */
 TARGETS static void wino4_filters(const float *g, float *u, float *row, Py_ssize_t k,
-                                  Py_ssize_t c, int flipped)
+                                  Py_ssize_t c, int flipped, Py_ssize_t c0, Py_ssize_t c1)
 {
-    for (Py_ssize_t cc = 0; cc < c; cc++) {
+    for (Py_ssize_t cc = c0; cc < c1; cc++) {
         for (Py_ssize_t kk = 0; kk < k; kk++) {
             float turned[9];
             const float *t = wino_filter(g, kk, cc, k, c, flipped, turned);
@@ -642,6 +643,28 @@ TARGETS static void wino4_out(const struct wino *p, const float *restrict m, flo
     }
 }
 
+/* The filters' transform, the threads sharing the channels (each with its own rows). */
+struct wino_transform {
+    const float *g;
+    float *u, *rows; /* rows: 36 k floats a thread */
+    Py_ssize_t k, c;
+    int flipped, tile;
+};
+
+static int wino_transform_share(const void *arg, int t, int threads)
+{
+    const struct wino_transform *f = arg;
+    const Py_ssize_t c0 = f->c * t / threads, c1 = f->c * (t + 1) / threads;
+    float *row = f->rows + (size_t)t * 36 * (size_t)f->k;
+    if (f->tile == 4) {
+        wino4_filters(f->g, f->u, row, f->k, f->c, f->flipped, c0, c1);
+    }
+    else {
+        wino_filters(f->g, f->u, row, f->k, f->c, f->flipped, c0, c1);
+    }
+    return 0;
+}
+
 static int wino_share(const void *arg, int t, int threads)
 {
     const struct wino *p = arg;
@@ -762,16 +785,16 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
         goto done;
     }
     const int freqs = (tile + 2) * (tile + 2);
-    u = malloc(sizeof(float) * (size_t)(freqs * c * k + freqs * k));
+    /* a few thousand filters make enough work to wake a worker for */
+    const int transform_threads = c * k < 4096 ? 1 : pool_threads(threads);
+    u = malloc(sizeof(float) * (size_t)(freqs * c * k + 36 * k * transform_threads));
     if (u == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    if (tile == 4) {
-        wino4_filters(bufs[1], u, u + freqs * c * k, k, c, flipped);
-    }
-    else {
-        wino_filters(bufs[1], u, u + freqs * c * k, k, c, flipped);
+    const struct wino_transform transform = {bufs[1], u, u + freqs * c * k, k, c, flipped, tile};
+    if (run_pool(wino_transform_share, &transform, transform_threads) < 0) {
+        goto done;
     }
     const Py_ssize_t th = h / tile, tw = w / tile, units = n * th;
     /* the block's V and M within WINO_BLOCK_BYTES, with enough blocks for the threads */
