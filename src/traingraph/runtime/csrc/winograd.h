@@ -75,8 +75,9 @@ static inline const float *wino_filter(const float *g, Py_ssize_t kk, Py_ssize_t
 }
 
 /* U[f][c][k] = (G g[k, c] G^T)[f / 4][f % 4] for the filters g [K, C, 3, 3] and the channels
- * c0 <= c < c1 (see wino_filter for `flipped`); `row` holds 16 k floats: one channel's 16 rows of U, written together (U's
- * planes lie a multiple of 4 KiB apart, where stores scattered over them stall). */
+ * c0 <= c < c1 (see wino_filter for `flipped`); `row` holds 16 k floats: one channel's 16 rows
+ * of U, written together (U's planes lie a multiple of 4 KiB apart, where stores scattered over
+ * them stall). */
 TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_t k, Py_ssize_t c,
                                  int flipped, Py_ssize_t c0, Py_ssize_t c1)
 {

@@ -183,13 +183,12 @@ def compute(
             values[g.dy] = dy
     for g in grads:
         _check_geometry(g, values[g.x].shape, values[g.dy].shape)
-    native = [
-        g for g in grads
-        if not by_product(g, values[g.dy].shape, targets[g.output].shape[2:])
-    ]  # fmt: skip
+    native = []
     for g in grads:
-        if g not in native:
+        if by_product(g, values[g.dy].shape, targets[g.output].shape[2:]):
             product_weight_grad(values[g.x], values[g.dy], g, targets[g.output], threads)
+        else:
+            native.append(g)
     NATIVE.weight_grads(
         [
             (

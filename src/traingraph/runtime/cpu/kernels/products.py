@@ -15,6 +15,9 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from traingraph.runtime.device import Device
+from traingraph.runtime.session import SessionConfig, create_session
+
 
 class Product:
     """``out = op(a, b)`` by a one-node onnxruntime session (``op_type`` ``MatMul`` or
@@ -49,13 +52,9 @@ def _session(
     graph = helper.make_graph([node], "product", [a, b], [y])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+    # the workers sleep between products: the kernel's own threads run around them
+    config = SessionConfig(intra_op_threads=threads, allow_spinning=False, specialize=False)
+    return create_session(model, Device("cpu"), config)
 
 
 __all__ = ["Product"]
