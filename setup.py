@@ -40,6 +40,7 @@ setup(
                 "src/traingraph/runtime/csrc/activation_grads.h",
                 "src/traingraph/runtime/csrc/depthwise.h",
                 "src/traingraph/runtime/csrc/lstm_cell.h",
+                "src/traingraph/runtime/csrc/unfold.h",
             ],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],

@@ -21,8 +21,9 @@
  *
  * The same pool runs the other kernels here (for traingraph.runtime.cpu.segments): a max-pool
  * gradient's routing, the gradient of a training-mode batch normalization, the keep masks
- * of lowered Dropouts, and the columns of strided convolutions' input gradients added into
- * their images.
+ * of lowered Dropouts, the columns of strided convolutions' input gradients added into
+ * their images, and the unfolds whose products with output gradients are small planes' weight
+ * gradients.
  *
  * Plain CPython C API and the buffer protocol; the computation runs without the GIL.
  */
@@ -1899,6 +1900,7 @@ done:
 #include "activation_grads.h"
 #include "lstm_cell.h"
 #include "depthwise.h"
+#include "unfold.h"
 
 /* ------------------------------------------------ row scatter-add (an embedding's gradient) */
 
@@ -2065,6 +2067,7 @@ static PyMethodDef methods[] = {
     {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,
      depthwise_conv_transpose_doc},
     {"scatter_add_rows", scatter_add_rows, METH_VARARGS, scatter_add_rows_doc},
+    {"unfold", unfold, METH_VARARGS, unfold_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2075,6 +2078,6 @@ PyMODINIT_FUNC PyInit__convc(void)
                        " convolutions' weight gradients, max-pool gradient routing, batch-norm"
                        " gradients, Dropout masks, column sums, Winograd convolutions, GELU and"
                        " layer-norm gradients, axis permutations, Clip, HardSwish and SiLU gradients, depthwise"
-                       " transposed convolutions.",
+                       " transposed convolutions, convolution unfolds.",
                        methods);
 }

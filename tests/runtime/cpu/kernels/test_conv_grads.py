@@ -124,14 +124,59 @@ def test_product_form_matches_torch(geometry, threads):
 
 
 def test_small_planes_take_the_product_form():
-    def grad(group=1):
-        return conv_grads.WeightGrad("g", "w", "x", "dy", (1, 1), (1, 1), (1, 1), (1, 1), group)
+    def grad(group=1, strides=(1, 1)):
+        return conv_grads.WeightGrad("g", "w", "x", "dy", strides, (1, 1), (1, 1), (1, 1), group)
 
     assert conv_grads.by_product(grad(), (16, 512, 4, 4), (3, 3))  # 144 values
     assert conv_grads.by_product(grad(), (16, 1024, 7, 7), (1, 1))  # 49
-    assert not conv_grads.by_product(grad(), (16, 256, 7, 7), (3, 3))  # 441
+    assert conv_grads.by_product(grad(), (16, 256, 7, 7), (3, 3))  # 441
+    assert not conv_grads.by_product(grad(), (16, 128, 8, 8), (3, 3))  # 576
     assert not conv_grads.by_product(grad(), (16, 64, 28, 28), (1, 1))  # 784
+    assert conv_grads.by_product(grad(strides=(2, 2)), (16, 256, 14, 14), (3, 3))  # 1764
+    assert not conv_grads.by_product(grad(strides=(2, 2)), (16, 128, 16, 16), (3, 3))  # 2304
     assert not conv_grads.by_product(grad(group=4), (16, 512, 4, 4), (3, 3))
+
+
+def _unfold_reference(x, kernel, grid, strides, pads, dilations):
+    """The unfold position by position: row (c, i, j), column (n, oh, ow)."""
+    n, c, h, w = x.shape
+    cols = np.zeros((c, *kernel, n, *grid), np.float32)
+    for i, j, a, b in np.ndindex(*kernel, *grid):
+        ih = a * strides[0] - pads[0] + i * dilations[0]
+        iw = b * strides[1] - pads[1] + j * dilations[1]
+        if 0 <= ih < h and 0 <= iw < w:
+            cols[:, i, j, :, a, b] = x[:, :, ih, iw].T
+    return cols.reshape(c * kernel[0] * kernel[1], n * grid[0] * grid[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("geometry", [p for p in GEOMETRIES if p.values[0][-1] == 1])
+def test_unfold_copies_every_value_bit_for_bit(geometry, threads):
+    n, c, h, w, _, kernel, strides, pads, dilations, _ = geometry
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, -0.0, 1e-45], np.float32)
+    x.reshape(-1)[rng.choice(x.size, min(x.size, 12), replace=False)] = np.resize(specials, 12)[
+        : min(x.size, 12)
+    ]
+    grid = tuple(
+        (size + 2 * p - d * (k - 1) - 1) // s + 1
+        for size, k, s, p, d in zip((h, w), kernel, strides, pads, dilations)
+    )
+    cols = np.full((c * kernel[0] * kernel[1], n * grid[0] * grid[1]), 7.0, np.float32)
+    conv_grads.NATIVE.unfold(x, cols, kernel, grid, strides, pads, dilations, threads)
+    expected = _unfold_reference(x, kernel, grid, strides, pads, dilations)
+    assert cols.view(np.uint32).tobytes() == expected.view(np.uint32).tobytes()
+
+
+def test_unfold_refuses_columns_of_another_shape():
+    x = np.zeros((2, 3, 5, 5), np.float32)
+    with pytest.raises(ValueError, match=r"cols must be \[C \* KH \* KW, N \* OH \* OW\]"):
+        conv_grads.NATIVE.unfold(x, np.zeros((27, 49), np.float32), (3, 3), (5, 5), (1, 1),
+                                 (1, 1), (1, 1), 1)  # fmt: skip
+    with pytest.raises(ValueError, match="is not C-contiguous"):
+        cols = np.zeros((27, 100), np.float32)[:, ::2]
+        conv_grads.NATIVE.unfold(x, cols, (3, 3), (5, 5), (1, 1), (1, 1), (1, 1), 1)
 
 
 def test_kernel_computes_several_convolutions_in_one_call():
@@ -168,7 +213,8 @@ def test_kernel_refuses_arrays_it_cannot_take():
     with pytest.raises(ValueError, match="dw is not float32"):
         run(dw=np.zeros((4, 3, 3, 3)))
     with pytest.raises(ValueError, match="x is not C-contiguous"):
-        run(x=np.zeros((2, 3, 6, 12), np.float32)[..., ::2])
+        big = np.zeros((2, 3, 24, 48), np.float32)[..., ::2]  # the native sums' plane
+        run(x=big, dy=np.zeros((2, 4, 24, 24), np.float32))
     read_only = np.zeros((4, 3, 3, 3), np.float32)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="dw is read-only"):

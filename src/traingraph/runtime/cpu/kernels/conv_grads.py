@@ -10,7 +10,8 @@ F(4 x 4, 3 x 3) (36 products per 4 x 4 tile and filter pair instead of 144). Tha
 weight gradient only: the forward Convs and input gradients of
 :mod:`traingraph.runtime.cpu.kernels.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
 (its docstring says why that matters there). Where the unfold is small (a plane of a few
-positions late in a network, at most :data:`PRODUCT_UNFOLD` values a sample and channel), the
+positions late in a network, at most :data:`PRODUCT_UNFOLD` values a sample and channel, more
+for strided Convs), the
 gradient is instead one matrix product of the output gradient and the unfold, written by
 onnxruntime's GEMM (:func:`product_weight_grad`): the kernel's sums over each sample's small
 plane are short, and its threads have few samples to share.
@@ -209,20 +210,28 @@ def compute(
             unfolded_weight_grad(values[g.x], values[g.dy], g, targets[g.output])
 
 
-PRODUCT_UNFOLD = 196
+PRODUCT_UNFOLD = 441
 """The most values per sample and input channel (``OH * OW * KH * KW``) in the unfold of a Conv
-whose weight gradient is one matrix product (:func:`product_weight_grad`) rather than the
-native kernel's sums."""
+of stride 1 whose weight gradient is one matrix product (:func:`product_weight_grad`) rather
+than the native kernel's sums (a 3 x 3 Conv over a 7 x 7 plane, a 1 x 1 Conv over 21 x 21)."""
+
+STRIDED_PRODUCT_UNFOLD = 1764
+"""The same bound for a strided Conv, whose native sums first split the input into its stride
+phases (a 3 x 3 Conv of stride 2 onto a 14 x 14 plane)."""
 
 
 def by_product(grad: WeightGrad, dy: tuple[int, ...], kernel: tuple[int, ...]) -> bool:
     """Whether :func:`compute` writes ``grad`` by :func:`product_weight_grad`: one group, and
-    an unfold of at most :data:`PRODUCT_UNFOLD` values per sample and channel (``dy`` is the
-    output gradient's shape, ``kernel`` the filters' height and width). The native kernel sums
-    each sample's output plane in turn, and its threads share the samples: over a small plane
-    its sums are short and its threads' shares few, while the product sums every sample's
-    positions in one run, after writing the unfold."""
-    return grad.group == 1 and len(dy) == 4 and dy[2] * dy[3] * math.prod(kernel) <= PRODUCT_UNFOLD
+    an unfold of at most :data:`PRODUCT_UNFOLD` values per sample and channel
+    (:data:`STRIDED_PRODUCT_UNFOLD` for a strided Conv; ``dy`` is the output gradient's shape,
+    ``kernel`` the filters' height and width). The native kernel sums each sample's output
+    plane in turn, and its threads share the samples: over a small plane its sums are short and
+    its threads' shares few, while the product sums every sample's positions in one run, after
+    writing the unfold (``_convc.unfold``, the threads sharing its rows)."""
+    if grad.group != 1 or len(dy) != 4:
+        return False
+    bound = PRODUCT_UNFOLD if grad.strides == (1, 1) else STRIDED_PRODUCT_UNFOLD
+    return dy[2] * dy[3] * math.prod(kernel) <= bound
 
 
 def product_weight_grad(
@@ -234,22 +243,26 @@ def product_weight_grad(
     holds the input values that filter tap ``(i, j)`` of channel ``c`` meets at every sample
     and output position. Each weight's gradient is the sum over the same products as the
     native kernel's, in another order."""
-    n, c, h, w = x.shape
+    for name, array in (("x", x), ("dy", dy), ("dw", out)):
+        if array.dtype != np.float32:
+            raise ValueError(f"weight gradient {grad.param!r}: {name} is not float32")
+    if not out.flags.writeable:
+        raise ValueError(f"weight gradient {grad.param!r}: dw is read-only")
+    n, c = x.shape[:2]
     m, oh, ow = dy.shape[1:]
+    if out.ndim != 4 or out.shape[:2] != (m, c):
+        raise ValueError(
+            f"weight gradient {grad.param!r}: x {list(x.shape)}, dy {list(dy.shape)} and dw"
+            f" {list(out.shape)} do not form a convolution; dw must be [{m}, {c}, KH, KW]"
+        )
     kh, kw = out.shape[2:]
-    (sh, sw), (dh, dw), (top, left) = grad.strides, grad.dilations, grad.pads
-    bottom = max(0, (oh - 1) * sh + (kh - 1) * dh + 1 - h - top)
-    right = max(0, (ow - 1) * sw + (kw - 1) * dw + 1 - w - left)
-    padded = x
-    if top or left or bottom or right:
-        padded = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
-    bn, bc, bh, bw = padded.strides
-    taps = np.lib.stride_tricks.as_strided(
-        padded, (c, kh, kw, n, oh, ow), (bc, bh * dh, bw * dw, bn, bh * sh, bw * sw),
-        writeable=False,
+    columns = np.empty((c * kh * kw, n * oh * ow), np.float32)
+    assert NATIVE is not None
+    NATIVE.unfold(
+        np.ascontiguousarray(x), columns, (kh, kw), (oh, ow),
+        grad.strides, grad.pads, grad.dilations, threads,
     )  # fmt: skip
-    columns = np.ascontiguousarray(taps, np.float32).reshape(c * kh * kw, n * oh * ow)
-    rows = np.ascontiguousarray(dy.reshape(n, m, oh * ow).transpose(1, 0, 2), np.float32)
+    rows = np.ascontiguousarray(dy.reshape(n, m, oh * ow).transpose(1, 0, 2))
     target = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     Product("Gemm", threads, transB=1)(rows.reshape(m, -1), columns, target.reshape(m, -1))
     if target is not out:
