@@ -129,11 +129,13 @@ def test_small_planes_take_the_product_form():
 
     assert conv_grads.by_product(grad(), (16, 512, 4, 4), (3, 3))  # 144 values
     assert conv_grads.by_product(grad(), (16, 1024, 7, 7), (1, 1))  # 49
-    assert conv_grads.by_product(grad(), (16, 256, 7, 7), (3, 3))  # 441
-    assert not conv_grads.by_product(grad(), (16, 128, 8, 8), (3, 3))  # 576
-    assert not conv_grads.by_product(grad(), (16, 64, 28, 28), (1, 1))  # 784
-    assert conv_grads.by_product(grad(strides=(2, 2)), (16, 256, 14, 14), (3, 3))  # 1764
-    assert not conv_grads.by_product(grad(strides=(2, 2)), (16, 128, 16, 16), (3, 3))  # 2304
+    assert conv_grads.by_product(grad(), (16, 128, 14, 14), (1, 1))  # 196
+    assert conv_grads.by_product(grad(), (16, 256, 7, 7), (3, 3))  # 441 values, 49 positions
+    assert not conv_grads.by_product(grad(), (16, 128, 8, 8), (3, 3))  # 576, 64
+    assert not conv_grads.by_product(grad(), (32, 40, 16, 16), (1, 1))  # 256
+    assert conv_grads.by_product(grad(strides=(2, 2)), (16, 256, 14, 14), (3, 3))  # 196
+    assert not conv_grads.by_product(grad(strides=(2, 2)), (16, 128, 16, 16), (3, 3))  # 256
+    assert not conv_grads.by_product(grad(strides=(2, 2)), (16, 512, 28, 28), (1, 1))
     assert not conv_grads.by_product(grad(group=4), (16, 512, 4, 4), (3, 3))
 
 

@@ -10,8 +10,8 @@ F(4 x 4, 3 x 3) (36 products per 4 x 4 tile and filter pair instead of 144). Tha
 weight gradient only: the forward Convs and input gradients of
 :mod:`traingraph.runtime.cpu.kernels.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
 (its docstring says why that matters there). Where the unfold is small (a plane of a few
-positions late in a network, at most :data:`PRODUCT_UNFOLD` values a sample and channel, more
-for strided Convs), the
+positions late in a network: at most :data:`PRODUCT_UNFOLD` values a sample and channel, or
+few output positions), the
 gradient is instead one matrix product of the output gradient and the unfold, written by
 onnxruntime's GEMM (:func:`product_weight_grad`): the kernel's sums over each sample's small
 plane are short, and its threads have few samples to share.
@@ -210,28 +210,35 @@ def compute(
             unfolded_weight_grad(values[g.x], values[g.dy], g, targets[g.output])
 
 
-PRODUCT_UNFOLD = 441
+PRODUCT_UNFOLD = 196
 """The most values per sample and input channel (``OH * OW * KH * KW``) in the unfold of a Conv
-of stride 1 whose weight gradient is one matrix product (:func:`product_weight_grad`) rather
-than the native kernel's sums (a 3 x 3 Conv over a 7 x 7 plane, a 1 x 1 Conv over 21 x 21)."""
+whose weight gradient is one matrix product (:func:`product_weight_grad`) rather than the
+native kernel's sums (a 3 x 3 Conv over a 4 x 4 plane, a 1 x 1 Conv over 14 x 14)."""
 
-STRIDED_PRODUCT_UNFOLD = 1764
-"""The same bound for a strided Conv, whose native sums first split the input into its stride
+PRODUCT_PLANE = 49
+"""The most output positions (``OH * OW``) of a Conv whose weight gradient is one matrix
+product whatever its kernel (a 3 x 3 Conv over a 7 x 7 plane)."""
+
+STRIDED_PRODUCT_PLANE = 196
+"""The same for a strided Conv, whose native sums first split the input into its stride
 phases (a 3 x 3 Conv of stride 2 onto a 14 x 14 plane)."""
 
 
 def by_product(grad: WeightGrad, dy: tuple[int, ...], kernel: tuple[int, ...]) -> bool:
     """Whether :func:`compute` writes ``grad`` by :func:`product_weight_grad`: one group, and
-    an unfold of at most :data:`PRODUCT_UNFOLD` values per sample and channel
-    (:data:`STRIDED_PRODUCT_UNFOLD` for a strided Conv; ``dy`` is the output gradient's shape,
-    ``kernel`` the filters' height and width). The native kernel sums each sample's output
-    plane in turn, and its threads share the samples: over a small plane its sums are short and
-    its threads' shares few, while the product sums every sample's positions in one run, after
-    writing the unfold (``_convc.unfold``, the threads sharing its rows)."""
+    an unfold of at most :data:`PRODUCT_UNFOLD` values per sample and channel or an output
+    plane of at most :data:`PRODUCT_PLANE` positions (:data:`STRIDED_PRODUCT_PLANE` for a
+    strided Conv); ``dy`` is the output gradient's shape, ``kernel`` the filters' height and
+    width. The native kernel sums each sample's output plane in turn, and its threads share
+    the samples: over a small plane its sums are short and its threads' shares few, while the
+    product sums every sample's positions in one run, after writing the unfold
+    (``_convc.unfold``, the threads sharing its rows)."""
     if grad.group != 1 or len(dy) != 4:
         return False
-    bound = PRODUCT_UNFOLD if grad.strides == (1, 1) else STRIDED_PRODUCT_UNFOLD
-    return dy[2] * dy[3] * math.prod(kernel) <= bound
+    plane = dy[2] * dy[3]
+    if grad.strides != (1, 1):
+        return plane <= STRIDED_PRODUCT_PLANE
+    return plane <= PRODUCT_PLANE or plane * math.prod(kernel) <= PRODUCT_UNFOLD
 
 
 def product_weight_grad(
