@@ -56,11 +56,13 @@ GEOMETRIES = [
     pytest.param((2, 8, 8, 128, 10, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-128-wide"),
     pytest.param((2, 20, 20, 32, 17, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-20-rows"),
     pytest.param((7, 8, 4, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="winograd-4-rows"),
-    # unfolds of at most PRODUCT_UNFOLD values a sample and channel: one product by Gemm
-    pytest.param((4, 8, 4, 4, 16, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="small-plane-3x3"),
-    pytest.param((3, 16, 7, 7, 8, (3, 3), (2, 2), (1, 1), (1, 1), 1), id="small-plane-stride-2"),
-    pytest.param((2, 4, 4, 4, 5, (3, 3), (1, 1), (2, 2), (2, 2), 1), id="small-plane-dilated"),
+    # small planes and 16 filters or more per kernel position: one product by Gemm
+    pytest.param((4, 8, 4, 4, 144, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="small-plane-3x3"),
+    pytest.param((2, 4, 7, 7, 150, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="small-plane-7x7"),
+    pytest.param((3, 16, 7, 7, 144, (3, 3), (2, 2), (1, 1), (1, 1), 1), id="small-plane-stride-2"),
+    pytest.param((2, 4, 4, 4, 145, (3, 3), (1, 1), (2, 2), (2, 2), 1), id="small-plane-dilated"),
     pytest.param((5, 32, 5, 3, 24, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="small-plane-1x1"),
+    pytest.param((4, 8, 4, 4, 32, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="few-filters-3x3"),
 ]
 
 
@@ -136,6 +138,8 @@ def test_small_planes_take_the_product_form():
     assert conv_grads.by_product(grad(strides=(2, 2)), (16, 256, 14, 14), (3, 3))  # 196
     assert not conv_grads.by_product(grad(strides=(2, 2)), (16, 128, 16, 16), (3, 3))  # 256
     assert not conv_grads.by_product(grad(strides=(2, 2)), (16, 512, 28, 28), (1, 1))
+    assert not conv_grads.by_product(grad(), (16, 32, 7, 7), (3, 3))  # 32 filters for 9 taps
+    assert conv_grads.by_product(grad(), (16, 32, 7, 7), (1, 1))
     assert not conv_grads.by_product(grad(group=4), (16, 512, 4, 4), (3, 3))
 
 

@@ -223,22 +223,32 @@ STRIDED_PRODUCT_PLANE = 196
 """The same for a strided Conv, whose native sums first split the input into its stride
 phases (a 3 x 3 Conv of stride 2 onto a 14 x 14 plane)."""
 
+PRODUCT_FILTERS_PER_TAP = 16
+"""The fewest filters per kernel position (``M / (KH * KW)``) for the product form: the unfold
+copies the input once per position, and the product's work per copied value is one
+multiply-add per filter (a 3 x 3 Conv of 32 filters, a DenseNet layer's, keeps the native sums,
+twice as fast there)."""
+
 
 def by_product(grad: WeightGrad, dy: tuple[int, ...], kernel: tuple[int, ...]) -> bool:
-    """Whether :func:`compute` writes ``grad`` by :func:`product_weight_grad`: one group, and
-    an unfold of at most :data:`PRODUCT_UNFOLD` values per sample and channel or an output
-    plane of at most :data:`PRODUCT_PLANE` positions (:data:`STRIDED_PRODUCT_PLANE` for a
-    strided Conv); ``dy`` is the output gradient's shape, ``kernel`` the filters' height and
-    width. The native kernel sums each sample's output plane in turn, and its threads share
-    the samples: over a small plane its sums are short and its threads' shares few, while the
-    product sums every sample's positions in one run, after writing the unfold
-    (``_convc.unfold``, the threads sharing its rows)."""
+    """Whether :func:`compute` writes ``grad`` by :func:`product_weight_grad`: one group, at
+    least :data:`PRODUCT_FILTERS_PER_TAP` filters per kernel position, and an unfold of at most
+    :data:`PRODUCT_UNFOLD` values per sample and channel or an output plane of at most
+    :data:`PRODUCT_PLANE` positions (:data:`STRIDED_PRODUCT_PLANE` for a strided Conv); ``dy``
+    is the output gradient's shape, ``kernel`` the filters' height and width. The native kernel
+    sums each sample's output plane in turn, and its threads share the samples: over a small
+    plane its sums are short and its threads' shares few, while the product sums every
+    sample's positions in one run, after writing the unfold (``_convc.unfold``, the threads
+    sharing its rows)."""
     if grad.group != 1 or len(dy) != 4:
+        return False
+    taps = math.prod(kernel)
+    if dy[1] < PRODUCT_FILTERS_PER_TAP * taps:
         return False
     plane = dy[2] * dy[3]
     if grad.strides != (1, 1):
         return plane <= STRIDED_PRODUCT_PLANE
-    return plane <= PRODUCT_PLANE or plane * math.prod(kernel) <= PRODUCT_UNFOLD
+    return plane <= PRODUCT_PLANE or plane * taps <= PRODUCT_UNFOLD
 
 
 def product_weight_grad(
