@@ -394,3 +394,62 @@ def test_an_expand_past_the_addends_shape_stays():
     model = _expanded_sum("Sum", False, [3, 2, 3, 4, 5])  # a rank the sum takes from it
     source = model.SerializeToString()
     assert "Expand" in _ops(onnx.load_from_string(for_cpu(source)))
+
+
+def _channel_affine(axes: list[int], shape: list[int]) -> onnx.ModelProto:
+    """``g * a - (xc * k + c)`` with ``a``, ``k``, ``c`` per channel (the end of a
+    BatchNormalization's input gradient)."""
+    channel = [shape[1]]
+    nodes = [
+        helper.make_node("Constant", [], ["axes"], value=helper.make_tensor(
+            "axes", TensorProto.INT64, [len(axes)], axes)),
+        *(helper.make_node("Unsqueeze", [v, "axes"], [f"{v}4"]) for v in "akc"),
+        helper.make_node("Mul", ["g", "a4"], ["scaled"]),
+        helper.make_node("Mul", ["xc", "k4"], ["slope"]),
+        helper.make_node("Add", ["slope", "c4"], ["shifted"]),
+        helper.make_node("Sub", ["scaled", "shifted"], ["dx"]),
+    ]  # fmt: skip
+    inputs = [("g", TensorProto.FLOAT, shape), ("xc", TensorProto.FLOAT, shape)]
+    inputs += [(v, TensorProto.FLOAT, channel) for v in "akc"]
+    model = _model(nodes, inputs, [("dx", TensorProto.FLOAT, shape)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_channel_affine_as_batch_norm_computes_the_difference_in_one_pass_less():
+    rng = np.random.default_rng(0)
+    shape = [3, 4, 5, 6]
+    feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("g", "xc")}
+    feeds.update({v: rng.standard_normal(4).astype(np.float32) for v in "akc"})
+    model = _channel_affine([1, 2], shape)
+    rewritten = rewrites.apply(model, [rewrites.CHANNEL_AFFINE_AS_BATCH_NORM])
+    assert rewritten is not None
+    assert sorted(_ops(rewritten)) == ["BatchNormalization", "Mul", "Sub", "Unsqueeze"]
+    onnx.checker.check_model(rewritten, full_check=True)
+    a, k, c = (feeds[v].astype(np.float64).reshape(4, 1, 1) for v in "akc")
+    g, xc = feeds["g"].astype(np.float64), feeds["xc"].astype(np.float64)
+    exact = g * a - (xc * k + c)
+    got, before = _run(rewritten, feeds)[0], _run(model, feeds)[0]
+    # the graph's rounding: of the three products and sums, each within half a float32 ulp
+    bound = 3 * np.spacing(np.abs(g * a) + np.abs(xc * k) + np.abs(c), dtype=np.float32)
+    assert np.all(np.abs(got - exact) <= bound) and np.all(np.abs(before - exact) <= bound)
+    # NaN and infinities in the full-size operands reach the same elements
+    feeds["xc"][0, 1, 2, 3], feeds["xc"][1, 2, 0, 0] = np.nan, np.inf
+    feeds["g"][2, 0, 1, 1] = -np.inf
+    got, before = _run(rewritten, feeds)[0], _run(model, feeds)[0]
+    assert np.array_equal(np.isfinite(got), np.isfinite(before))
+    assert np.array_equal(got[~np.isfinite(got)], before[~np.isfinite(before)], equal_nan=True)
+    # an infinite per-channel coefficient: its channel is NaN where the graph has infinities
+    feeds["k"][3] = np.inf
+    got, before = _run(rewritten, feeds)[0], _run(model, feeds)[0]
+    assert not np.isfinite(got[:, 3]).any() and not np.isfinite(before[:, 3]).any()
+    np.testing.assert_allclose(got[:, :3], before[:, :3], rtol=1e-6, atol=1e-6)
+
+
+def test_channel_affine_as_batch_norm_leaves_other_axes_and_unknown_channels():
+    assert rewrites.apply(_channel_affine([0, 2], [3, 4, 5, 6]),
+                          [rewrites.CHANNEL_AFFINE_AS_BATCH_NORM]) is None  # fmt: skip
+    unknown = _channel_affine([1, 2], [3, 4, 5, 6])
+    del unknown.graph.value_info[:]
+    for value in unknown.graph.input:
+        value.type.tensor_type.ClearField("shape")
+    assert rewrites.apply(unknown, [rewrites.CHANNEL_AFFINE_AS_BATCH_NORM]) is None
