@@ -14,13 +14,6 @@ to a ``ModelProto``. The rules of the CUDA provider
   of Relu, a Dropout mask), is ``Where(mask, g, 0)``: one kernel instead of two. The two differ
   only where the mask is off and ``g`` is not finite (0 instead of NaN) or negative (0 instead
   of -0).
-- ``channel_affine_as_batch_norm``: ``g * a - (xc * k + c)`` with ``a``, ``k``, ``c``
-  per-channel vectors of a static float32 NCHW tensor (the end of a training-mode
-  BatchNormalization's input gradient) takes ``xc * k + c`` from an inference-mode
-  ``BatchNormalization`` (mean 0, variance and epsilon 0.5, whose sum is exactly 1): one pass
-  over the activations instead of two, the same values up to the rounding of one multiply-add.
-  NaN and infinities of ``g`` and ``xc`` reach the same elements; where ``k`` or ``c`` is
-  infinite (an overflowed gradient), that channel is NaN where the graph has infinities.
 - ``reductions_over_runs`` (four rules: ReduceSum and ReduceMean, axes as an input or an
   attribute): a reduction over constant, non-negative axes that form several runs of
   neighbouring axes (``[0, 2, 3]``, the per-channel statistics of BatchNormalization) is a
@@ -577,58 +570,6 @@ SHARED_FILTERS_AS_BATCH = pattern.RewriteRule(
     _grouped_conv, _folded, _is_small_shared, name="shared_filters_as_batch"
 )
 
-
-def _channel_affine_difference(
-    op: Any, g: ir.Value, a: ir.Value, xc: ir.Value, k: ir.Value, c: ir.Value,
-    a_axes: ir.Value, k_axes: ir.Value, c_axes: ir.Value,
-) -> ir.Value:  # fmt: skip
-    scaled = op.Mul(g, op.Unsqueeze(a, a_axes))
-    return op.Sub(scaled, op.Add(op.Mul(xc, op.Unsqueeze(k, k_axes)), op.Unsqueeze(c, c_axes)))
-
-
-def _channels(value: ir.Value) -> int | None:
-    """The static channel count of a float32 value of rank 4 with a static axis 1."""
-    if value.dtype != ir.DataType.FLOAT or value.shape is None or len(value.shape) != 4:
-        return None
-    channels = value.shape[1]
-    return channels if isinstance(channels, int) else None
-
-
-def _is_channel_affine(
-    context: Any, g: ir.Value, a: ir.Value, xc: ir.Value, k: ir.Value, c: ir.Value,
-    a_axes: ir.Value, k_axes: ir.Value, c_axes: ir.Value, **_: Any,
-) -> bool:  # fmt: skip
-    channels = _channels(xc)
-    if channels is None or g.dtype != ir.DataType.FLOAT:
-        return False
-    vectors = (a, k, c)
-    if any(v.dtype != ir.DataType.FLOAT or v.shape is None for v in vectors):
-        return False
-    if any(list(v.shape.dims) != [channels] for v in (k, c)):
-        return False
-    return all(_ints(axes) == [1, 2] for axes in (a_axes, k_axes, c_axes))
-
-
-def _channel_affine_by_batch_norm(
-    op: Any, g: ir.Value, a: ir.Value, xc: ir.Value, k: ir.Value, c: ir.Value,
-    a_axes: ir.Value, k_axes: ir.Value, c_axes: ir.Value,
-) -> ir.Value:  # fmt: skip
-    channels = _channels(xc)
-    assert channels is not None
-    zeros = op.Constant(value=ir.tensor(np.zeros(channels, np.float32)))
-    halves = op.Constant(value=ir.tensor(np.full(channels, 0.5, np.float32)))
-    # (xc - 0) / sqrt(0.5 + 0.5) * k + c: the variance and epsilon add to exactly 1
-    shifted = op.BatchNormalization(xc, k, c, zeros, halves, epsilon=0.5)
-    return op.Sub(op.Mul(g, op.Unsqueeze(a, a_axes)), shifted)
-
-
-CHANNEL_AFFINE_AS_BATCH_NORM = pattern.RewriteRule(
-    _channel_affine_difference,
-    _channel_affine_by_batch_norm,
-    _is_channel_affine,
-    name="channel_affine_as_batch_norm",
-)
-
 SHIFT_AS_DIVISION = pattern.RewriteRule(
     _right_shift, _division, _is_constant_shift, name="shift_as_division"
 )
@@ -636,7 +577,6 @@ MASK_AS_WHERE = pattern.RewriteRule(_masked, _where, _is_boolean_mask, name="mas
 CUDA_RULES: tuple[pattern.RewriteRule, ...] = (
     SHIFT_AS_DIVISION,
     MASK_AS_WHERE,
-    CHANNEL_AFFINE_AS_BATCH_NORM,
     *REDUCTIONS_OVER_RUNS,
 )
 """The rules of the CUDA provider applied before its weight gradients, in this order."""
