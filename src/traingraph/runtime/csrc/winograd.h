@@ -24,7 +24,26 @@
 #define WINO_FILTERS 8
 #define WINO_MAX_ROWS 256 /* tile rows per block */
 #define WINO_VECTORS 3
-#define WINO_BLOCK_BYTES (256 * 1024)
+#define WINO_BLOCK_BYTES (256 * 1024) /* where the L2 cache's size is not known */
+
+/* Bytes of a block's V and M for transformed filters of `u_bytes`. Each block reads all of
+ * them: where they fit in a core's L2 cache (sysconf) with the block, WINO_BLOCK_BYTES; where
+ * they do not, blocks the size of the L2 cache (within 4 MiB), so that they are read fewer
+ * times from farther out while the block's patches and sums stay in L2. */
+static Py_ssize_t wino_block_bytes(Py_ssize_t u_bytes)
+{
+    static Py_ssize_t l2;
+    if (l2 == 0) {
+        long size = -1;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        l2 = size <= 0 ? WINO_BLOCK_BYTES : (Py_ssize_t)size;
+        l2 = l2 < WINO_BLOCK_BYTES ? WINO_BLOCK_BYTES : l2;
+        l2 = l2 > 4096 * 1024 ? 4096 * 1024 : l2;
+    }
+    return u_bytes + WINO_BLOCK_BYTES <= l2 ? WINO_BLOCK_BYTES : l2;
+}
 #define WINO_CHANNELS 64  /* channels summed in one run (wino_dot) */
 
 struct wino {
@@ -830,8 +849,9 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
         goto done;
     }
     const Py_ssize_t th = h / tile, tw = w / tile, units = n * th;
-    /* the block's V and M within WINO_BLOCK_BYTES, with enough blocks for the threads */
-    Py_ssize_t fit = WINO_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / (freqs * (c + k)) / tw;
+    /* the block's V and M within wino_block_bytes, with enough blocks for the threads */
+    const Py_ssize_t u_bytes = (Py_ssize_t)sizeof(float) * freqs * c * k;
+    Py_ssize_t fit = wino_block_bytes(u_bytes) / (Py_ssize_t)sizeof(float) / (freqs * (c + k)) / tw;
     fit = fit > 1 ? fit : 1;
     fit = fit < WINO_MAX_ROWS ? fit : WINO_MAX_ROWS;
     if (n * k * h * w < ROUTE_PER_THREAD / 4 || threads < 1) {
