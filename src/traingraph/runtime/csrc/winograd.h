@@ -1026,7 +1026,12 @@ static int wino_weight_samples(const struct conv *cv, float *dw, Py_ssize_t n0, 
                                struct scratch *scratch)
 {
     const Py_ssize_t c = cv->c, k = cv->m, tw = cv->w / 4, th = cv->h / 4;
-    Py_ssize_t rows = WINO_WEIGHT_BLOCK_BYTES / (Py_ssize_t)sizeof(float) / (36 * (c + k)) / tw;
+    /* each block adds into all the sums (36 k c of them): where they are many, larger blocks
+     * (up to 4 MiB of patches, half the sums' bytes) read and write them fewer times */
+    Py_ssize_t budget = 36 * k * c * (Py_ssize_t)sizeof(float) / 2;
+    budget = budget < WINO_WEIGHT_BLOCK_BYTES ? WINO_WEIGHT_BLOCK_BYTES : budget;
+    budget = budget > 4096 * 1024 ? 4096 * 1024 : budget;
+    Py_ssize_t rows = budget / (Py_ssize_t)sizeof(float) / (36 * (c + k)) / tw;
     rows = rows > 1 ? rows : 1;
     rows = rows < WINO_MAX_ROWS ? rows : WINO_MAX_ROWS;
     if (tw < 16) { /* whole vectors of tiles */
