@@ -93,21 +93,14 @@ static inline const float *wino_filter(const float *g, Py_ssize_t kk, Py_ssize_t
     return turned;
 }
 
-/* G g G^T of one filter t (3 x 3) into the 16 rows of `row`, at index kk (rows k floats apart). */
-static inline void wino_filter_rows(const float *t, float *row, Py_ssize_t k, Py_ssize_t kk)
+/* The first `count` lanes of v at dst. */
+static inline __attribute__((always_inline)) void wino_store_lanes(float *dst, v16 v, int count)
 {
-    float gt[4][3]; /* G g */
-    for (int j = 0; j < 3; j++) {
-        gt[0][j] = t[j];
-        gt[1][j] = 0.5f * (t[j] + t[3 + j] + t[6 + j]);
-        gt[2][j] = 0.5f * (t[j] - t[3 + j] + t[6 + j]);
-        gt[3][j] = t[6 + j];
+    if (count == 16) {
+        *(v16u *)dst = v;
     }
-    for (int r = 0; r < 4; r++) {
-        row[(r * 4 + 0) * k + kk] = gt[r][0];
-        row[(r * 4 + 1) * k + kk] = 0.5f * (gt[r][0] + gt[r][1] + gt[r][2]);
-        row[(r * 4 + 2) * k + kk] = 0.5f * (gt[r][0] - gt[r][1] + gt[r][2]);
-        row[(r * 4 + 3) * k + kk] = gt[r][2];
+    else {
+        memcpy(dst, &v, sizeof(float) * (size_t)count);
     }
 }
 
@@ -115,40 +108,40 @@ static inline void wino_filter_rows(const float *t, float *row, Py_ssize_t k, Py
  * c0 <= c < c1 (see wino_filter for `flipped`); `row` holds 16 k floats: one channel's 16 rows
  * of U, written together (U's planes lie a multiple of 4 KiB apart, where stores scattered over
  * them stall). Runs of 16 filters are transformed in vector lanes, their taps gathered into
- * `taps` first (each filter lies in its own cache line); the operations and their order are
- * those of wino_filter_rows, lane by lane. */
+ * `taps` first (each filter lies in its own cache line); a last run of fewer leaves its other
+ * lanes 0 and unwritten. */
 TARGETS static void wino_filters(const float *g, float *u, float *row, Py_ssize_t k, Py_ssize_t c,
                                  int flipped, Py_ssize_t c0, Py_ssize_t c1)
 {
     v16 taps[9];
     float *lanes = (float *)taps;
-    const Py_ssize_t whole = k - k % 16;
     for (Py_ssize_t cc = c0; cc < c1; cc++) {
-        for (Py_ssize_t k0 = 0; k0 < whole; k0 += 16) {
-            for (int l = 0; l < 16; l++) {
+        for (Py_ssize_t k0 = 0; k0 < k; k0 += 16) {
+            const int count = k - k0 < 16 ? (int)(k - k0) : 16;
+            if (count < 16) {
+                memset(taps, 0, sizeof(taps));
+            }
+            for (int l = 0; l < count; l++) {
                 float turned[9];
                 const float *t = wino_filter(g, k0 + l, cc, k, c, flipped, turned);
                 for (int q = 0; q < 9; q++) {
                     lanes[q * 16 + l] = t[q];
                 }
             }
-            v16 gt[4][3];
+            v16 gt[4][3]; /* G g */
             for (int j = 0; j < 3; j++) {
                 gt[0][j] = taps[j];
                 gt[1][j] = 0.5f * (taps[j] + taps[3 + j] + taps[6 + j]);
                 gt[2][j] = 0.5f * (taps[j] - taps[3 + j] + taps[6 + j]);
                 gt[3][j] = taps[6 + j];
             }
-            for (int r = 0; r < 4; r++) {
-                *(v16u *)(row + (r * 4 + 0) * k + k0) = gt[r][0];
-                *(v16u *)(row + (r * 4 + 1) * k + k0) = 0.5f * (gt[r][0] + gt[r][1] + gt[r][2]);
-                *(v16u *)(row + (r * 4 + 2) * k + k0) = 0.5f * (gt[r][0] - gt[r][1] + gt[r][2]);
-                *(v16u *)(row + (r * 4 + 3) * k + k0) = gt[r][2];
+            for (int r = 0; r < 4; r++) { /* (G g) G^T */
+                float *at = row + r * 4 * k + k0;
+                wino_store_lanes(at, gt[r][0], count);
+                wino_store_lanes(at + k, 0.5f * (gt[r][0] + gt[r][1] + gt[r][2]), count);
+                wino_store_lanes(at + 2 * k, 0.5f * (gt[r][0] - gt[r][1] + gt[r][2]), count);
+                wino_store_lanes(at + 3 * k, gt[r][2], count);
             }
-        }
-        for (Py_ssize_t kk = whole; kk < k; kk++) {
-            float turned[9];
-            wino_filter_rows(wino_filter(g, kk, cc, k, c, flipped, turned), row, k, kk);
         }
         for (int f = 0; f < 16; f++) {
             memcpy(u + (f * c + cc) * k, row + f * k, sizeof(float) * (size_t)k);
