@@ -9,12 +9,11 @@ or more channels and filters, with a height and width divisible by 4, go by Wino
 F(4 x 4, 3 x 3) (36 products per 4 x 4 tile and filter pair instead of 144). That is the
 weight gradient only: the forward Convs and input gradients of
 :mod:`traingraph.runtime.cpu.kernels.winograd` use F(2 x 2, 3 x 3), whose rounding error is smaller
-(its docstring says why that matters there). Where the unfold is small (a plane of a few
-positions late in a network: at most :data:`PRODUCT_UNFOLD` values a sample and channel, or
-few output positions), the
-gradient is instead one matrix product of the output gradient and the unfold, written by
-onnxruntime's GEMM (:func:`product_weight_grad`): the kernel's sums over each sample's small
-plane are short, and its threads have few samples to share.
+(its docstring says why that matters there). Where the plane is small (a few positions late
+in a network) and the filters many (:func:`by_product`), the gradient is instead one matrix
+product of the output gradient and the unfold, written by onnxruntime's GEMM
+(:func:`product_weight_grad`): the kernel's sums over each sample's small plane are short, and
+its threads have few samples to share.
 
 :func:`split_weight_grads` finds, in a training model, each gradient output that is the
 weight gradient of one 2-D float32 Conv: the nodes that feed only that output read nothing
