@@ -6,6 +6,12 @@ finite. :class:`DynamicLossScaler` picks ``S`` the way ``torch.amp.GradScaler`` 
 non-finite step is skipped and halves ``S``; every ``growth_interval`` finite steps in a row
 double it.
 
+A captured CUDA-graph step decides on the GPU instead (:func:`device_update_nodes`): the
+scale, its counters and the optimizer's step count are tensors that the step's own graph
+updates, so no step waits for the host to read the finite flag. The host copies
+(:class:`DynamicLossScaler`'s attributes, the training state's ``step``) read them back when
+they are read (:class:`DeviceCounters`).
+
 Example:
     >>> scaler = DynamicLossScaler()
     >>> scaler.update(finite=False)  # skip this step
@@ -17,10 +23,49 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from onnx import NodeProto, TensorProto, helper
+
+from traingraph.precision import LOSS_SCALE
+
+__all__ = [
+    "COUNTERS",
+    "GOOD_STEPS",
+    "SKIPPED_STEPS",
+    "STEP_COUNT",
+    "DeviceCounters",
+    "DynamicLossScaler",
+    "device_update_nodes",
+]
+
+GOOD_STEPS = "loss_scale.good_steps"
+SKIPPED_STEPS = "loss_scale.skipped_steps"
+STEP_COUNT = "optimizer_step_count"
+
+COUNTERS: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+    LOSS_SCALE: ((), np.dtype(np.float32)),
+    GOOD_STEPS: ((), np.dtype(np.float32)),
+    SKIPPED_STEPS: ((), np.dtype(np.float32)),
+    STEP_COUNT: ((), np.dtype(np.int64)),
+}
+"""The scalars a device-side scaler keeps: the scale and its two counters (float32: exact up
+to 2**24 steps) and the number of applied optimizer steps (the optimizer reads one more)."""
 
 
-@dataclass
+class DeviceCounters(Protocol):
+    """Counters a device updates between host reads (a captured CUDA-graph step keeps the
+    loss scale and the step count on the GPU): the host objects that mirror them ask it to
+    :meth:`pull` before a read and tell it through :meth:`host_changed` after a write."""
+
+    def pull(self) -> None:
+        """Bring the host copies up to date (reads the device, so waits for it)."""
+
+    def host_changed(self) -> None:
+        """The host copies were set; the device takes them before its next step."""
+
+
 class DynamicLossScaler:
     """The loss scale and its update rule.
 
@@ -31,24 +76,74 @@ class DynamicLossScaler:
         growth_interval: Finite steps in a row before ``S`` grows.
         good_steps: Finite steps since the last change of ``S``.
         skipped_steps: Non-finite steps so far (their updates were skipped).
+        counters: Where ``scale``, ``good_steps`` and ``skipped_steps`` live when a device
+            updates them (:class:`DeviceCounters`); None while the host does.
     """
 
-    scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    good_steps: int = 0
-    skipped_steps: int = 0
+    def __init__(
+        self,
+        scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        good_steps: int = 0,
+        skipped_steps: int = 0,
+    ) -> None:
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval!r}")
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.counters: DeviceCounters | None = None
+        self._scale = float(scale)
+        self._good_steps = int(good_steps)
+        self._skipped_steps = int(skipped_steps)
 
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"scale must be a finite number > 0, got {self.scale!r}")
-        if not self.growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        if self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval!r}")
+    def _get(self, name: str) -> float | int:
+        if self.counters is not None:
+            self.counters.pull()
+        return getattr(self, name)  # type: ignore[no-any-return]
+
+    def _set(self, name: str, value: float | int) -> None:
+        if self.counters is not None:
+            self.counters.pull()
+        setattr(self, name, value)
+        if self.counters is not None:
+            self.counters.host_changed()
+
+    @property
+    def scale(self) -> float:
+        return float(self._get("_scale"))
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._set("_scale", float(value))
+
+    @property
+    def good_steps(self) -> int:
+        return int(self._get("_good_steps"))
+
+    @good_steps.setter
+    def good_steps(self, value: int) -> None:
+        self._set("_good_steps", int(value))
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self._get("_skipped_steps"))
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._set("_skipped_steps", int(value))
+
+    def mirror(self, scale: float, good_steps: int, skipped_steps: int) -> None:
+        """Set the host copies to what the device holds (for :class:`DeviceCounters`)."""
+        self._scale, self._good_steps, self._skipped_steps = scale, good_steps, skipped_steps
 
     def update(self, finite: bool) -> bool:
         """Account for one step whose gradients were ``finite`` (or not).
@@ -66,3 +161,49 @@ class DynamicLossScaler:
             self.scale *= self.growth_factor
             self.good_steps = 0
         return True
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicLossScaler(scale={self.scale!r}, growth_factor={self.growth_factor!r},"
+            f" backoff_factor={self.backoff_factor!r}, growth_interval={self.growth_interval!r},"
+            f" good_steps={self.good_steps!r}, skipped_steps={self.skipped_steps!r})"
+        )
+
+
+def device_update_nodes(
+    scaler: DynamicLossScaler, finite: str, prefix: str
+) -> tuple[list[NodeProto], list[TensorProto]]:
+    """The nodes and constants that apply :meth:`DynamicLossScaler.update` to the tensors of
+    :data:`COUNTERS`, given the boolean scalar ``finite``: each ``<name>`` input has the
+    output ``<name>_out`` (the step count counts the step where it is finite). Their
+    intermediate names start with ``prefix``. The scale is multiplied in float32, so a factor
+    that is not a power of two rounds as float32 does (the host multiplies in float64)."""
+    p = prefix
+
+    def const(name: str, value: float, dtype: int = TensorProto.FLOAT) -> TensorProto:
+        return helper.make_tensor(f"{p}{name}", dtype, [], [value])
+
+    constants = [
+        const("one", 1.0),
+        const("zero", 0.0),
+        const("interval", float(scaler.growth_interval)),
+        const("growth", scaler.growth_factor),
+        const("backoff", scaler.backoff_factor),
+    ]
+    nodes = [
+        helper.make_node("Add", [GOOD_STEPS, f"{p}one"], [f"{p}good1"]),
+        helper.make_node("GreaterOrEqual", [f"{p}good1", f"{p}interval"], [f"{p}due"]),
+        helper.make_node("And", [finite, f"{p}due"], [f"{p}grow"]),
+        helper.make_node("Mul", [LOSS_SCALE, f"{p}growth"], [f"{p}grown"]),
+        helper.make_node("Mul", [LOSS_SCALE, f"{p}backoff"], [f"{p}backed"]),
+        helper.make_node("Where", [f"{p}grow", f"{p}grown", LOSS_SCALE], [f"{p}kept"]),
+        helper.make_node("Where", [finite, f"{p}kept", f"{p}backed"], [f"{LOSS_SCALE}_out"]),
+        helper.make_node("Where", [f"{p}grow", f"{p}zero", f"{p}good1"], [f"{p}counted"]),
+        helper.make_node("Where", [finite, f"{p}counted", f"{p}zero"], [f"{GOOD_STEPS}_out"]),
+        helper.make_node("Not", [finite], [f"{p}skip"]),
+        helper.make_node("Cast", [f"{p}skip"], [f"{p}skip_f"], to=TensorProto.FLOAT),
+        helper.make_node("Add", [SKIPPED_STEPS, f"{p}skip_f"], [f"{SKIPPED_STEPS}_out"]),
+        helper.make_node("Cast", [finite], [f"{p}applied"], to=TensorProto.INT64),
+        helper.make_node("Add", [STEP_COUNT, f"{p}applied"], [f"{STEP_COUNT}_out"]),
+    ]
+    return nodes, constants

@@ -10,6 +10,7 @@ import onnxruntime as ort
 
 from traingraph.checkpoint import CheckpointData
 from traingraph.errors import ModelError
+from traingraph.runtime.amp import DeviceCounters
 from traingraph.runtime.device import Device
 from traingraph.runtime.tensors import PingPong, TensorStore
 
@@ -43,9 +44,31 @@ class TrainingState:
         self.reset_grads_pending = True  # the next train step overwrites instead of adding
         self.optimizer_slots: PingPong | None = None
         self.pending_slot_values = dict(_flatten_slots(data.optimizer_state))
-        self.step = data.optimizer_step
+        # Set while a device keeps the step count (a captured CUDA-graph step with a loss
+        # scaler, :class:`~traingraph.runtime.amp.DeviceCounters`).
+        self.counters: DeviceCounters | None = None
+        self._step = int(data.optimizer_step)
         self.learning_rate = data.learning_rate
         self.unloaded = set(self.names) if data.nominal else set()
+
+    @property
+    def step(self) -> int:
+        """The number of optimizer steps applied."""
+        if self.counters is not None:
+            self.counters.pull()
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        if self.counters is not None:
+            self.counters.pull()
+        self._step = int(value)
+        if self.counters is not None:
+            self.counters.host_changed()
+
+    def mirror_step(self, value: int) -> None:
+        """Set the host copy of the step count to what the device holds."""
+        self._step = value
 
     # ------------------------------------------------------------------ lookup
     def store_of(self, name: str) -> TensorStore:

@@ -465,6 +465,141 @@ def test_fused_step_model_runs_the_optimizer_on_the_concatenated_gradients(chunk
     np.testing.assert_array_equal(joined(".momentum_buffer_out"), want["flat.momentum_buffer_out"])
 
 
+@pytest.mark.parametrize("finite", [True, False])
+@pytest.mark.parametrize("good_steps", [0, 2])
+def test_fused_step_model_decides_the_loss_scale_on_the_device(finite: bool, good_steps: int):
+    # A mixed-precision step fused with AdamW: where the gradients are finite the update and
+    # the step count apply and the scale grows once every growth_interval (3) finite steps in
+    # a row; where they are not, every parameter and slot keeps its value bit for bit and the
+    # scale backs off. The counters follow DynamicLossScaler.update on the host.
+    from onnx import TensorProto, helper
+
+    from traingraph.optim.model import ParamInfo, build_optimizer_model
+    from traingraph.precision import GRADS_FINITE, LOSS_SCALE
+    from traingraph.runtime.amp import (
+        GOOD_STEPS,
+        SKIPPED_STEPS,
+        STEP_COUNT,
+        DynamicLossScaler,
+    )
+    from traingraph.runtime.cuda import FUSED_PREFIX, fuse_step_model
+    from traingraph.runtime.optimizer import FlatLayout
+
+    f32 = TensorProto.FLOAT
+    train = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("ReduceSum", ["a"], ["loss"], keepdims=0),
+                helper.make_node("Mul", ["a", LOSS_SCALE], ["scaled"]),
+                helper.make_node("Div", ["scaled", LOSS_SCALE], ["a_grad"]),
+                helper.make_node("Constant", [], ["zero"], value_float=0.0),
+                helper.make_node("Mul", ["a_grad", "zero"], ["probe"]),
+                helper.make_node("ReduceSum", ["probe"], ["total"], keepdims=0),
+                helper.make_node("IsNaN", ["total"], ["nan"]),
+                helper.make_node("Not", ["nan"], [GRADS_FINITE]),
+            ],
+            "train",
+            [
+                helper.make_tensor_value_info("a", f32, [4]),
+                helper.make_tensor_value_info(LOSS_SCALE, f32, []),
+            ],
+            [
+                helper.make_tensor_value_info("loss", f32, []),
+                helper.make_tensor_value_info("a_grad", f32, [4]),
+                helper.make_tensor_value_info(GRADS_FINITE, TensorProto.BOOL, []),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=10,
+    )
+    adamw = optim.AdamW(lr=0.1)
+    layout = FlatLayout("flat", 4, {"exp_avg": (0, 4), "exp_avg_sq": (4, 4)})
+    f32_dtype = np.dtype(np.float32)
+    optimizer = build_optimizer_model(adamw, [ParamInfo("flat", (4,), f32_dtype)])
+    scaler = DynamicLossScaler(scale=1024.0, growth_interval=3)
+    fused = fuse_step_model(train, optimizer, layout, {"a": (0, ((4,), f32_dtype))}, scaler)
+    assert fused is not None
+    onnx.checker.check_model(fused, full_check=True)
+
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal(4).astype(np.float32)
+    if not finite:
+        a[2] = np.inf
+    params, m, v = (rng.standard_normal(4).astype(np.float32) for _ in range(3))
+    v = np.abs(v)
+    counters = {
+        LOSS_SCALE: np.array(1024.0, np.float32),
+        GOOD_STEPS: np.array(float(good_steps), np.float32),
+        SKIPPED_STEPS: np.array(5.0, np.float32),
+        STEP_COUNT: np.array(7, np.int64),
+    }
+    feeds = {
+        "a": a,
+        f"{FUSED_PREFIX}learning_rate": np.array(0.1, np.float32),
+        f"{FUSED_PREFIX}flat": params,
+        f"{FUSED_PREFIX}flat.exp_avg": m,
+        f"{FUSED_PREFIX}flat.exp_avg_sq": v,
+        **counters,
+    }
+    session = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert f"{FUSED_PREFIX}step" not in {i.name for i in session.get_inputs()}
+    got = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    host = DynamicLossScaler(scale=1024.0, growth_interval=3, good_steps=good_steps)
+    host.skipped_steps = 5
+    assert host.update(finite) == finite
+    assert float(got[f"{LOSS_SCALE}_out"]) == host.scale
+    assert float(got[f"{GOOD_STEPS}_out"]) == host.good_steps
+    assert float(got[f"{SKIPPED_STEPS}_out"]) == host.skipped_steps
+    assert int(got[f"{STEP_COUNT}_out"]) == 7 + finite
+    outputs = ("flat_out", "flat.exp_avg_out", "flat.exp_avg_sq_out")
+    if not finite:
+        for name, before in zip(outputs, (params, m, v)):
+            np.testing.assert_array_equal(got[f"{FUSED_PREFIX}{name}"], before)
+        return
+    alone = ort.InferenceSession(optimizer.SerializeToString(), providers=["CPUExecutionProvider"])
+    inputs = {
+        "learning_rate": np.array(0.1, np.float32),
+        "step": np.array(8, np.int64),
+        "flat": params,
+        "flat_grad": a,
+        "flat.exp_avg": m,
+        "flat.exp_avg_sq": v,
+    }
+    want = dict(zip([o.name for o in alone.get_outputs()], alone.run(None, inputs)))
+    for name in outputs:
+        np.testing.assert_array_equal(got[f"{FUSED_PREFIX}{name}"], want[name])
+
+
+def test_device_counters_mirror_the_host_scaler_and_step_count() -> None:
+    # GpuCounters on the CPU provider: the host copies read the device's after a step wrote
+    # them, and a value the host sets goes to the device before the next step.
+    from traingraph.checkpoint import CheckpointData
+    from traingraph.precision import LOSS_SCALE
+    from traingraph.runtime.amp import GOOD_STEPS, SKIPPED_STEPS, STEP_COUNT, DynamicLossScaler
+    from traingraph.runtime.cuda import GpuCounters
+    from traingraph.runtime.state import TrainingState
+
+    data = CheckpointData({"w": np.zeros(2, np.float32)}, {"w": True}, {}, optimizer_step=4)
+    state = TrainingState(data, parse_device("cpu"))
+    scaler = DynamicLossScaler(scale=64.0)
+    counters = GpuCounters(state.device, scaler, state)
+    counters.push()
+    cur = counters.pair.cur
+    assert float(cur.read(LOSS_SCALE)) == 64.0 and int(cur.read(STEP_COUNT)) == 4
+    # What a step writes to the other copy:
+    written = {LOSS_SCALE: 32.0, GOOD_STEPS: 0.0, SKIPPED_STEPS: 1.0, STEP_COUNT: 4}
+    counters.pair.alt.write_all({n: np.array(v) for n, v in written.items()})
+    counters.advance()
+    assert scaler.scale == 32.0 and scaler.skipped_steps == 1 and state.step == 4
+    state.step = 10
+    scaler.scale = 8.0
+    counters.push()
+    cur = counters.pair.cur
+    assert float(cur.read(LOSS_SCALE)) == 8.0 and int(cur.read(STEP_COUNT)) == 10
+    assert float(cur.read(SKIPPED_STEPS)) == 1.0
+    assert scaler.update(True) and scaler.good_steps == 1
+
+
 def test_fused_step_model_concatenates_many_gradients_in_groups() -> None:
     # onnxruntime's CUDA Concat takes at most 32 inputs inside a CUDA graph capture.
     from onnx import TensorProto, helper
@@ -586,9 +721,20 @@ def test_cuda_graph_step_trains_in_fp16(tmp_path) -> None:
     x, y = batches[0]
     x = x.copy()
     x[0, 0] = np.inf
+    before = {n: module.step.state.read(n) for n in module.step.trainable}
     step(x, y)
-    assert module.loss_scaler is not None and module.loss_scaler.skipped_steps == 1
+    # The fused step decided on the GPU; the host's copies read the device's back.
+    assert step._counters is not None
+    scaler = module.loss_scaler
+    assert scaler is not None and scaler.skipped_steps == 1 and scaler.scale == 2.0**15
     assert step.optimizer_update.state.step == STEPS
+    for name, value in before.items():
+        np.testing.assert_array_equal(module.step.state.read(name), value, err_msg=name)
+    # A scale the host sets is the one the next step uses.
+    scaler.scale = 2.0**10
+    step(*batches[1])
+    assert scaler.scale == 2.0**10 and scaler.good_steps == 1
+    assert step.optimizer_update.state.step == STEPS + 1
 
 
 def test_static_shapes_fold_into_constants() -> None:
