@@ -200,3 +200,47 @@ def test_a_non_finite_step_is_skipped_and_the_scale_backs_off(tmp_path) -> None:
     opt.step()
     assert runtime.step == step + 1 and scaler.good_steps == 1
     assert not np.array_equal(state.parameters["fc1.weight"].data, before["fc1.weight"])
+
+
+def test_fp16_batch_norm_keeps_float32_statistics_and_gradients_close_to_float64(tmp_path):
+    """In a float16 program a BatchNormalization after a float16 Conv reads and writes float16
+    activations while its statistics, running statistics and sums stay float32; every
+    parameter's gradient is within 1e-3 (relative to its largest element) of PyTorch's in
+    float64 (float16 rounds each activation to 2**-11), and the evaluation model runs."""
+    from torch_models import ResidualNet
+
+    model = export(seeded(ResidualNet), torch.zeros(2, 3, 8, 8), training=True)
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.CrossEntropyLoss, optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path, mixed_precision="fp16",
+    )  # fmt: skip
+    train = onnx.load(tmp_path / "training_model.onnx")
+    types = _types(train)
+    norms = [n for n in train.graph.node if n.op_type == "BatchNormalization"]
+    assert len(norms) == 4
+    assert all(types[n.input[0]] == F16 and types[n.output[0]] == F16 for n in norms)
+    assert all(types[n.input[i]] == F16 for n in norms for i in (1, 2, 3, 4))
+    assert {types[n.output[0]] for n in train.graph.node if n.op_type == "Relu"} == {F16}
+    running = [o.name for o in train.graph.output if "running" in o.name]
+    assert running and all(types[name] == F32 for name in running)
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((16, 3, 8, 8)) * 3 + 1).astype(np.float32)
+    y = rng.integers(0, 5, 16)
+    reference = seeded(ResidualNet).double().train()
+    torch.nn.functional.cross_entropy(
+        reference(torch.tensor(x, dtype=torch.float64)), torch.tensor(y)
+    ).backward()
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(
+        tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx"
+    )
+    module(x, y)
+    for name, param in reference.named_parameters():
+        want = param.grad.numpy()
+        got = state.parameters[name].grad
+        assert got is not None and got.dtype == np.float32
+        error = np.abs(got - want).max() / np.abs(want).max()
+        assert error < 1e-3, (name, error)
+    module.eval()
+    assert np.isfinite(float(module(x, y)))

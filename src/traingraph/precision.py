@@ -4,8 +4,9 @@
 run in a low-precision type while the parameters stay float32: a ``Cast`` is inserted where a
 float32 value enters such an op, elementwise and data-movement ops follow their inputs, and
 numerically sensitive ops (Softmax, normalizations, Exp/Log/Pow, reductions, and every op this
-module does not know) get float32 inputs. The autodiff then differentiates through the Casts, so
-the gradient of each float32 parameter arrives in float32.
+module does not know) get float32 inputs; BatchNormalization reads and writes its activations in
+float16 where its input is float16, with float32 statistics. The autodiff then differentiates
+through the Casts, so the gradient of each float32 parameter arrives in float32.
 
 Float16 has a small range (about 6e-5 to 65504), so small gradients underflow. Loss scaling
 multiplies the loss by ``S`` before differentiation (the backward pass then carries ``S`` times
@@ -26,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
@@ -152,6 +153,9 @@ def autocast(graph: ir.Graph, opset: int, dtype: ir.DataType) -> int:
         ]
         if not data:
             continue
+        if node.op_type == "BatchNormalization" and follow_ops:
+            _batch_norm_inputs(node, dtype, opset, cast)
+            continue
         target: ir.DataType
         if node.op_type in low_ops:
             target = dtype
@@ -179,6 +183,35 @@ def autocast(graph: ir.Graph, opset: int, dtype: ir.DataType) -> int:
             casts[(id(out), ir.DataType.FLOAT)] = restored
     graph.sort()
     return len(casts)
+
+
+def _batch_norm_inputs(
+    node: ir.Node, dtype: ir.DataType, opset: int, cast: Callable[[ir.Value, ir.DataType], ir.Value]
+) -> None:
+    """Type a BatchNormalization as :func:`autocast` does: in ``dtype`` where its input is,
+    else in float32.
+
+    In ``dtype``, an inference-mode node takes every input in ``dtype``. A training-mode node
+    keeps its running statistics (``input_mean``, ``input_var`` and the updated outputs)
+    float32, as ONNX allows from opset 14 on, and its scale and bias too from opset 15 on:
+    the lowering (:mod:`traingraph.autodiff.lowering`) and the gradient compute the batch
+    statistics and the per-channel sums in float32 and only read and write the activations
+    in ``dtype``.
+    """
+    x = node.inputs[0]
+    low = x is not None and x.dtype == dtype
+    attr = node.attributes.get("training_mode")
+    training = attr is not None and bool(attr.value)
+    for i, v in enumerate(node.inputs):
+        if v is None or v.dtype not in (ir.DataType.FLOAT, dtype):
+            continue
+        target = ir.DataType.FLOAT
+        if low and (i == 0 or not training or (i < 3 and opset < 15)):
+            target = dtype
+        if v.dtype != target:
+            node.replace_input_with(i, cast(v, target))
+    if low:
+        node.outputs[0].dtype = dtype
 
 
 def scale_loss(graph: ir.Graph) -> ir.Value:

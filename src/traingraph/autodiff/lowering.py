@@ -40,7 +40,11 @@ from typing import NamedTuple
 import numpy as np
 import onnx_ir as ir
 
-from traingraph.autodiff.rules.normalization import batch_statistics, inverse_channel_count
+from traingraph.autodiff.rules.normalization import (
+    batch_statistics,
+    inverse_channel_count,
+    statistics_input,
+)
 from traingraph.autodiff.rules.shape import static_dim
 from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, rank, static_shape
@@ -135,15 +139,25 @@ def _lower_one(b: OpBuilder, node: ir.Node, unbiased: bool) -> list[_RunningUpda
     eps = node.attributes.get("epsilon")
     momentum_attr = node.attributes.get("momentum")
     momentum = 0.9 if momentum_attr is None else float(momentum_attr.value)
-    mean, _, var = batch_statistics(b, x, axes)
+    xs = statistics_input(b, x)
+    mean, _, var = batch_statistics(b, xs, axes)
     batch_mean, batch_var = (
-        b.squeeze(v, axes) if x.dtype == like.dtype else b.cast_like(b.squeeze(v, axes), like)
+        b.squeeze(v, axes) if xs.dtype == like.dtype else b.cast_like(b.squeeze(v, axes), like)
         for v, like in ((mean, mean_in), (var, var_in))
     )
-    y = b.BatchNormalization(
-        x, scale, bias, batch_mean, batch_var,
-        epsilon=1e-5 if eps is None else float(eps.value),
-    )
+    if xs is not x:
+        # float16 activations, float32 statistics: onnxruntime's kernels take the per-channel
+        # inputs in X's type
+        stats = (b.cast_like(b.squeeze(v, axes), x) for v in (mean, var))
+        params = (v if v.dtype == x.dtype else b.cast_like(v, x) for v in (scale, bias))
+        y = b.BatchNormalization(
+            x, *params, *stats, epsilon=1e-5 if eps is None else float(eps.value)
+        )
+    else:
+        y = b.BatchNormalization(
+            x, scale, bias, batch_mean, batch_var,
+            epsilon=1e-5 if eps is None else float(eps.value),
+        )  # fmt: skip
     _replace(node.outputs[0], y)
     running_var = batch_var
     if unbiased:

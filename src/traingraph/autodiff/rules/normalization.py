@@ -58,6 +58,12 @@ def batch_statistics(
     return mean, centered, b.mean(b.Mul(centered, centered), axes)
 
 
+def statistics_input(b: OpBuilder, x: ir.Value) -> ir.Value:
+    """``x`` as the batch statistics read it: float32 where ``x`` is float16 or bfloat16 (the
+    sums of many low-precision values overflow or lose their digits in that type)."""
+    return b.cast(x, ir.DataType.FLOAT) if x.dtype in _LOW_PRECISION else x
+
+
 def inverse_channel_count(b: OpBuilder, x: ir.Value, channels: ir.Value) -> ir.Value:
     """``1 / M``, ``M`` the elements of ``x`` per entry of the per-channel ``channels``."""
     dims, c_dims = static_shape(x), static_shape(channels)
@@ -151,7 +157,9 @@ def batch_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | None]
     eps = float(ctx.attr("epsilon", 1e-5))
     training = bool(ctx.attr("training_mode", 0))
     for i in (1, 2) if training else (1, 2, 3, 4):
-        if ctx.x(i).dtype != x.dtype:
+        # a training-mode node of float16 activations may keep float32 parameters
+        wide = training and x.dtype in _LOW_PRECISION and ctx.x(i).dtype == ir.DataType.FLOAT
+        if ctx.x(i).dtype != x.dtype and not wide:
             ctx.unsupported(
                 f"input {i} has dtype {ctx.x(i).dtype} but X has {x.dtype}; expected one dtype"
             )
@@ -195,30 +203,48 @@ def _batch_norm_training_grads(
     The per-channel arithmetic runs on ``(C,)`` vectors, in as few ops as it takes (each is a
     kernel launch on a GPU): with ``am = a / M``, ``dL/dx = a g - (k xc + c')`` where
     ``k = am * rstd * dL/dscale`` and ``c' = am * S - k e``. The sums drop the reduced axes.
+
+    Float16 or bfloat16 ``x`` and ``g`` (with float16 or float32 parameters) are read as
+    float32 (:func:`statistics_input`): the statistics, the sums and ``dL/dx`` are computed
+    in float32 and ``dL/dx`` is rounded once to ``x``'s type, the parameters' gradients to
+    theirs.
     """
     b, x, scale = ctx.b, ctx.x(0), ctx.x(1)
-    _, centered, var = batch_statistics(b, x, axes)
+    xs = statistics_input(b, x)
+    low = xs is not x  # float16 activations, float32 arithmetic
+
+    def wide(v: ir.Value) -> ir.Value:
+        return b.cast(v, ir.DataType.FLOAT) if low else v
+
+    def narrow(v: ir.Value, like: ir.Value) -> ir.Value:
+        dtype = like.dtype
+        return b.cast(v, dtype) if low and dtype and dtype != ir.DataType.FLOAT else v
+
+    _, centered, var = batch_statistics(b, xs, axes)
+    gs = wide(g)
     need_gc = ctx.need(0) or ctx.need(1)
-    sum_g = b.sum(g, axes, keepdims=False) if need_gc or ctx.need(2) else None
+    sum_g = b.sum(gs, axes, keepdims=False) if need_gc or ctx.need(2) else None
     out: list[ir.Value | None] = [None] * 5
-    out[2] = sum_g if ctx.need(2) else None
+    out[2] = narrow(sum_g, ctx.x(2)) if sum_g is not None and ctx.need(2) else None
     if sum_g is None or not need_gc:
         return out
     shift = b.mean(centered, axes, keepdims=False)
-    sum_gc = b.Sub(b.sum(b.Mul(g, centered), axes, keepdims=False), b.Mul(sum_g, shift))
-    rstd = b.Pow(b.Add(b.squeeze(var, axes), b.scalar(eps, x)), b.scalar(-0.5, x))
+    sum_gc = b.Sub(b.sum(b.Mul(gs, centered), axes, keepdims=False), b.Mul(sum_g, shift))
+    rstd = b.Pow(b.Add(b.squeeze(var, axes), b.scalar(eps, xs)), b.scalar(-0.5, xs))
     d_scale = b.Mul(rstd, sum_gc)
-    out[1] = d_scale if ctx.need(1) else None
+    out[1] = narrow(d_scale, scale) if ctx.need(1) else None
     if ctx.need(0):
         r = len(axes) + 1
-        a = b.Mul(scale, rstd)
-        am = b.Mul(a, inverse_channel_count(b, x, scale))
+        a = b.Mul(wide(scale) if scale.dtype != ir.DataType.FLOAT else scale, rstd)
+        am = b.Mul(a, inverse_channel_count(b, xs, scale))
         k = b.Mul(b.Mul(am, rstd), d_scale)
         c = b.Sub(b.Mul(am, sum_g), b.Mul(k, shift))
         # the full-size operand first: a provider's per-channel broadcast takes the
         # per-channel operand on the right (onnxruntime's CUDA kernels have a fast path only so)
         shifted = b.Add(b.Mul(centered, _per_channel(b, k, r)), _per_channel(b, c, r))
-        out[0] = b.Sub(b.Mul(g, _per_channel(b, a, r)), shifted)
+        # In float32 for low-precision activations, rounded once: ``a g`` and ``k xc + c`` may
+        # be much larger than their difference.
+        out[0] = narrow(b.Sub(b.Mul(gs, _per_channel(b, a, r)), shifted), x)
     return out
 
 
