@@ -737,6 +737,31 @@ def test_cuda_graph_step_trains_in_fp16(tmp_path) -> None:
     assert step.optimizer_update.state.step == STEPS + 1
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_steps_of_two_batch_shapes_share_the_loss_scale(tmp_path) -> None:
+    # Two captured fp16 steps of one module (batches of 32 and 16) decide on the same GPU
+    # counters: the step count, the skipped step and the scale it halves are seen by both.
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    _artifacts(tmp_path, export(seeded(MLP), torch.zeros(2, 20), training=True), "fp16")
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    steps = [CudaGraphStep(module, optimizer), CudaGraphStep(module, optimizer)]
+    rng = np.random.default_rng(0)
+    sizes = [32, 16, 32, 16, 32]
+    for i, n in enumerate(sizes):
+        x = rng.standard_normal((n, 20)).astype(np.float32)
+        if i == 3:
+            x[0, 0] = np.inf
+        steps[i % 2](x, rng.integers(0, 5, n))
+    assert steps[0]._counters is not None and steps[0]._counters is steps[1]._counters
+    scaler = module.loss_scaler
+    assert scaler is not None and scaler.skipped_steps == 1 and scaler.scale == 2.0**15
+    assert scaler.good_steps == 1 and optimizer.update.state.step == 4
+
+
 def test_static_shapes_fold_into_constants() -> None:
     """Shape and Size of fixed shapes (and the arithmetic on them) become constants, with the
     same outputs; only small shape values are folded, activations never."""

@@ -609,7 +609,12 @@ class CudaGraphStep:
             return None
         fused = fuse_step_model(static, self.optimizer_update.graph_model, flat, grads, scaler)
         if fused is not None and scaler is not None:
-            self._counters = GpuCounters(self.device, scaler, state)
+            # Steps of one module (batches of several shapes) share the GPU's counters.
+            shared = state.counters
+            if isinstance(shared, GpuCounters) and shared.scaler is scaler:
+                self._counters = shared
+            else:
+                self._counters = GpuCounters(self.device, scaler, state)
         return fused
 
     def _static_outputs(
