@@ -180,8 +180,8 @@ def device_update_nodes(
     that is not a power of two rounds as float32 does (the host multiplies in float64)."""
     p = prefix
 
-    def const(name: str, value: float, dtype: int = TensorProto.FLOAT) -> TensorProto:
-        return helper.make_tensor(f"{p}{name}", dtype, [], [value])
+    def const(name: str, value: float) -> TensorProto:
+        return helper.make_tensor(f"{p}{name}", TensorProto.FLOAT, [], [value])
 
     constants = [
         const("one", 1.0),
