@@ -253,12 +253,12 @@ def test_running_statistics_of_one_momentum_update_as_one_vector():
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
-def _split_to_sequence_model(split, positions, keepdims=1):
-    """``SplitToSequence(x, split)`` along axis 1 read by ``SequenceAt`` at ``positions``,
-    each piece weighted into ``loss``; ``x`` has a dynamic batch."""
+def _split_to_sequence_model(split, positions, keepdims=1, axis=1):
+    """``SplitToSequence(x, split)`` along ``axis`` (of 5) read by ``SequenceAt`` at
+    ``positions``, each piece weighted into ``loss``; ``x`` has a dynamic batch."""
     nodes = [helper.make_node(
         "SplitToSequence", ["x"] + (["split"] if split is not None else []), ["seq"],
-        axis=1, keepdims=keepdims,
+        axis=axis, keepdims=keepdims,
     )]  # fmt: skip
     terms = []
     for k in range(len(positions)):
@@ -278,7 +278,9 @@ def _split_to_sequence_model(split, positions, keepdims=1):
         inits.append(numpy_helper.from_array(np.array(split, np.int64), "split"))
     graph = helper.make_graph(
         nodes, "split_to_sequence",
-        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["batch", 5, 2])],
+        [helper.make_tensor_value_info(
+            "x", TensorProto.DOUBLE, ["batch", 5, 2] if axis in (1, -2) else ["batch", 2, 5]
+        )],
         [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])], inits,
     )  # fmt: skip
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
@@ -295,6 +297,23 @@ def test_split_to_sequence_read_at_constant_positions_differentiates(split, posi
     grad_model = build_gradient_graph(model, wrt=["x"], loss="loss")
     assert not any(n.op_type.startswith("Sequence") for n in grad_model.graph.node)
     check_model_gradient(model, {"x": rng.standard_normal((3, 5, 2))}, ["x"])
+
+
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_split_to_sequence_along_a_negative_axis_keeps_the_pieces_shapes(keepdims):
+    """``torch.chunk(x, n, -1)`` exports with axis=-1: each piece's shape is ``x``'s with the
+    last dimension replaced (or dropped), the rank unchanged."""
+    split = [2, 3] if keepdims else None
+    model = _split_to_sequence_model(split, [0, 1], keepdims, axis=-1)
+    m = ir.from_proto(onnx.shape_inference.infer_shapes(model))
+    assert split_sequences(m.graph, 18)
+    pieces = [n.outputs[0] for n in m.graph if n.op_type == "Mul" and n.inputs[0] is n.inputs[1]]
+    want = [["batch", 2, 2], ["batch", 2, 3]] if keepdims else [["batch", 2], ["batch", 2]]
+    got = [[d if isinstance(d, int) else d.value for d in p.inputs[0].shape.dims]
+           for p in (v.producer() for v in pieces)]  # fmt: skip
+    assert got == want
+    x = rng.standard_normal((3, 2, 5))
+    check_model_gradient(model, {"x": x}, ["x"])
 
 
 def test_split_to_sequence_with_run_time_positions_stays():

@@ -257,7 +257,8 @@ def split_sequences(graph: ir.Graph, opset: int) -> bool:
             piece.type = x.type
             if x.shape is not None:
                 dims = list(x.shape.dims)
-                dims[axis : axis + 1] = [] if squeeze else [size]
+                at = axis % len(dims)  # the exporters write axis=-1 for torch.chunk(x, n, -1)
+                dims[at : at + 1] = [] if squeeze else [size]
                 piece.shape = ir.Shape(dims)
         for reader, position in zip(readers, positions):
             assert position is not None
