@@ -59,6 +59,7 @@ from traingraph.runtime.cuda.static_shapes import for_capture
 from traingraph.runtime.device import Device
 from traingraph.runtime.optimizer import FlatLayout, OptimizerUpdate, optimizer_io
 from traingraph.runtime.session import SessionConfig, create_session, ort_type_to_numpy
+from traingraph.runtime.state import TrainingState
 from traingraph.runtime.step import TrainStep
 from traingraph.runtime.tensors import PingPong, Spec, TensorStore
 
@@ -442,7 +443,7 @@ class GpuCounters:
     back when the host reads its copies, and writes the host's values before the next step
     where the host set one."""
 
-    def __init__(self, device: Device, scaler: DynamicLossScaler, state: Any) -> None:
+    def __init__(self, device: Device, scaler: DynamicLossScaler, state: TrainingState) -> None:
         self.pair = PingPong(TensorStore(device, COUNTERS))
         self.scaler, self.state = scaler, state
         self._host_current = True
