@@ -145,19 +145,14 @@ def _lower_one(b: OpBuilder, node: ir.Node, unbiased: bool) -> list[_RunningUpda
         b.squeeze(v, axes) if xs.dtype == like.dtype else b.cast_like(b.squeeze(v, axes), like)
         for v, like in ((mean, mean_in), (var, var_in))
     )
+    per_channel = [scale, bias, batch_mean, batch_var]
     if xs is not x:
         # float16 activations, float32 statistics: onnxruntime's kernels take the per-channel
         # inputs in X's type
-        stats = (b.cast_like(b.squeeze(v, axes), x) for v in (mean, var))
-        params = (v if v.dtype == x.dtype else b.cast_like(v, x) for v in (scale, bias))
-        y = b.BatchNormalization(
-            x, *params, *stats, epsilon=1e-5 if eps is None else float(eps.value)
-        )
-    else:
-        y = b.BatchNormalization(
-            x, scale, bias, batch_mean, batch_var,
-            epsilon=1e-5 if eps is None else float(eps.value),
-        )  # fmt: skip
+        stats = [b.squeeze(v, axes) for v in (mean, var)]
+        per_channel = [v if v.dtype == x.dtype else b.cast_like(v, x) for v in (scale, bias)]
+        per_channel += [b.cast_like(v, x) for v in stats]
+    y = b.BatchNormalization(x, *per_channel, epsilon=1e-5 if eps is None else float(eps.value))
     _replace(node.outputs[0], y)
     running_var = batch_var
     if unbiased:

@@ -23,7 +23,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import numpy as np
 from onnx import NodeProto, TensorProto, helper
@@ -37,8 +38,11 @@ __all__ = [
     "STEP_COUNT",
     "DeviceCounters",
     "DynamicLossScaler",
+    "Mirrored",
     "device_update_nodes",
 ]
+
+_T = TypeVar("_T", int, float)
 
 GOOD_STEPS = "loss_scale.good_steps"
 SKIPPED_STEPS = "loss_scale.skipped_steps"
@@ -64,6 +68,40 @@ class DeviceCounters(Protocol):
 
     def host_changed(self) -> None:
         """The host copies were set; the device takes them before its next step."""
+
+
+class Mirrored(Generic[_T]):
+    """An attribute whose value a device may hold, through its owner's ``counters`` (a
+    :class:`DeviceCounters` or None): a read pulls the device's value first, a write tells the
+    device that the host's is newer. The value is kept in ``_<name>``, where the counters write
+    what they pull."""
+
+    def __init__(self, kind: Callable[[Any], _T]) -> None:
+        self.kind: Callable[[Any], _T] = kind
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Mirrored[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> Mirrored[_T] | _T:
+        if obj is None:
+            return self
+        counters: DeviceCounters | None = getattr(obj, "counters", None)
+        if counters is not None:
+            counters.pull()
+        return getattr(obj, self.slot)  # type: ignore[no-any-return]
+
+    def __set__(self, obj: object, value: _T) -> None:
+        counters: DeviceCounters | None = getattr(obj, "counters", None)
+        if counters is not None:
+            counters.pull()
+        setattr(obj, self.slot, self.kind(value))
+        if counters is not None:
+            counters.host_changed()
 
 
 class DynamicLossScaler:
@@ -101,45 +139,13 @@ class DynamicLossScaler:
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
         self.counters: DeviceCounters | None = None
-        self._scale = float(scale)
-        self._good_steps = int(good_steps)
-        self._skipped_steps = int(skipped_steps)
+        self.scale = scale
+        self.good_steps = good_steps
+        self.skipped_steps = skipped_steps
 
-    def _get(self, name: str) -> float | int:
-        if self.counters is not None:
-            self.counters.pull()
-        return getattr(self, name)  # type: ignore[no-any-return]
-
-    def _set(self, name: str, value: float | int) -> None:
-        if self.counters is not None:
-            self.counters.pull()
-        setattr(self, name, value)
-        if self.counters is not None:
-            self.counters.host_changed()
-
-    @property
-    def scale(self) -> float:
-        return float(self._get("_scale"))
-
-    @scale.setter
-    def scale(self, value: float) -> None:
-        self._set("_scale", float(value))
-
-    @property
-    def good_steps(self) -> int:
-        return int(self._get("_good_steps"))
-
-    @good_steps.setter
-    def good_steps(self, value: int) -> None:
-        self._set("_good_steps", int(value))
-
-    @property
-    def skipped_steps(self) -> int:
-        return int(self._get("_skipped_steps"))
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._set("_skipped_steps", int(value))
+    scale = Mirrored(float)
+    good_steps = Mirrored(int)
+    skipped_steps = Mirrored(int)
 
     def mirror(self, scale: float, good_steps: int, skipped_steps: int) -> None:
         """Set the host copies to what the device holds (for :class:`DeviceCounters`)."""

@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from traingraph.checkpoint import CheckpointData
 from traingraph.errors import ModelError
-from traingraph.runtime.amp import DeviceCounters
+from traingraph.runtime.amp import DeviceCounters, Mirrored
 from traingraph.runtime.device import Device
 from traingraph.runtime.tensors import PingPong, TensorStore
 
@@ -23,6 +23,9 @@ class TrainingState:
     then the two swap, so nothing is allocated or copied per step. The second copy is allocated
     when a graph first writes it: the fused CPU update writes the first in place and holds none.
     """
+
+    step = Mirrored(int)
+    """The number of optimizer steps applied."""
 
     def __init__(
         self, data: CheckpointData, device: Device, buffers: AbstractSet[str] = frozenset()
@@ -47,24 +50,9 @@ class TrainingState:
         # Set while a device keeps the step count (a captured CUDA-graph step with a loss
         # scaler, :class:`~traingraph.runtime.amp.DeviceCounters`).
         self.counters: DeviceCounters | None = None
-        self._step = int(data.optimizer_step)
+        self.step = data.optimizer_step
         self.learning_rate = data.learning_rate
         self.unloaded = set(self.names) if data.nominal else set()
-
-    @property
-    def step(self) -> int:
-        """The number of optimizer steps applied."""
-        if self.counters is not None:
-            self.counters.pull()
-        return self._step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        if self.counters is not None:
-            self.counters.pull()
-        self._step = int(value)
-        if self.counters is not None:
-            self.counters.host_changed()
 
     def mirror_step(self, value: int) -> None:
         """Set the host copy of the step count to what the device holds."""

@@ -235,7 +235,7 @@ def _batch_norm_training_grads(
     out[1] = narrow(d_scale, scale) if ctx.need(1) else None
     if ctx.need(0):
         r = len(axes) + 1
-        a = b.Mul(wide(scale) if scale.dtype != ir.DataType.FLOAT else scale, rstd)
+        a = b.Mul(_as(b, scale, xs.dtype), rstd)
         am = b.Mul(a, inverse_channel_count(b, xs, scale))
         k = b.Mul(b.Mul(am, rstd), d_scale)
         c = b.Sub(b.Mul(am, sum_g), b.Mul(k, shift))

@@ -374,11 +374,9 @@ def fuse_step_model(
     graph.node.extend(ours.graph.node)
     graph.output.extend(ours.graph.output)
     graph.value_info.extend(ours.graph.value_info)
-    if scaler is not None:
-        if not _decide_on_device(graph, scaler):
-            return None
-        if versions.get("", 0) < 12:
-            return None  # GreaterOrEqual
+    # the scaler's update uses GreaterOrEqual (opset 12)
+    if scaler is not None and (versions.get("", 0) < 12 or not _decide_on_device(graph, scaler)):
+        return None
     del fused.opset_import[:]
     fused.opset_import.extend(helper.make_opsetid(d, v) for d, v in versions.items())
     fused.ir_version = max(train.ir_version, optimizer.ir_version)
