@@ -24,10 +24,15 @@ from traingraph.autodiff.engine import differentiate, name_output, values_by_nam
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
-from traingraph.ir.fold import compose_transpose_reshapes, compose_transposes
 from traingraph.ir.model import ModelLike, default_opset, infer_shapes_in_place, load_ir, to_proto
 from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
+from traingraph.ir.transposes import (
+    compose_transposes,
+    compose_views,
+    move_transposes,
+    transposed_products,
+)
 from traingraph.limits import (
     MAX_ELEMENTS_VARIABLE,
     check_ir_model,
@@ -275,6 +280,8 @@ def build_train_graph(
             graph, opset, loss, loss_input_names, labels, label_weight
         )  # fmt: skip
     _infer_shapes(model)
+    named = [*output_names, *tensor_grads, *stop_gradients, *user_gradients]
+    move_transposes(graph, opset, keep=named)
     values = values_by_name(graph)
     missing = [n for n in [*output_names, *tensor_grads, *stop_gradients, *user_gradients]
                if n not in values]  # fmt: skip
@@ -311,12 +318,13 @@ def build_train_graph(
     losses = [loss_value] if loss_value is not None else []
     graph.outputs.clear()
     graph.outputs.extend([*losses, *extra, *grad_outputs, *update_outputs, *finite])
-    forward_nodes = set(itertools.islice(graph, forward_node_count))
-    forward_nodes.difference_update(compose_transposes(graph))
-    compose_transpose_reshapes(graph, forward_nodes)
-    forward_node_count = len(forward_nodes)
     forward_names = [v.name or "" for v in [*losses, *extra, *update_outputs]]
     grad_names = [v.name or "" for v in [*grad_outputs, *finite]]
+    forward_nodes = set(itertools.islice(graph, forward_node_count))
+    forward_nodes.difference_update(compose_transposes(graph))
+    compose_views(graph, forward_nodes)  # (the values they replace keep their names)
+    transposed_products(graph, forward_nodes)
+    forward_node_count = len(forward_nodes)
     if forward_first:
         forward_node_count = _lower_batch_norm(graph, opset, forward_node_count, running_stats)
     else:

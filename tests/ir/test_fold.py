@@ -8,8 +8,9 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from traingraph.ir.fold import Dim, compose_transposes, constant_value, partial_value
+from traingraph.ir.fold import Dim, constant_value, partial_value
 from traingraph.ir.model import load_ir
+from traingraph.ir.transposes import compose_transposes, compose_views
 
 
 def _graph(shape):
@@ -453,12 +454,10 @@ def test_transpose_reshape_transpose_is_one_copy(dims, first, target, second, op
     Transpose between Reshapes (or none), and the output is the same, element for element."""
     import onnxruntime as ort
 
-    from traingraph.ir.fold import compose_transpose_reshapes
-
     proto = _transpose_reshape_chain(dims, first, target, second)
     m = ir.from_proto(proto)
     forward = set(m.graph)
-    assert compose_transpose_reshapes(m.graph, forward) == 1
+    assert compose_views(m.graph, forward) == 1
     assert [n.op_type for n in m.graph if n.op_type != "Constant"] == ops
     assert forward == set(m.graph) and "target" not in m.graph.initializers
     inferred = onnx.shape_inference.infer_shapes(ir.to_proto(m), strict_mode=True).graph
@@ -486,8 +485,6 @@ def test_transpose_reshape_transpose_is_one_copy(dims, first, target, second, op
 def test_transpose_reshape_transpose_stays_where_it_is_not_a_split(
     dims, first, target, second, extra_reader
 ):
-    from traingraph.ir.fold import compose_transpose_reshapes
-
     m = ir.from_proto(_transpose_reshape_chain(dims, first, target, second, extra_reader))
-    assert compose_transpose_reshapes(m.graph, set()) == 0
+    assert compose_views(m.graph, set()) == 0
     assert [n.op_type for n in m.graph] == ["Transpose", "Reshape", "Transpose"]

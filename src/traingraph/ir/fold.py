@@ -20,9 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -272,241 +270,12 @@ def drop_zero_biases(graph: ir.Graph) -> int:
             continue
         bias = node.inputs[position]
         node.resize_inputs(position)
-        _remove_if_unused(graph, bias)
+        remove_if_unused(graph, bias)
         removed += 1
     return removed
 
 
-def compose_transposes(graph: ir.Graph) -> list[ir.Node]:
-    """Read each ``Transpose`` of a ``Transpose`` from the first one's input, with the two
-    permutations composed (none where they cancel), and remove the nodes that leaves unread.
-
-    A gradient rule transposes what its forward node read, and the forward often read a
-    transposed value itself: a ``Linear`` exported as ``MatMul(x, Transpose(W))`` gets the
-    input gradient ``MatMul(dy, Transpose(Transpose(W)))``. Composed, the gradient reads ``W``,
-    and the forward's ``Transpose(W)`` keeps one reader, which a runtime folds into its
-    ``MatMul`` instead of writing the transposed copy (and keeping it alive for the backward
-    pass). A transpose moves elements without computing, so every value stays the same.
-
-    Returns:
-        The nodes removed.
-    """
-    removed: list[ir.Node] = []
-    for node in list(graph):
-        if node.graph is not graph:
-            continue  # removed as an earlier node's source
-        inner = _transpose_of(node)
-        if inner is None:
-            continue
-        source = inner.inputs[0]
-        first, second = _perm(inner), _perm(node)
-        if source is None or first is None or second is None or len(first) != len(second):
-            continue
-        composed = [first[axis] for axis in second]
-        transposed = inner.outputs[0]
-        if composed == sorted(composed) and not node.outputs[0].is_graph_output():
-            node.outputs[0].replace_all_uses_with(source)
-            graph.remove(node, safe=True)
-            removed.append(node)
-        else:
-            node.replace_input_with(0, source)
-            node.attributes["perm"] = ir.AttrInt64s("perm", composed)
-        removed += _remove_if_unused(graph, transposed)
-    return removed
-
-
-def compose_transpose_reshapes(graph: ir.Graph, forward: set[ir.Node]) -> int:
-    """Write each ``Transpose -> Reshape -> Transpose`` chain of static shapes, whose middle
-    values only the chain reads, as ``Reshape -> Transpose -> Reshape``: one copy instead of two
-    (none where the composed permutation keeps the order).
-
-    The Reshape only splits and merges axes where the two shapes around it have a common
-    refinement (every dimension a product of consecutive factors of it); the input is reshaped
-    to those factors in its own axis order, the factors are permuted as both Transposes move
-    them, and the result reshaped to the chain's output shape. Data is only moved, so every
-    value stays the same. torchvision's attention splits and merges its heads so.
-
-    Args:
-        graph: The graph, changed in place.
-        forward: The forward pass's nodes: a chain is rewritten only where all three of its
-            nodes are among them or none is, and the nodes written for a forward chain are
-            added to it.
-
-    Returns:
-        How many chains were rewritten.
-    """
-    count = 0
-    for node in list(graph):
-        if node.graph is not graph or node.op_type != "Reshape":
-            continue
-        first = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
-        uses = list(node.outputs[0].uses())
-        if first is None or first.op_type != "Transpose" or len(uses) != 1:
-            continue
-        second = uses[0].node
-        chain = [first, node, second]
-        if (
-            second.op_type != "Transpose"
-            or any(n.domain not in ("", "ai.onnx") for n in chain)
-            or len(list(first.outputs[0].uses())) != 1
-            or any(v.is_graph_output() for v in (first.outputs[0], node.outputs[0]))
-            or len({n in forward for n in chain}) != 1
-        ):
-            continue
-        x, y = first.inputs[0], second.outputs[0]
-        plan = _moves(x, _perm(first), node.outputs[0], _perm(second))
-        if x is None or plan is None:
-            continue
-        fine, perm, out_dims = plan
-        _replace_chain(graph, chain, x, y, fine, perm, out_dims, forward)
-        count += 1
-    return count
-
-
-def _replace_chain(
-    graph: ir.Graph,
-    chain: list[ir.Node],
-    x: ir.Value,
-    y: ir.Value,
-    fine: list[int],
-    perm: list[int],
-    out_dims: list[int],
-    forward: set[ir.Node],
-) -> None:
-    """Put ``Reshape(fine) -> Transpose(perm) -> Reshape(out_dims)`` (the Transpose left out
-    where ``perm`` keeps the order) in place of ``chain``, writing ``y``."""
-
-    def const(values: list[int], name: str) -> ir.Value:
-        value = ir.AttrTensor("value", ir.tensor(np.array(values, np.int64)))
-        node = ir.Node("", "Constant", [], [value], name=name)
-        new.append(node)
-        return node.outputs[0]
-
-    new: list[ir.Node] = []
-    label = chain[1].name or "moves"
-    current = x
-    if perm != sorted(perm):
-        fine_shape = const(fine, f"{label}/fine_shape")
-        split = ir.Node("", "Reshape", [x, fine_shape], name=f"{label}/fine")
-        new.append(split)
-        order = [ir.AttrInt64s("perm", perm)]
-        moved = ir.Node("", "Transpose", [split.outputs[0]], order, name=f"{label}/moved")
-        new.append(moved)
-        current = moved.outputs[0]
-        for value, dims in ((split.outputs[0], fine), (current, [fine[a] for a in perm])):
-            value.type, value.shape = y.type, ir.Shape(dims)
-    target = const(out_dims, f"{label}/out_shape")
-    joined = ir.Node("", "Reshape", [current, target], name=f"{label}/joined")
-    new.append(joined)
-    graph.insert_before(chain[2], new)
-    out = joined.outputs[0]
-    out.name, out.type, out.shape = y.name, y.type, y.shape
-    y.name = None
-    y.replace_all_uses_with(out, replace_graph_outputs=True)
-    if chain[0] in forward:
-        forward.update(new)
-    shape = chain[1].inputs[1] if len(chain[1].inputs) > 1 else None
-    for n in reversed(chain):
-        graph.remove(n, safe=True)
-    forward.difference_update(chain, _remove_if_unused(graph, shape))
-    if shape is not None and shape.name is not None and not shape.uses():
-        graph.initializers.pop(shape.name, None)
-
-
-def _moves(
-    x: ir.Value | None, first: list[int] | None, middle: ir.Value, second: list[int] | None
-) -> tuple[list[int], list[int], list[int]] | None:
-    """``(fine shape of x, permutation of its factors, output shape)`` for the chain
-    ``Transpose(first) -> Reshape (to middle's shape) -> Transpose(second)`` of ``x``, or None
-    where a shape is not static or the Reshape is not a split and merge of axes."""
-    dims, target = _static_dims(x), _static_dims(middle)
-    if dims is None or target is None or first is None or second is None:
-        return None
-    if len(first) != len(dims) or len(second) != len(target) or 0 in dims:
-        return None
-    moved = [dims[a] for a in first]
-    if math.prod(moved) != math.prod(target):
-        return None
-    out_dims = [target[a] for a in second]
-    # the axes of size 1 only change the rank: leave them out
-    b_axes = [first[i] for i in range(len(first)) if moved[i] != 1]  # x's axes, moved order
-    b_dims = [d for d in moved if d != 1]
-    c_axes = [j for j in range(len(target)) if target[j] != 1]
-    c_dims = [target[j] for j in c_axes]
-    products = [*itertools.accumulate(b_dims, operator.mul)]
-    bounds = sorted(set(products) | set(itertools.accumulate(c_dims, operator.mul)))
-    factors, previous = [], 1
-    for bound in bounds:
-        if bound % previous:
-            return None
-        factors.append(bound // previous)
-        previous = bound
-
-    def spans(sizes: list[int]) -> list[list[int]]:
-        """Each dimension's factors (indices), in order."""
-        result, k = [], 0
-        for size in sizes:
-            run, product = [], 1
-            while product < size:
-                product *= factors[k]
-                run.append(k)
-                k += 1
-            if product != size:
-                raise ValueError
-            result.append(run)
-        return result
-
-    try:
-        b_spans, c_spans = spans(b_dims), spans(c_dims)
-    except ValueError:
-        return None
-    # x's own order: each of its axes (size 1 left out) as the factors of its moved position
-    by_axis = dict(zip(b_axes, b_spans))
-    x_order = [k for axis in sorted(by_axis) for k in by_axis[axis]]
-    position = {k: i for i, k in enumerate(x_order)}
-    c_index = {axis: span for axis, span in zip(c_axes, c_spans)}
-    result = [k for axis in second if axis in c_index for k in c_index[axis]]
-    if len(factors) > _MAX_MOVE_RANK:
-        return None
-    return [factors[k] for k in x_order], [position[k] for k in result], out_dims
-
-
-_MAX_MOVE_RANK = 8
-"""The most axes the composed Transpose may have (onnxruntime's CUDA Transpose takes 8)."""
-
-
-def _static_dims(value: ir.Value | None) -> list[int] | None:
-    """``value``'s dimensions where all are known."""
-    if value is None or value.shape is None:
-        return None
-    dims = [d if isinstance(d, int) else None for d in value.shape.dims]
-    return None if None in dims else [int(d) for d in dims if d is not None]
-
-
-def _transpose_of(node: ir.Node) -> ir.Node | None:
-    """The ``Transpose`` that computes the input of the ``Transpose`` ``node``, else None."""
-    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or not node.inputs:
-        return None
-    value = node.inputs[0]
-    inner = None if value is None else value.producer()
-    if inner is None or inner.op_type != "Transpose" or inner.domain not in ("", "ai.onnx"):
-        return None
-    return inner
-
-
-def _perm(node: ir.Node) -> list[int] | None:
-    """A ``Transpose``'s permutation (its input's axes reversed where it has none), or None
-    where its input's rank is unknown."""
-    attr = node.attributes.get("perm")
-    if attr is not None:
-        return [int(a) for a in attr.as_ints()]
-    value = node.inputs[0]
-    if value is None or value.shape is None:
-        return None
-    return list(reversed(range(len(value.shape))))
-
-
-def _remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> list[ir.Node]:
+def remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> list[ir.Node]:
     """Remove the node computing ``value`` where nothing reads it, then its inputs' likewise;
     return the nodes removed."""
     node = None if value is None else value.producer()
@@ -516,7 +285,7 @@ def _remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> list[ir.Node]:
     graph.remove(node, safe=True)
     removed = [node]
     for v in inputs:
-        removed += _remove_if_unused(graph, v)
+        removed += remove_if_unused(graph, v)
     return removed
 
 
@@ -778,8 +547,6 @@ _ELEMENTWISE = frozenset({"Neg", "Add", "Sub", "Mul", "Div", "Mod", "Max", "Min"
 
 __all__ = [
     "Dim",
-    "compose_transpose_reshapes",
-    "compose_transposes",
     "constant_attribute_value",
     "constant_value",
     "densify_sparse_constants",

@@ -140,6 +140,36 @@ def test_module_trains_as_the_graph_and_torch_do(tmp_path):
     assert_trains_as_torch_adamw(got, seeded(Normed), batches, lr=0.01)
 
 
+class InputNormed(nn.Module):
+    """LayerNorm of the model's input itself, then Linear: no gradient of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.down = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(x))
+
+
+def test_a_layer_norm_of_the_input_trains_with_the_kernel(tmp_path):
+    """Without ``dx`` the kernel reads no scale: the match is checked, kept and trains as the
+    graph and PyTorch do."""
+    directory = _artifacts(tmp_path, seeded(InputNormed))
+    ((kernel, _),) = layer_norm.split_layer_norm_grads(
+        onnx.load(directory / "training_model.onnx")
+    )
+    assert kernel.dx is None and kernel.scale not in kernel.inputs
+    rng = np.random.default_rng(2)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32), rng.integers(0, 3, n)) for n in (4, 4)
+    ]
+    got = artifact_steps(directory, batches, layer_norm.LayerNormGrad)
+    expected = artifact_steps(directory, batches, layer_norm.LayerNormGrad, without=NO_LAYER_NORMS)
+    assert_same_training(got, expected)
+    assert_trains_as_torch_adamw(got, seeded(InputNormed), batches, lr=0.01)
+
+
 def test_the_plan_runs_the_gradient_between_segments(tmp_path):
     model = onnx.load(_artifacts(tmp_path, seeded(Normed)) / "training_model.onnx")
     model, kernels = segments.find_kernels(model, [])

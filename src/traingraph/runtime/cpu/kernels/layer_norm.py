@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
@@ -34,14 +35,17 @@ class LayerNormGrad(NormalizationGrad):
 
     @property
     def inputs(self) -> list[str]:
-        return [self.x, self.dy, self.scale]
+        """The input, the output's gradient, and the scale where ``dx`` is computed (only
+        ``dx`` reads it: a LayerNormalization of a graph input has no ``dx``)."""
+        return [self.x, self.dy] + ([self.scale] if self.dx else [])
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``dx``, ``dscale`` and ``dbias`` into ``out`` (arrays there are written in
         place; missing ones are allocated) from ``values``."""
         x = values[self.x]
         features = x.shape[-1:] if x.ndim else (0,)
-        inputs = [x, values[self.dy], values[self.scale]]
+        scale = values[self.scale] if self.dx else np.ones(features, np.float32)
+        inputs = [x, values[self.dy], scale]
         self.run_native("layer_norm_grad", inputs, out, features, self.epsilon, threads)
 
 
