@@ -171,6 +171,8 @@ def build_program(
     eval_extra = [values_by_name(evaluation.graph)[n] for n in additional_output_names or ()]
     evaluation.graph.outputs.clear()
     evaluation.graph.outputs.extend([eval_loss, *eval_extra])
+    _infer_shapes(evaluation)
+    move_transposes(evaluation.graph, opset, keep=additional_output_names or ())
     lift_parameters(evaluation.graph, params)
 
     initial = {name: _initializer_array(graph, name) for name in params}

@@ -176,8 +176,8 @@ def test_view_chain_without_a_common_refinement_stays():
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_torch_attention_trains_the_same_with_fewer_copies(exporter, tmp_path, monkeypatch):
     """``nn.MultiheadAttention(batch_first=True)`` exported with a dynamic batch: the training
-    graph copies fewer activations, and its loss and gradients are those of the graph without
-    the moves (up to the order of the rows in the weights' gradient sums)."""
+    and eval graphs copy fewer activations, and the losses and gradients are those of the graphs
+    without the moves (up to the order of the rows in the weights' gradient sums)."""
     torch = pytest.importorskip("torch")
 
     from traingraph import from_torch, losses, program
@@ -206,19 +206,24 @@ def test_torch_attention_trains_the_same_with_fewer_copies(exporter, tmp_path, m
     def build(folder):
         generate_artifacts(proto, requires_grad=trained, loss=losses.CrossEntropyLoss(),
                            artifact_directory=folder)  # fmt: skip
-        graph = onnx.load(folder / "training_model.onnx").graph
-        params = {i.name for i in graph.input}
-        copies = sum(n.op_type == "Transpose" and n.input[0] not in params for n in graph.node)
+        copies = []
+        for name in ("training_model.onnx", "eval_model.onnx"):
+            graph = onnx.load(folder / name).graph
+            params = {i.name for i in graph.input}
+            copies.append(sum(n.op_type == "Transpose" and n.input[0] not in params
+                              for n in graph.node))  # fmt: skip
         state = CheckpointState.load_checkpoint(folder / "checkpoint")
-        module = Module(folder / "training_model.onnx", state)
+        module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
+        module.eval()
+        evaluated = float(module(x, labels))
         module.train()
         loss = float(module(x, labels))
-        return copies, loss, {n: state.parameters[n].grad for n in trained}
+        return copies, (loss, evaluated), {n: state.parameters[n].grad for n in trained}
 
     moved = build(tmp_path / "moved")
     monkeypatch.setattr(program, "move_transposes", lambda graph, opset, keep=(): 0)
     plain = build(tmp_path / "plain")
-    assert moved[0] < plain[0]
+    assert all(m < p for m, p in zip(moved[0], plain[0]))  # training and eval graphs
     assert moved[1] == pytest.approx(plain[1], rel=1e-6)
     for name in trained:
         scale = np.linalg.norm(plain[2][name]) + 1e-12
