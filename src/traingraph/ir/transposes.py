@@ -831,15 +831,14 @@ def _sink(graph: ir.Graph, t: ir.Node, perm: list[int], opset: int) -> bool:
     """Move Transpose ``t`` below its reader(s); True where it moved."""
     x, out = t.inputs[0], t.outputs[0]
     readers = [u.node for u in out.uses()]
-    assert x is not None
+    x_dims = dims_of(x)
+    if x is None or x_dims is None:
+        return False
     if all(_gather_axis(r) is not None for r in readers):
         for r in readers:
             axis = _gather_axis(r) or 0
             gathered = _copy_node(r, [x, r.inputs[1]], f"{r.name}/moves")
             gathered.attributes["axis"] = ir.AttrInt64("axis", perm[axis])
-            x_dims = dims_of(x)
-            if x_dims is None:
-                return False
             g_dims = [d for a, d in enumerate(x_dims) if a != perm[axis]]
             _typed(gathered.outputs[0], r.outputs[0], g_dims)
             moved = _transpose_node(
@@ -882,9 +881,7 @@ def _hoist(graph: ir.Graph, t: ir.Node, perm: list[int], opset: int) -> bool:
     inputs = list(node.inputs)
     inputs[index] = moved.outputs[0]
     copy = _copy_node(node, inputs, f"{node.name}/moves")
-    _typed(copy.outputs[0], t.outputs[0], dims_of(t.outputs[0]) or [])
-    if t.outputs[0].shape is None:
-        copy.outputs[0].shape = None
+    copy.outputs[0].type, copy.outputs[0].shape = t.outputs[0].type, t.outputs[0].shape
     _insert(graph, t, [moved, copy])
     _replace_output(t.outputs[0], copy.outputs[0])
     graph.remove(t, safe=True)
