@@ -613,38 +613,60 @@ def _remove_with_constants(
 
 
 def _shapes_from_sources(graph: ir.Graph) -> int:
-    """Read each ``Shape`` of a Transpose's output from the Transpose's input, its elements
-    permuted (``Gather``), so that only the Transpose's data readers read it."""
+    """Compute each ``Shape`` of a Transpose's output from the Transpose's input (its shape
+    permuted), so that only data readers read the output and its chain can be merged."""
     count = 0
     for node in list(graph):
         if not _is(node, {"Shape"}) or not node.inputs or node.inputs[0] is None:
             continue
-        t = node.inputs[0].producer()
-        perm = None if t is None or not _is(t, {"Transpose"}) else perm_of(t)
-        if t is None or perm is None or t.inputs[0] is None:
+        producer = node.inputs[0].producer()
+        written = None if producer is None else _shape_nodes(producer, node.name or "shape")
+        if written is None:
             continue
+        new, rank = written
         start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
         start = 0 if start_attr is None else int(start_attr.as_int())
-        end = len(perm) if end_attr is None else int(end_attr.as_int())
-        picked = perm[slice(start, end)]
-        indices = ir.Node(
-            "", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(picked, np.int64)))],
-            name=f"{node.name}/moves/indices",
-        )  # fmt: skip
-        shape = ir.Node("", "Shape", [t.inputs[0]], name=f"{node.name}/moves/shape")
-        gathered = ir.Node("", "Gather", [shape.outputs[0], indices.outputs[0]],
-                           [ir.AttrInt64("axis", 0)], name=f"{node.name}/moves/gather")  # fmt: skip
-        for value, size in ((indices.outputs[0], len(picked)), (shape.outputs[0], len(perm))):
-            value.type, value.shape = ir.TensorType(ir.DataType.INT64), ir.Shape([size])
-        gathered.outputs[0].type, gathered.outputs[0].shape = (
-            node.outputs[0].type,
-            node.outputs[0].shape,
-        )
-        _insert(graph, node, [indices, shape, gathered])
-        _replace_output(node.outputs[0], gathered.outputs[0])
+        end = rank if end_attr is None else int(end_attr.as_int())
+        picked = list(range(rank))[slice(start, end)]
+        if picked != list(range(rank)):
+            indices = _int_constant(picked, f"{node.name}/moves/picked")
+            axis = [ir.AttrInt64("axis", 0)]
+            gathered = ir.Node("", "Gather", [new[-1].outputs[0], indices.outputs[0]], axis,
+                               name=f"{node.name}/moves/gather")  # fmt: skip
+            new += [indices, gathered]
+        out = new[-1].outputs[0]
+        out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
+        _insert(graph, node, new)
+        _replace_output(node.outputs[0], out)
         graph.remove(node, safe=True)
         count += 1
     return count
+
+
+def _int_constant(values: Sequence[int], name: str) -> ir.Node:
+    node = ir.Node(
+        "", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(values, np.int64)))],
+        name=name,
+    )  # fmt: skip
+    node.outputs[0].type = ir.TensorType(ir.DataType.INT64)
+    node.outputs[0].shape = ir.Shape([len(values)])
+    return node
+
+
+def _shape_nodes(producer: ir.Node, label: str) -> tuple[list[ir.Node], int] | None:
+    """Nodes that compute the shape of a Transpose's output from its input (the last one
+    writes it), and its rank; None for other nodes."""
+    perm = perm_of(producer) if _is(producer, {"Transpose"}) and producer.inputs else None
+    x = producer.inputs[0] if perm is not None else None
+    if perm is None or x is None:
+        return None
+    shape = ir.Node("", "Shape", [x], name=f"{label}/moves/shape")
+    indices = _int_constant(perm, f"{label}/moves/perm")
+    moved = ir.Node("", "Gather", [shape.outputs[0], indices.outputs[0]],
+                    [ir.AttrInt64("axis", 0)], name=f"{label}/moves/permuted")  # fmt: skip
+    shape.outputs[0].type = ir.TensorType(ir.DataType.INT64)
+    shape.outputs[0].shape = ir.Shape([len(perm)])
+    return [shape, indices, moved], len(perm)
 
 
 # ------------------------------------------------------------------- moving Transposes
@@ -1027,9 +1049,8 @@ def move_transposes(graph: ir.Graph, opset: int, keep: Iterable[str] = ()) -> in
     for node in list(graph):
         if node.graph is graph and _gemm_as_matmul(graph, node):
             count += 1
-    for _ in range(4):
-        moved = 0
-        _shapes_from_sources(graph)
+    for _ in range(8):
+        moved = _shapes_from_sources(graph)
         for sink in (True, False):
             for t in [n for n in graph if _is(n, {"Transpose"})]:
                 if t.graph is not graph:
@@ -1047,13 +1068,15 @@ def move_transposes(graph: ir.Graph, opset: int, keep: Iterable[str] = ()) -> in
                 ):
                     moved += 1
             moved += compose_views(graph, keep=kept)
+        if not moved:  # nothing left to move: the Gathers that read every index as a Split
+            for node in list(graph):
+                source = node.inputs[0] if node.graph is graph and node.inputs else None
+                if source is not None and _gather_axis(node) is not None:
+                    moved += _gathers_as_split(graph, source, opset)
         count += moved
         if not moved:
             break
-    for node in list(graph):
-        if node.graph is graph and _gather_axis(node) is not None and node.inputs[0] is not None:
-            _gathers_as_split(graph, node.inputs[0], opset)
-    return count + compose_views(graph, keep=kept)
+    return count
 
 
 def transposed_products(graph: ir.Graph, forward: set[ir.Node] | None = None) -> int:
