@@ -110,3 +110,26 @@ def test_small_weights_keep_the_unfold(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _ir(onnx.shape_inference.infer_shapes(train))
     assert weight_grads.WeightGradsAsConvs()(model).modified
     assert _exchanged_in(model) == 1
+
+
+def test_a_region_that_reads_another_value_stays() -> None:
+    """A tagged region whose outside input is not the Conv's output gradient (another pass
+    rewrote it: here it reads the gradient flattened to another shape) keeps its form."""
+    _, train = _program()
+    model = _ir(onnx.shape_inference.infer_shapes(train))
+    nodes = weight_grads._tagged_regions(model.graph)["/0/Conv"]
+    made = {v for n in nodes for v in n.outputs}
+    reader, index = next(
+        (n, i) for n in nodes for i, v in enumerate(n.inputs)
+        if v is not None and v not in made and v.name != "x" and not weight_grads._is_constant(v)
+    )  # fmt: skip
+    grad = reader.inputs[index]
+    target = ir.Value(name="flat_target", const_value=ir.tensor(np.array([BATCH, 8, 81, 1])))
+    target.shape, target.dtype = ir.Shape([4]), ir.DataType.INT64
+    model.graph.register_initializer(target)
+    flat = ir.node("Reshape", [grad, target], name="flat")
+    flat.outputs[0].shape = ir.Shape([BATCH, 8, 81, 1])
+    model.graph.insert_before(reader, flat)
+    reader.replace_input_with(index, flat.outputs[0])
+    weight_grads.WeightGradsAsConvs()(model)
+    assert _exchanged_in(model) == 2  # the other two Convs that qualify

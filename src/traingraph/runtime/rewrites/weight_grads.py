@@ -110,6 +110,11 @@ def _exchange(graph: ir.Graph, conv: ir.Node, nodes: list[ir.Node]) -> bool:
     (g,) = external - {x}
     dw = leaving[0]
     x_shape, g_shape = _dims(x), _dims(g)
+    # the region reads the Conv's output gradient and writes a gradient of the weight's shape
+    # (a region that another pass rewrote reads something else: it stays as it is)
+    y_shape, dw_shape = _dims(conv.outputs[0]), _dims(dw)
+    if (y_shape is not None and g_shape != y_shape) or dw_shape not in (None, _dims(weight)):
+        return False
     window = _window(conv, x_shape, g_shape, _dims(weight))
     if window is None:
         return False
