@@ -527,13 +527,7 @@ def _reshape(
     like: ir.Value,
     label: str,
 ) -> ir.Value:
-    shape = ir.Node(
-        "", "Constant", [],
-        [ir.AttrTensor("value", ir.tensor(np.array(target, np.int64)))],
-        name=f"{label}/target",
-    )  # fmt: skip
-    shape.outputs[0].type = ir.TensorType(ir.DataType.INT64)
-    shape.outputs[0].shape = ir.Shape([len(target)])
+    shape = _int_constant(target, f"{label}/target")
     node = ir.Node("", "Reshape", [x, shape.outputs[0]], name=label)
     new += [shape, node]
     _typed(node.outputs[0], like, dims)
@@ -644,6 +638,7 @@ def _shapes_from_sources(graph: ir.Graph) -> int:
 
 
 def _int_constant(values: Sequence[int], name: str) -> ir.Node:
+    """A ``Constant`` node of the 1-D int64 tensor ``values``, its output typed."""
     node = ir.Node(
         "", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(values, np.int64)))],
         name=name,
@@ -999,18 +994,9 @@ def _gathers_as_split(graph: ir.Graph, value: ir.Value, opset: int) -> bool:
         return False
     label = readers[0].name or "gather"
 
-    def constant(values: list[int], name: str) -> ir.Node:
-        node = ir.Node(
-            "", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(values, np.int64)))],
-            name=name,
-        )  # fmt: skip
-        node.outputs[0].type = ir.TensorType(ir.DataType.INT64)
-        node.outputs[0].shape = ir.Shape([len(values)])
-        return node
-
     sizes, squeezed = (
-        constant([1] * len(indices), f"{label}/moves/sizes"),
-        constant([axis], f"{label}/moves/axis"),
+        _int_constant([1] * len(indices), f"{label}/moves/sizes"),
+        _int_constant([axis], f"{label}/moves/axis"),
     )
     split = ir.Node("", "Split", [value, sizes.outputs[0]], [ir.AttrInt64("axis", axis)],
                     name=f"{label}/moves/split", num_outputs=len(indices))  # fmt: skip
@@ -1126,3 +1112,13 @@ def transposed_products(graph: ir.Graph, forward: set[ir.Node] | None = None) ->
             forward.add(swapped)
         count += 1
     return count
+
+
+__all__ = [
+    "compose_transposes",
+    "compose_views",
+    "dims_of",
+    "move_transposes",
+    "perm_of",
+    "transposed_products",
+]
