@@ -285,8 +285,7 @@ def build_train_graph(
     named = [*output_names, *tensor_grads, *stop_gradients, *user_gradients]
     move_transposes(graph, opset, keep=named)
     values = values_by_name(graph)
-    missing = [n for n in [*output_names, *tensor_grads, *stop_gradients, *user_gradients]
-               if n not in values]  # fmt: skip
+    missing = [n for n in named if n not in values]
     if missing:
         raise ModelError(
             f"{missing} are not tensors of the model; expected its outputs"

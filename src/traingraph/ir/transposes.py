@@ -328,16 +328,28 @@ def _only_reader(value: ir.Value) -> ir.Node | None:
     return uses[0].node if len(uses) == 1 and not value.is_graph_output() else None
 
 
-def _layout_after(dims: Sequence[Dim], chain: Sequence[ir.Node]) -> _Layout | None:
-    """The layout of the chain's output in terms of the factors of its input's ``dims``."""
+def _layout_after(
+    dims: Sequence[Dim],
+    chain: Sequence[ir.Node],
+    before: Sequence[int] | None = None,
+    after: Sequence[int] | None = None,
+) -> _Layout | None:
+    """The layout of ``Transpose(before) -> chain -> Transpose(after)``'s output (each
+    Transpose where given) in terms of the factors of its input's ``dims``; None where a step
+    cannot be followed."""
     layout = _Layout.of(dims)
-    return layout if all(layout.apply(node) for node in chain) else None
+    steps_ok = (
+        (before is None or layout.transpose(before))
+        and all(layout.apply(node) for node in chain)
+        and (after is None or layout.transpose(after))
+    )
+    return layout if steps_ok else None
 
 
 def _copies(chain: Sequence[ir.Node]) -> int:
-    return sum(
-        1 for n in chain if n.op_type == "Transpose" and perm_of(n) != sorted(perm_of(n) or [])
-    )
+    """How many of ``chain``'s nodes are Transposes that move data."""
+    perms = [perm_of(n) for n in chain if n.op_type == "Transpose"]
+    return sum(1 for p in perms if p is None or p != sorted(p))
 
 
 def compose_transposes(graph: ir.Graph) -> list[ir.Node]:
@@ -401,13 +413,7 @@ def _chains(graph: ir.Graph, keep: set[str]) -> list[list[ir.Node]]:
         before = None if source is None else source.producer()
         if _is(before, VIEW_OPS) and source is not None and inner(source):
             continue  # not the head of its chain
-        chain = [node]
-        while inner(chain[-1].outputs[0]):
-            reader = _only_reader(chain[-1].outputs[0])
-            if not _is(reader, VIEW_OPS) or reader is None:
-                break
-            chain.append(reader)
-        chains.append(chain)
+        chains.append(_chain_from(node, keep))
     return chains
 
 
@@ -751,18 +757,15 @@ def _merges(dims: Sequence[Dim], before: Sequence[int] | None, chain: Sequence[i
             after: Sequence[int] | None) -> bool:  # fmt: skip
     """Whether ``Transpose(before) -> chain -> Transpose(after)`` of a tensor of ``dims``
     copies fewer times than the chain and the Transpose apart."""
-    layout = _Layout.of(dims)
-    if before is not None and not layout.transpose(before):
-        return False
-    if not all(layout.apply(node) for node in chain):
-        return False
-    if after is not None and not layout.transpose(after):
+    layout = _layout_after(dims, chain, before, after)
+    if layout is None:
         return False
     _, perm = layout.plan()
     return (perm != sorted(perm)) < _copies(chain) + 1 and len(perm) <= MAX_RANK
 
 
 def _chain_from(node: ir.Node, keep: set[str]) -> list[ir.Node]:
+    """``node`` and the view ops after it, each the only reader of a value not in ``keep``."""
     chain = [node]
     while chain[-1].outputs[0].name not in keep:
         reader = _only_reader(chain[-1].outputs[0])
