@@ -492,3 +492,56 @@ def test_a_dropout_of_zero_raises_no_eval_mode_warning(tmp_path, exporter):
         artifacts.generate_artifacts(
             model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path
         )
+
+
+class NextTokenLM(nn.Module):
+    """Next-token logits ``(N, V, T - 1)`` of a one-layer model, as a causal LM's loss reads
+    them (``logits[:, :-1].transpose(1, 2)``)."""
+
+    def __init__(self, vocab: int = 50, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))[:, :-1].transpose(1, 2)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_next_token_logits_train_without_scattering_or_dead_copies(exporter, tmp_path):
+    """``logits[:, :-1]`` exports as a Slice of the whole batch axis and one of the sequence:
+    the first is an Identity, the second's gradient one Pad (not a scatter through an int64
+    index of every logit), and no node computes what nothing reads (the model's Transpose,
+    which the loss reads through). The gradients are torch's in float64."""
+    net = _seeded(NextTokenLM)
+    reference = copy.deepcopy(net).double()
+    model = traingraph.from_torch(
+        net, torch.randint(0, 50, (4, 6)), exporter=exporter, input_names=["ids"]
+    )
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.CrossEntropyLoss, optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    train = onnx.load(tmp_path / "training_model.onnx")
+    assert [n.name for n in train.graph.node if n.op_type == "Range"] == []
+    pads = [n for n in train.graph.node if n.op_type == "Pad" and n.name.startswith("grad/")]
+    assert len(pads) == 1
+    scatters = [  # the loss's and the embedding's gradients add rows; a Slice's would not
+        n.name for n in train.graph.node
+        if n.op_type == "ScatterElements" and _attribute(n, "reduction", b"none") != b"add"
+    ]  # fmt: skip
+    assert scatters == []
+    read = {i for n in train.graph.node for i in n.input} | {o.name for o in train.graph.output}
+    assert [n.name for n in train.graph.node if not set(n.output) & read] == []
+
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    ids = np.random.default_rng(0).integers(0, 50, (5, 6)).astype(np.int64)
+    loss = module(ids, ids[:, 1:].copy())
+    expected = nn.functional.cross_entropy(reference(torch.tensor(ids)), torch.tensor(ids[:, 1:]))
+    expected.backward()
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    for name, param in reference.named_parameters():
+        np.testing.assert_allclose(
+            state.parameters[name].grad, param.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name
+        )

@@ -24,6 +24,7 @@ from traingraph.autodiff.engine import differentiate, name_output, values_by_nam
 from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
+from traingraph.ir.fold import remove_dead_nodes
 from traingraph.ir.model import ModelLike, default_opset, infer_shapes_in_place, load_ir, to_proto
 from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
@@ -173,6 +174,7 @@ def build_program(
     evaluation.graph.outputs.extend([eval_loss, *eval_extra])
     _infer_shapes(evaluation)
     move_transposes(evaluation.graph, opset, keep=additional_output_names or ())
+    remove_dead_nodes(evaluation.graph)
     lift_parameters(evaluation.graph, params)
 
     initial = {name: _initializer_array(graph, name) for name in params}
@@ -331,6 +333,8 @@ def build_train_graph(
     else:
         lower_training_batch_norm(graph, opset, running_stats)
         forward_node_count = len(graph)
+    forward_nodes = set(itertools.islice(graph, forward_node_count))
+    forward_node_count -= len(forward_nodes.intersection(remove_dead_nodes(graph)))
     return TrainGraph(
         label_names=label_names,
         forward_outputs=forward_names,

@@ -488,3 +488,69 @@ def test_transpose_reshape_transpose_stays_where_it_is_not_a_split(
     m = ir.from_proto(_transpose_reshape_chain(dims, first, target, second, extra_reader))
     assert compose_views(m.graph, set()) == 0
     assert [n.op_type for n in m.graph] == ["Transpose", "Reshape", "Transpose"]
+
+
+def test_slices_that_keep_everything_become_identities():
+    """A Slice from 0 to INT64_MAX (through a Cast, as the dynamo exporter writes ``x[:, 1:]``'s
+    first axis) or over a static axis' whole length is an Identity keeping its output's name;
+    one that drops an element, steps or reverses stays, and the outputs are the same."""
+    big = np.iinfo(np.int64).max
+    slices = [  # input, output, starts, ends, axes, steps
+        ("x", "a", [0], [big], [0], None),  # the dynamic batch axis, whole
+        ("a", "b", [-4], [4], [2], [1]),  # the static last axis, whole
+        ("b", "c", [1], [big], [1], None),  # drops the first row
+        ("c", "d", [0], [3], [0], None),  # may drop rows of the dynamic axis
+        ("d", "e", [0], [big], [2], [2]),  # steps
+        ("e", "f", [-1], [-big], [1], [-1]),  # reverses
+    ]
+    nodes, inits = [helper.make_node("Cast", ["zero"], ["zero64"], to=TensorProto.INT64)], []
+    inits.append(numpy_helper.from_array(np.array([0], np.int32), "zero"))
+    for i, (src, dst, starts, ends, axes, steps) in enumerate(slices):
+        names = ["zero64" if starts == [0] else f"s{i}", f"e{i}", f"a{i}"]
+        if starts != [0]:
+            inits.append(numpy_helper.from_array(np.array(starts, np.int64), f"s{i}"))
+        inits += [numpy_helper.from_array(np.array(v, np.int64), n)
+                  for n, v in ((f"e{i}", ends), (f"a{i}", axes))]  # fmt: skip
+        if steps is not None:
+            inits.append(numpy_helper.from_array(np.array(steps, np.int64), f"p{i}"))
+            names.append(f"p{i}")
+        nodes.append(helper.make_node("Slice", [src, *names], [dst], name=dst))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 5, 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "bf"], inits,
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m = load_ir(proto)
+    kinds = {n.name: n.op_type for n in m.graph if n.op_type != "Cast"}
+    assert kinds == dict(zip("abcdef", ["Identity"] * 2 + ["Slice"] * 4))
+    assert [v.name for v in m.graph.outputs] == ["b", "f"]
+    import onnxruntime as ort
+
+    x = np.random.default_rng(0).standard_normal((3, 5, 4)).astype(np.float32)
+    x[0, 0, 0] = np.nan
+    runs = [
+        ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x}
+        )
+        for p in (proto, ir.to_proto(m))
+    ]
+    for got, expected in zip(*runs):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_dead_nodes_go_but_random_draws_stay():
+    from traingraph.ir.fold import remove_dead_nodes
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0], name="unread"),
+        helper.make_node("RandomUniformLike", ["x"], ["u"], name="draw"),
+        helper.make_node("Neg", ["r"], ["y"], name="neg"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    m = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert [n.name for n in remove_dead_nodes(m.graph)] == ["unread"]
+    assert [n.name for n in m.graph] == ["relu", "draw", "neg"]

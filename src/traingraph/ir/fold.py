@@ -275,6 +275,109 @@ def drop_zero_biases(graph: ir.Graph) -> int:
     return removed
 
 
+_TO_THE_END = 2**62
+"""A Slice ``end`` at least this large reaches the end of any axis (exporters write INT64_MAX)."""
+
+
+def identity_slices(graph: ir.Graph) -> int:
+    """Make each ``Slice`` that keeps every element of its input an ``Identity``.
+
+    The dynamo exporter writes ``x[:, 1:]`` as a Slice of axis 0 from 0 to INT64_MAX followed
+    by a Slice of axis 1. Such a full Slice is a copy in the forward pass and, where its axis
+    is dynamic (the batch), its gradient could not be a Pad: the general gradient scatters
+    into zeros through an int64 index of every element (on a language model's logits, twice
+    the logits' memory). A Slice is the identity where, on each axis it slices, the step is 1,
+    the start is 0 (or at most minus a static length) and the end is at least the static
+    length or at least :data:`_TO_THE_END`, all constants; its output keeps its name.
+
+    Returns:
+        How many Slices became Identities.
+    """
+    changed = 0
+    for node in list(graph):
+        if node.op_type != "Slice" or node.domain not in ("", "ai.onnx"):
+            continue
+        if not _keeps_everything(node):
+            continue
+        bounds = list(node.inputs[1:])
+        node.op_type = "Identity"
+        node.resize_inputs(1)
+        x, out = node.inputs[0], node.outputs[0]
+        if x is not None and x.shape is not None:  # inference could not see through the bounds
+            out.shape = x.shape
+        for value in bounds:
+            remove_if_unused(graph, value)
+        changed += 1
+    return changed
+
+
+def _keeps_everything(node: ir.Node) -> bool:
+    x = node.inputs[0] if node.inputs else None
+    if x is None or len(node.inputs) < 3:
+        return False
+    given = [*node.inputs[1:5], *[None] * (5 - len(node.inputs))]
+    args = [constant_value(v) if v is not None else None for v in given]
+    if any(v is not None and a is None for v, a in zip(given, args)):
+        return False
+    starts, ends, axes, steps = args
+    assert starts is not None and ends is not None
+    if starts.ndim != 1 or starts.shape != ends.shape:
+        return False
+    if axes is None:
+        axes = np.arange(len(starts))
+    if steps is None:
+        steps = np.ones(len(starts), np.int64)
+    if axes.shape != starts.shape or steps.shape != starts.shape:
+        return False
+    shape = x.shape
+    bounds = zip(axes.tolist(), starts.tolist(), ends.tolist(), steps.tolist())
+    for axis, start, end, step in bounds:
+        size = None
+        if shape is not None and -len(shape) <= axis < len(shape):
+            dim = shape.dims[axis]
+            size = dim if isinstance(dim, int) else None
+        elif shape is not None:
+            return False
+        if step != 1:
+            return False
+        if not (start == 0 or (size is not None and start <= -size)):
+            return False
+        if not (end >= _TO_THE_END or (size is not None and end >= size)):
+            return False
+    return True
+
+
+_RANDOM_OPS = frozenset({
+    "Bernoulli", "Dropout", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+    "RandomUniformLike",
+})  # fmt: skip
+"""Ops that draw random numbers: removing one would change what the others draw."""
+_GRAPH_ATTRIBUTES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+
+
+def remove_dead_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """Remove the nodes whose outputs nothing reads and the graph does not return.
+
+    onnxruntime runs every node of a model, read or not: a training graph whose loss reads the
+    logits before the model's final Transpose would still transpose them at every step. Nodes
+    of other domains, nodes with subgraphs and nodes that draw random numbers stay.
+
+    Returns:
+        The nodes removed.
+    """
+    removed = []
+    for node in reversed(list(graph)):
+        if node.domain not in ("", "ai.onnx") or node.op_type in _RANDOM_OPS:
+            continue
+        if any(a.type in _GRAPH_ATTRIBUTES for a in node.attributes.values()):
+            continue
+        if any(o.uses() or o.is_graph_output() for o in node.outputs):
+            continue
+        graph.remove(node, safe=True)
+        removed.append(node)
+    return removed
+
+
 def remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> list[ir.Node]:
     """Remove the node computing ``value`` where nothing reads it, then its inputs' likewise;
     return the nodes removed."""
@@ -551,5 +654,7 @@ __all__ = [
     "constant_value",
     "densify_sparse_constants",
     "fold_shape_computations",
+    "identity_slices",
+    "remove_dead_nodes",
     "partial_value",
 ]

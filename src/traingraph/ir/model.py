@@ -13,7 +13,12 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.errors import ModelError
-from traingraph.ir.fold import densify_sparse_constants, drop_zero_biases, fold_shape_computations
+from traingraph.ir.fold import (
+    densify_sparse_constants,
+    drop_zero_biases,
+    fold_shape_computations,
+    identity_slices,
+)
 
 ModelLike: TypeAlias = "str | os.PathLike[str] | onnx.ModelProto | ir.Model"
 
@@ -73,6 +78,7 @@ def _prepare(m: ir.Model, *, infer_shapes: bool) -> None:
         infer_shapes_in_place(m)
         if fold_shape_computations(m.graph):  # shapes behind computed Slice bounds, Resize sizes
             infer_shapes_in_place(m)
+    identity_slices(m.graph)  # an exporter's `x[:, 1:]` slices axis 0 from 0 to the end
 
 
 # Ops whose outputs are sequences of tensors.

@@ -82,6 +82,33 @@ def test_slice_bounds_computed_at_run_time():
     )
 
 
+@pytest.mark.parametrize(
+    ("starts", "ends"),
+    [((-1, 1), (100, -2)), ((0, -9), (2, 9)), ((3, 2), (1, 5))],
+    ids=["negative and past the end", "clamped", "empty"],
+)
+def test_unit_step_slice_with_run_time_bounds_is_a_pad(starts, ends):
+    """Bounds known only when the step runs (or lengths only then): the pads are computed
+    then, resolved and clamped as Slice does, and an empty slice pads to zeros."""
+    x = r(4, 6)
+    index = tuple(slice(s, e) for s, e in zip(starts, ends))  # numpy resolves them as Slice
+    inputs = {"x": x, "starts": ints(*starts), "ends": ints(*ends), "axes": ints(0, 1)}
+    check_op_gradient(
+        "Slice", inputs, wrt=["x"], const_inputs=["axes"], dynamic="all",
+        torch_fn=take(iota(x.shape)[index]),
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6]),
+         *[helper.make_tensor_value_info(n, TensorProto.INT64, [2]) for n in ("starts", "ends")]],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(ints(0, 1), "axes")],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    ops = {n.op_type for n in build_gradient_graph(model, ["x"]).graph.node}
+    assert "Pad" in ops and "ScatterElements" not in ops
+
+
 # ----------------------------------------------------------------------------------- Gather
 GATHERS = [
     # data shape, axis, indices

@@ -134,51 +134,87 @@ def _scatter_flat(ctx: GradContext, positions: ir.Value, g: ir.Value) -> ir.Valu
 
 @register_gradient("Slice")
 def slice_(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """Scatter ``g`` into zeros at the sliced positions.
+    """Zero-pad ``g`` back to the input's shape; with steps other than 1, scatter it.
 
-    The positions are ``Slice(iota(x), starts, ends, axes, steps)``, so negative or clamped
-    bounds, negative steps and run-time bounds are handled exactly as the forward op does.
+    A unit-step Slice takes ``x[start:end]`` along each sliced axis, so its adjoint pads
+    ``start`` zeros before and ``D - end`` after (bounds resolved and clamped as Slice does):
+    constants where the bounds and lengths are known, else computed when the step runs. With
+    other or unknown steps the positions are ``Slice(iota(x), starts, ends, axes, steps)``, so
+    negative steps and run-time bounds are handled exactly as the forward op does.
     """
     b = ctx.b
     g = ctx.grad_or_zeros(grads, 0)
     pads = _slice_pads(ctx)
+    if isinstance(pads, list):
+        return [g if not any(pads) else b.op("Pad", g, b.ints(pads))]
     if pads is not None:
-        return [b.op("Pad", g, b.ints(pads))]
+        return [b.op("Pad", g, pads)]
     positions = b.Slice(_iota(b, ctx.x(0)), *ctx.inputs[1:])
     return [_scatter_flat(ctx, positions, g)]
 
 
-def _slice_pads(ctx: GradContext) -> list[int] | None:
-    """Pad's ``pads`` that undo a unit-step Slice with constant bounds on static axes, or None.
+def _slice_pads(ctx: GradContext) -> list[int] | ir.Value | None:
+    """Pad's ``pads`` that undo a unit-step Slice: a list where they are constants, a run-time
+    int64 tensor where a bound or a sliced length is not, None where a step is not 1 or the
+    axes or the rank are not known.
 
     ``Slice(x)[i] = x[start + i]`` along each sliced axis, so the adjoint zero-pads ``start``
-    elements before and ``D - end`` after (bounds resolved and clamped as Slice does). Pad is
-    one pass over the gradient; the general scatter is several.
+    elements before and ``D - max(end, start)`` after, with ``start`` and ``end`` resolved
+    (negative ones count from ``D``) and clamped to ``[0, D]`` as Slice does. Pad is one pass
+    over the gradient; the general scatter is several.
     """
     x = ctx.x(0)
     r = rank(x)
-    consts = [ctx.const_input(i) if i < len(ctx.inputs) else None for i in range(1, 5)]
+    given = [i < len(ctx.inputs) and ctx.inputs[i] is not None for i in range(1, 5)]
+    consts = [ctx.const_input(i) if given[i - 1] else None for i in range(1, 5)]
     starts, ends, axes, steps = consts
-    if r is None or starts is None or ends is None:
+    if r is None or (given[2] and axes is None) or (given[3] and steps is None):
         return None
-    if (len(ctx.inputs) > 3 and ctx.inputs[3] is not None and axes is None) or (
-        len(ctx.inputs) > 4 and ctx.inputs[4] is not None and steps is None
-    ):
+    if steps is not None and any(int(step) != 1 for step in np.ravel(steps)):
         return None
-    axes = list(range(len(starts))) if axes is None else [int(a) % r for a in axes]
-    if steps is not None and any(int(step) != 1 for step in steps):
-        return None
-    pads = [0] * (2 * r)
-    for axis, start, end in zip(axes, starts.tolist(), ends.tolist()):
-        size = static_dim(x, axis)
-        if size is None:
+    if axes is None:
+        count = starts.size if starts is not None else ends.size if ends is not None else None
+        if count is None:
+            count = static_dim(ctx.inputs[1], 0) if ctx.inputs[1] is not None else None
+        if count is None:
             return None
-        start = min(max(start + size if start < 0 else start, 0), size)
-        end = min(max(end + size if end < 0 else end, 0), size)
-        if end <= start:
-            return None
-        pads[axis], pads[axis + r] = start, size - end
-    return pads
+        axes = np.arange(count)
+    axes = [int(a) % r for a in np.ravel(axes)]
+    sizes = [static_dim(x, axis) for axis in axes]
+    if starts is not None and ends is not None and None not in sizes:
+        pads = [0] * (2 * r)
+        for axis, size, start, end in zip(axes, sizes, starts.tolist(), ends.tolist()):
+            assert size is not None
+            start = min(max(start + size if start < 0 else start, 0), size)
+            end = min(max(end + size if end < 0 else end, 0), size)
+            if end <= start:
+                return None  # an empty slice: its gradient is zeros, which the scatter gives
+            pads[axis], pads[axis + r] = start, size - end
+        return pads
+    return _run_time_slice_pads(ctx, r, axes)
+
+
+def _run_time_slice_pads(ctx: GradContext, r: int, axes: list[int]) -> ir.Value:
+    """The ``pads`` of :func:`_slice_pads` computed when the step runs."""
+    b, x = ctx.b, ctx.x(0)
+    dims = b.Gather(b.shape(x), b.ints(axes))
+    zero = b.const(np.int64(0))
+
+    def resolve(bound: ir.Value) -> ir.Value:
+        bound = _int64(b, bound)
+        bound = b.Where(b.Less(bound, zero), b.Add(bound, dims), bound)
+        return b.Min(b.Max(bound, zero), dims)
+
+    start = resolve(ctx.x(1))
+    after = b.Sub(dims, b.Max(resolve(ctx.x(2)), start))
+    pieces = []
+    for side in (start, after):
+        for axis in range(r):
+            if axis in axes:
+                pieces.append(b.Gather(side, b.ints([axes.index(axis)])))
+            else:
+                pieces.append(b.ints([0]))
+    return b.Concat(*pieces, axis=0)
 
 
 @register_gradient("Gather")
