@@ -226,6 +226,51 @@ def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_graph_step_writes_a_large_state_in_place(tmp_path, monkeypatch) -> None:
+    # Above IN_PLACE_BYTES the optimizer is its own captured graph writing the parameters and
+    # slots over themselves: no second copy, and the capture's repeated runs leave no trace.
+    from traingraph.runtime import cuda
+
+    monkeypatch.setattr(cuda, "IN_PLACE_BYTES", 0)
+    step, state, batches, cpu_losses, cpu_params = _graph_step_and_cpu_curve(tmp_path)
+    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+    np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
+    _assert_parameters_follow(state, cpu_params)
+    held = step.step.state
+    assert step._optim is not None and step._in_place.parameters and step._in_place.slots
+    assert len(held.trainable.allocated) == 1 and len(held.optimizer_slots.allocated) == 1
+    assert step.optimizer_update.state.step == len(batches)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_step_in_place_skips_a_step_of_infinite_gradients(tmp_path, monkeypatch):
+    from traingraph.runtime import cuda
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    monkeypatch.setattr(cuda, "IN_PLACE_BYTES", 0)
+    _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)), "fp16")
+    batches = _batches((20,))
+    reference, _ = _curve(tmp_path, "cuda", batches)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
+    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+    np.testing.assert_allclose(losses, reference, rtol=RTOL, atol=ATOL)
+    x, y = batches[0]
+    x = x.copy()
+    x[0, 0] = np.inf
+    before = {n: module.step.state.read(n) for n in module.step.trainable}
+    step(x, y)
+    scaler = module.loss_scaler
+    assert scaler is not None and scaler.skipped_steps == 1
+    assert step.optimizer_update.state.step == STEPS
+    for name, value in before.items():
+        np.testing.assert_array_equal(module.step.state.read(name), value, err_msg=name)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_graph_step_copies_batches_asynchronously(tmp_path) -> None:
     # Steps that fetch nothing leave no host sync between a batch's copy and its kernels but
     # the stream they share; the parameters must still follow the CPU curve.
