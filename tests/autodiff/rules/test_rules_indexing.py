@@ -41,6 +41,8 @@ SLICES = [
     ((1, 1, 1), (3, 4, 3), None, None, np.s_[1:3, 1:4, 1:3]),
     ((2,), (2,), (-1,), None, np.s_[:, :, 2:2]),
     ((-3, 0), (100, -1), (-1, 1), (1, 1), np.s_[:, 0:4, 1:4]),
+    ((0, 1), (2**63 - 1, 2**63 - 1), (1, 2), (2, 2), np.s_[:, 0::2, 1::2]),
+    ((1, -4), (5, 3), (1, 2), (3, 2), np.s_[:, 1:5:3, -4:3:2]),
 ]
 
 
@@ -71,6 +73,30 @@ def test_unit_step_slice_gradient_is_one_pad():
     grad = build_gradient_graph(model, ["x"])
     ops = {n.op_type for n in grad.graph.node}
     assert "Pad" in ops and "ScatterElements" not in ops
+
+
+def test_strided_slice_gradient_interleaves_zeros_without_a_scatter():
+    """Swin's patch merging, ``x[:, 0::2, 1::2, :]`` with a dynamic batch: each strided axis
+    is an Unsqueeze, a Pad and a Reshape, and one Pad places the result."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 7, 8, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    bounds = [numpy_helper.from_array(ints(*v), n) for n, v in
+              (("starts", (0, 1)), ("ends", (2**63 - 1, 2**63 - 1)), ("axes", (1, 2)),
+               ("steps", (2, 2)))]  # fmt: skip
+    node = helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"])
+    model = helper.make_model(
+        helper.make_graph([node], "g", [x], [y], initializer=bounds),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    ops = [n.op_type for n in build_gradient_graph(model, ["x"]).graph.node]
+    assert "ScatterElements" not in ops and "Range" not in ops
+    data = r(2, 7, 8, 3)
+    inputs = {"x": data, "starts": ints(0, 1), "ends": ints(2**63 - 1, 2**63 - 1),
+              "axes": ints(1, 2), "steps": ints(2, 2)}  # fmt: skip
+    check_op_gradient(
+        "Slice", inputs, const_inputs=["starts", "ends", "axes", "steps"], opset=18,
+        dynamic="batch", torch_fn=take(iota(data.shape)[:, 0::2, 1::2]),
+    )  # fmt: skip
 
 
 def test_slice_bounds_computed_at_run_time():

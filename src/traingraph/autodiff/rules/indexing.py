@@ -149,8 +149,73 @@ def slice_(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         return [g if not any(pads) else b.op("Pad", g, b.ints(pads))]
     if pads is not None:
         return [b.op("Pad", g, pads)]
+    strided = _strided_slice_grad(ctx, g)
+    if strided is not None:
+        return [strided]
     positions = b.Slice(_iota(b, ctx.x(0)), *ctx.inputs[1:])
     return [_scatter_flat(ctx, positions, g)]
+
+
+def _strided_slice_grad(ctx: GradContext, g: ir.Value) -> ir.Value | None:
+    """The adjoint of a Slice with constant positive steps, bounds and sliced lengths, without
+    a scatter; None where it does not apply.
+
+    Along an axis sliced as ``x[start:end:step]`` (``n`` elements), ``g`` is interleaved with
+    ``step - 1`` zeros after each element (an Unsqueeze, a Pad of the new axis to ``step``, a
+    Reshape merging the two: ``n * step`` elements, ``g[i]`` at ``i * step``), cut to the
+    ``D - start`` elements from ``start`` on (only zeros go: the last element sits below
+    ``end``), and zero-padded by ``start`` before and what is left of ``D`` after. Torch's
+    ``x[:, 0::2, 1::2]`` (Swin's patch merging) is two such steps and one Pad.
+    """
+    b, x = ctx.b, ctx.x(0)
+    r = rank(x)
+    starts, ends, axes, steps = [
+        ctx.const_input(i) if i < len(ctx.inputs) and ctx.inputs[i] is not None else None
+        for i in range(1, 5)
+    ]
+    if r is None or starts is None or ends is None or steps is None or g.shape is None:
+        return None
+    if ctx.has_input(3) and axes is None:
+        return None
+    axes = list(range(len(starts))) if axes is None else [int(a) % r for a in np.ravel(axes)]
+    pads = [0] * (2 * r)
+    dims: list[int | None] = [d if isinstance(d, int) else None for d in g.shape.dims]
+    for axis, start, end, step in zip(axes, starts.tolist(), ends.tolist(), steps.tolist()):
+        size = static_dim(x, axis)
+        if size is None or step <= 0:
+            return None
+        start = min(max(start + size if start < 0 else start, 0), size)
+        end = min(max(end + size if end < 0 else end, 0), size)
+        count = -(-(end - start) // step)
+        if count <= 0:
+            return None
+        if step > 1:
+            spread = _interleave_zeros(b, g, dims, axis, count, step)
+            if spread is None:
+                return None
+            g = spread
+            if count * step > size - start:
+                g = b.Slice(g, b.ints([0]), b.ints([size - start]), b.ints([axis]))
+        dims[axis] = min(count * step, size - start)
+        pads[axis], pads[axis + r] = start, size - start - dims[axis]
+    return g if not any(pads) else b.op("Pad", g, b.ints(pads))
+
+
+def _interleave_zeros(
+    b: OpBuilder, g: ir.Value, dims: list[int | None], axis: int, count: int, step: int
+) -> ir.Value | None:
+    """``g`` (of dimensions ``dims``, None where not static) with ``step - 1`` zeros after
+    each of its ``count`` elements along ``axis``, or None where the dimensions after ``axis``
+    leave the Reshape's target unknown."""
+    trailing = dims[axis + 1 :]
+    if trailing.count(None) > 1:
+        return None
+    r = len(dims)
+    pads = [0] * (2 * (r + 1))
+    pads[r + 1 + axis + 1] = step - 1
+    spread = b.op("Pad", b.unsqueeze(g, [axis + 1]), b.ints(pads))
+    target = [0] * axis + [count * step] + [-1 if d is None else d for d in trailing]
+    return b.Reshape(spread, b.ints(target))
 
 
 def _slice_pads(ctx: GradContext) -> list[int] | ir.Value | None:
