@@ -62,6 +62,11 @@ it has weight gradients or grouped Convs, and serialized once (:func:`cuda_passe
   form (LeNet at batch 64 and ResNet-8 at batch 32 train 4-20% faster folded); on larger ones
   the folded Conv is, by up to 4.6x (ResNet-50's stride-2 unfolds at batch 64;
   ``benchmarks/conv_grad_micro.py --device cuda`` times both forms).
+- With ``SessionConfig(recompute=True)``, a forward value that is one elementwise op of values
+  the gradient pass holds anyway (a GELU's output) is computed again before its first gradient
+  reader instead of held through the forward pass (:mod:`traingraph.runtime.rewrites.recompute`);
+  the session then runs without onnxruntime's common subexpression elimination, which would
+  merge the copy back.
 
 Example:
     >>> source = for_cuda("training_model.onnx")  # doctest: +SKIP
@@ -83,19 +88,21 @@ from onnx import helper, numpy_helper, shape_inference, version_converter
 from traingraph.ir.tags import kernel_of
 from traingraph.runtime import rewrites
 from traingraph.runtime.rewrites import FOLD_LIMIT, conv_transpose, nchwc, weight_grads
+from traingraph.runtime.rewrites import recompute as recompute_pass
 
 Source = str | bytes
 
 
-def for_cuda(source: Source) -> Source:
+def for_cuda(source: Source, *, recompute: bool = False) -> Source:
     """``source`` (a path or serialized model) rewritten for the CUDA provider; ``source``
     itself where nothing applies.
 
-    The model is converted to onnx-ir once, :func:`cuda_passes` run over it, and it is
+    The model is converted to onnx-ir once, :func:`cuda_passes` run over it (with the cheap
+    forward values computed again for the gradient pass where ``recompute``), and it is
     serialized once where they changed it.
     """
     head = onnx.load(source, load_external_data=False) if isinstance(source, str) else None
-    if head is not None and not any(_applies(n) for n in head.graph.node):
+    if head is not None and not any(_applies(n, recompute) for n in head.graph.node):
         return source
     proto = onnx.load(source) if isinstance(source, str) else onnx.load_from_string(source)
     if any(_weight_grad(n) or _groups(n) > 1 for n in proto.graph.node):
@@ -104,21 +111,26 @@ def for_cuda(source: Source) -> Source:
         with contextlib.suppress(Exception):
             proto = shape_inference.infer_shapes(proto)
     model = ir.serde.deserialize_model(proto)
-    if not cuda_passes()(model).modified:
+    if not cuda_passes(recompute=recompute)(model).modified:
         return source
     return ir.serde.serialize_model(model).SerializeToString()
 
 
-def cuda_passes() -> ir.passes.PassManager:
+def cuda_passes(*, recompute: bool = False) -> ir.passes.PassManager:
     """The CUDA provider's rewrites in order, as one onnx-ir pass over a model whose values
     carry their inferred shapes: :data:`~traingraph.runtime.rewrites.CUDA_RULES`, the weight
-    gradients (:class:`~traingraph.runtime.rewrites.weight_grads.WeightGradsAsConvs`), then
-    :data:`~traingraph.runtime.rewrites.CUDA_FOLD_RULES` (the grouped Convs that are left)."""
-    return ir.passes.PassManager([
+    gradients (:class:`~traingraph.runtime.rewrites.weight_grads.WeightGradsAsConvs`),
+    :data:`~traingraph.runtime.rewrites.CUDA_FOLD_RULES` (the grouped Convs that are left),
+    then, with ``recompute``, the cheap forward values computed again for the gradient pass
+    (:class:`~traingraph.runtime.rewrites.recompute.RecomputeInBackward`)."""
+    passes: list[ir.passes.PassBase] = [
         rewrites.rules_pass(rewrites.CUDA_RULES),
         weight_grads.WeightGradsAsConvs(),
         rewrites.rules_pass(rewrites.CUDA_FOLD_RULES),
-    ])  # fmt: skip
+    ]
+    if recompute:
+        passes.append(recompute_pass.RecomputeInBackward())
+    return ir.passes.PassManager(passes)
 
 
 def _weight_grad(node: onnx.NodeProto) -> bool:
@@ -405,8 +417,10 @@ def transposed_geometry(
     return conv_transpose.geometry(attributes, shapes.get(node.input[0]), shapes.get(node.input[1]))
 
 
-def _applies(node: onnx.NodeProto) -> bool:
-    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean", "Conv", "Cast")
+def _applies(node: onnx.NodeProto, recompute: bool = False) -> bool:
+    return node.op_type in ("BitShift", "ReduceSum", "ReduceMean", "Conv", "Cast") or (
+        recompute and node.name.startswith(recompute_pass.GRADIENT_PREFIX)
+    )
 
 
 def constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
