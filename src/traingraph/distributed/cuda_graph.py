@@ -81,6 +81,7 @@ def cuda_graph_step(
 
     class DataParallelCudaGraphStep(CudaGraphStep):
         replica: DataParallel
+        writes_in_place = False  # the averaged step keeps both copies of the state
 
         def _fused_model(self, static: Any) -> None:
             return None  # the update waits for the average

@@ -13,10 +13,11 @@ the training graph, that state double-buffers what a step rewrites (it reads one
 writes the other, then swaps): onnxruntime runs a graph more than once in the call that
 captures it, and each run must see the inputs the first saw. So the step keeps one captured
 graph per buffer layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id``
-run option. Where the parameters and slots are large (:data:`IN_PLACE_BYTES`), the optimizer
-is a captured graph of its own that writes them in place, as ``Optimizer.step()`` does: their
-values are saved before the call that captures it and put back after, and the captured graph
-then replays once.
+run option. Where the parameters and slots are large (:data:`IN_PLACE_BYTES`) and the model
+has no running statistics (one buffer layout), the optimizer is a captured graph of its own
+that writes them in place, as ``Optimizer.step()`` does: their values and the gradients are
+saved before the call that captures it and put back after, and the captured graph then
+replays once. The data-parallel step keeps both copies.
 
 A mixed-precision step with a loss scaler is fused too: the model itself keeps each value
 where the gradients are not all finite and updates the loss scale and the step count, which
@@ -254,13 +255,14 @@ H100: 1.7 ms a step for BERT-base's 330M under AdamW), while deciding on the hos
 of the finite flag and a second graph launch (0.04-0.09 ms a step on an H100): the fp16 MLP
 step took 0.20 ms against 0.24-0.29 on the host, BERT-base 31.0 ms against 29.3."""
 IN_PLACE_BYTES = 2**29
-"""From how many bytes of parameters and optimizer slots a :class:`CudaGraphStep` runs the
-optimizer as a captured graph of its own that writes them in place, rather than fused into the
-training graph over a second copy of each. Fused, a step is one launch (the small models' gain:
-the MLP's step is a fifth of a millisecond); in place, the state is held once at the cost of a
-second launch and the second session's own allocations. On an H200: BERT-base under AdamW (1.2
-GiB of state) held 6.5 GiB in place against 8.3 fused, at the same speed; ResNet-50 under SGD
-with momentum (0.2 GiB) 10.9 against 10.3."""
+"""From how many bytes of parameters and optimizer slots a :class:`CudaGraphStep` of a model
+without running statistics runs the optimizer as a captured graph of its own that writes them
+in place, rather than fused into the training graph over a second copy of each. Fused, a
+step is one launch (the small models' gain: the MLP's step is a fifth of a millisecond); in
+place, the state is held once at the cost of a second launch and the second session's own
+allocations. On an H200: BERT-base under AdamW (1.2 GiB of state) held 6.5 GiB in place
+against 8.3 fused, at the same speed; ResNet-50 under SGD with momentum (0.2 GiB) 10.9
+against 10.3."""
 _MAX_CONCAT = 32
 
 
@@ -518,6 +520,10 @@ class CudaGraphStep:
             the learning rate; the step count is ``step.optimizer_update.state.step``.
     """
 
+    writes_in_place = True
+    """Whether a large state (:data:`IN_PLACE_BYTES`) is updated in place by a separate
+    optimizer graph (the data-parallel step keeps both copies)."""
+
     def __init__(
         self, module: HasTrainStep, optimizer_uri: str | os.PathLike | HasOptimizerUpdate
     ) -> None:
@@ -600,13 +606,21 @@ class CudaGraphStep:
                 self._noise_binding.bind_ortvalue_output(name, self._noise.ortvalue(name))
             self._noise_session = session
         update = self.optimizer_update
-        fused = None if self._state_bytes() >= IN_PLACE_BYTES else self._fused_model(static)
+        # One buffer layout only: a step that also swaps running statistics alternates between
+        # two captured graphs, which the in-place capture has not been shown to handle.
+        in_place = (
+            self.writes_in_place
+            and not self.step.buffer_outputs
+            and self._state_bytes() >= IN_PLACE_BYTES
+        )
+        fused = None if in_place else self._fused_model(static)
         if fused is not None:
             self._train = create_cuda_session(fused, self.device, self._config)
         else:
             self._train = create_cuda_session(static, self.device, self._config)
             self._optim = create_cuda_session(update.graph_model, self.device, self._config)
-            self._in_place = update.in_place
+            if in_place:
+                self._in_place = update.in_place
         self._outputs = TensorStore(self.device, self._static_outputs(self._train))
 
     def _state_bytes(self) -> int:
@@ -729,8 +743,9 @@ class CudaGraphStep:
 
     def _run_optimizer(self, graph_id: int, binding: Any, options: ort.RunOptions) -> None:
         """Run the separate optimizer graph; the first time for ``graph_id`` onnxruntime
-        captures it, running it more than once, so what it writes in place is put back and the
-        captured graph replayed once."""
+        captures it, running it more than once, so what it writes in place (and the
+        gradients, which a data-parallel step averages before each run) is put back and the
+        run repeated, now a replay."""
         assert self._optim is not None
         if graph_id in self._optim_captured or not any(dataclasses.astuple(self._in_place)):
             self._optim.run_with_iobinding(binding, options)
@@ -740,6 +755,7 @@ class CudaGraphStep:
         stores = [
             *([state.trainable.cur] if self._in_place.parameters else []),
             *([state.optimizer_slots.cur] if self._in_place.slots else []),
+            state.grads,
         ]
         saved = [store.read_flat() for store in stores]
         self._optim.run_with_iobinding(binding, options)
