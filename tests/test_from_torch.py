@@ -510,9 +510,10 @@ class NextTokenLM(nn.Module):
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_next_token_logits_train_without_scattering_or_dead_copies(exporter, tmp_path):
     """``logits[:, :-1]`` exports as a Slice of the whole batch axis and one of the sequence:
-    the first is an Identity, the second's gradient one Pad (not a scatter through an int64
-    index of every logit), and no node computes what nothing reads (the model's Transpose,
-    which the loss reads through). The gradients are torch's in float64."""
+    the first is an Identity, the second is taken before the head (the rows, not the logits)
+    and its gradient is one Pad (not a scatter through an int64 index of every logit), and no
+    node computes what nothing reads (the model's Transpose, which the loss reads through).
+    The gradients are torch's in float64."""
     net = _seeded(NextTokenLM)
     reference = copy.deepcopy(net).double()
     model = traingraph.from_torch(
@@ -531,6 +532,10 @@ def test_next_token_logits_train_without_scattering_or_dead_copies(exporter, tmp
         if n.op_type == "ScatterElements" and _attribute(n, "reduction", b"none") != b"add"
     ]  # fmt: skip
     assert scatters == []
+    # the sequence is cut before the head's product, not from the logits
+    (cut,) = [n for n in train.graph.node if n.op_type == "Slice" and "grad/" not in n.name]
+    producers = {o: n.op_type for n in train.graph.node for o in n.output}
+    assert producers[cut.input[0]] == "Tanh"
     read = {i for n in train.graph.node for i in n.input} | {o.name for o in train.graph.output}
     assert [n.name for n in train.graph.node if not set(n.output) & read] == []
 

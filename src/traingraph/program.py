@@ -28,6 +28,7 @@ from traingraph.ir.fold import remove_dead_nodes
 from traingraph.ir.model import ModelLike, default_opset, infer_shapes_in_place, load_ir, to_proto
 from traingraph.ir.model import save as save_model
 from traingraph.ir.random import lower_dropout
+from traingraph.ir.slices import hoist_slices
 from traingraph.ir.transposes import (
     compose_transposes,
     compose_views,
@@ -173,6 +174,7 @@ def build_program(
     evaluation.graph.outputs.clear()
     evaluation.graph.outputs.extend([eval_loss, *eval_extra])
     _infer_shapes(evaluation)
+    hoist_slices(evaluation.graph, keep=additional_output_names or ())
     move_transposes(evaluation.graph, opset, keep=additional_output_names or ())
     remove_dead_nodes(evaluation.graph)
     lift_parameters(evaluation.graph, params)
@@ -285,6 +287,7 @@ def build_train_graph(
         )  # fmt: skip
     _infer_shapes(model)
     named = [*output_names, *tensor_grads, *stop_gradients, *user_gradients]
+    hoist_slices(graph, keep=named)
     move_transposes(graph, opset, keep=named)
     values = values_by_name(graph)
     missing = [n for n in named if n not in values]
