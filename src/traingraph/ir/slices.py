@@ -14,8 +14,10 @@ dropped. :func:`hoist_slices` moves a Slice of constant bounds above
 - an ``Identity``;
 
 where the Slice is the op's only reader and the op's output is not a value a caller reads by
-name. The values of the kept elements are computed by the same operations on the same
-operands, so they are the same, bit for bit.
+name. The kept elements are computed by the same operations on the same operands. A weight's
+gradient then sums the products of the kept rows only, where it added the zeros of the
+padded gradient before: the same sum, grouped otherwise by the GEMM, so it can differ by
+rounding (the zoo's gpt2_stack: losses 1.2e-7 apart after 10 steps).
 
 Example:
     >>> hoist_slices(graph, keep={"logits"})  # doctest: +SKIP
