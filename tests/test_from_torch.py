@@ -532,6 +532,8 @@ def test_next_token_logits_train_without_scattering_or_dead_copies(exporter, tmp
         if n.op_type == "ScatterElements" and _attribute(n, "reduction", b"none") != b"add"
     ]  # fmt: skip
     assert scatters == []
+    # the loss's gradient adds the label's term into exp(y) * -u: no zeros of the logits' size
+    assert not [n for n in train.graph.node if n.op_type == "ConstantOfShape" and "loss" in n.name]
     # the sequence is cut before the head's product, not from the logits
     (cut,) = [n for n in train.graph.node if n.op_type == "Slice" and "grad/" not in n.name]
     producers = {o: n.op_type for n in train.graph.node for o in n.output}

@@ -266,7 +266,7 @@ def drop_zero_biases(graph: ir.Graph) -> int:
         position = _BIASED_OPS.get(node.op_type)
         if position is None or node.domain not in ("", "ai.onnx"):
             continue
-        if len(node.inputs) <= position or not _is_computed_zeros(node.inputs[position]):
+        if len(node.inputs) <= position or not is_computed_zeros(node.inputs[position]):
             continue
         bias = node.inputs[position]
         node.resize_inputs(position)
@@ -392,7 +392,7 @@ def remove_if_unused(graph: ir.Graph, value: ir.Value | None) -> list[ir.Node]:
     return removed
 
 
-def _is_computed_zeros(value: ir.Value | None, depth: int = _MAX_DEPTH) -> bool:
+def is_computed_zeros(value: ir.Value | None, depth: int = _MAX_DEPTH) -> bool:
     """Whether ``value`` is all zeros, computed from ``Constant`` nodes (not initializers)."""
     if value is None or depth == 0 or value.is_graph_input() or value.is_initializer():
         return False
@@ -406,7 +406,7 @@ def _is_computed_zeros(value: ir.Value | None, depth: int = _MAX_DEPTH) -> bool:
         attr = node.attributes.get("value")
         return attr is None or not np.any(attr.value.numpy())
     if node.op_type in _ZERO_PRESERVING:
-        return _is_computed_zeros(node.inputs[0] if node.inputs else None, depth - 1)
+        return is_computed_zeros(node.inputs[0] if node.inputs else None, depth - 1)
     return False
 
 
@@ -655,6 +655,7 @@ __all__ = [
     "densify_sparse_constants",
     "fold_shape_computations",
     "identity_slices",
+    "is_computed_zeros",
     "remove_dead_nodes",
     "partial_value",
 ]

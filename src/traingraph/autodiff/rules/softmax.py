@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
+from traingraph.ir.fold import is_computed_zeros
 
 Grads = Sequence[ir.Value | None]
 
@@ -34,6 +35,56 @@ def softmax(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
 
 @register_gradient("LogSoftmax", since=13)
 def log_softmax(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """``y = x - log(sum(exp(x), axis))``: ``dx = g - exp(y) sum(g, axis)``."""
+    """``y = x - log(sum(exp(x), axis))``: ``dx = g - exp(y) sum(g, axis)``.
+
+    Where ``g`` is a cross-entropy's: one value ``u`` per row added into zeros at the label's
+    position along ``axis`` (the gradient of the ``GatherElements`` that picks the label's
+    log-probability), ``sum(g, axis)`` is ``u`` itself, and ``dx`` is ``u`` added into
+    ``exp(y) * -u`` at the same positions: one pass over the logits fewer for the sum, none for
+    the zeros and the difference (a language model's logits are its largest tensor). The
+    values are the general form's, up to the sign of zeros (rows whose ``u`` is 0).
+    """
     b, g, y = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.outputs[0]
+    scatter = _label_scatter(g, y, int(ctx.attr("axis", -1)))
+    if scatter is not None:
+        index, u, axis = scatter
+        minus_u = b.Neg(b.sum(u, [axis], keepdims=True))
+        spread = b.Mul(b.Exp(y), minus_u)
+        return [b.ScatterElements(spread, index, u, axis=axis, reduction="add")]
     return [b.Sub(g, b.Mul(b.Exp(y), _sum_over_axis(ctx, g)))]
+
+
+def _label_scatter(g: ir.Value, y: ir.Value, axis: int) -> tuple[ir.Value, ir.Value, int] | None:
+    """``(index, u, axis)`` where ``g`` is ``ScatterElements(zeros, index, u, axis,
+    reduction="add")`` along ``y``'s ``axis`` with one element per row (``u``'s length 1 on
+    ``axis``, its other dimensions ``y``'s) and no other reader; else None."""
+    node = g.producer()
+    if node is None or node.op_type != "ScatterElements" or node.domain not in ("", "ai.onnx"):
+        return None
+    if g.uses() or len(node.inputs) != 3 or y.shape is None:
+        return None
+    reduction = node.attributes.get("reduction")
+    r = len(y.shape)
+    if reduction is None or reduction.value != "add" or not -r <= axis < r:
+        return None
+    axis %= r
+    if int(node.attributes["axis"].value if "axis" in node.attributes else 0) % r != axis:
+        return None
+    data, index, u = node.inputs
+    if not is_computed_zeros(data) or index is None or u is None or u.shape is None:
+        return None
+    if len(u.shape) != r or u.shape.dims[axis] != 1:
+        return None
+    if any(not _same_length(u.shape.dims[k], y.shape.dims[k]) for k in range(r) if k != axis):
+        return None
+    return index, u, axis
+
+
+def _same_length(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
+    """Whether two dimensions are taken as one length: equal where both are numbers, else
+    (symbolic: the batch named by two shape inferences, or not inferred) taken as equal. The
+    loss gathers one label per row of the logits; a label block smaller than the logits would
+    fail the broadcast at run time rather than leave zeros outside it."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return True
