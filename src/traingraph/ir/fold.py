@@ -311,27 +311,31 @@ def identity_slices(graph: ir.Graph) -> int:
     return changed
 
 
-def _keeps_everything(node: ir.Node) -> bool:
-    x = node.inputs[0] if node.inputs else None
-    if x is None or len(node.inputs) < 3:
-        return False
+def slice_inputs(node: ir.Node) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """A Slice's starts, ends, axes and steps where every one given is a constant, the axes
+    as written (not normalized) and the defaults of the op where absent (the leading axes,
+    steps of 1); None where one is not constant or their lengths differ."""
+    if len(node.inputs) < 3 or node.inputs[0] is None:
+        return None
     given = [*node.inputs[1:5], *[None] * (5 - len(node.inputs))]
     args = [constant_value(v) if v is not None else None for v in given]
     if any(v is not None and a is None for v, a in zip(given, args)):
-        return False
-    starts, ends, axes, steps = args
+        return None
+    starts, ends, axes, steps = (None if a is None else np.ravel(a).tolist() for a in args)
     assert starts is not None and ends is not None
-    if starts.ndim != 1 or starts.shape != ends.shape:
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        return None
+    return starts, ends, axes, steps
+
+
+def _keeps_everything(node: ir.Node) -> bool:
+    args = slice_inputs(node)
+    if args is None:
         return False
-    if axes is None:
-        axes = np.arange(len(starts))
-    if steps is None:
-        steps = np.ones(len(starts), np.int64)
-    if axes.shape != starts.shape or steps.shape != starts.shape:
-        return False
-    shape = x.shape
-    bounds = zip(axes.tolist(), starts.tolist(), ends.tolist(), steps.tolist())
-    for axis, start, end, step in bounds:
+    shape = node.inputs[0].shape if node.inputs[0] is not None else None
+    for start, end, axis, step in zip(*args):
         size = None
         if shape is not None and -len(shape) <= axis < len(shape):
             dim = shape.dims[axis]
@@ -657,5 +661,6 @@ __all__ = [
     "identity_slices",
     "is_computed_zeros",
     "remove_dead_nodes",
+    "slice_inputs",
     "partial_value",
 ]

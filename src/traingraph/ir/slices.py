@@ -27,10 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
 import onnx_ir as ir
 
-from traingraph.ir.fold import constant_value
+from traingraph.ir.fold import slice_inputs
 
 __all__ = ["hoist_slices"]
 
@@ -62,20 +61,13 @@ def hoist_slices(graph: ir.Graph, keep: Iterable[str] = ()) -> int:
 
 def _sliced_axes(node: ir.Node) -> list[int] | None:
     """The axes ``node`` (a Slice) slices, normalized, where its bounds are constants."""
-    x = node.inputs[0]
-    if x is None or x.shape is None or len(node.inputs) < 3:
+    x, args = node.inputs[0], slice_inputs(node)
+    if x is None or x.shape is None or args is None:
         return None
-    given = [*node.inputs[1:5], *[None] * (5 - len(node.inputs))]
-    args = [constant_value(v) if v is not None else None for v in given]
-    if any(v is not None and a is None for v, a in zip(given, args)):
-        return None
-    starts, axes = args[0], args[2]
-    assert starts is not None
     r = len(x.shape)
-    raw = range(starts.size) if axes is None else np.ravel(axes).tolist()
-    if any(not -r <= int(a) < r for a in raw):
+    if any(not -r <= a < r for a in args[2]):
         return None
-    return sorted(int(a) % r for a in raw)
+    return sorted(a % r for a in args[2])
 
 
 def _hoist(graph: ir.Graph, node: ir.Node, kept: set[str]) -> int:

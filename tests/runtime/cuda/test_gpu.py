@@ -246,9 +246,19 @@ def test_cuda_graph_step_writes_a_large_state_in_place(tmp_path, monkeypatch) ->
 @needs_cuda
 def test_cuda_graph_step_in_place_skips_a_step_of_infinite_gradients(tmp_path, monkeypatch):
     from traingraph.runtime import cuda
-    from traingraph.runtime.cuda import CudaGraphStep
 
     monkeypatch.setattr(cuda, "IN_PLACE_BYTES", 0)
+    module, _, _ = _fp16_graph_step_skipping_an_infinite_step(tmp_path)
+    scaler = module.loss_scaler
+    assert scaler is not None and scaler.skipped_steps == 1
+
+
+def _fp16_graph_step_skipping_an_infinite_step(tmp_path):  # type: ignore[no-untyped-def]
+    """A CudaGraphStep of the fp16 MLP that follows the Module's curve, then takes a batch
+    with an inf: the step is not counted and the parameters stay. Returns the module, the step
+    and the batches."""
+    from traingraph.runtime.cuda import CudaGraphStep
+
     _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)), "fp16")
     batches = _batches((20,))
     reference, _ = _curve(tmp_path, "cuda", batches)
@@ -262,11 +272,10 @@ def test_cuda_graph_step_in_place_skips_a_step_of_infinite_gradients(tmp_path, m
     x[0, 0] = np.inf
     before = {n: module.step.state.read(n) for n in module.step.trainable}
     step(x, y)
-    scaler = module.loss_scaler
-    assert scaler is not None and scaler.skipped_steps == 1
     assert step.optimizer_update.state.step == STEPS
     for name, value in before.items():
         np.testing.assert_array_equal(module.step.state.read(name), value, err_msg=name)
+    return module, step, batches
 
 
 @pytest.mark.gpu
@@ -757,28 +766,11 @@ def test_mixed_precision_follows_the_float32_curve(tmp_path, model_kind, precisi
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_step_trains_in_fp16(tmp_path) -> None:
-    from traingraph.runtime.cuda import CudaGraphStep
-
-    _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)), "fp16")
-    batches = _batches((20,))
-    reference, _ = _curve(tmp_path, "cuda", batches)
-    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
-    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
-    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
-    np.testing.assert_allclose(losses, reference, rtol=RTOL, atol=ATOL)
-    x, y = batches[0]
-    x = x.copy()
-    x[0, 0] = np.inf
-    before = {n: module.step.state.read(n) for n in module.step.trainable}
-    step(x, y)
+    module, step, batches = _fp16_graph_step_skipping_an_infinite_step(tmp_path)
     # The fused step decided on the GPU; the host's copies read the device's back.
     assert step._counters is not None
     scaler = module.loss_scaler
     assert scaler is not None and scaler.skipped_steps == 1 and scaler.scale == 2.0**15
-    assert step.optimizer_update.state.step == STEPS
-    for name, value in before.items():
-        np.testing.assert_array_equal(module.step.state.read(name), value, err_msg=name)
     # A scale the host sets is the one the next step uses.
     scaler.scale = 2.0**10
     step(*batches[1])

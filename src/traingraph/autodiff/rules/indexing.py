@@ -26,7 +26,7 @@ from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
 from traingraph.autodiff.rules.shape import static_dim
 from traingraph.ir.builder import OpBuilder, rank, static_shape
-from traingraph.ir.fold import Dim, partial_value
+from traingraph.ir.fold import Dim, partial_value, slice_inputs
 
 Grads = Sequence[ir.Value | None]
 
@@ -134,61 +134,62 @@ def _scatter_flat(ctx: GradContext, positions: ir.Value, g: ir.Value) -> ir.Valu
 
 @register_gradient("Slice")
 def slice_(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """Zero-pad ``g`` back to the input's shape; with steps other than 1, scatter it.
+    """Zero-pad ``g`` back to the input's shape; where that cannot be written, scatter it.
 
     A unit-step Slice takes ``x[start:end]`` along each sliced axis, so its adjoint pads
     ``start`` zeros before and ``D - end`` after (bounds resolved and clamped as Slice does):
-    constants where the bounds and lengths are known, else computed when the step runs. With
-    other or unknown steps the positions are ``Slice(iota(x), starts, ends, axes, steps)``, so
-    negative steps and run-time bounds are handled exactly as the forward op does.
+    constants where the bounds and lengths are known (:func:`_padded_slice_grad`, which also
+    spreads ``g`` for constant positive steps), else computed when the step runs
+    (:func:`_run_time_slice_pads`). Otherwise (negative, unknown or run-time steps, an empty
+    slice) the positions are ``Slice(iota(x), starts, ends, axes, steps)``, handled exactly as
+    the forward op handles them.
     """
     b = ctx.b
     g = ctx.grad_or_zeros(grads, 0)
-    pads = _slice_pads(ctx)
-    if isinstance(pads, list):
-        return [g if not any(pads) else b.op("Pad", g, b.ints(pads))]
+    padded = _padded_slice_grad(ctx, g)
+    if padded is not None:
+        return [padded]
+    pads = _run_time_slice_pads(ctx)
     if pads is not None:
         return [b.op("Pad", g, pads)]
-    strided = _strided_slice_grad(ctx, g)
-    if strided is not None:
-        return [strided]
     positions = b.Slice(_iota(b, ctx.x(0)), *ctx.inputs[1:])
     return [_scatter_flat(ctx, positions, g)]
 
 
-def _strided_slice_grad(ctx: GradContext, g: ir.Value) -> ir.Value | None:
-    """The adjoint of a Slice with constant positive steps, bounds and sliced lengths, without
-    a scatter; None where it does not apply.
+def _resolved(bound: int, size: int) -> int:
+    """A Slice bound resolved (negative counts from ``size``) and clamped to ``[0, size]``."""
+    return min(max(bound + size if bound < 0 else bound, 0), size)
 
-    Along an axis sliced as ``x[start:end:step]`` (``n`` elements), ``g`` is interleaved with
-    ``step - 1`` zeros after each element (an Unsqueeze, a Pad of the new axis to ``step``, a
-    Reshape merging the two: ``n * step`` elements, ``g[i]`` at ``i * step``), cut to the
-    ``D - start`` elements from ``start`` on (only zeros go: the last element sits below
-    ``end``), and zero-padded by ``start`` before and what is left of ``D`` after. Torch's
-    ``x[:, 0::2, 1::2]`` (Swin's patch merging) is two such steps and one Pad.
+
+def _padded_slice_grad(ctx: GradContext, g: ir.Value) -> ir.Value | None:
+    """The adjoint of a non-empty Slice with constant bounds, positive steps and static sliced
+    lengths, without a scatter; None where it does not apply.
+
+    Along an axis sliced as ``x[start:end:step]`` (``n`` elements) with ``step > 1``, ``g`` is
+    interleaved with ``step - 1`` zeros after each element (an Unsqueeze, a Pad of the new axis
+    to ``step``, a Reshape merging the two: ``n * step`` elements, ``g[i]`` at ``i * step``)
+    and cut to the ``D - start`` elements from ``start`` on (only zeros go: the last element
+    sits below ``end``). Then one Pad puts ``start`` zeros before and what is left of ``D``
+    after, on every sliced axis. Torch's ``x[:, 0::2, 1::2]`` (Swin's patch merging) is two
+    interleavings and one Pad; ``x[:, 1:]`` one Pad; a Slice that keeps everything ``g``.
     """
     b, x = ctx.b, ctx.x(0)
-    r = rank(x)
-    starts, ends, axes, steps = [
-        ctx.const_input(i) if i < len(ctx.inputs) and ctx.inputs[i] is not None else None
-        for i in range(1, 5)
-    ]
-    if r is None or starts is None or ends is None or steps is None or g.shape is None:
+    r, args = rank(x), slice_inputs(ctx.node)
+    if r is None or args is None:
         return None
-    if ctx.has_input(3) and axes is None:
-        return None
-    axes = list(range(len(starts))) if axes is None else [int(a) % r for a in np.ravel(axes)]
     pads = [0] * (2 * r)
-    dims: list[int | None] = [d if isinstance(d, int) else None for d in g.shape.dims]
-    for axis, start, end, step in zip(axes, starts.tolist(), ends.tolist(), steps.tolist()):
+    dims: list[int | None] = [None] * r
+    if g.shape is not None and len(g.shape) == r:
+        dims = [d if isinstance(d, int) else None for d in g.shape.dims]
+    for start, end, axis, step in zip(*args):
+        axis %= r
         size = static_dim(x, axis)
         if size is None or step <= 0:
             return None
-        start = min(max(start + size if start < 0 else start, 0), size)
-        end = min(max(end + size if end < 0 else end, 0), size)
+        start, end = _resolved(start, size), _resolved(end, size)
         count = -(-(end - start) // step)
         if count <= 0:
-            return None
+            return None  # an empty slice: its gradient is zeros, which the scatter gives
         if step > 1:
             spread = _interleave_zeros(b, g, dims, axis, count, step)
             if spread is None:
@@ -196,8 +197,9 @@ def _strided_slice_grad(ctx: GradContext, g: ir.Value) -> ir.Value | None:
             g = spread
             if count * step > size - start:
                 g = b.Slice(g, b.ints([0]), b.ints([size - start]), b.ints([axis]))
-        dims[axis] = min(count * step, size - start)
-        pads[axis], pads[axis + r] = start, size - start - dims[axis]
+        kept = min(count * step, size - start)
+        dims[axis] = kept
+        pads[axis], pads[axis + r] = start, size - start - kept
     return g if not any(pads) else b.op("Pad", g, b.ints(pads))
 
 
@@ -218,50 +220,32 @@ def _interleave_zeros(
     return b.Reshape(spread, b.ints(target))
 
 
-def _slice_pads(ctx: GradContext) -> list[int] | ir.Value | None:
-    """Pad's ``pads`` that undo a unit-step Slice: a list where they are constants, a run-time
-    int64 tensor where a bound or a sliced length is not, None where a step is not 1 or the
-    axes or the rank are not known.
+def _run_time_slice_pads(ctx: GradContext) -> ir.Value | None:
+    """Pad's ``pads`` that undo a unit-step Slice whose bounds or sliced lengths are known only
+    when the step runs, computed then; None where a step is not 1, the axes or the rank are
+    not known, or everything is known (:func:`_padded_slice_grad`'s case).
 
-    ``Slice(x)[i] = x[start + i]`` along each sliced axis, so the adjoint zero-pads ``start``
-    elements before and ``D - max(end, start)`` after, with ``start`` and ``end`` resolved
-    (negative ones count from ``D``) and clamped to ``[0, D]`` as Slice does. Pad is one pass
-    over the gradient; the general scatter is several.
+    ``start`` and ``end`` are resolved (negative ones count from ``D``) and clamped to
+    ``[0, D]`` as Slice does; the adjoint pads ``start`` before and ``D - max(end, start)``
+    after.
     """
-    x = ctx.x(0)
+    b, x = ctx.b, ctx.x(0)
     r = rank(x)
-    given = [i < len(ctx.inputs) and ctx.inputs[i] is not None for i in range(1, 5)]
-    consts = [ctx.const_input(i) if given[i - 1] else None for i in range(1, 5)]
-    starts, ends, axes, steps = consts
-    if r is None or (given[2] and axes is None) or (given[3] and steps is None):
+    starts, ends, axes, steps = [
+        ctx.const_input(i) if ctx.has_input(i) else None for i in range(1, 5)
+    ]
+    if r is None or (ctx.has_input(3) and axes is None) or (ctx.has_input(4) and steps is None):
         return None
     if steps is not None and any(int(step) != 1 for step in np.ravel(steps)):
         return None
     if axes is None:
-        count = starts.size if starts is not None else ends.size if ends is not None else None
-        if count is None:
-            count = static_dim(ctx.inputs[1], 0) if ctx.inputs[1] is not None else None
+        count = static_dim(ctx.x(1), 0) if starts is None else np.size(starts)
         if count is None:
             return None
         axes = np.arange(count)
     axes = [int(a) % r for a in np.ravel(axes)]
-    sizes = [static_dim(x, axis) for axis in axes]
-    if starts is not None and ends is not None and None not in sizes:
-        pads = [0] * (2 * r)
-        for axis, size, start, end in zip(axes, sizes, starts.tolist(), ends.tolist()):
-            assert size is not None
-            start = min(max(start + size if start < 0 else start, 0), size)
-            end = min(max(end + size if end < 0 else end, 0), size)
-            if end <= start:
-                return None  # an empty slice: its gradient is zeros, which the scatter gives
-            pads[axis], pads[axis + r] = start, size - end
-        return pads
-    return _run_time_slice_pads(ctx, r, axes)
-
-
-def _run_time_slice_pads(ctx: GradContext, r: int, axes: list[int]) -> ir.Value:
-    """The ``pads`` of :func:`_slice_pads` computed when the step runs."""
-    b, x = ctx.b, ctx.x(0)
+    if starts is not None and ends is not None and None not in [static_dim(x, a) for a in axes]:
+        return None
     dims = b.Gather(b.shape(x), b.ints(axes))
     zero = b.const(np.int64(0))
 
