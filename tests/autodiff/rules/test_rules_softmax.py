@@ -5,7 +5,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from gradcheck import check_model_gradient, check_op_gradient
+from gradcheck import check_model_gradient, check_op_gradient, session
 from traingraph.ir.model import max_ir_version
 
 rng = np.random.default_rng(0)
@@ -72,3 +72,58 @@ def test_cross_entropy_through_log_softmax():
     loss = -(torch.log_softmax(torch.tensor(x) * wt, dim=-1) * torch.tensor(onehot)).sum()
     loss.backward()
     np.testing.assert_allclose(got["w"], wt.grad.numpy(), rtol=1e-6, atol=1e-9)
+
+
+def _attention_probabilities(dtype=TensorProto.DOUBLE):
+    """``loss = sum(Where(IsNaN(y), 0, y) * w)``, ``y = Softmax(x)``: the form of a boolean-masked
+    ``scaled_dot_product_attention`` exported by torch.onnx."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Softmax", ["x"], ["y"], axis=-1),
+            helper.make_node("IsNaN", ["y"], ["empty"]),
+            helper.make_node("Where", ["empty", "zero", "y"], ["z"]),
+            helper.make_node("Mul", ["z", "w"], ["zw"]),
+            helper.make_node("ReduceSum", ["zw"], ["loss"], keepdims=0),
+        ],
+        "sdpa",
+        [
+            helper.make_tensor_value_info("x", dtype, ["batch", 3, 4]),
+            helper.make_tensor_value_info("w", dtype, [3, 4]),
+        ],
+        [helper.make_tensor_value_info("loss", dtype, [])],
+        [helper.make_tensor("zero", dtype, [], [0.0])],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version()
+    )
+
+
+def test_softmax_of_masked_attention_reads_the_zeroed_probabilities(monkeypatch):
+    """The gradient reads ``Where(IsNaN(y), 0, y)`` and not ``y``; its values are the general
+    form's bit for bit (NaN rows included) and float64 torch's."""
+    import traingraph.autodiff.rules.softmax as rules
+    from traingraph.autodiff import build_gradient_graph
+
+    x, w = rng.standard_normal((2, 3, 4)), rng.standard_normal((3, 4))
+    x[0, 1] = -np.inf  # a row its mask empties
+    x[1, 2, :2] = -np.inf
+    feeds = {"x": x, "w": w}
+    model = _attention_probabilities()
+    grad_model = build_gradient_graph(model, wrt=["x", "w"], loss="loss")
+    readers = [n.op_type for n in grad_model.graph.node if "y" in n.input]
+    assert sorted(readers) == ["IsNaN", "Where"]
+    got = session(grad_model).run(["x_grad", "w_grad"], feeds)
+
+    monkeypatch.setattr(rules, "_nan_rows_zeroed", lambda g, y: None)
+    general = build_gradient_graph(model, wrt=["x", "w"], loss="loss")
+    assert any("y" in n.input and n.op_type == "Mul" for n in general.graph.node)
+    expected = session(general).run(["x_grad", "w_grad"], feeds)
+    for a, e in zip(got, expected):
+        np.testing.assert_array_equal(a, e)
+    assert np.isnan(got[0][0, 1]).all() and np.isfinite(got[0][1]).all()
+
+    xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    y = torch.softmax(xt, dim=-1)
+    (torch.where(torch.isnan(y), 0.0, y) * wt).sum().backward()
+    np.testing.assert_allclose(got[0], xt.grad.numpy(), rtol=1e-12, atol=1e-14, equal_nan=True)
+    np.testing.assert_allclose(got[1], wt.grad.numpy(), rtol=1e-12, atol=1e-14)

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
-from traingraph.ir.fold import is_computed_zeros
+from traingraph.ir.fold import is_computed_zeros, remove_if_unused
 
 Grads = Sequence[ir.Value | None]
 
@@ -28,9 +28,57 @@ def _sum_over_axis(ctx: GradContext, value: ir.Value) -> ir.Value:
 
 @register_gradient("Softmax", since=13)
 def softmax(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
-    """``y = exp(x) / sum(exp(x), axis)``: ``dx = y (g - sum(g y, axis))``."""
+    """``y = exp(x) / sum(exp(x), axis)``: ``dx = y (g - sum(g y, axis))``.
+
+    Attention exported from ``scaled_dot_product_attention`` with a boolean mask zeroes the
+    rows a mask empties, ``z = Where(IsNaN(y), 0, y)``, and reads ``z`` on; ``g`` is then
+    ``Where(IsNaN(y), 0, h)`` with ``h`` the gradient of ``z``. The rule reads ``z`` in ``y``'s
+    place and ``Where(IsNaN(y), NaN, h)`` in ``g``'s, so that the gradient pass holds ``z``
+    (which the next product's gradient reads anyway) and the mask, not ``y`` as well: one
+    probability tensor fewer per attention layer. The values are the general form's: in a
+    row without NaN, ``z`` is ``y`` and ``g`` is ``h``; in a row with one, both forms give
+    NaN throughout (the sum over the row reads ``0 * NaN`` in the general form and
+    ``NaN * z`` here).
+    """
     b, g, y = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.outputs[0]
-    return [b.Mul(y, b.Sub(g, _sum_over_axis(ctx, b.Mul(g, y))))]
+    zeroed, unread = _nan_rows_zeroed(g, y), None
+    if zeroed is not None:
+        z, mask, h = zeroed
+        unread, g, y = g, b.Where(mask, b.scalar(float("nan"), y), h), z
+    dx = b.Mul(y, b.Sub(g, _sum_over_axis(ctx, b.Mul(g, y))))
+    remove_if_unused(b.graph, unread)  # the Where's gradient, read by the general form only
+    return [dx]
+
+
+def _nan_rows_zeroed(g: ir.Value, y: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(z, mask, h)`` where ``g`` is ``Where(mask, c, h)`` with ``mask = IsNaN(y)``, read by
+    nothing else, and the forward graph has ``z = Where(mask, c', y)``, where ``c`` and ``c'``
+    are one value each (so that neither Where broadcasts beyond ``y``'s shape); else None."""
+    node = g.producer()
+    if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or g.uses():
+        return None
+    mask, c, h = node.inputs
+    if mask is None or h is None:
+        return None
+    test = mask.producer()
+    if test is None or test.op_type != "IsNaN" or test.inputs[0] is not y:
+        return None
+    if y.shape is None or not _one_value(c, len(y.shape)):
+        return None
+    for use in mask.uses():
+        forward = use.node
+        if forward is node or forward.op_type != "Where" or use.idx != 0:
+            continue
+        if forward.inputs[2] is y and _one_value(forward.inputs[1], len(y.shape)):
+            return forward.outputs[0], mask, h
+    return None
+
+
+def _one_value(value: ir.Value | None, rank: int) -> bool:
+    """Whether ``value`` holds one element and has at most ``rank`` dimensions."""
+    if value is None or value.shape is None:
+        return False
+    return len(value.shape) <= rank and all(d == 1 for d in value.shape.dims)
 
 
 @register_gradient("LogSoftmax", since=13)

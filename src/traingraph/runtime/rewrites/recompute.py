@@ -2,12 +2,11 @@
 
 A training graph keeps every forward value its gradient nodes read, from the forward pass to
 the gradient node that reads it last. Where such a value is one elementwise op of values the
-gradient pass reads anyway (a GELU's output, whose input its own gradient reads; the
-attention probabilities with their NaN rows zeroed, ``Where(IsNaN(p), 0, p)``, where the
-Softmax gradient reads ``p`` and the Where's gradient the mask), computing it again right
-before its first gradient reader lets the forward copy go after its last forward reader: one
-more pass over it, and one tensor less held through the forward pass. In ViT-B/16 at batch 64
-each layer's GELU output is 155 MB and its attention probabilities 119 MB.
+gradient pass reads anyway (a GELU's output, whose input its own gradient reads; a scaled
+query, whose input the product's gradient reads), computing it again right before its first
+gradient reader lets the forward copy go after its last forward reader: one more pass over it,
+and one tensor less held through the forward pass. In ViT-B/16 at batch 64 each layer's GELU
+output is 155 MB.
 
 :class:`RecomputeInBackward`, an onnx-ir pass, finds the gradient pass as the nodes named
 ``grad/...`` (the autodiff names them so) and takes a node of :data:`CHEAP_OPS` before it when
@@ -45,8 +44,7 @@ CHEAP_OPS = frozenset({
 })  # fmt: skip
 """Elementwise ops of one pass, computed again rather than held. Comparisons are not among
 them: their boolean masks are a quarter of a float32 tensor, and an input computed again
-keeps its reader from being computed again (the mask of ``Where(IsNaN(p), 0, p)`` is held so
-that the Where is not)."""
+keeps its reader from being computed again."""
 
 
 class RecomputeInBackward(ir.passes.InPlacePass):
