@@ -365,17 +365,18 @@ def test_cli_trains_on_cuda(tmp_path) -> None:
 def test_session_config_gives_the_cuda_provider_options() -> None:
     config = SessionConfig(
         tf32=False, cudnn_conv_algo_search="HEURISTIC", gpu_mem_limit=2**30,
-        arena_extend_strategy="kSameAsRequested", cuda_extra={"do_copy_in_default_stream": "1"},
+        arena_extend_strategy="kNextPowerOfTwo", cuda_extra={"do_copy_in_default_stream": "1"},
     )
     providers = Device("cuda", 1).providers(config.cuda_options())
     assert providers == [
         ("CUDAExecutionProvider", {
             "enable_cuda_graph": "0", "use_tf32": "0", "cudnn_conv_algo_search": "HEURISTIC",
-            "arena_extend_strategy": "kSameAsRequested", "gpu_mem_limit": str(2**30),
+            "arena_extend_strategy": "kNextPowerOfTwo", "gpu_mem_limit": str(2**30),
             "do_copy_in_default_stream": "1", "device_id": "1",
         }),
         "CPUExecutionProvider",
     ]
+    assert SessionConfig().cuda_options()["arena_extend_strategy"] == "kSameAsRequested"
     captured = Device("cuda").providers(SessionConfig(cuda_graph=True).cuda_options())
     assert len(captured) == 1  # a captured graph runs every node on the GPU
     assert Device("cpu").providers(config.cuda_options()) == ["CPUExecutionProvider"]
