@@ -25,8 +25,8 @@ without that optimizer (:func:`disabled_optimizers`). CUDA sessions apply the pa
 ``SessionConfig(recompute=True)`` asks for it
 (:func:`traingraph.runtime.rewrites.specialize.for_cuda`). What it saves depends on where
 onnxruntime's own execution order puts the step's peak: on an H200, GPT-2 small at 8 x 512
-held 14.4 GiB against 16.7 (2.3 GiB, the 36 values it computes again) at 53.6 ms against 52.1;
-BERT-base and ViT-B/16 held what they held without it (6.46 and 12.52 GiB).
+held 11.81 GiB against 12.20 at 50.8 ms against 49.9; BERT-base and ViT-B/16 held what they
+held without it.
 """
 
 from __future__ import annotations
