@@ -420,6 +420,53 @@ def test_tied_parameter_is_one_initializer_that_trains_as_in_torch(exporter, tmp
     )
 
 
+class PaddedTiedLM(nn.Module):
+    """An embedding with a padding row whose weight the output layer shares."""
+
+    def __init__(self, scale_grad_by_freq: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 8, padding_idx=0, scale_grad_by_freq=scale_grad_by_freq)
+        with torch.no_grad():
+            self.embed.weight[0] = 0.5  # a padding row need not be zeros
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.mix(self.embed(ids).mean(dim=1)))
+        return hidden @ self.embed.weight.t()
+
+
+@pytest.mark.parametrize(
+    ("exporter", "scale_grad_by_freq"),
+    [*((e, False) for e in EXPORTERS), ("dynamo", True)],  # TorchScript refuses the scaling
+)
+def test_embedding_padding_row_gets_no_gradient_from_its_lookups(
+    exporter, scale_grad_by_freq, tmp_path
+):
+    """torch gives the padding row of a lookup no gradient and, with scale_grad_by_freq, divides
+    each lookup's gradient by its row's count in the batch (the export's Gather says neither);
+    the tied output layer's use of the same rows is unscaled. Against float64 torch."""
+    net = _seeded(PaddedTiedLM, scale_grad_by_freq=scale_grad_by_freq)
+    ids = torch.tensor([[1, 2, 0, 0, 0, 2], [3, 4, 5, 6, 7, 0], [0, 8, 2, 0, 10, 11]])
+    model = traingraph.from_torch(copy.deepcopy(net), ids, exporter=exporter)
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.MSELoss, optimizer=optim.SGD(lr=0.5),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    target = np.random.default_rng(0).standard_normal((3, 30)).astype(np.float32)
+    module(ids.numpy(), target)
+    reference = copy.deepcopy(net).double()
+    nn.functional.mse_loss(reference(ids), torch.tensor(target, dtype=torch.float64)).backward()
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    lookups_only = copy.deepcopy(net).double()
+    lookups_only.embed(ids).sum().backward()
+    assert not lookups_only.embed.weight.grad[0].any()  # what the test relies on torch doing
+    assert reference.embed.weight.grad[0].abs().sum() > 0  # the output layer's share
+
+
 class ReturnsAnObject(nn.Module):
     def __init__(self) -> None:
         super().__init__()

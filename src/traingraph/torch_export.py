@@ -84,7 +84,10 @@ def from_torch(
     forward become Constant nodes, so that only parameters and buffers are initializers. The
     trainable parameters are recorded in the model's metadata (``traingraph.requires_grad``),
     which :func:`traingraph.artifacts.generate_artifacts` reads when ``requires_grad`` is not
-    given.
+    given. An ``nn.Embedding``'s ``padding_idx`` (that row gets no gradient from the lookups)
+    and ``scale_grad_by_freq`` are kept as metadata of the Gathers of its weight, which the
+    gradient reads (an ONNX Gather says neither); ``torch.nn.functional.embedding`` called with
+    them outside an ``nn.Embedding`` is not seen.
 
     Before returning, the exported graph runs on onnxruntime on ``example_inputs`` (and, with a
     dynamic batch, on them twice over) and is compared with the module's train-mode forward
@@ -493,6 +496,7 @@ def _finish(
             value.const_value = ir.tensor(buffer.detach().cpu().numpy(), name=name)
     _constants_to_nodes(graph, set(torch_tensors))
     _training_batch_norm(graph)
+    _tag_embedding_gradients(graph, model)
     for value in [*graph.inputs, *graph.outputs]:
         if value.name in axes and value.shape is not None:
             dims = list(value.shape.dims)
@@ -505,6 +509,31 @@ def _finish(
     ]
     m.metadata_props[REQUIRES_GRAD_KEY] = json.dumps(trainable)
     return ir.to_proto(m)
+
+
+def _tag_embedding_gradients(graph: ir.Graph, model: torch.nn.Module) -> None:
+    """Tag each Gather of an ``nn.Embedding``'s weight with the module's ``padding_idx``
+    (:data:`~traingraph.autodiff.rules.indexing.PADDING_IDX_KEY`: torch gives that row no
+    gradient) and ``scale_grad_by_freq`` (:data:`~traingraph.autodiff.rules.indexing.
+    SCALE_BY_FREQUENCY_KEY`), which the exported Gather does not say."""
+    from torch import nn
+
+    from traingraph.autodiff.rules.indexing import PADDING_IDX_KEY, SCALE_BY_FREQUENCY_KEY
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        if not isinstance(module, nn.Embedding):
+            continue
+        tags = {}
+        if module.padding_idx is not None:
+            tags[PADDING_IDX_KEY] = str(module.padding_idx)
+        if module.scale_grad_by_freq:
+            tags[SCALE_BY_FREQUENCY_KEY] = "1"
+        weight = graph.initializers.get(names.get(id(module.weight), ""))
+        for use in [] if weight is None or not tags else weight.uses():
+            rows = use.node.op_type == "Gather" and use.node.attributes.get_int("axis", 0) == 0
+            if rows and use.idx == 0:
+                use.node.metadata_props.update(tags)
 
 
 def _aliases(model: torch.nn.Module) -> dict[str, str]:

@@ -266,6 +266,16 @@ def _run_time_slice_pads(ctx: GradContext) -> ir.Value | None:
     return b.Concat(*pieces, axis=0)
 
 
+PADDING_IDX_KEY = "traingraph.padding_idx"
+"""The node metadata key of a ``Gather`` of table rows whose row of this index gets no gradient
+(``torch.nn.Embedding(padding_idx=...)``, which an ONNX export writes as a plain Gather;
+:func:`traingraph.from_torch` tags those Gathers)."""
+SCALE_BY_FREQUENCY_KEY = "traingraph.scale_grad_by_freq"
+"""The node metadata key (value ``"1"``) of a ``Gather`` of table rows whose gradient for each
+looked-up position is divided by how often its row is looked up in the batch
+(``torch.nn.Embedding(scale_grad_by_freq=True)``)."""
+
+
 @register_gradient("Gather")
 def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """Add each gradient slice into the row of ``x`` it was gathered from.
@@ -274,6 +284,7 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     dimensions come first (``g'``): ``dx'[d] = sum_{i: index[i] = d} g'[i]``.
     """
     b, g, x = ctx.b, ctx.grad_or_zeros(grads, 0), ctx.x(0)
+    g = _by_frequency(ctx, _without_padding_row(ctx, g))
     padded = _gather_pads(ctx)
     if padded is not None:
         pads, axis = padded
@@ -297,6 +308,43 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         ctx, rows_shape, index, b.Transpose(g, perm=perm_g), static_dim(x, axis)
     )
     return [b.Transpose(rows, perm=[int(p) for p in np.argsort(perm_x)])]
+
+
+def _without_padding_row(ctx: GradContext, g: ir.Value) -> ir.Value:
+    """``g`` with zeros where the Gather read the row its :data:`PADDING_IDX_KEY` names (axis
+    0 only), so that row's gradient is zero and no other row's changes, as in torch's
+    embedding backward (a NaN or infinity read for that row is dropped too); ``g`` itself
+    where the node has no such tag."""
+    pad = ctx.node.metadata_props.get(PADDING_IDX_KEY)
+    if pad is None or int(ctx.attr("axis", 0)) != 0:
+        return g
+    b, x = ctx.b, ctx.x(0)
+    rows = _dim_scalar(b, x, 0)
+    index = b.Mod(_int64(b, ctx.x(1)), rows)
+    padding = b.Mod(b.const(np.int64(int(pad))), rows)
+    hit = b.Equal(index, padding)
+    r = _known_rank(ctx, x, "the data input")
+    if r > 1:  # the row's own dimensions follow the index's in g
+        hit = b.unsqueeze(hit, list(range(1 - r, 0)))
+    return b.Where(hit, b.scalar(0.0, g), g)
+
+
+def _by_frequency(ctx: GradContext, g: ir.Value) -> ir.Value:
+    """``g`` times the reciprocal of how many positions of the index read each position's row,
+    where the Gather is tagged with :data:`SCALE_BY_FREQUENCY_KEY` (axis 0 only), as torch's
+    embedding backward scales it; ``g`` itself otherwise."""
+    if ctx.node.metadata_props.get(SCALE_BY_FREQUENCY_KEY) != "1" or int(ctx.attr("axis", 0)):
+        return g
+    b, x = ctx.b, ctx.x(0)
+    rows = _dim_scalar(b, x, 0)
+    index = b.Mod(_int64(b, ctx.x(1)), rows)
+    ones = b.Expand(b.scalar(1.0, g), b.shape(index))
+    counts = scatter_add_rows(ctx, b.unsqueeze(rows, [0]), index, ones, static_dim(x, 0))
+    scale = b.Reciprocal(b.Gather(b.Reshape(counts, b.ints([-1])), index))
+    r = _known_rank(ctx, x, "the data input")
+    if r > 1:
+        scale = b.unsqueeze(scale, list(range(1 - r, 0)))
+    return b.Mul(g, scale)
 
 
 def _gather_pads(ctx: GradContext) -> tuple[list[int], int] | None:
