@@ -467,6 +467,22 @@ def test_embedding_padding_row_gets_no_gradient_from_its_lookups(
     assert reference.embed.weight.grad[0].abs().sum() > 0  # the output layer's share
 
 
+def test_running_statistics_the_export_drops_are_an_error_naming_them():
+    """torch.export drops the running-statistics update of a training InstanceNorm (and the
+    TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would
+    read the first values, so from_torch refuses it, and leaves the module's buffers as they
+    were."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10),
+    )  # fmt: skip
+    updated = r"buffers that the train-mode forward updates \(1\.running_mean, 1\.running_var\)"
+    with pytest.raises(ModelError, match=updated):
+        traingraph.from_torch(net, torch.randn(4, 3, 8, 8))
+    assert not net[1].running_mean.any() and net[1].running_var.eq(1).all()
+
+
 class ReturnsAnObject(nn.Module):
     def __init__(self) -> None:
         super().__init__()

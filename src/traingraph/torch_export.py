@@ -59,6 +59,7 @@ class _Reference:
     outputs: list[np.ndarray]
     structure: Any
     used: set[str]
+    moved: set[str]  # the floating-point buffers the forward changes (running statistics)
 
 
 def from_torch(
@@ -270,9 +271,14 @@ _PLAIN_LEAVES: tuple[type, ...] = (int, float, bool, str, type(None))
 
 
 def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
-    """Run the train-mode forward with dropout off; find the parameters the outputs depend on."""
+    """Run the train-mode forward with dropout off; find the parameters the outputs depend on
+    and the buffers it moves."""
+    before = {n: b.detach().clone() for n, b in model.named_buffers() if b.is_floating_point()}
     with torch.enable_grad(), _no_dropout(torch, model):
         out = model(*args)
+    moved = {
+        n for n, b in model.named_buffers() if n in before and not torch.equal(before[n], b)
+    }
     leaves = torch.utils._pytree.tree_leaves(out)
     plain = (torch.Tensor, *_PLAIN_LEAVES)
     others = sorted({type(t).__name__ for t in leaves if not isinstance(t, plain)})
@@ -296,7 +302,7 @@ def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
         used = {n for (n, _), g in zip(named, grads) if g is not None}
     outputs = [t.detach().cpu().numpy() for t in leaves]
-    return _Reference(outputs=outputs, structure=out, used=used)
+    return _Reference(outputs=outputs, structure=out, used=used, moved=moved)
 
 
 def _default_input_names(model: torch.nn.Module, count: int) -> list[str]:
@@ -657,6 +663,15 @@ def _check(
             f"the export lost {len(lost)} of {len(reference.used)} trainable parameters"
             f" ({_listed(lost)}), or changed their shapes ({_listed(reshaped)}); initializers"
             f" that are no torch parameter or buffer: {_listed(generated)}"
+        )
+    unkept = sorted(n for n in reference.moved if n not in initializers)
+    if unkept:
+        raise ModelError(
+            f"the export lost {len(unkept)} of the {len(reference.moved)} buffers that the"
+            f" train-mode forward updates ({_listed(unkept)}): training would leave them at"
+            " their first values and the eval-mode model would read those; running statistics"
+            " that an exporter drops (InstanceNorm's track_running_stats=True) go with"
+            " track_running_stats=False on their modules"
         )
     run = _runner(proto)
     feeds = [a.detach().cpu().numpy() for a in args]
