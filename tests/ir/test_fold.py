@@ -521,7 +521,7 @@ def test_slices_that_keep_everything_become_identities():
     )  # fmt: skip
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     m = load_ir(proto)
-    kinds = {n.name: n.op_type for n in m.graph if n.op_type != "Cast"}
+    kinds = {n.name: n.op_type for n in m.graph if n.op_type not in ("Cast", "Constant")}
     assert kinds == dict(zip("abcdef", ["Identity"] * 2 + ["Slice"] * 4))
     assert [v.name for v in m.graph.outputs] == ["b", "f"]
     import onnxruntime as ort
@@ -554,3 +554,101 @@ def test_dead_nodes_go_but_random_draws_stay():
     m = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
     assert [n.name for n in remove_dead_nodes(m.graph)] == ["unread"]
     assert [n.name for n in m.graph] == ["relu", "draw", "neg"]
+
+
+def test_slice_bounds_of_unsqueezed_constants_fold():
+    """The TorchScript exporter writes ``y[:, : y.shape[1] // 2]`` as a Slice whose starts,
+    axes and steps are ``Unsqueeze(Constant)`` and whose end is read from the shape: all four
+    fold, so the Slice's output (and a Resize after it) gets its shape; floating-point
+    arithmetic on constants stays as written. The model computes the same."""
+    import onnxruntime as ort
+
+    def const(name, value, dtype=np.int64):
+        array = np.array(value, dtype)
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array))
+
+    nodes = [
+        const("zero", 0), const("one", 1), const("two", 2), const("axis0", [0]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "one"], ["channels"], axis=0),
+        helper.make_node("Div", ["channels", "two"], ["half"]),
+        helper.make_node("Unsqueeze", ["half", "axis0"], ["ends"]),
+        helper.make_node("Unsqueeze", ["zero", "axis0"], ["starts"]),
+        helper.make_node("Unsqueeze", ["one", "axis0"], ["axes"]),
+        helper.make_node("Unsqueeze", ["one", "axis0"], ["steps"]),
+        helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["piece"]),
+        const("unit", [1.0, 1.0], np.float32), const("twice", [2.0, 2.0], np.float32),
+        helper.make_node("Concat", ["unit", "twice"], ["scales"], axis=0),
+        helper.make_node("Resize", ["piece", "", "scales"], ["y"], mode="nearest"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m = load_ir(proto)
+    values = {o.name: o for node in m.graph for o in node.outputs}
+    for name in ("starts", "ends", "axes", "steps"):
+        assert values[name].producer().op_type == "Constant", name
+    assert values["scales"].producer().op_type == "Concat"
+    assert values["piece"].shape == ir.Shape(["batch", 3, 4, 4])
+    x = np.random.default_rng(0).standard_normal((2, 6, 4, 4)).astype(np.float32)
+    run = [
+        ort.InferenceSession(p.SerializeToString()).run(None, {"x": x})[0]
+        for p in (proto, ir.to_proto(m))
+    ]
+    np.testing.assert_array_equal(run[0], run[1])
+
+
+def test_resize_sizes_through_ceil_evaluate_for_the_gradient():
+    """Hugging Face's MobileViT traced by the TorchScript exporter computes its interpolation
+    size as ``Cast(Ceil(2.5) * 2)`` from constants, next to the batch and channels read from
+    the shape: with Ceil evaluated, the sizes are known but for the batch (the input's own), so
+    the Resize has a gradient; against torch's float64 bilinear interpolation."""
+    import torch
+
+    from traingraph.autodiff import build_gradient_graph
+    from traingraph.ir.fold import partial_value
+
+    def const(name, value, dtype=np.int64):
+        array = np.array(value, dtype)
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array))
+
+    nodes = [
+        const("ratio", 2.5, np.float32), const("two", 2.0, np.float32), const("axis0", [0]),
+        const("zero", [0]), const("lead", [2]),
+        helper.make_node("Ceil", ["ratio"], ["up"]),
+        helper.make_node("Mul", ["up", "two"], ["size"]),
+        helper.make_node("Cast", ["size"], ["size64"], to=TensorProto.INT64),
+        helper.make_node("Unsqueeze", ["size64", "axis0"], ["h"]),
+        helper.make_node("Unsqueeze", ["size64", "axis0"], ["w"]),
+        helper.make_node("Concat", ["h", "w"], ["hw"], axis=0),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Slice", ["shape", "zero", "lead", "zero"], ["nc"]),
+        helper.make_node("Concat", ["nc", "hw"], ["sizes"], axis=0),
+        helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode="linear"),
+        helper.make_node("Mul", ["y", "w_y"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 5, 5]),
+         helper.make_tensor_value_info("w_y", TensorProto.FLOAT, ["batch", 4, 6, 6])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m = load_ir(proto)
+    sizes = next(o for node in m.graph for o in node.outputs if o.name == "sizes")
+    assert partial_value(sizes)[1:] == [4, 6, 6]
+    grads = build_gradient_graph(proto, wrt=["x"], loss="loss")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 5, 5)).astype(np.float32)
+    w = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    import onnxruntime as ort
+
+    (got,) = ort.InferenceSession(grads.SerializeToString()).run(["x_grad"], {"x": x, "w_y": w})
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.interpolate(t, size=(6, 6), mode="bilinear", align_corners=False)
+    (y * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-5, atol=1e-5)

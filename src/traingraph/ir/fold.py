@@ -185,34 +185,42 @@ def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
 
 def fold_shape_computations(graph: ir.Graph) -> bool:
     """Replace each value ``graph`` computes from static dimensions and constants (``Shape ->
-    Gather -> Div -> Slice`` bounds, resize sizes, reshape targets) with a ``Constant``.
+    Gather -> Div -> Slice`` bounds, resize sizes, reshape targets), and each integer value it
+    computes from constants alone (``Unsqueeze(Constant)`` Slice starts), with a ``Constant``.
 
     ONNX shape inference does not see through such arithmetic, so a ``Slice`` whose bounds are
     computed (torch's ``chunk``) gets an output of unknown shape, and so does everything after
     it. With the computations folded, inferring shapes again gives them. Only values that read
-    a ``Shape`` or ``Size`` and no floating-point initializer are folded (a parameter is never
-    made a constant), so the model computes the same for every batch size. The nodes left
+    a ``Shape`` or ``Size`` and no floating-point initializer, or integer values of constants,
+    are folded (a parameter is never made a constant), so the model computes the same for every
+    batch size. The nodes left
     without readers are removed.
 
     Returns:
         Whether any value was folded.
     """
     shape_based: dict[ir.Value, bool] = {}
+
+    def foldable(value: ir.Value) -> bool:
+        return _reads_shapes(value, shape_based) or _integers_from_constants(value)
+
     nodes = [
         node for node in graph
         if node.op_type not in ("Constant", "Shape", "Size") and node.op_type in _EVALUATORS
         and node.domain in ("", "ai.onnx") and len(node.outputs) == 1
-        and _reads_shapes(node.outputs[0], shape_based)
+        and foldable(node.outputs[0])
     ]  # fmt: skip
     folded = False
     for node in nodes:  # the last values of each computation: those read by other nodes
         out = node.outputs[0]
-        if out.is_graph_output() or all(shape_based.get(o, False)
-                                        for use in out.uses() for o in use.node.outputs):
-            continue  # fmt: skip
+        readers = [o for use in out.uses() for o in use.node.outputs]
+        if out.is_graph_output() or all(foldable(o) for o in readers):
+            continue
         value = constant_value(out)
         if value is None or value.dtype == object or value.size > _MAX_ELEMENTS:
             continue
+        if value.dtype.kind == "f" and not shape_based.get(out, False):
+            continue  # floating-point arithmetic on constants stays as written
         constant = ir.Node(
             "", "Constant", [], [ir.AttrTensor("value", ir.tensor(value))],
             name=f"{node.name or out.name}/folded",
@@ -226,8 +234,8 @@ def fold_shape_computations(graph: ir.Graph) -> bool:
     if not folded:
         return False
     for node in reversed(list(graph)):
-        foldable = node.op_type in _EVALUATORS or node.op_type in ("Constant", "Shape", "Size")
-        if foldable and node.domain in ("", "ai.onnx") and not any(
+        evaluable = node.op_type in _EVALUATORS or node.op_type in ("Constant", "Shape", "Size")
+        if evaluable and node.domain in ("", "ai.onnx") and not any(
             o.uses() or o.is_graph_output() for o in node.outputs
         ):
             graph.remove(node, safe=True)
@@ -436,6 +444,18 @@ def _reads_shapes(value: ir.Value, memo: dict[ir.Value, bool]) -> bool:
     return result
 
 
+def _integers_from_constants(value: ir.Value) -> bool:
+    """Whether ``value`` is computed by an evaluable op from constants alone and is not
+    floating-point (the TorchScript exporter writes a Slice's starts, axes and steps as
+    ``Unsqueeze(Constant)``)."""
+    node = value.producer()
+    if node is None or node.op_type == "Constant" or node.op_type not in _EVALUATORS:
+        return False
+    if value.dtype is not None and value.dtype.is_floating_point():
+        return False
+    return _from_constants(value)
+
+
 def _from_constants(value: ir.Value, depth: int = _MAX_DEPTH) -> bool:
     """Whether ``value`` is a constant (:func:`_is_constant`) or computed from constants alone
     by the evaluable ops (torch's exporter writes a reshape target's constant part so)."""
@@ -620,6 +640,8 @@ def _binary(op: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable:
 _EVALUATORS: dict[str, Callable[[ir.Node, list[np.ndarray | None]], np.ndarray | None]] = {
     "Identity": lambda node, args: args[0],
     "Neg": lambda node, args: -args[0],  # type: ignore[operator]
+    "Ceil": lambda node, args: np.ceil(args[0]),  # type: ignore[arg-type]
+    "Floor": lambda node, args: np.floor(args[0]),  # type: ignore[arg-type]
     "Cast": lambda node, args: args[0].astype(  # type: ignore[union-attr]
         ir.DataType(node.attributes.get_int("to", 1)).numpy()
     ),
