@@ -353,3 +353,42 @@ def test_conv_transpose_weight_gradient_as_one_gemm():
         "ConvTranspose", {"x": r(2, 8, 2, 2), "w": r(8, 3, 3, 3), "b": r(3)}, attrs,
         torch_fn=torch_conv_transpose([2, 2], [1, 1, 1, 1], [1, 1], [1, 1], 1), **TOL,
     )
+
+
+@pytest.mark.parametrize(
+    ("image", "block", "attrs"),
+    [
+        ([5, 6], [2, 3], {}),
+        ([6, 6], [3, 3], {"pads": [1, 1, 1, 1]}),
+        ([7, 8], [2, 2], {"strides": [2, 3], "dilations": [2, 1], "pads": [1, 0, 2, 1]}),
+    ],
+)
+def test_col2im_against_torch_fold(image, block, attrs):
+    """Col2Im (``F.fold``) over strides, dilations and asymmetric pads: the gradient of a
+    weighted sum (each input element's gradient is the weight at the image position it is added
+    into, exact in float32: onnxruntime's Col2Im is float32 only) against torch's float64
+    ``fold``."""
+    from traingraph.autodiff import build_gradient_graph
+
+    k = len(image)
+    pads = attrs.get("pads", [0] * 2 * k)
+    strides, dilations = attrs.get("strides", [1] * k), attrs.get("dilations", [1] * k)
+    padded = [image[d] + pads[d] + pads[d + k] for d in range(k)]
+    blocks = [(padded[d] - dilations[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(k)]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 2 * int(np.prod(block)), int(np.prod(blocks)))).astype(np.float32)
+    shapes = {"image_shape": np.array(image), "block_shape": np.array(block)}
+    model = make_op_model(
+        "Col2Im", {"x": x, **shapes}, attrs, const_inputs=list(shapes), opset=18
+    )
+    (y,) = session(model).run(None, {"x": x})
+    w = rng.uniform(0.5, 1.5, size=y.shape).astype(np.float32)
+    grads = build_gradient_graph(add_weighted_sum_loss(model, ["y0"], [y]), wrt=["x"])
+    got = session(grads).run(["x_grad"], {"x": x, "w_y0": w})[0]
+
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    full = F.fold(t, padded, block, dilation=dilations, stride=strides)  # torch pads evenly
+    kept = full[:, :, pads[0] : padded[0] - pads[2], pads[1] : padded[1] - pads[3]]
+    np.testing.assert_allclose(y, kept.detach().numpy(), rtol=1e-5, atol=1e-5)
+    (kept * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-6, atol=0)

@@ -515,3 +515,40 @@ def conv_transpose(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     gradient with input ``G`` and output gradient ``X``; ``dL/dB`` sums ``G``.
     """
     return _conv_grads(ctx, grads, transposed=True)
+
+
+@register_gradient("Col2Im", since=18)
+def col2im(ctx: GradContext, grads: Sequence[ir.Value | None]) -> list[ir.Value | None]:
+    """``y = Col2Im(x, image_shape, block_shape)`` adds column ``l`` of each channel's block
+    offset ``k`` into the image at block ``l``'s position ``k`` (``torch.nn.functional.fold``):
+    ``dx`` gathers those positions back from ``g`` zero-padded as the image was (the unfold of
+    ``g``), one ``Gather`` over the padded image's flattened positions with a constant index."""
+    b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
+    image, block = ctx.const_input(1), ctx.const_input(2)
+    if image is None or block is None:
+        ctx.unsupported(
+            "image_shape or block_shape is computed at run time; the gradient needs them"
+            " constant (as torch.nn.functional.fold writes them)"
+        )
+    image = [int(v) for v in np.asarray(image).reshape(-1)]
+    block = [int(v) for v in np.asarray(block).reshape(-1)]
+    k = len(image)
+    dilations = [int(v) for v in ctx.attr("dilations", [1] * k)]
+    pads = [int(v) for v in ctx.attr("pads", [0] * (2 * k))]
+    strides = [int(v) for v in ctx.attr("strides", [1] * k)]
+    padded = [image[d] + pads[d] + pads[d + k] for d in range(k)]
+    blocks = [(padded[d] - dilations[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(k)]
+    if min(blocks) < 1:
+        ctx.unsupported(f"no block of {block} fits the padded image {padded}")
+    place = np.cumprod([1, *padded[::-1]])[:-1][::-1]  # flat stride of each padded axis
+    offsets = np.indices(block).reshape(k, -1)  # [k, K], block offsets in row-major order
+    starts = np.indices(blocks).reshape(k, -1)  # [k, L], block positions in row-major order
+    at = sum(
+        (offsets[d][:, None] * dilations[d] + starts[d][None, :] * strides[d]) * place[d]
+        for d in range(k)
+    )  # [K, L]: each (offset, block)'s flat position in the padded image
+    if any(pads):
+        g = b.Pad(g, b.ints([0, 0, *pads[:k], 0, 0, *pads[k:]]))
+    flat = b.Reshape(g, b.ints([0, 0, -1]))
+    cols = b.Gather(flat, b.const(np.asarray(at, np.int64)), axis=2)  # [N, C, K, L]
+    return [b.Reshape(cols, b.ints([0, -1, int(at.shape[1])])), None, None]
