@@ -193,8 +193,7 @@ def fold_shape_computations(graph: ir.Graph) -> bool:
     it. With the computations folded, inferring shapes again gives them. Only values that read
     a ``Shape`` or ``Size`` and no floating-point initializer, or integer values of constants,
     are folded (a parameter is never made a constant), so the model computes the same for every
-    batch size. The nodes left
-    without readers are removed.
+    batch size. The nodes left without readers are removed.
 
     Returns:
         Whether any value was folded.
