@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -387,6 +388,16 @@ class TiedLM(nn.Module):
         return self.lm_head(torch.tanh(self.mix(self.embed(ids).mean(dim=1))))
 
 
+def _mse_sgd_module(model: onnx.ModelProto, directory: Path) -> tuple[CheckpointState, Module]:
+    """The checkpoint state and Module of ``model``'s artifacts (MSE loss, SGD at 0.5)."""
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.MSELoss, optimizer=optim.SGD(lr=0.5),
+        artifact_directory=directory,
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    return state, Module(directory / "training_model.onnx", state)
+
+
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_tied_parameter_is_one_initializer_that_trains_as_in_torch(exporter, tmp_path):
     net = _seeded(TiedLM)
@@ -395,12 +406,7 @@ def test_tied_parameter_is_one_initializer_that_trains_as_in_torch(exporter, tmp
     assert sorted(i.name for i in model.graph.initializer) == sorted(
         ["embed.weight", "mix.weight", "mix.bias"]
     )
-    artifacts.generate_artifacts(
-        model, loss=artifacts.LossType.MSELoss, optimizer=optim.SGD(lr=0.5),
-        artifact_directory=tmp_path,
-    )  # fmt: skip
-    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state)
+    state, module = _mse_sgd_module(model, tmp_path)
     opt = Optimizer(tmp_path / "optimizer_model.onnx", module)
     torch_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     rng = np.random.default_rng(0)
@@ -448,12 +454,7 @@ def test_embedding_padding_row_gets_no_gradient_from_its_lookups(
     net = _seeded(PaddedTiedLM, scale_grad_by_freq=scale_grad_by_freq)
     ids = torch.tensor([[1, 2, 0, 0, 0, 2], [3, 4, 5, 6, 7, 0], [0, 8, 2, 0, 10, 11]])
     model = traingraph.from_torch(copy.deepcopy(net), ids, exporter=exporter)
-    artifacts.generate_artifacts(
-        model, loss=artifacts.LossType.MSELoss, optimizer=optim.SGD(lr=0.5),
-        artifact_directory=tmp_path,
-    )  # fmt: skip
-    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state)
+    state, module = _mse_sgd_module(model, tmp_path)
     target = np.random.default_rng(0).standard_normal((3, 30)).astype(np.float32)
     module(ids.numpy(), target)
     reference = copy.deepcopy(net).double()
