@@ -318,15 +318,10 @@ def _without_padding_row(ctx: GradContext, g: ir.Value) -> ir.Value:
     pad = ctx.node.metadata_props.get(PADDING_IDX_KEY)
     if pad is None or int(ctx.attr("axis", 0)) != 0:
         return g
-    b, x = ctx.b, ctx.x(0)
-    rows = _dim_scalar(b, x, 0)
-    index = b.Mod(_int64(b, ctx.x(1)), rows)
-    padding = b.Mod(b.const(np.int64(int(pad))), rows)
-    hit = b.Equal(index, padding)
-    r = _known_rank(ctx, x, "the data input")
-    if r > 1:  # the row's own dimensions follow the index's in g
-        hit = b.unsqueeze(hit, list(range(1 - r, 0)))
-    return b.Where(hit, b.scalar(0.0, g), g)
+    b = ctx.b
+    index, rows = _looked_up_rows(ctx)
+    hit = b.Equal(index, b.Mod(b.const(np.int64(int(pad))), rows))
+    return b.Where(_per_lookup(ctx, hit), b.scalar(0.0, g), g)
 
 
 def _by_frequency(ctx: GradContext, g: ir.Value) -> ir.Value:
@@ -336,15 +331,26 @@ def _by_frequency(ctx: GradContext, g: ir.Value) -> ir.Value:
     if ctx.node.metadata_props.get(SCALE_BY_FREQUENCY_KEY) != "1" or int(ctx.attr("axis", 0)):
         return g
     b, x = ctx.b, ctx.x(0)
-    rows = _dim_scalar(b, x, 0)
-    index = b.Mod(_int64(b, ctx.x(1)), rows)
+    index, rows = _looked_up_rows(ctx)
     ones = b.Expand(b.scalar(1.0, g), b.shape(index))
     counts = scatter_add_rows(ctx, b.unsqueeze(rows, [0]), index, ones, static_dim(x, 0))
     scale = b.Reciprocal(b.Gather(b.Reshape(counts, b.ints([-1])), index))
-    r = _known_rank(ctx, x, "the data input")
-    if r > 1:
-        scale = b.unsqueeze(scale, list(range(1 - r, 0)))
-    return b.Mul(g, scale)
+    return b.Mul(g, _per_lookup(ctx, scale))
+
+
+def _looked_up_rows(ctx: GradContext) -> tuple[ir.Value, ir.Value]:
+    """The row each position of an axis-0 Gather's index reads (negative indices resolved),
+    and the number of rows."""
+    b = ctx.b
+    rows = _dim_scalar(b, ctx.x(0), 0)
+    return b.Mod(_int64(b, ctx.x(1)), rows), rows
+
+
+def _per_lookup(ctx: GradContext, value: ir.Value) -> ir.Value:
+    """``value``, one element per index position, unsqueezed over the row's own dimensions,
+    which follow the index's in the Gather's output and gradient."""
+    r = _known_rank(ctx, ctx.x(0), "the data input")
+    return ctx.b.unsqueeze(value, list(range(1 - r, 0))) if r > 1 else value
 
 
 def _gather_pads(ctx: GradContext) -> tuple[list[int], int] | None:
