@@ -273,12 +273,13 @@ _PLAIN_LEAVES: tuple[type, ...] = (int, float, bool, str, type(None))
 def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
     """Run the train-mode forward with dropout off; find the parameters the outputs depend on
     and the buffers it moves."""
-    before = {n: b.detach().clone() for n, b in model.named_buffers() if b.is_floating_point()}
+    before = _snapshot(model)
     with torch.enable_grad(), _no_dropout(torch, model):
         out = model(*args)
     moved = {
-        n for n, b in model.named_buffers() if n in before and not torch.equal(before[n], b)
-    }
+        n for n, b in model.named_buffers()
+        if b.is_floating_point() and n in before and not torch.equal(before[n], b)
+    }  # fmt: skip
     leaves = torch.utils._pytree.tree_leaves(out)
     plain = (torch.Tensor, *_PLAIN_LEAVES)
     others = sorted({type(t).__name__ for t in leaves if not isinstance(t, plain)})

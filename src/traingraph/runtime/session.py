@@ -65,7 +65,7 @@ class SessionConfig:
         recompute: On CUDA, compute the cheap forward values the gradient pass reads again
             before it reads them instead of holding them through the forward pass
             (:mod:`traingraph.runtime.rewrites.recompute`): less memory for a pass over each
-            (GPT-2 small at 8 x 512 on an H200: 16.7 -> 14.4 GiB, 52.1 -> 53.6 ms), or none
+            (GPT-2 small at 8 x 512 on an H200: 12.20 -> 11.81 GiB, 49.9 -> 50.8 ms), or none
             where onnxruntime's peak lies elsewhere (BERT-base: 6.46 GiB either way, 29.8 ->
             30.5 ms). Needs ``specialize``.
         profile: Write onnxruntime's profile.

@@ -293,7 +293,7 @@ def gather(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         return [b.op("Pad", g, b.ints(pads))]
     if int(ctx.attr("axis", 0)) == 0:
         # Axis 0 needs no rank: the rows are the first dimension whatever follows.
-        index = b.Mod(_int64(b, ctx.x(1)), _dim_scalar(b, x, 0))
+        index, _ = _looked_up_rows(ctx)
         return [scatter_add_rows(ctx, b.shape(x), index, g, static_dim(x, 0))]
     r = _known_rank(ctx, x, "the data input")
     axis = int(ctx.attr("axis", 0)) % r
