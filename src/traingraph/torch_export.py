@@ -727,6 +727,10 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
     lower_training_batch_norm(graph, default_opset(m))
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    # The check runs the graph as exported: onnxruntime's graph optimizers are not needed for
+    # one run, and some crash the process on exports they do not expect (the dynamo
+    # exporter's nn.EmbeddingBag: a Loop over a SequenceEmpty).
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         session = ort.InferenceSession(
             ir.to_proto(m).SerializeToString(), options, providers=["CPUExecutionProvider"]

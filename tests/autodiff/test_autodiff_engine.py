@@ -310,10 +310,26 @@ def _loop_model() -> onnx.ModelProto:
     return make_model(nodes, {"x": [3]}, ["loss"], inits)
 
 
+def _unknown_rank_model() -> onnx.ModelProto:
+    # The custom op's output has no known rank, which GatherElements' rule needs: the error
+    # names the op without a rule upstream, not the GatherElements it starved.
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("Mystery", ["h"], ["m"], domain="example.custom", name="mystery_node"),
+        helper.make_node("GatherElements", ["m", "idx"], ["g"], axis=1, name="gather"),
+        helper.make_node("ReduceSum", ["g"], ["loss"], keepdims=0),
+    ]
+    return make_model(
+        nodes, {"x": [2, 3]}, ["loss"], {"w": r(3), "idx": np.zeros((2, 1), np.int64)},
+        extra_opsets=[helper.make_opsetid("example.custom", 1)],
+    )
+
+
 @pytest.mark.parametrize(
     ("make", "op", "node", "wrt"),
     [
         (_custom_op_model, "example.custom::Mystery", "mystery_node", ["w"]),
+        (_unknown_rank_model, "example.custom::Mystery", "mystery_node", ["w"]),
         (_loop_model, "Loop", "the_loop", ["x"]),
         # w reaches the loop only as a value its body captures.
         (_loop_model, "Loop", "the_loop", ["w"]),

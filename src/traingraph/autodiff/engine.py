@@ -165,7 +165,19 @@ def differentiate(
             )
         b.scope = f"{node.name or node.op_type}/"
         inputs = tuple(node.inputs)  # a rule may replace its node (recurrent.py's LSTM)
-        in_grads = rule(GradContext(b, node, needs), out_grads)
+        try:
+            in_grads = rule(GradContext(b, node, needs), out_grads)
+        except (GradientNotImplementedError, ModelError) as exc:
+            blocker = _unsupported_before(nodes, node, reads, live, relevant, opset)
+            if blocker is None:
+                raise
+            raise GradientNotImplementedError(
+                blocker.op_type,
+                blocker.name or "<unnamed>",
+                opset,
+                domain=blocker.domain,
+                supported=supported_ops(),
+            ) from exc
         b.scope = ""
         if len(in_grads) > len(inputs):
             raise AssertionError(
@@ -180,6 +192,35 @@ def differentiate(
     for v in wrt:
         result.grads[v.name or ""] = total(v)
     return result
+
+
+def _unsupported_before(
+    nodes: Sequence[ir.Node],
+    failed: ir.Node,
+    reads: dict[ir.Node, list[ir.Value]],
+    live: set[ir.Value],
+    relevant: set[ir.Value],
+    opset: int,
+) -> ir.Node | None:
+    """The first node on the gradient path upstream of ``failed`` that has no gradient rule.
+
+    A rule that fails for want of a shape or type (``failed``) often fails because such a node
+    upstream (a ``Loop`` or a sequence op) left its output's shape unknown: that node is the
+    blocker to name, as the backward pass would have reached it next."""
+    ancestors: set[ir.Value] = set(reads[failed])
+    upstream: list[ir.Node] = []
+    for node in reversed(nodes[: nodes.index(failed)]):
+        if any(o in ancestors for o in node.outputs):
+            ancestors.update(reads[node])
+            upstream.append(node)
+    for node in reversed(upstream):
+        if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
+            continue
+        on_path = any(o in live and o in relevant for o in node.outputs)
+        if on_path and any(v in live for v in reads[node]):
+            if get_rule(node.domain, node.op_type, opset) is None:
+                return node
+    return None
 
 
 def _accumulate(b: OpBuilder, parts: Sequence[ir.Value], value: ir.Value) -> ir.Value:
