@@ -468,6 +468,85 @@ def test_embedding_padding_row_gets_no_gradient_from_its_lookups(
     assert reference.embed.weight.grad[0].abs().sum() > 0  # the output layer's share
 
 
+class Bags(nn.Module):
+    """An ``nn.EmbeddingBag`` over a flat input with offsets (and per-sample weights)."""
+
+    def __init__(self, **bag) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(30, 8, **bag)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, ids, offsets, weights=None):
+        return self.fc(self.bag(ids, offsets, weights))
+
+    def by_lookups(self, ids, offsets):
+        """The sum mode's forward through ``F.embedding`` over every lookup at once, then a sum
+        per bag: torch's documented gradient scaling by frequency (its CPU embedding_bag kernel
+        scales rows looked up once by another row's count)."""
+        rows = nn.functional.embedding(
+            ids, self.bag.weight, self.bag.padding_idx, scale_grad_by_freq=True
+        )
+        members = ids != (-1 if self.bag.padding_idx is None else self.bag.padding_idx)
+        ends = [*offsets[1:].tolist(), len(ids)]
+        bags = [rows[s:e][members[s:e]].sum(0) for s, e in zip(offsets.tolist(), ends)]
+        return self.fc(torch.stack(bags))
+
+
+_BAG_IDS = torch.tensor([4, 0, 4, 7, 0, 0, 9, 2, 2, 2, 11, 0, 5])
+"""Lookups with padding (0) and repeated rows; the offsets below make an empty bag, a bag of
+padding only and bags that repeat a row."""
+
+
+@pytest.mark.parametrize(
+    ("exporter", "bag", "offsets", "weighted"),
+    [
+        ("dynamo", {"mode": "mean"}, [0, 3, 3, 6, 10], False),
+        ("torchscript", {"mode": "mean", "padding_idx": 0}, [0, 3, 3, 4, 6, 10], False),
+        ("dynamo", {"mode": "max", "padding_idx": 0}, [0, 3, 3, 4, 6, 10], False),
+        ("torchscript", {"mode": "max"}, [0, 3, 3, 6, 10], False),
+        ("dynamo", {"mode": "sum", "include_last_offset": True}, [0, 3, 3, 6, 10, 13], True),
+        ("dynamo", {"mode": "sum", "scale_grad_by_freq": True, "padding_idx": 0},
+         [0, 3, 3, 6, 10], False),
+    ],
+)  # fmt: skip
+def test_embedding_bag_trains_as_in_torch(exporter, bag, offsets, weighted, tmp_path):
+    """Both exporters write an EmbeddingBag as a Loop, which nothing differentiates: it exports
+    as lookups and reductions with torch's values (padding counted in no bag, empty bags zero,
+    per-sample weights, the last offset included) and gradients, against float64 torch."""
+    net = _seeded(Bags, **bag)
+    inputs = [_BAG_IDS, torch.tensor(offsets)]
+    if weighted:
+        inputs.append(torch.linspace(-1.0, 2.0, len(_BAG_IDS)))
+    model = traingraph.from_torch(copy.deepcopy(net), tuple(inputs), exporter=exporter)
+    assert not [n.op_type for n in model.graph.node if n.op_type == "Loop"]
+    state, module = _mse_sgd_module(model, tmp_path)
+    target = np.random.default_rng(0).standard_normal((len(offsets) - weighted, 5))
+    loss = module(*(t.numpy() for t in inputs), target.astype(np.float32))
+    reference = copy.deepcopy(net).double()
+    doubled = [t.double() if t.is_floating_point() else t for t in inputs]
+    forward = reference.by_lookups if bag.get("scale_grad_by_freq") else reference
+    expected = nn.functional.mse_loss(forward(*doubled), torch.tensor(target))
+    expected.backward()
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def test_embedding_bag_with_max_norm_is_an_error_naming_the_fix():
+    with pytest.raises(ModelError, match="set max_norm=None"):
+        traingraph.from_torch(Bags(max_norm=1.0), (_BAG_IDS, torch.tensor([0, 3])))
+
+
+def test_batch_axes_of_another_size_get_their_own_names():
+    model = traingraph.from_torch(Bags(), (_BAG_IDS, torch.tensor([0, 3, 3, 6])))
+    dims = {
+        v.name: v.type.tensor_type.shape.dim[0].dim_param
+        for v in [*model.graph.input, *model.graph.output]
+    }
+    assert dims == {"ids": "batch", "offsets": "offsets_dim0", "output": "output_dim0"}
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

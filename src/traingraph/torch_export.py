@@ -36,6 +36,7 @@ import onnx_ir as ir
 
 from traingraph.errors import ModelError
 from traingraph.ir.export_checks import REQUIRES_GRAD_KEY
+from traingraph.torch_forms import exportable_forms
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +100,9 @@ def from_torch(
         model: The ``torch.nn.Module`` to export.
         example_inputs: A tensor or a tuple of tensors, passed to ``model`` positionally.
         path: Where to also save the model (``onnx.save``); None saves nothing.
-        dynamic_axes: ``"batch"``: a dynamic first axis named ``batch`` on every input and
-            output; a dict as torch's ``dynamic_axes`` (``{"ids": {0: "batch", 1: "seq"}}``
+        dynamic_axes: ``"batch"``: a dynamic first axis on every input and output, named
+            ``batch`` where its size is the first input's and ``<name>_dim0`` where it is
+            not (an ``nn.EmbeddingBag``'s offsets beside its flat input); a dict as torch's ``dynamic_axes`` (``{"ids": {0: "batch", 1: "seq"}}``
             or ``{"ids": [0, 1]}``); None: static shapes.
         exporter: ``"dynamo"`` or ``"torchscript"`` forces that exporter; None tries the dynamo
             exporter and falls back to the TorchScript exporter, with a warning naming why,
@@ -344,7 +346,12 @@ def _resolve_axes(
     if dynamic_axes is None:
         return {}
     if dynamic_axes == BATCH_DIM:
-        return {n: {0: BATCH_DIM} for n, r in ranks.items() if r >= 1}
+        # The batch is the first axis of the first input; a first axis of another size (the
+        # offsets beside a flat input of an nn.EmbeddingBag) is a dimension of its own.
+        sizes = {n: int(a.shape[0]) for n, a in zip(input_names, args) if a.dim()}
+        sizes.update({n: int(o.shape[0]) for n, o in zip(output_names, outputs) if o.ndim})
+        batch = next(iter(sizes.values()), None)
+        return {n: {0: BATCH_DIM if size == batch else f"{n}_dim0"} for n, size in sizes.items()}
     if not isinstance(dynamic_axes, Mapping):
         raise ModelError(
             f"dynamic_axes must be 'batch', None or a dict like {{'x': {{0: 'batch'}}}}, got"
@@ -437,7 +444,7 @@ def _export(
 ) -> onnx.ModelProto:
     """Run one exporter in train mode with every parameter kept."""
     names = {"input_names": input_names, "output_names": output_names}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), exportable_forms(torch):
         # Train mode is what is asked for; the traced forward is checked afterwards.
         warnings.filterwarnings("ignore", message=".*training mode.*")
         warnings.filterwarnings("ignore", message=".*Removing mutation.*num_batches_tracked")
@@ -519,7 +526,8 @@ def _finish(
 
 
 def _tag_embedding_gradients(graph: ir.Graph, model: torch.nn.Module) -> None:
-    """Tag each Gather of an ``nn.Embedding``'s weight with the module's ``padding_idx``
+    """Tag each Gather of an ``nn.Embedding``'s (or ``nn.EmbeddingBag``'s, see
+    :mod:`traingraph.torch_forms`) weight with the module's ``padding_idx``
     (:data:`~traingraph.autodiff.rules.indexing.PADDING_IDX_KEY`: torch gives that row no
     gradient) and ``scale_grad_by_freq`` (:data:`~traingraph.autodiff.rules.indexing.
     SCALE_BY_FREQUENCY_KEY`), which the exported Gather does not say."""
@@ -529,7 +537,7 @@ def _tag_embedding_gradients(graph: ir.Graph, model: torch.nn.Module) -> None:
 
     names = {id(p): n for n, p in model.named_parameters()}
     for module in model.modules():
-        if not isinstance(module, nn.Embedding):
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             continue
         tags = {}
         if module.padding_idx is not None:

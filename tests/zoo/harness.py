@@ -143,6 +143,8 @@ class ZooCase:
         input_names: The ONNX names of the model's inputs.
         steps: Optimizer steps of the loss curve.
         grad_rtol: Gradient tolerance relative to the reference gradient's norm.
+        reverse: A batch with its samples in reverse order; None: every input and the labels
+            reversed along their first axis.
     """
 
     name: str
@@ -156,6 +158,7 @@ class ZooCase:
     input_names: tuple[str, ...] = ("input",)
     steps: int = 20
     grad_rtol: float = 1e-3
+    reverse: Callable[[Batch], Batch] | None = None
 
 
 @dataclasses.dataclass
@@ -332,8 +335,10 @@ def make_batches(case: ZooCase, count: int = BATCHES) -> list[Batch]:
     return batches
 
 
-def reversed_batches(batches: Sequence[Batch]) -> list[Batch]:
+def reversed_batches(case: ZooCase, batches: Sequence[Batch]) -> list[Batch]:
     """The batches with their samples in reverse order."""
+    if case.reverse is not None:
+        return [case.reverse(batch) for batch in batches]
     return [(tuple(t.flip(0) for t in inputs), labels.flip(0)) for inputs, labels in batches]
 
 
@@ -532,11 +537,11 @@ def run_case(
         g64, c64 = torch_run(model, case, batches, torch.float64)
         g32, c32 = torch_run(model, case, batches, torch.float32)
         g32r, c32r = torch_run(
-            model, case, reversed_batches(batches), torch.float32, nudged=True
+            model, case, reversed_batches(case, batches), torch.float32, nudged=True
         )
         more = [
             torch_run(
-                model, case, reversed_batches(batches) if seed % 2 == 0 else batches,
+                model, case, reversed_batches(case, batches) if seed % 2 == 0 else batches,
                 torch.float32, nudged=True, seed=seed,
             )
             for seed in range(1, FLOAT32_RUNS - 1)

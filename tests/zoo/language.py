@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.harness import ADAMW, ZooCase
+from zoo.harness import ADAMW, Batch, ZooCase
 from zoo.torchvision_import import torchvision_models
 
 VOCAB = 128
@@ -146,6 +146,55 @@ class TransformerClassifier(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.encoder(self.tokens(input_ids) + self.positions)
         return self.head(x.mean(dim=1))
+
+
+BAGS = 4
+"""Bags in a batch of the ``nn.EmbeddingBag`` classifiers."""
+
+
+def _bags(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A flat batch of tokens and the offsets of its :data:`BAGS` bags, the second one empty
+    (as ``DataLoader``'s collate function of PyTorch's text classification tutorial makes)."""
+    lengths = torch.randint(1, SEQ + 1, (BAGS,), generator=g)
+    lengths[1] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    return torch.randint(2, VOCAB, (int(lengths.sum()),), generator=g), offsets
+
+
+def _padded(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Tokens with :data:`PADDING` padding tokens (id 1) at the end of the second sequence
+    and a sequence of padding only."""
+    ids = _tokens(torch.Generator().manual_seed(int(torch.randint(1 << 30, (1,), generator=g))))
+    ids = torch.cat([ids, torch.ones(1, SEQ, dtype=torch.int64)])
+    ids[1, SEQ - PADDING :] = 1
+    return (ids,)
+
+
+def _reverse_bags(batch: Batch) -> Batch:
+    """The bags of a flat batch, and their labels, in reverse order."""
+    (text, offsets), labels = batch
+    ends = [*offsets[1:].tolist(), text.shape[0]]
+    bags = [text[start:end] for start, end in zip(offsets.tolist(), ends)][::-1]
+    lengths = torch.tensor([len(bag) for bag in bags])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    return (torch.cat(bags), starts), labels.flip(0)
+
+
+def _bag_classes(inputs: tuple[torch.Tensor, ...], g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, CLASSES, (inputs[1].shape[0],), generator=g)
+
+
+class BagClassifier(nn.Module):
+    """An ``nn.EmbeddingBag`` and a linear head: PyTorch's text classification tutorial's
+    model with a flat input and offsets, or a bag per row of a 2-D input."""
+
+    def __init__(self, **bag: Any) -> None:
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(VOCAB, HIDDEN, **bag)
+        self.fc = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(self.embedding(ids, offsets))
 
 
 class RecurrentClassifier(nn.Module):
@@ -390,6 +439,10 @@ LANGUAGE_CASES: list[ZooCase] = [
         ("input_ids",),
         optimizer=ADAMW,
     ),
+    _case("embedding_bag", BagClassifier, _bags, _bag_classes, ("text", "offsets"),
+          reverse=_reverse_bags),
+    _case("embedding_bag_max_padding", lambda: BagClassifier(mode="max", padding_idx=1),
+          _padded, _classes, ("input_ids",)),
     _case("lstm", lambda: RecurrentClassifier("lstm"), _ids, _classes, ("input_ids",)),
     _case("gru", lambda: RecurrentClassifier("gru"), _ids, _classes, ("input_ids",)),
     # more families: ALiBi (BLOOM), sliding-window and rotary attention (Mistral), then slow

@@ -1,0 +1,133 @@
+"""Differentiable forms of the torch functions that the ONNX exporters write as loops.
+
+Both exporters write ``torch.nn.functional.embedding_bag`` (``nn.EmbeddingBag``) as a ``Loop``
+over the bags, which no gradient rule differentiates. :func:`exportable_forms` makes it, for
+the time of an export, a lookup (``F.embedding``: one Gather of the weight) and a reduction of
+the looked-up rows: over the second axis of a 2-D input, or, for a 1-D input with offsets, a
+product with the ``(bags, lookups)`` matrix that marks each bag's span (``mode="max"``: the
+largest value of each bag's span). Padding lookups (``padding_idx``) count in no bag, an empty
+bag is zeros, ``per_sample_weights`` scale the rows: the values of torch's kernel.
+
+:func:`traingraph.torch_export.from_torch` exports under it and then checks the exported forward
+against the module's own, so a difference in a case this form does not cover is reported, not
+trained. With ``mode="max"``, rows that tie for a bag's largest value share its gradient
+(``torch.amax``), where torch's kernel gives it to one of them; rows looked up twice in one bag
+tie with themselves and get the same total either way. With ``scale_grad_by_freq`` each
+lookup's gradient is divided by its row's count among all the lookups, as torch documents and
+``F.embedding`` computes; torch's CPU ``embedding_bag`` kernel divides some rows' gradients by
+another row's count instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from traingraph.errors import ModelError
+
+
+@contextlib.contextmanager
+def exportable_forms(torch: Any) -> Iterator[None]:
+    """``torch.nn.functional.embedding_bag`` as lookups and reductions (see the module) while
+    the context is open; torch's own function back after."""
+    functional = torch.nn.functional
+    original = functional.embedding_bag
+
+    def embedding_bag(
+        input: Any,
+        weight: Any,
+        offsets: Any = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = False,
+        per_sample_weights: Any = None,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+    ) -> Any:
+        if max_norm is not None:
+            raise ModelError(
+                f"embedding_bag with max_norm={max_norm} renormalizes the weight's rows in place"
+                " on every lookup, which an ONNX graph does not do; set max_norm=None (clip the"
+                " rows after each step instead)"
+            )
+        return _embedding_bag(
+            torch, input, weight, offsets, scale_grad_by_freq, mode, per_sample_weights,
+            include_last_offset, padding_idx,
+        )  # fmt: skip
+
+    functional.embedding_bag = embedding_bag
+    try:
+        yield
+    finally:
+        functional.embedding_bag = original
+
+
+def _embedding_bag(
+    torch: Any,
+    ids: Any,
+    weight: Any,
+    offsets: Any,
+    scale_grad_by_freq: bool,
+    mode: str,
+    per_sample_weights: Any,
+    include_last_offset: bool,
+    padding_idx: int | None,
+) -> Any:
+    if mode not in ("sum", "mean", "max"):
+        raise ModelError(f"embedding_bag mode {mode!r}; expected 'sum', 'mean' or 'max'")
+    if per_sample_weights is not None and mode != "sum":
+        raise ModelError(
+            f"embedding_bag takes per_sample_weights with mode='sum' only, got mode={mode!r}"
+        )
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    rows = torch.nn.functional.embedding(ids, weight, scale_grad_by_freq=scale_grad_by_freq)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(-1).to(rows.dtype)
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ModelError("embedding_bag with a 2-D input takes no offsets (each row is a bag)")
+        members = torch.ones_like(ids, dtype=torch.bool)
+        if padding_idx is not None:
+            members = ids != padding_idx
+        return _reduce(torch, rows, members, mode, axis=1)
+    if ids.dim() != 1 or offsets is None or offsets.dim() != 1:
+        raise ModelError(
+            f"embedding_bag takes a 2-D input, or a 1-D input with 1-D offsets; got an input"
+            f" of shape {tuple(ids.shape)} and offsets"
+            f" {None if offsets is None else tuple(offsets.shape)}"
+        )
+    positions = torch.arange(ids.shape[0], device=ids.device)
+    starts = offsets[:-1] if include_last_offset else offsets
+    ends = offsets[1:] if include_last_offset else torch.cat([offsets[1:], positions[-1:] + 1])
+    # members[b, j]: lookup j is in bag b
+    members = (positions.unsqueeze(0) >= starts.unsqueeze(1)) & (
+        positions.unsqueeze(0) < ends.unsqueeze(1)
+    )
+    if padding_idx is not None:
+        members = members & (ids != padding_idx).unsqueeze(0)
+    if mode == "max":
+        return _reduce(torch, rows.unsqueeze(0), members, mode, axis=1)
+    weights = members.to(rows.dtype)
+    sums = weights @ rows
+    if mode == "sum":
+        return sums
+    return sums / weights.sum(1, keepdim=True).clamp(min=1)
+
+
+def _reduce(torch: Any, rows: Any, members: Any, mode: str, axis: int) -> Any:
+    """The sum, mean or largest value of ``rows`` over ``axis`` where ``members`` (broadcast
+    over the rows' last axis) holds; zeros for a bag without members."""
+    mask = members.unsqueeze(-1)
+    if mode == "max":
+        lowest = torch.finfo(rows.dtype).min
+        largest = torch.where(mask, rows, torch.full_like(rows[..., :1, :], lowest)).amax(axis)
+        return torch.where(mask.any(axis), largest, torch.zeros_like(largest))
+    weights = mask.to(rows.dtype)
+    sums = (rows * weights).sum(axis)
+    if mode == "sum":
+        return sums
+    return sums / weights.sum(axis).clamp(min=1)
