@@ -102,8 +102,9 @@ def from_torch(
         path: Where to also save the model (``onnx.save``); None saves nothing.
         dynamic_axes: ``"batch"``: a dynamic first axis on every input and output, named
             ``batch`` where its size is the first input's and ``<name>_dim0`` where it is
-            not (an ``nn.EmbeddingBag``'s offsets beside its flat input); a dict as torch's ``dynamic_axes`` (``{"ids": {0: "batch", 1: "seq"}}``
-            or ``{"ids": [0, 1]}``); None: static shapes.
+            not (an ``nn.EmbeddingBag``'s offsets beside its flat input); a dict as torch's
+            ``dynamic_axes`` (``{"ids": {0: "batch", 1: "seq"}}`` or ``{"ids": [0, 1]}``);
+            None: static shapes.
         exporter: ``"dynamo"`` or ``"torchscript"`` forces that exporter; None tries the dynamo
             exporter and falls back to the TorchScript exporter, with a warning naming why,
             when dynamo fails or its result loses something.

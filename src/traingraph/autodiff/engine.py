@@ -217,9 +217,9 @@ def _unsupported_before(
         if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
             continue
         on_path = any(o in live and o in relevant for o in node.outputs)
-        if on_path and any(v in live for v in reads[node]):
-            if get_rule(node.domain, node.op_type, opset) is None:
-                return node
+        unsupported = get_rule(node.domain, node.op_type, opset) is None
+        if on_path and unsupported and any(v in live for v in reads[node]):
+            return node
     return None
 
 
