@@ -547,6 +547,57 @@ def test_batch_axes_of_another_size_get_their_own_names():
     assert dims == {"ids": "batch", "offsets": "offsets_dim0", "output": "output_dim0"}
 
 
+class Reparameterized(nn.Module):
+    """A VAE's encoder and decoder: ``z = mu + exp(logvar / 2) * randn_like(mu)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.dec = nn.Linear(3, 6)
+
+    def forward(self, x, noise=None):
+        h = torch.relu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h)
+        noise = torch.randn_like(mu) if noise is None else noise
+        return self.dec(mu + torch.exp(0.5 * logvar) * noise)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_forward_that_draws_random_numbers_exports_and_trains(exporter, tmp_path):
+    """The check compares the exported forward with the module's with every draw at its
+    distribution's mean; the training graph draws fresh noise at each step, and its gradients
+    for given noise (fed where the draw was) are torch's in float64."""
+    net = _seeded(Reparameterized)
+    x = torch.randn(5, 6)
+    model = traingraph.from_torch(copy.deepcopy(net), x, exporter=exporter)
+    draws = [n for n in model.graph.node if n.op_type == "RandomNormalLike"]
+    assert len(draws) == 1
+    state, module = _mse_sgd_module(model, tmp_path)
+    target = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
+    assert float(module(x.numpy(), target)) != float(module(x.numpy(), target))
+
+    training = onnx.load(tmp_path / "training_model.onnx")
+    (draw,) = [n for n in training.graph.node if n.op_type == "RandomNormalLike"]
+    training.graph.node.remove(draw)
+    training.graph.input.append(
+        onnx.helper.make_tensor_value_info(draw.output[0], onnx.TensorProto.FLOAT, [None, 3])
+    )
+    onnx.save(training, tmp_path / "fed.onnx")
+    fed = Module(tmp_path / "fed.onnx", state)
+    noise = np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32)
+    feeds = {"x": x.numpy(), "labels": target, draw.output[0]: noise}
+    fed.lazy_reset_grad()
+    loss = fed(*(feeds[name] for name in fed.input_names()))
+    reference = copy.deepcopy(net).double()
+    out = reference(x.double(), torch.tensor(noise, dtype=torch.float64))
+    expected = nn.functional.mse_loss(out, torch.tensor(target, dtype=torch.float64))
+    expected.backward()
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

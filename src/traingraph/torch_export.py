@@ -93,8 +93,9 @@ def from_torch(
 
     Before returning, the exported graph runs on onnxruntime on ``example_inputs`` (and, with a
     dynamic batch, on them twice over) and is compared with the module's train-mode forward
-    with dropout off (BatchNorm on batch statistics in both); the module's buffers are restored
-    after, so its running statistics do not move.
+    with dropout off and random draws at their distributions' means (BatchNorm on batch
+    statistics in both); the module's buffers are restored after, so its running statistics
+    do not move.
 
     Args:
         model: The ``torch.nn.Module`` to export.
@@ -246,7 +247,9 @@ def _no_dropout(torch: Any, model: torch.nn.Module) -> Iterator[None]:
 
 def _no_dropout_mode(torch: Any) -> Any:
     """A torch function mode under which the dropout functions called from Python (not those
-    called inside another torch function) are the identity."""
+    called inside another torch function) are the identity and the random draws are their
+    distributions' means (:func:`_mean_draw`), as :func:`_runner` makes the exported random
+    ops."""
     functional = torch.nn.functional
     dropouts = {
         functional.dropout, functional.dropout1d, functional.dropout2d, functional.dropout3d,
@@ -254,12 +257,19 @@ def _no_dropout_mode(torch: Any) -> Any:
         torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
     }  # fmt: skip
     attention = functional.scaled_dot_product_attention
+    tensor = torch.Tensor
+    draws = {
+        torch.randn, torch.randn_like, torch.rand, torch.rand_like, torch.normal,
+        torch.bernoulli, tensor.normal_, tensor.uniform_, tensor.bernoulli_, tensor.bernoulli,
+    }  # fmt: skip
 
     class NoDropout(torch.overrides.TorchFunctionMode):  # type: ignore[misc]
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = dict(kwargs or {})
             if func in dropouts:
                 return args[0] if args else kwargs["input"]
+            if func in draws:
+                return _mean_draw(torch, func, func(*args, **kwargs), args, kwargs)
             if func is attention:
                 if len(args) > 4:
                     args = (*args[:4], 0.0, *args[5:])
@@ -268,6 +278,29 @@ def _no_dropout_mode(torch: Any) -> Any:
             return func(*args, **kwargs)
 
     return NoDropout()
+
+
+def _mean_draw(torch: Any, func: Any, out: Any, args: tuple, kwargs: dict) -> Any:
+    """``out``, drawn by ``func(*args, **kwargs)``, as the mean of its distribution."""
+    tensor = torch.Tensor
+    if func in (torch.randn, torch.randn_like):
+        return torch.zeros_like(out)
+    if func in (torch.rand, torch.rand_like):
+        return torch.full_like(out, 0.5)
+    if func is torch.normal:
+        mean = kwargs.get("mean", args[0] if args else 0.0)
+        return torch.zeros_like(out) + mean
+    if func in (torch.bernoulli, tensor.bernoulli):
+        p = kwargs.get("p", args[1] if len(args) > 1 else args[0])
+        return torch.zeros_like(out) + p
+    if func is tensor.normal_:
+        return out.fill_(kwargs.get("mean", args[1] if len(args) > 1 else 0.0))
+    if func is tensor.uniform_:
+        low = kwargs.get("from", args[1] if len(args) > 1 else 0.0)
+        high = kwargs.get("to", args[2] if len(args) > 2 else 1.0)
+        return out.fill_((low + high) / 2)
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)  # Tensor.bernoulli_
+    return out.copy_(torch.zeros_like(out) + p)
 
 
 _PLAIN_LEAVES: tuple[type, ...] = (int, float, bool, str, type(None))
@@ -733,6 +766,7 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
         if len(node.inputs) < 2:
             node.resize_inputs(2)
         node.replace_input_with(1, zero)
+    _mean_draws(graph)
     lower_training_batch_norm(graph, default_opset(m))
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -758,6 +792,44 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
             ) from None
 
     return run
+
+
+_DRAWS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli")
+
+
+def _mean_draws(graph: ir.Graph) -> None:
+    """Each random op of ``graph`` as the mean of its distribution (the reference forward's
+    draws are their means too: :func:`_no_dropout_mode`)."""
+    for node in [n for n in graph if n.op_type in _DRAWS and n.domain in ("", "ai.onnx")]:
+        attrs = node.attributes
+        if node.op_type.startswith("RandomNormal"):
+            mean = attrs.get_float("mean", 0.0)
+        elif node.op_type.startswith("RandomUniform"):
+            mean = (attrs.get_float("low", 0.0) + attrs.get_float("high", 1.0)) / 2
+        else:
+            mean = None
+        source = node.inputs[0] if node.inputs else None
+        dtype = ir.DataType(attrs.get_int("dtype", 0)) if "dtype" in attrs else None
+        if dtype is None:
+            dtype = source.dtype if source is not None and source.dtype else ir.DataType.FLOAT
+        if mean is None:  # Bernoulli: its probabilities
+            assert source is not None
+            replacement = [ir.node("Cast", [source], {"to": dtype})]
+        elif source is None:
+            shape = attrs.get_ints("shape", ())
+            value = ir.tensor(np.full(shape, mean, dtype=dtype.numpy()))
+            replacement = [ir.node("Constant", [], {"value": value})]
+        else:
+            shape_of = ir.node("Shape", [source])
+            fill = ir.tensor(np.full([1], mean, dtype=dtype.numpy()))
+            filled = ir.node("ConstantOfShape", [shape_of.outputs[0]], {"value": fill})
+            replacement = [shape_of, filled]
+        graph.insert_before(node, replacement)
+        ir.convenience.replace_all_uses_with(node.outputs[0], replacement[-1].outputs[0])
+        if node.outputs[0].is_graph_output():
+            graph.outputs[graph.outputs.index(node.outputs[0])] = replacement[-1].outputs[0]
+            replacement[-1].outputs[0].name = node.outputs[0].name
+        graph.remove(node, safe=True)
 
 
 def _compare(
