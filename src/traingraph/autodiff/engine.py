@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import onnx
 import onnx_ir as ir
 
+from traingraph.autodiff import grid_sample
 from traingraph.autodiff.context import GradContext
-from traingraph.autodiff.lowering import split_sequences
+from traingraph.autodiff.lowering import replace_value, split_sequences
 from traingraph.autodiff.registry import get_rule, supported_ops
 from traingraph.errors import GradientNotImplementedError, ModelError
 from traingraph.ir.builder import OpBuilder, is_float
@@ -89,17 +90,18 @@ def differentiate(
     nodes = list(graph)
 
     reads = {node: _reads(node) for node in nodes}
-
-    # Forward: which values depend on a wrt tensor through float edges (or edges of unknown
-    # dtype, which may be float: a missing rule then raises instead of dropping a gradient).
-    live: set[ir.Value] = {v for v in wrt if v not in stop}
-    for node in nodes:
-        if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
-            continue
-        if any(v in live for v in _value_reads(node, reads[node])):
-            live.update(
-                o for o in node.outputs if (o.dtype is None or is_float(o)) and o not in stop
-            )
+    live = _live(nodes, reads, wrt, stop)
+    samplers = [n for n in nodes if grid_sample.lowerable(n) and any(v in live for v in n.inputs)]
+    if samplers:
+        for node in samplers:
+            b.scope = f"{node.name or node.op_type}/"
+            replace_value(node.outputs[0], grid_sample.lower_grid_sample(b, node))
+            graph.remove(node, safe=True)
+        b.scope = ""
+        graph.sort()
+        nodes = list(graph)
+        reads = {node: _reads(node) for node in nodes}
+        live = _live(nodes, reads, wrt, stop)
 
     # Backward: which values the loss or a user-gradient target depends on.
     sinks = ([loss] if loss is not None else []) + user_targets
@@ -192,6 +194,25 @@ def differentiate(
     for v in wrt:
         result.grads[v.name or ""] = total(v)
     return result
+
+
+def _live(
+    nodes: Sequence[ir.Node],
+    reads: dict[ir.Node, list[ir.Value]],
+    wrt: Iterable[ir.Value],
+    stop: set[ir.Value],
+) -> set[ir.Value]:
+    """The values that depend on a ``wrt`` tensor through float edges (or edges of unknown
+    dtype, which may be float: a missing rule then raises instead of dropping a gradient)."""
+    live: set[ir.Value] = {v for v in wrt if v not in stop}
+    for node in nodes:
+        if node.op_type in NON_DIFFERENTIABLE and node.domain in ("", "ai.onnx"):
+            continue
+        if any(v in live for v in _value_reads(node, reads[node])):
+            live.update(
+                o for o in node.outputs if (o.dtype is None or is_float(o)) and o not in stop
+            )
+    return live
 
 
 def _unsupported_before(

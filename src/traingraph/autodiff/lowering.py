@@ -153,7 +153,7 @@ def _lower_one(b: OpBuilder, node: ir.Node, unbiased: bool) -> list[_RunningUpda
         per_channel = [v if v.dtype == x.dtype else b.cast_like(v, x) for v in (scale, bias)]
         per_channel += [b.cast_like(v, x) for v in stats]
     y = b.BatchNormalization(x, *per_channel, epsilon=1e-5 if eps is None else float(eps.value))
-    _replace(node.outputs[0], y)
+    replace_value(node.outputs[0], y)
     running_var = batch_var
     if unbiased:
         running_var = b.Mul(batch_var, _bessel_factor(b, x, scale, batch_var))
@@ -198,14 +198,14 @@ def _update_running_statistics(b: OpBuilder, updates: list[_RunningUpdate]) -> N
         sizes = [static_shape(u.running) for u in group]
         if len(group) == 1 or any(s is None or len(s) != 1 for s in sizes):
             for u in group:
-                _replace(u.output, _running_update(b, u.running, u.batch, momentum))
+                replace_value(u.output, _running_update(b, u.running, u.batch, momentum))
             continue
         running = b.Concat(*(u.running for u in group), axis=0)
         batch = b.Concat(*(u.batch for u in group), axis=0)
         parts = b.split(_running_update(b, running, batch, momentum, like=group[0].running),
                         [s[0] for s in sizes if s is not None])  # fmt: skip
         for u, part in zip(group, parts):
-            _replace(u.output, part)
+            replace_value(u.output, part)
 
 
 def _running_update(
@@ -262,7 +262,7 @@ def split_sequences(graph: ir.Graph, opset: int) -> bool:
                 stale.update(d.value for d in out.shape.dims if isinstance(d, ir.SymbolicDim)
                              and (x.shape is None or d not in x.shape.dims))  # fmt: skip
             out.shape, out.type = piece.shape, piece.type
-            _replace(out, piece)
+            replace_value(out, piece)
             graph.remove(reader, safe=True)
         graph.remove(node, safe=True)
         changed = True
@@ -316,7 +316,7 @@ def _used(value: ir.Value) -> bool:
     return bool(value.name) and bool(value.uses() or value.is_graph_output())
 
 
-def _replace(old: ir.Value, new: ir.Value) -> None:
+def replace_value(old: ir.Value, new: ir.Value) -> None:
     """Put ``new`` in ``old``'s place (uses, graph outputs, name, type) where ``old`` is used."""
     if not _used(old):
         return
