@@ -598,6 +598,30 @@ def test_a_forward_that_draws_random_numbers_exports_and_trains(exporter, tmp_pa
         np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
 
 
+def test_batch_norm_without_running_statistics_trains_without_warnings(tmp_path):
+    """The dynamo exporter writes BatchNorm2d(track_running_stats=False) as an inference-mode
+    BatchNormalization over a batch mean and variance it computes itself: no eval-mode export
+    warning, no native kernel dropped with one, and torch's float64 gradients."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+    x = torch.randn(4, 3, 16, 16)
+    model = traingraph.from_torch(copy.deepcopy(net), x, exporter="dynamo")
+    target = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, module = _mse_sgd_module(model, tmp_path)
+        module(x.numpy(), target)
+    reference = copy.deepcopy(net).double()
+    nn.functional.mse_loss(reference(x.double()), torch.tensor(target).double()).backward()
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

@@ -69,6 +69,13 @@ def export_warnings(
     graph = model.graph
     trainable = _trainable(model, requires_grad, frozen_params)
     found = []
+    # statistics held in the model (running statistics, perhaps behind an Identity), not
+    # computed from the batch (the dynamo exporter's BatchNorm(track_running_stats=False))
+    stored = {t.name for t in graph.initializer}
+    for node in graph.node:
+        reads = [v for v in node.input if v]
+        if node.op_type == "Constant" or (reads and all(v in stored for v in reads)):
+            stored.update(node.output)
     inference_bn = [
         node.name or f"#{i}"
         for i, node in enumerate(graph.node)
@@ -76,6 +83,7 @@ def export_warnings(
         and node.domain in _DEFAULT_DOMAINS
         and not _training_mode(node, _opset(model))
         and any(name in trainable for name in node.input[1:3])
+        and all(name in stored for name in node.input[3:5])
     ]
     if inference_bn:
         found.append(

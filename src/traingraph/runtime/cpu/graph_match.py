@@ -436,6 +436,17 @@ class GraphIndex:
             if o and (o in self.outputs or not self.consumers.get(o, set()) <= nodes)
         }
 
+    def reads_beyond(self, nodes: set[int], sources: set[str]) -> set[str]:
+        """The values ``nodes`` read that are neither written by one of them, nor one of
+        ``sources``, nor a constant."""
+        return {
+            v
+            for j in nodes
+            for v in self.nodes[j].input
+            if v and v not in sources and v not in self.constants
+            and self.producer.get(v) not in nodes
+        }  # fmt: skip
+
     def helpers(self, nodes: set[int], sources: set[str]) -> set[int]:
         """Nodes computed from ``sources`` and constants (recomputed statistics) that feed
         only ``nodes`` and each other."""
@@ -490,6 +501,10 @@ class GraphIndex:
         }
         nodes = self.leading_to(nodes, ours)
         nodes |= self.helpers(nodes, sources)
+        if self.reads_beyond(nodes, sources):
+            # statistics computed outside the gradient (an exporter's own batch mean beside
+            # an inference-mode BatchNormalization) that the kernel would compute again
+            return None
         external = self.external(nodes)
         written = dscale if dscale in external else None
         rest = external - {dbias, written}
