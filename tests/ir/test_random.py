@@ -125,3 +125,50 @@ def test_lowered_dropout_runs_under_cuda_graph_rewrites():
     assert np.array_equal(mask(0.25), mask(0.25))
     assert not np.array_equal(mask(0.25), mask(0.75))
     assert abs(mask(0.75).mean() - 0.5) < 0.01
+
+
+def test_random_draws_read_noise_filled_outside_a_cuda_graph():
+    """A captured CUDA step replays the seeds it captured: a VAE's ``RandomNormalLike`` (and
+    the other draws) read uniform noise inputs instead, filled outside the capture, and
+    compute the same distributions from them (normal ones by Box-Muller)."""
+    from traingraph.errors import ModelError
+    from traingraph.runtime.cuda import dropout_from_noise
+
+    shape = [4096]
+    nodes = [
+        helper.make_node("RandomNormalLike", ["x"], ["normal"], mean=2.0, scale=3.0),
+        helper.make_node("RandomUniformLike", ["x"], ["uniform"], low=-1.0, high=3.0),
+        helper.make_node("RandomNormal", [], ["fixed"], shape=shape, dtype=TensorProto.DOUBLE),
+        helper.make_node("Bernoulli", ["p"], ["coin"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "draws",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("x", "p")],
+        [helper.make_tensor_value_info("normal", TensorProto.FLOAT, shape),
+         helper.make_tensor_value_info("uniform", TensorProto.FLOAT, shape),
+         helper.make_tensor_value_info("fixed", TensorProto.DOUBLE, shape),
+         helper.make_tensor_value_info("coin", TensorProto.FLOAT, shape)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rewritten, noise = dropout_from_noise(model)
+    assert not {n.op_type for n in rewritten.graph.node} & {n.op_type for n in nodes}
+    assert len(noise) == 6 and all(spec == ((4096,), np.float32) for spec in noise.values())
+    rng = np.random.default_rng(0)
+    fed = {name: rng.random(spec[0], dtype=np.float32) for name, spec in noise.items()}
+    p = np.linspace(0, 1, 4096, dtype=np.float32)
+    session = ort.InferenceSession(rewritten.SerializeToString())
+    feeds = {"x": np.zeros(shape, np.float32), "p": p, **fed}
+    normal, uniform, fixed, coin = session.run(None, feeds)
+    assert fixed.dtype == np.float64 and coin.dtype == np.float32
+    for values, mean, std in ((normal, 2.0, 3.0), (fixed, 0.0, 1.0)):
+        assert abs(values.mean() - mean) < 4 * std / 64 and abs(values.std() - std) < 0.1 * std
+    assert uniform.min() >= -1.0 and uniform.max() < 3.0 and abs(uniform.mean() - 1.0) < 0.1
+    (coin_noise,) = [v for k, v in fed.items() if k.startswith(nodes[3].name or "coin")]
+    np.testing.assert_array_equal(coin, (coin_noise < p).astype(np.float32))
+    with pytest.raises(ModelError, match="same samples at every step"):
+        sampled = helper.make_node("Multinomial", ["x2"], ["s"], sample_size=2)
+        graph = helper.make_graph(
+            [sampled], "m", [helper.make_tensor_value_info("x2", TensorProto.FLOAT, [2, 3])],
+            [helper.make_tensor_value_info("s", TensorProto.INT32, [2, 2])],
+        )  # fmt: skip
+        dropout_from_noise(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))

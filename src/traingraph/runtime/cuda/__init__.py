@@ -147,8 +147,9 @@ def with_static_inputs(
 
 
 def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, Spec]]:
-    """Rewrite each training-mode ``Dropout`` and each ``RandomUniform`` of a static-shape
-    ``proto`` to read its random numbers from a new graph input.
+    """Rewrite each training-mode ``Dropout`` and each random op (``RandomUniform``,
+    ``RandomNormal``, their ``Like`` forms, ``Bernoulli``) of a static-shape ``proto`` to read
+    its random numbers from new graph inputs.
 
     A CUDA graph replays the random seeds it captured, so a captured ``Dropout`` would drop the
     same elements at every step. After the rewrite, ``Dropout(x, ratio, True)`` is
@@ -160,17 +161,23 @@ def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
         The rewritten model and the noise inputs it takes (name -> (shape, float32)).
 
     Raises:
-        ModelError: For a Dropout whose training mode is not a constant, or whose input shape
-            is not static.
+        ModelError: For a Dropout whose training mode is not a constant, a Dropout or a draw
+            whose shape is not static, or a Multinomial.
     """
     model = ir.from_proto(onnx.shape_inference.infer_shapes(proto, data_prop=True))
     graph = model.graph
     b = OpBuilder(graph, default_opset(model), prefix="dropout_noise")
     noise: dict[str, Spec] = {}
     for node in list(graph):
-        if node.op_type == "RandomUniform" and node.domain in ("", "ai.onnx"):
-            _uniform_from_noise(b, node, noise)
+        if node.op_type in _DRAWS and node.domain in ("", "ai.onnx"):
+            _draw_from_noise(b, node, noise)
             continue
+        if node.op_type == "Multinomial" and node.domain in ("", "ai.onnx"):
+            raise ModelError(
+                f"Multinomial node {node.name!r} would draw the same samples at every step of a"
+                " CUDA graph, which replays its seeds; train the model with"
+                " api.Module(device='cuda') instead"
+            )
         if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
             continue
         inputs = list(node.inputs) + [None] * (3 - len(node.inputs))
@@ -208,20 +215,59 @@ def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     return to_proto(model), noise
 
 
-def _uniform_from_noise(b: OpBuilder, node: ir.Node, noise: dict[str, Spec]) -> None:
-    """Replace a ``RandomUniform`` node (such as the per-step seed draw of a lowered training
-    Dropout, :mod:`traingraph.ir.random`) by ``low + (high - low) * noise`` with ``noise`` a new
-    uniform [0, 1) graph input."""
-    shape = tuple(node.attributes.get_ints("shape", ()))
-    dtype = ir.DataType(node.attributes.get_int("dtype", int(ir.DataType.FLOAT)))
-    low = node.attributes.get_float("low", 0.0)
-    high = node.attributes.get_float("high", 1.0)
-    name = f"{node.name or node.outputs[0].name}_noise"
-    value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
-    b.graph.inputs.append(value)
-    noise[name] = (shape, np.dtype(np.float32))
-    drawn = b.Add(b.Mul(value, b.const(np.float32(high - low))), b.const(np.float32(low)))
-    out = b.cast(drawn, dtype) if dtype != ir.DataType.FLOAT else drawn
+_DRAWS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli")
+
+
+def _draw_from_noise(b: OpBuilder, node: ir.Node, noise: dict[str, Spec]) -> None:
+    """Replace a random op ``node`` (:data:`_DRAWS`) by the same draw computed from new uniform
+    [0, 1) graph inputs: ``low + (high - low) * u`` for a uniform draw (such as the per-step
+    seed draw of a lowered training Dropout, :mod:`traingraph.ir.random`), ``mean + scale *
+    sqrt(-2 ln(1 - u)) cos(2 pi v)`` for a normal one (Box-Muller, from two inputs), ``u < p``
+    for ``Bernoulli(p)``.
+
+    Raises:
+        ModelError: Where the draw's shape is not static.
+    """
+    attrs = node.attributes
+    source = node.inputs[0] if node.inputs else None
+    if source is None:
+        shape: tuple[int, ...] | None = tuple(attrs.get_ints("shape", ()))
+    elif source.shape is not None and all(isinstance(d, int) for d in source.shape):
+        shape = tuple(int(d) for d in source.shape)  # type: ignore[arg-type]
+    else:
+        shape = None
+    if shape is None:
+        raise ModelError(
+            f"{node.op_type} node {node.name!r} draws a tensor of shape"
+            f" {None if source is None else source.shape}; a CUDA graph step needs static shapes"
+        )
+    if "dtype" in attrs:
+        dtype = ir.DataType(attrs.get_int("dtype", int(ir.DataType.FLOAT)))
+    else:
+        dtype = source.dtype if source is not None and source.dtype else ir.DataType.FLOAT
+
+    def uniform(suffix: str) -> ir.Value:
+        name = f"{node.name or node.outputs[0].name}_{suffix}"
+        value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+        b.graph.inputs.append(value)
+        noise[name] = (shape, np.dtype(np.float32))
+        return value
+
+    if node.op_type.startswith("RandomUniform"):
+        low, high = attrs.get_float("low", 0.0), attrs.get_float("high", 1.0)
+        scaled = b.Mul(uniform("noise"), b.const(np.float32(high - low)))
+        drawn = b.Add(scaled, b.const(np.float32(low)))
+    elif node.op_type.startswith("RandomNormal"):
+        mean, scale = attrs.get_float("mean", 0.0), attrs.get_float("scale", 1.0)
+        one_minus = b.Sub(b.const(np.float32(1.0)), uniform("noise"))
+        radius = b.Sqrt(b.Mul(b.Log(one_minus), b.const(np.float32(-2.0))))
+        angle = b.Mul(uniform("angle_noise"), b.const(np.float32(2 * np.pi)))
+        standard = b.Mul(radius, b.Cos(angle))
+        drawn = b.Add(b.Mul(standard, b.const(np.float32(scale))), b.const(np.float32(mean)))
+    else:
+        assert source is not None
+        drawn = b.op("Less", uniform("noise"), b.cast(source, ir.DataType.FLOAT))
+    out = b.cast(drawn, dtype) if dtype != ir.DataType.FLOAT or drawn.dtype != dtype else drawn
     old = node.outputs[0]
     old.replace_all_uses_with(out, replace_graph_outputs=True)
     out.name, out.shape, out.type = old.name, old.shape, old.type
