@@ -908,3 +908,92 @@ def test_dynamic_batch_training_graph_prepared_for_capture(tmp_path) -> None:
     folded = ort.InferenceSession(prepared.SerializeToString(), providers=["CPUExecutionProvider"])
     for name, want, got in zip(names, expected, folded.run(names, feed)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+class _Reparameterized(torch.nn.Module):
+    """A VAE's sampling: ``mu + exp(logvar / 2) * randn_like(mu)``, then a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu, self.logvar = torch.nn.Linear(20, 8), torch.nn.Linear(20, 8)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.mu(x), self.logvar(x)
+        return self.head(mu + torch.exp(0.5 * logvar) * torch.randn_like(mu))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_random_draws_are_fresh_at_every_step(tmp_path) -> None:
+    """A CUDA graph replays the seeds it captured: the CUDA-graph step's normal draws come
+    from noise filled before each replay, so the same batch gives another loss at every step
+    (learning rate 0), spread as the draws are."""
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    model = tg.from_torch(seeded(_Reparameterized), torch.zeros(BATCH, 20), dynamic_axes=None)
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.CrossEntropyLoss, optimizer=optim.SGD(lr=0.0),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
+    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    x, y = _batches((20,))[0]
+    losses = [float(step(x, y, fetch_loss=True)) for _ in range(8)]
+    assert len(set(losses)) == len(losses), losses
+    cpu_state, cpu_module, _ = _open(tmp_path, "cpu")
+    cpu = [float(cpu_module(x, y)) for _ in range(200)]
+    assert abs(np.mean(losses) - np.mean(cpu)) < 4 * np.std(cpu), (losses, np.mean(cpu))
+
+
+class _Warped(torch.nn.Module):
+    """An affine warp of each 4 x 5 input (``affine_grid`` and ``grid_sample``), then a
+    classifier: GridSample's standard-op gradient on the GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.theta = torch.nn.Linear(20, 6)
+        with torch.no_grad():
+            self.theta.weight.mul_(0.1)
+            self.theta.bias.copy_(torch.tensor([1.0, 0.1, 0.0, -0.1, 1.0, 0.0]))
+        self.head = torch.nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        image = x.view(-1, 1, 4, 5)
+        grid = torch.nn.functional.affine_grid(
+            self.theta(x).view(-1, 2, 3), list(image.shape), align_corners=False
+        )
+        warped = torch.nn.functional.grid_sample(image, grid, padding_mode="reflection")
+        return self.head(warped.flatten(1))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_grid_sample_and_embedding_bags_train_on_the_gpu_as_on_the_cpu(tmp_path) -> None:
+    """GridSample (through its standard-op form) and nn.EmbeddingBag (lookups and a product
+    with the bags' span matrix) in a CUDA-graph step: the CPU's loss curve."""
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    class Bags(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(50, 16, mode="mean")
+            self.head = torch.nn.Linear(16, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            ids = (x.abs() * 10).long().clamp(0, 49).flatten()
+            offsets = torch.arange(0, ids.shape[0], 20, device=ids.device)
+            return self.head(self.bag(ids, offsets))
+
+    for name, net in (("warp", seeded(_Warped)), ("bags", seeded(Bags))):
+        directory = tmp_path / name
+        model = tg.from_torch(net, torch.randn(BATCH, 20), dynamic_axes=None, exporter="dynamo")
+        _artifacts(directory, model)
+        batches = _batches((20,))[:8]
+        cpu_losses, _ = _curve(directory, "cpu", batches)
+        state = CheckpointState.load_checkpoint(directory / "checkpoint")
+        module = Module(directory / "training_model.onnx", state, device="cuda")
+        step = CudaGraphStep(module, directory / "optimizer_model.onnx")
+        losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+        np.testing.assert_allclose(losses, cpu_losses[: len(losses)], rtol=RTOL, atol=ATOL)
