@@ -23,7 +23,14 @@ from traingraph.autodiff.registry import get_rule, supported_ops
 from traingraph.errors import GradientNotImplementedError, ModelError
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.fold import constant_value
-from traingraph.ir.model import ModelLike, default_opset, load_ir, to_proto
+from traingraph.ir.model import (
+    ModelLike,
+    default_opset,
+    infer_shapes_in_place,
+    load_ir,
+    max_ir_version,
+    to_proto,
+)
 
 # Ops whose outputs never carry a gradient, whatever their dtype.
 NON_DIFFERENTIABLE = frozenset(
@@ -99,6 +106,9 @@ def differentiate(
             graph.remove(node, safe=True)
         b.scope = ""
         graph.sort()
+        # the gradient rules read the shapes of the new values (static ones give them static
+        # reductions, which a CUDA graph can capture)
+        infer_shapes_in_place(ir.Model(graph, ir_version=max_ir_version()))
         nodes = list(graph)
         reads = {node: _reads(node) for node in nodes}
         live = _live(nodes, reads, wrt, stop)
