@@ -18,6 +18,7 @@ reported as not implemented).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import onnx_ir as ir
 
@@ -32,7 +33,8 @@ def lowerable(node: ir.Node) -> bool:
     if node.op_type != "GridSample" or node.domain not in _DEFAULT_DOMAINS:
         return False
     mode = node.attributes.get_string("mode", "")
-    return (mode in (*_LINEAR, "nearest") or not mode) and rank(node.inputs[0]) == 4
+    x = node.inputs[0]
+    return (mode in (*_LINEAR, "nearest") or not mode) and x is not None and rank(x) == 4
 
 
 def lower_grid_sample(b: OpBuilder, node: ir.Node) -> ir.Value:
@@ -131,6 +133,7 @@ def _clipped(b: OpBuilder, p: ir.Value, size: ir.Value) -> ir.Value:
     return b.Clip(p, b.scalar(0.0, p), b.Sub(size, b.scalar(1.0, p)))
 
 
-def _product(dims: tuple[int | ir.SymbolicDim, ...]) -> int | None:
+def _product(dims: Sequence[int | ir.SymbolicDim]) -> int | None:
     """The product of ``dims`` where all are known, else None (an unknown dimension)."""
-    return math.prod(dims) if all(isinstance(d, int) for d in dims) else None  # type: ignore[arg-type]
+    sizes = [d for d in dims if isinstance(d, int)]
+    return math.prod(sizes) if len(sizes) == len(dims) else None
