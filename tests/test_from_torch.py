@@ -622,6 +622,68 @@ def test_batch_norm_without_running_statistics_trains_without_warnings(tmp_path)
         np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
 
 
+def test_compiled_and_data_parallel_modules_export_the_module_they_wrap():
+    """torch.compile's OptimizedModule and nn.DataParallel take ``*args`` (no dynamic shapes
+    for the exporters) and prefix the parameter names: the module inside is exported."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(4, 8)
+    for wrapped in (torch.compile(net), nn.DataParallel(net)):
+        model = traingraph.from_torch(wrapped, x)
+        assert sorted(i.name for i in model.graph.initializer) == sorted(
+            n for n, _ in net.named_parameters()
+        )
+
+
+class OptionalInputs(nn.Module):
+    """A forward with an optional parameter between two inputs, as Hugging Face models have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, input_ids, past=None, attention_mask=None, token_type_ids=None):
+        h = self.embed(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return self.fc(h.sum(1))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_inputs_by_keyword_follow_the_forward_parameters(exporter, tmp_path):
+    """A dict of inputs (a tokenizer's output) is passed by keyword: the graph inputs are its
+    tensors in the forward's order, a parameter between them that it does not name keeps its
+    default, and the model trains as torch does."""
+    net = _seeded(OptionalInputs)
+    ids = torch.randint(0, 30, (3, 5))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    inputs = {"attention_mask": mask, "input_ids": ids, "token_type_ids": None}
+    model = traingraph.from_torch(copy.deepcopy(net), inputs, exporter=exporter)
+    assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask"]
+    state, module = _mse_sgd_module(model, tmp_path)
+    target = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
+    loss = module(ids.numpy(), mask.numpy(), target)
+    reference = copy.deepcopy(net).double()
+    expected = nn.functional.mse_loss(
+        reference(ids, attention_mask=mask.double()), torch.tensor(target).double()
+    )
+    expected.backward()
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def test_inputs_by_keyword_name_what_the_forward_does_not_take():
+    with pytest.raises(ModelError, match=r"\['labels'\] are no parameter") as info:
+        traingraph.from_torch(
+            OptionalInputs(), {"input_ids": torch.zeros(2, 3, dtype=torch.int64),
+                               "labels": torch.zeros(2)},
+        )  # fmt: skip
+    assert "input_ids, past, attention_mask, token_type_ids" in str(info.value)
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

@@ -99,7 +99,10 @@ def from_torch(
 
     Args:
         model: The ``torch.nn.Module`` to export.
-        example_inputs: A tensor or a tuple of tensors, passed to ``model`` positionally.
+        example_inputs: A tensor or a tuple of tensors, passed to ``model`` positionally, or
+            a dict of tensors (a tokenizer's ``BatchEncoding``) passed by keyword: the graph
+            inputs are its tensors in the order of the forward's parameters. A module that
+            ``torch.compile`` or ``nn.DataParallel`` wraps is exported as the module inside.
         path: Where to also save the model (``onnx.save``); None saves nothing.
         dynamic_axes: ``"batch"``: a dynamic first axis on every input and output, named
             ``batch`` where its size is the first input's and ``<name>_dim0`` where it is
@@ -134,17 +137,20 @@ def from_torch(
             f"exporter must be one of {EXPORTERS} or None (dynamo, falling back to TorchScript),"
             f" got {exporter!r}"
         )
-    args = _as_args(torch, example_inputs)
+    model = _unwrapped(torch, model)
+    args, keywords = _as_args(torch, model, example_inputs)
+    present = tuple(a for a in args if a is not None)
     snapshot = _snapshot(model)
     with _train_mode(model):
         try:
             reference = _reference(torch, model, args)
             _restore(model, snapshot)
-            in_names = list(input_names or _default_input_names(model, len(args)))
+            default_names = keywords or _default_input_names(model, len(args))
+            in_names = list(input_names or default_names)
             out_names = list(output_names or _default_output_names(reference))
-            _check_names(in_names, len(args), "input_names", "example inputs")
+            _check_names(in_names, len(present), "input_names", "example inputs")
             _check_names(out_names, len(reference.outputs), "output_names", "forward outputs")
-            axes = _resolve_axes(dynamic_axes, in_names, out_names, args, reference.outputs)
+            axes = _resolve_axes(dynamic_axes, in_names, out_names, present, reference.outputs)
             result = _export_first(
                 torch, model, args, reference, in_names, out_names, axes, exporter, opset,
                 dynamic_axes == BATCH_DIM, snapshot,
@@ -167,14 +173,60 @@ def _import_torch() -> Any:
     return torch
 
 
-def _as_args(torch: Any, example_inputs: Any) -> tuple[torch.Tensor, ...]:
+def _unwrapped(torch: Any, model: torch.nn.Module) -> torch.nn.Module:
+    """The module that ``torch.compile`` (``_orig_mod``), ``nn.DataParallel`` or
+    ``DistributedDataParallel`` (``module``) wraps, whose forward takes ``*args`` (which the
+    exporters cannot give dynamic shapes) and whose parameter names carry the wrapper's
+    prefix; ``model`` itself where it wraps nothing."""
+    parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while True:
+        inner = model.module if isinstance(model, parallel) else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def _as_args(
+    torch: Any, model: torch.nn.Module, example_inputs: Any
+) -> tuple[tuple[torch.Tensor | None, ...], list[str] | None]:
+    """The positional arguments of ``model``'s forward for ``example_inputs`` (None where a
+    keyword input skips a parameter), and the keywords' names in that order, for inputs given
+    by keyword (a dict, or a tokenizer's ``BatchEncoding``); None for positional ones."""
+    if isinstance(example_inputs, Mapping):
+        return _keyword_args(torch, model, example_inputs)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
     if not isinstance(args, (tuple, list)) or not all(isinstance(a, torch.Tensor) for a in args):
         raise ModelError(
-            "example_inputs must be a tensor or a tuple of tensors passed to the module"
-            f" positionally, got {type(example_inputs).__name__}"
+            "example_inputs must be a tensor, a tuple of tensors passed to the module"
+            " positionally or a dict of tensors passed by keyword, got"
+            f" {type(example_inputs).__name__}"
         )
-    return tuple(args)
+    return tuple(args), None
+
+
+def _keyword_args(
+    torch: Any, model: torch.nn.Module, inputs: Mapping[str, Any]
+) -> tuple[tuple[torch.Tensor | None, ...], list[str]]:
+    """``inputs`` (name -> tensor; None values left out) as positional arguments of
+    ``model``'s forward, in its parameters' order, with None for the parameters between them
+    that no input names."""
+    given = {str(k): v for k, v in inputs.items() if v is not None}
+    wrong = sorted(k for k, v in given.items() if not isinstance(v, torch.Tensor))
+    positional = _positional_parameters(model)
+    unknown = sorted(k for k in given if k not in positional)
+    if wrong or unknown or not given:
+        raise ModelError(
+            f"example_inputs by keyword must map parameters of {type(model).__name__}.forward"
+            f" ({', '.join(positional) or 'none by name'}) to tensors; got"
+            f" {sorted(given) or 'nothing'}"
+            + (f", where {wrong} are no tensors" if wrong else "")
+            + (f", where {unknown} are no parameter that can be passed by position" if unknown
+               else "")
+            + "; pass a tuple of tensors in the forward's order instead"
+        )  # fmt: skip
+    last = max(positional.index(k) for k in given)
+    args = tuple(given.get(name) for name in positional[: last + 1])
+    return args, [name for name in positional[: last + 1] if name in given]
 
 
 def _check_names(names: list[str], count: int, what: str, of: str) -> None:
@@ -306,7 +358,9 @@ def _mean_draw(torch: Any, func: Any, out: Any, args: tuple, kwargs: dict) -> An
 _PLAIN_LEAVES: tuple[type, ...] = (int, float, bool, str, type(None))
 
 
-def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> _Reference:
+def _reference(
+    torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor | None, ...]
+) -> _Reference:
     """Run the train-mode forward with dropout off; find the parameters the outputs depend on
     and the buffers it moves."""
     before = _snapshot(model)
@@ -342,16 +396,21 @@ def _reference(torch: Any, model: torch.nn.Module, args: tuple[torch.Tensor, ...
     return _Reference(outputs=outputs, structure=out, used=used, moved=moved)
 
 
-def _default_input_names(model: torch.nn.Module, count: int) -> list[str]:
+def _positional_parameters(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters of ``model``'s forward that can be passed by position."""
     try:
         parameters = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
         parameters = []
-    positional = [
+    return [
         p.name
         for p in parameters
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
+
+
+def _default_input_names(model: torch.nn.Module, count: int) -> list[str]:
+    positional = _positional_parameters(model)
     if len(positional) >= count:
         return positional[:count]
     return [f"input_{i}" for i in range(count)]
@@ -412,7 +471,7 @@ def _resolve_axes(
 def _export_first(
     torch: Any,
     model: torch.nn.Module,
-    args: tuple[torch.Tensor, ...],
+    args: tuple[torch.Tensor | None, ...],
     reference: _Reference,
     input_names: list[str],
     output_names: list[str],
@@ -470,7 +529,7 @@ def _export(
     torch: Any,
     exporter: str,
     model: torch.nn.Module,
-    args: tuple[torch.Tensor, ...],
+    args: tuple[torch.Tensor | None, ...],
     input_names: list[str],
     output_names: list[str],
     axes: dict[str, dict[int, str]],
@@ -486,10 +545,12 @@ def _export(
         warnings.filterwarnings("ignore", category=DeprecationWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
         if exporter == "dynamo":
+            named = iter(input_names)
             shapes = tuple(
-                {axis: torch.export.Dim.DYNAMIC for axis in axes.get(name, {})}
-                for name in input_names
-            )
+                None if a is None
+                else {axis: torch.export.Dim.DYNAMIC for axis in axes.get(next(named), {})}
+                for a in args
+            )  # fmt: skip
             with contextlib.redirect_stdout(_Discard()):
                 program = torch.onnx.export(
                     model, args, dynamo=True, optimize=False, opset_version=opset,
@@ -499,8 +560,13 @@ def _export(
         import io
 
         buffer = io.BytesIO()
+        traced: tuple[Any, ...] = args
+        if None in args:  # the inputs after the first skipped parameter by keyword
+            first = args.index(None)
+            keywords = dict(zip(_positional_parameters(model)[first:], args[first:]))
+            traced = (*args[:first], {k: v for k, v in keywords.items() if v is not None})
         torch.onnx.export(
-            model, args, buffer, dynamo=False, opset_version=opset or TORCHSCRIPT_OPSET,
+            model, traced, buffer, dynamo=False, opset_version=opset or TORCHSCRIPT_OPSET,
             training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
             dynamic_axes={n: dict(a) for n, a in axes.items()} or None, **names,
         )  # fmt: skip
@@ -686,7 +752,7 @@ def _training_batch_norm(graph: ir.Graph) -> None:
 def _check(
     proto: onnx.ModelProto,
     model: torch.nn.Module,
-    args: tuple[torch.Tensor, ...],
+    args: tuple[torch.Tensor | None, ...],
     reference: _Reference,
     input_names: list[str],
     batch_dynamic: bool,
@@ -717,7 +783,7 @@ def _check(
             " track_running_stats=False on their modules"
         )
     run = _runner(proto)
-    feeds = [a.detach().cpu().numpy() for a in args]
+    feeds = [a.detach().cpu().numpy() for a in args if a is not None]
     _compare(run(dict(zip(input_names, feeds))), reference.outputs, proto, "")
     batch = {a.shape[0] for a in feeds if a.ndim}
     if batch_dynamic and len(batch) == 1:
