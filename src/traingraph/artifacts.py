@@ -181,8 +181,9 @@ def generate_artifacts(
             parameters, and the training model takes a ``loss_scale`` input and returns a
             ``grads_finite`` flag, which :class:`traingraph.api.Module` drives with a dynamic
             loss scaler (see :mod:`traingraph.precision`). None: float32 throughout.
-        example_inputs: For a ``torch.nn.Module`` ``model``: a tensor or a tuple of tensors to
-            export it with (see :func:`traingraph.from_torch`, whose defaults apply).
+        example_inputs: For a ``torch.nn.Module`` ``model``: a tensor, a tuple of tensors or a
+            dict of tensors by keyword to export it with (see :func:`traingraph.from_torch`,
+            whose defaults apply).
 
     Returns:
         The :class:`~traingraph.program.TrainingProgram` that was written.
@@ -196,7 +197,8 @@ def generate_artifacts(
         if example_inputs is None:
             raise ModelError(
                 f"model is a torch.nn.Module ({type(model).__name__}) and example_inputs is"
-                " None; pass example_inputs= (a tensor or a tuple of tensors the module takes)"
+                " None; pass example_inputs= (a tensor, a tuple of tensors or a dict of tensors the"
+                " module takes)"
             )
         from traingraph.torch_export import from_torch
 
