@@ -6,6 +6,7 @@ mid-way) and compares the parameters after every step.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,6 +106,13 @@ CASES = [
          lambda p, lr: T.SGD(p, lr, momentum=0.9), l1=0.01),
     Case("l1_clip_global_norm_adam", lambda lr: Adam(lr, l1=0.05, clip_grad_norm=1.5),
          T.Adam, lr=0.01, l1=0.05, clip_global_norm=1.5),
+    # fine-tuning's parameter groups: no weight decay for biases and normalization weights
+    Case("adamw_no_decay", lambda lr: AdamW(lr, weight_decay=0.1, no_decay=["bias", "scale"]),
+         lambda p, lr: T.AdamW([{"params": p[:1]}, {"params": p[1:], "weight_decay": 0.0}], lr,
+                               weight_decay=0.1), lr=0.01),
+    Case("sgd_no_decay", lambda lr: SGD(lr, momentum=0.9, weight_decay=0.05, no_decay=["bias"]),
+         lambda p, lr: T.SGD([{"params": [p[0], p[2]]}, {"params": p[1:2], "weight_decay": 0.0}],
+                             lr, momentum=0.9, weight_decay=0.05)),
     Case("custom_chain",
          lambda lr: Optimizer("custom", lr, chain(clip_by_global_norm(1.0), trace(0.9),
                                                   scale_by_learning_rate())),
@@ -335,3 +343,58 @@ def test_from_hyperparameters_rebuilds_named_optimizers() -> None:
             continue
         assert again is not None and again.hyperparameters == optimizer.hyperparameters
     assert from_hyperparameters("adamw", {"lr": 0.1, "unknown": 1}) is None
+
+
+def test_no_decay_is_recorded_and_keeps_the_update_per_parameter() -> None:
+    opt = AdamW(3e-4, weight_decay=0.1, no_decay=("bias", "LayerNorm.weight"))
+    assert opt.hyperparameters["no_decay"] == ["bias", "LayerNorm.weight"]
+    again = from_hyperparameters(opt.name, opt.hyperparameters)
+    assert again is not None and again.hyperparameters == opt.hyperparameters
+    assert not flattenable(opt) and flattenable(AdamW(3e-4, no_decay=["bias"], weight_decay=0))
+    assert "no_decay" not in AdamW(3e-4).hyperparameters
+    with pytest.raises(ValueError, match="no_decay must be a list of strings"):
+        AdamW(3e-4, no_decay="bias")
+
+
+def test_no_decay_trains_as_torch_parameter_groups(tmp_path) -> None:
+    """A fine-tuning script's two parameter groups (no weight decay for biases and LayerNorm
+    weights) through the artifacts and the default (fused) optimizer step, against torch."""
+    from traingraph import artifacts, from_torch
+    from traingraph.api import CheckpointState, Module
+    from traingraph.api import Optimizer as StepOptimizer
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    )
+    reference = copy.deepcopy(net)
+    artifacts.generate_artifacts(
+        from_torch(net, torch.randn(4, 6)), loss=artifacts.LossType.MSELoss,
+        optimizer=AdamW(0.05, weight_decay=0.5, no_decay=["bias", "1.weight"]),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    step = StepOptimizer(tmp_path / "optimizer_model.onnx", module)
+    named = dict(reference.named_parameters())
+    excluded = [p for n, p in named.items() if "bias" in n or n == "1.weight"]
+    decayed = [p for n, p in named.items() if not ("bias" in n or n == "1.weight")]
+    torch_opt = torch.optim.AdamW(
+        [{"params": decayed}, {"params": excluded, "weight_decay": 0.0}], lr=0.05,
+        weight_decay=0.5,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        x, y = rng.standard_normal((4, 6)), rng.standard_normal((4, 3))
+        module(x.astype(np.float32), y.astype(np.float32))
+        step.step()
+        module.lazy_reset_grad()
+        torch_opt.zero_grad()
+        out = reference(torch.tensor(x).float())
+        torch.nn.functional.mse_loss(out, torch.tensor(y).float()).backward()
+        torch_opt.step()
+    for name, param in named.items():
+        np.testing.assert_allclose(
+            state.parameters[name].data, param.detach().numpy(), rtol=1e-4, atol=1e-5,
+            err_msg=name,
+        )  # fmt: skip

@@ -1,8 +1,11 @@
 r"""Named optimizers: ``torch.optim``'s algorithms as chains of gradient transformations.
 
 Each constructor takes torch's arguments and defaults and returns an :class:`Optimizer`. The
-optional ``l1``, ``clip_grad_value``, ``max_grad_norm_per_tensor`` and ``clip_grad_norm``
-arguments put, in this order, :func:`~traingraph.optim.transforms.add_l1_regularization`,
+optional ``no_decay`` (parts of parameter names, such as ``["bias", "LayerNorm.weight"]``)
+leaves the parameters whose name contains one out of the weight decay, as the parameter group
+with ``weight_decay=0`` of a torch fine-tuning script does. The optional ``l1``,
+``clip_grad_value``, ``max_grad_norm_per_tensor`` and ``clip_grad_norm`` arguments put, in
+this order, :func:`~traingraph.optim.transforms.add_l1_regularization`,
 :func:`~traingraph.optim.transforms.clip`, :func:`~traingraph.optim.transforms.clip_by_norm`
 and :func:`~traingraph.optim.transforms.clip_by_global_norm` in front of the chain: the L1
 term acts as part of the loss's gradient, and clipping sees it before the optimizer does, as
@@ -15,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,12 +83,21 @@ def _optimizer(
     core: list[GradientTransformation],
     hyperparameters: dict[str, Any],
     extras: tuple[float | None, ...],
+    no_decay: Sequence[str] = (),
 ) -> Optimizer:
     """``chain(*regularization and clipping, *core, scale_by_learning_rate())`` named ``name``.
 
-    ``extras`` holds the values of the ``_PREFIX`` arguments, None where not asked for.
+    ``extras`` holds the values of the ``_PREFIX`` arguments, None where not asked for;
+    ``no_decay`` (recorded where given) the name parts of the parameters not decayed.
     """
     _check_lr(name, lr)
+    if isinstance(no_decay, str) or not all(isinstance(part, str) for part in no_decay):
+        raise ValueError(
+            f"{name}: no_decay must be a list of strings (parts of the names of the parameters"
+            f" that get no weight decay, such as ['bias', 'LayerNorm.weight']); got {no_decay!r}"
+        )
+    if no_decay:
+        hyperparameters = {**hyperparameters, "no_decay": list(no_decay)}
     used = {arg: value for (arg, _), value in zip(_PREFIX, extras) if value is not None}
     prefix = [make(used[arg]) for arg, make in _PREFIX if arg in used]
     return Optimizer(
@@ -107,6 +119,7 @@ def SGD(
     clip_grad_value: float | None = None,
     max_grad_norm_per_tensor: float | None = None,
     clip_grad_norm: float | None = None,
+    no_decay: Sequence[str] = (),
 ) -> Optimizer:
     r"""Stochastic gradient descent, as ``torch.optim.SGD``.
 
@@ -127,7 +140,7 @@ def SGD(
             f"SGD: momentum and weight_decay must be non-negative; got momentum={momentum},"
             f" weight_decay={weight_decay}"
         )
-    core = [add_decayed_weights(weight_decay)]
+    core = [add_decayed_weights(weight_decay, no_decay)]
     if momentum > 0:
         core.append(trace(momentum, dampening, nesterov))
     return _optimizer(
@@ -137,6 +150,7 @@ def SGD(
         {"momentum": momentum, "dampening": dampening, "nesterov": nesterov,
          "weight_decay": weight_decay},
         (l1, clip_grad_value, max_grad_norm_per_tensor, clip_grad_norm),
+        no_decay,
     )  # fmt: skip
 
 
@@ -151,6 +165,7 @@ def Adam(
     clip_grad_value: float | None = None,
     max_grad_norm_per_tensor: float | None = None,
     clip_grad_norm: float | None = None,
+    no_decay: Sequence[str] = (),
 ) -> Optimizer:
     r"""Adam, as ``torch.optim.Adam``, with its coupled L2 weight decay.
 
@@ -164,9 +179,11 @@ def Adam(
     return _optimizer(
         "adam",
         lr,
-        [add_decayed_weights(weight_decay), scale_by_adam(betas[0], betas[1], eps, amsgrad)],
+        [add_decayed_weights(weight_decay, no_decay),
+         scale_by_adam(betas[0], betas[1], eps, amsgrad)],
         {"betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad},
         (l1, clip_grad_value, max_grad_norm_per_tensor, clip_grad_norm),
+        no_decay,
     )  # fmt: skip
 
 
@@ -181,6 +198,7 @@ def AdamW(
     clip_grad_value: float | None = None,
     max_grad_norm_per_tensor: float | None = None,
     clip_grad_norm: float | None = None,
+    no_decay: Sequence[str] = (),
 ) -> Optimizer:
     r"""AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
 
@@ -194,9 +212,11 @@ def AdamW(
     return _optimizer(
         "adamw",
         lr,
-        [scale_by_adam(betas[0], betas[1], eps, amsgrad), add_decayed_weights(weight_decay)],
+        [scale_by_adam(betas[0], betas[1], eps, amsgrad),
+         add_decayed_weights(weight_decay, no_decay)],
         {"betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad},
         (l1, clip_grad_value, max_grad_norm_per_tensor, clip_grad_norm),
+        no_decay,
     )  # fmt: skip
 
 
@@ -212,6 +232,7 @@ def RMSProp(
     clip_grad_value: float | None = None,
     max_grad_norm_per_tensor: float | None = None,
     clip_grad_norm: float | None = None,
+    no_decay: Sequence[str] = (),
 ) -> Optimizer:
     r"""RMSprop, as ``torch.optim.RMSprop``.
 
@@ -221,7 +242,7 @@ def RMSProp(
     Example:
         >>> opt = RMSProp(lr=1e-3, momentum=0.9, centered=True)
     """
-    core = [add_decayed_weights(weight_decay), scale_by_rms(alpha, eps, centered)]
+    core = [add_decayed_weights(weight_decay, no_decay), scale_by_rms(alpha, eps, centered)]
     if momentum > 0:
         core.append(trace(momentum))
     return _optimizer(
@@ -231,6 +252,7 @@ def RMSProp(
         {"alpha": alpha, "eps": eps, "weight_decay": weight_decay, "momentum": momentum,
          "centered": centered},
         (l1, clip_grad_value, max_grad_norm_per_tensor, clip_grad_norm),
+        no_decay,
     )  # fmt: skip
 
 
@@ -245,6 +267,7 @@ def Adagrad(
     clip_grad_value: float | None = None,
     max_grad_norm_per_tensor: float | None = None,
     clip_grad_norm: float | None = None,
+    no_decay: Sequence[str] = (),
 ) -> Optimizer:
     r"""Adagrad, as ``torch.optim.Adagrad``.
 
@@ -257,11 +280,12 @@ def Adagrad(
     return _optimizer(
         "adagrad",
         lr,
-        [add_decayed_weights(weight_decay),
+        [add_decayed_weights(weight_decay, no_decay),
          scale_by_adagrad(lr_decay, initial_accumulator_value, eps)],
         {"lr_decay": lr_decay, "weight_decay": weight_decay,
          "initial_accumulator_value": initial_accumulator_value, "eps": eps},
         (l1, clip_grad_value, max_grad_norm_per_tensor, clip_grad_norm),
+        no_decay,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -172,8 +172,16 @@ FLAT = "parameters"
 
 def flattenable(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` treats every element alike, so one update of all parameters
-    concatenated equals the updates of each: False with a per-tensor norm clip."""
-    return optimizer.hyperparameters.get("max_grad_norm_per_tensor") is None
+    concatenated equals the updates of each: False with a per-tensor norm clip or with
+    parameters left out of the weight decay."""
+    return flattenable_hyperparameters(optimizer.hyperparameters)
+
+
+def flattenable_hyperparameters(hyperparameters: Mapping[str, Any]) -> bool:
+    """:func:`flattenable` for an optimizer's recorded ``hyperparameters``."""
+    return hyperparameters.get("max_grad_norm_per_tensor") is None and not (
+        hyperparameters.get("no_decay") and hyperparameters.get("weight_decay")
+    )
 
 
 def build_flat_optimizer_model(

@@ -180,11 +180,15 @@ def scale(factor: float) -> GradientTransformation:
     return _stateless(fn)
 
 
-def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+def add_decayed_weights(
+    weight_decay: float, exclude: Sequence[str] = ()
+) -> GradientTransformation:
     r"""Add weight decay: :math:`u \leftarrow u + \lambda\, p`.
 
     Placed before the moment estimates it is torch's coupled L2 penalty (``SGD``, ``Adam``);
-    placed after ``scale_by_adam`` it is AdamW's decoupled weight decay.
+    placed after ``scale_by_adam`` it is AdamW's decoupled weight decay. Parameters whose name
+    contains one of the strings ``exclude`` are not decayed (the parameter group of biases and
+    normalization weights with ``weight_decay=0`` that fine-tuning scripts give torch).
     """
     _check_non_negative("add_decayed_weights", weight_decay=weight_decay)
 
@@ -192,12 +196,21 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         if weight_decay == 0:
             return updates
         b = ctx.b
-        return [b.Add(u, b.Mul(p, _scalar(b, weight_decay, p))) for u, p in zip(updates, params)]
+        return [
+            u if decay_excluded(p.name or "", exclude)
+            else b.Add(u, b.Mul(p, _scalar(b, weight_decay, p)))
+            for u, p in zip(updates, params)
+        ]  # fmt: skip
 
     return _stateless(fn)
 
 
 add_l2 = add_decayed_weights
+
+
+def decay_excluded(name: str, exclude: Sequence[str]) -> bool:
+    """Whether the parameter ``name`` contains one of the strings ``exclude``."""
+    return any(part in name for part in exclude)
 
 
 def add_l1_regularization(l1: float) -> GradientTransformation:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from traingraph.optim.model import flattenable_hyperparameters
 from traingraph.runtime.device import physical_cores
 
 
@@ -72,7 +73,8 @@ def fused_update(
 
     ``name`` and ``hyperparameters`` are :class:`traingraph.optim.Optimizer`'s ``name`` and
     ``hyperparameters``. None means there is no fused form (the extension was not built, or
-    another algorithm, AMSGrad, clipping or L1 terms): run the optimizer graph instead.
+    another algorithm, AMSGrad, clipping, L1 terms or parameters left out of the weight decay):
+    run the optimizer graph instead.
 
     AdamW (``optim.AdamW``) computes, with the bias corrections in float64 rounded to the
     parameters' dtype, as the graph does:
@@ -99,7 +101,9 @@ def fused_update(
     """
     native = _native
     extras = {"l1", "clip_grad_value", "max_grad_norm_per_tensor", "clip_grad_norm"}
-    if native is None or extras & set(hyperparameters):
+    if native is None or extras & set(hyperparameters) or not flattenable_hyperparameters(
+        hyperparameters
+    ):
         return None
     threads = physical_cores() if threads is None else max(1, int(threads))
     h = dict(hyperparameters)
