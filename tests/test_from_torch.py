@@ -684,6 +684,26 @@ def test_inputs_by_keyword_name_what_the_forward_does_not_take():
     assert "input_ids, past, attention_mask, token_type_ids" in str(info.value)
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_models_past_protobufs_limit_go_through_files(exporter, monkeypatch, tmp_path):
+    """Past 2 GiB of tensors protobuf cannot serialize a model: the TorchScript exporter then
+    writes a file with external data, and the check's session reads one. Both paths, on a
+    small model with the threshold at one byte, give what the in-memory paths give."""
+    import traingraph.ir.model as ir_model
+    import traingraph.torch_export as torch_export
+
+    net = _seeded(TiedLM)
+    ids = torch.randint(0, 30, (4, 6))
+    expected = traingraph.from_torch(copy.deepcopy(net), ids, exporter=exporter)
+    monkeypatch.setattr(ir_model, "LARGE_MODEL_BYTES", 1)
+    monkeypatch.setattr(torch_export, "LARGE_MODEL_BYTES", 1)
+    got = traingraph.from_torch(copy.deepcopy(net), ids, exporter=exporter)
+    for a, b in zip(expected.graph.initializer, got.graph.initializer):
+        assert a.name == b.name
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(a), onnx.numpy_helper.to_array(b))
+    assert [n.op_type for n in expected.graph.node] == [n.op_type for n in got.graph.node]
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

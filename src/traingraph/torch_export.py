@@ -25,6 +25,7 @@ import inspect
 import json
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import onnx_ir as ir
 
 from traingraph.errors import ModelError
 from traingraph.ir.export_checks import REQUIRES_GRAD_KEY
+from traingraph.ir.model import LARGE_MODEL_BYTES
 from traingraph.torch_forms import exportable_forms
 
 if TYPE_CHECKING:
@@ -565,12 +567,20 @@ def _export(
             first = args.index(None)
             keywords = dict(zip(_positional_parameters(model)[first:], args[first:]))
             traced = (*args[:first], {k: v for k, v in keywords.items() if v is not None})
-        torch.onnx.export(
-            model, traced, buffer, dynamo=False, opset_version=opset or TORCHSCRIPT_OPSET,
-            training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False,
-            dynamic_axes={n: dict(a) for n, a in axes.items()} or None, **names,
-        )  # fmt: skip
-        return onnx.load_from_string(buffer.getvalue())
+        settings = {
+            "dynamo": False, "opset_version": opset or TORCHSCRIPT_OPSET,
+            "training": torch.onnx.TrainingMode.TRAINING, "do_constant_folding": False,
+            "dynamic_axes": {n: dict(a) for n, a in axes.items()} or None, **names,
+        }  # fmt: skip
+        size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        if size < LARGE_MODEL_BYTES:
+            torch.onnx.export(model, traced, buffer, **settings)
+            return onnx.load_from_string(buffer.getvalue())
+        # past protobuf's 2 GiB the exporter writes the tensors beside a file
+        with tempfile.TemporaryDirectory(prefix="traingraph-") as directory:
+            path = os.path.join(directory, "model.onnx")
+            torch.onnx.export(model, traced, path, **settings)
+            return onnx.load(path)
 
 
 class _Discard:
@@ -812,7 +822,7 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
     import onnxruntime as ort
 
     from traingraph.autodiff.lowering import lower_training_batch_norm
-    from traingraph.ir.model import default_opset
+    from traingraph.ir.model import default_opset, onnxruntime_source
 
     # onnx's shape inference (onnx_ir's pass types sequence values as tensors) gives training
     # BatchNorm's lowering the ranks it needs.
@@ -841,9 +851,8 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
     # exporter's nn.EmbeddingBag: a Loop over a SequenceEmpty).
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        session = ort.InferenceSession(
-            ir.to_proto(m).SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        with onnxruntime_source(m) as source:
+            session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's errors have no common base class
         raise ModelError(f"onnxruntime cannot load the exported model: {_first(exc)}") from None
 

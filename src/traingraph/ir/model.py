@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeAlias
 
@@ -233,3 +236,34 @@ def _small_enough(proto: onnx.ModelProto) -> bool:
     """Whether ``ByteSize`` can be asked (protobuf fails on messages over 2 GB)."""
     total = sum(len(t.raw_data) for t in proto.graph.initializer)
     return total < EXTERNAL_DATA_THRESHOLD
+
+
+LARGE_MODEL_BYTES = 1 << 30
+"""From how many bytes of tensors a model goes to onnxruntime as a file with external data
+rather than as serialized bytes: protobuf serializes at most 2 GiB, and a margin keeps the
+graph's own size out of the way."""
+
+
+def tensor_bytes(m: ir.Model) -> int:
+    """The bytes of the tensors that ``m``'s graphs hold as initializers."""
+    return sum(
+        value.const_value.nbytes
+        for graph in m.graphs()
+        for value in graph.initializers.values()
+        if value.const_value is not None
+    )
+
+
+@contextlib.contextmanager
+def onnxruntime_source(m: ir.Model) -> Iterator[bytes | str]:
+    """What ``onnxruntime.InferenceSession`` takes for ``m``: its serialized bytes, or past
+    :data:`LARGE_MODEL_BYTES` of tensors the path of a temporary file whose tensors are
+    external data (the session reads them when it is created; the file is gone after)."""
+    if tensor_bytes(m) < LARGE_MODEL_BYTES:
+        yield ir.to_proto(m).SerializeToString()
+        return
+    with tempfile.TemporaryDirectory(prefix="traingraph-") as directory:
+        path = os.path.join(directory, "model.onnx")
+        ir.save(m, path, external_data="model.onnx.data")
+        yield path
+
