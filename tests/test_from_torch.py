@@ -690,7 +690,7 @@ def test_models_past_protobufs_limit_go_through_files(exporter, monkeypatch, tmp
     writes a file with external data, and the check's session reads one. Both paths, on a
     small model with the threshold at one byte, give what the in-memory paths give."""
     import traingraph.ir.model as ir_model
-    import traingraph.torch_export as torch_export
+    from traingraph import torch_export
 
     net = _seeded(TiedLM)
     ids = torch.randint(0, 30, (4, 6))
