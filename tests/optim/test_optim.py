@@ -376,6 +376,9 @@ def test_no_decay_trains_as_torch_parameter_groups(tmp_path) -> None:
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
     module = Module(tmp_path / "training_model.onnx", state)
     step = StepOptimizer(tmp_path / "optimizer_model.onnx", module)
+    from traingraph.runtime.optimizer.fused import AVAILABLE
+
+    assert (step.update.blocks is not None) == AVAILABLE  # the fused kernel, run by spans
     named = dict(reference.named_parameters())
     excluded = [p for n, p in named.items() if "bias" in n or n == "1.weight"]
     decayed = [p for n, p in named.items() if not ("bias" in n or n == "1.weight")]
@@ -398,3 +401,13 @@ def test_no_decay_trains_as_torch_parameter_groups(tmp_path) -> None:
             state.parameters[name].data, param.detach().numpy(), rtol=1e-4, atol=1e-5,
             err_msg=name,
         )  # fmt: skip
+
+
+def test_fused_runs_cover_the_block_with_and_without_decay() -> None:
+    from traingraph.runtime.optimizer.fused import _runs
+
+    assert _runs(10, [], 0.1) == [(0, 10, 0.1)]
+    assert _runs(10, [(2, 4), (4, 5), (8, 10)], 0.1) == [
+        (0, 2, 0.1), (2, 5, 0.0), (5, 8, 0.1), (8, 10, 0.0),
+    ]  # fmt: skip
+    assert _runs(4, [(0, 4)], 0.1) == [(0, 4, 0.0)]

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from traingraph.optim.model import flattenable_hyperparameters
+from traingraph.optim.transforms import decay_excluded
 from traingraph.runtime.device import physical_cores
 
 
@@ -67,14 +68,18 @@ class FusedUpdate(Protocol):
 
 
 def fused_update(
-    name: str, hyperparameters: Mapping[str, Any], *, threads: int | None = None
+    name: str,
+    hyperparameters: Mapping[str, Any],
+    *,
+    threads: int | None = None,
+    spans: Mapping[str, tuple[int, int]] | None = None,
 ) -> FusedUpdate | None:
     r"""The fused update of optimizer ``name`` with ``hyperparameters``, or None.
 
     ``name`` and ``hyperparameters`` are :class:`traingraph.optim.Optimizer`'s ``name`` and
     ``hyperparameters``. None means there is no fused form (the extension was not built, or
-    another algorithm, AMSGrad, clipping, L1 terms or parameters left out of the weight decay):
-    run the optimizer graph instead.
+    another algorithm, AMSGrad, clipping or L1 terms, or parameters left out of the weight decay
+    without ``spans``): run the optimizer graph instead.
 
     AdamW (``optim.AdamW``) computes, with the bias corrections in float64 rounded to the
     parameters' dtype, as the graph does:
@@ -98,24 +103,38 @@ def fused_update(
         hyperparameters: Its hyperparameters.
         threads: Threads of the update over large arrays (the elements split between them;
             the numbers do not change); None: one per physical core.
+        spans: Each parameter's ``(start, stop)`` in the flat block, which the update needs
+            where ``hyperparameters`` leave parameters out of the weight decay (``no_decay``):
+            it then runs over the runs of decayed and undecayed parameters in turn.
     """
     native = _native
     extras = {"l1", "clip_grad_value", "max_grad_norm_per_tensor", "clip_grad_norm"}
-    if native is None or extras & set(hyperparameters) or not flattenable_hyperparameters(
-        hyperparameters
-    ):
+    if native is None or extras & set(hyperparameters):
         return None
-    threads = physical_cores() if threads is None else max(1, int(threads))
     h = dict(hyperparameters)
+    undecayed: list[tuple[int, int]] = []
+    if not flattenable_hyperparameters(h):
+        if spans is None or h.get("max_grad_norm_per_tensor") is not None:
+            return None
+        exclude = h.get("no_decay", ())
+        undecayed = sorted(span for n, span in spans.items() if decay_excluded(n, exclude))
+    threads = physical_cores() if threads is None else max(1, int(threads))
     if name == "adamw" and not h.get("amsgrad", False):
         b1, b2 = h.get("betas", (0.9, 0.999))
         eps, weight_decay = h.get("eps", 1e-8), h.get("weight_decay", 0.01)
 
         def adamw(params, grads, slots, *, lr, step):
-            native.adamw(
-                params, grads, slots["exp_avg"], slots["exp_avg_sq"], lr, step, b1, b2, eps,
-                weight_decay, threads,
-            )  # fmt: skip
+            m, v = slots["exp_avg"], slots["exp_avg_sq"]
+            if not undecayed:
+                native.adamw(
+                    params, grads, m, v, lr, step, b1, b2, eps, weight_decay, threads
+                )  # fmt: skip
+                return
+            for a, b, decay in _runs(params.size, undecayed, weight_decay):
+                native.adamw(
+                    params[a:b], grads[a:b], m[a:b], v[a:b], lr, step, b1, b2, eps, decay,
+                    threads,
+                )  # fmt: skip
 
         return adamw
     if name == "sgd":
@@ -123,13 +142,41 @@ def fused_update(
         nesterov, weight_decay = h.get("nesterov", False), h.get("weight_decay", 0.0)
 
         def sgd(params, grads, slots, *, lr, step):
-            native.sgd(
-                params, grads, slots.get("momentum_buffer"), lr, step, momentum, dampening,
-                nesterov, weight_decay, threads,
-            )  # fmt: skip
+            buffer = slots.get("momentum_buffer")
+            if not undecayed:
+                native.sgd(
+                    params, grads, buffer, lr, step, momentum, dampening, nesterov, weight_decay,
+                    threads,
+                )  # fmt: skip
+                return
+            for a, b, decay in _runs(params.size, undecayed, weight_decay):
+                native.sgd(
+                    params[a:b], grads[a:b], None if buffer is None else buffer[a:b], lr, step,
+                    momentum, dampening, nesterov, decay, threads,
+                )  # fmt: skip
 
         return sgd
     return None
+
+
+def _runs(
+    size: int, undecayed: list[tuple[int, int]], weight_decay: float
+) -> list[tuple[int, int, float]]:
+    """``[0, size)`` as runs ``(start, stop, decay)``: the sorted spans ``undecayed`` (next
+    ones merged) without weight decay, the rest with ``weight_decay``."""
+    runs: list[tuple[int, int, float]] = []
+    at = 0
+    for start, stop in undecayed:
+        if start > at:
+            runs.append((at, start, weight_decay))
+        if runs and runs[-1][2] == 0.0 and runs[-1][1] == start and weight_decay != 0.0:
+            runs[-1] = (runs[-1][0], stop, 0.0)
+        else:
+            runs.append((start, stop, 0.0))
+        at = stop
+    if at < size or not runs:
+        runs.append((at, size, weight_decay))
+    return runs
 
 
 __all__ = ["AVAILABLE", "DTYPES", "FusedUpdate", "fused_update"]

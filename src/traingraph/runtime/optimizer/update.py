@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -331,7 +332,11 @@ class OptimizerUpdate:
             and hyperparameters is not None
             and dtypes <= set(DTYPES)
         ):
-            self._fused = fused_update(name, hyperparameters, threads=threads)
+            spans = None
+            if layout is not None and state.trainable.cur.offsets is not None:
+                specs, offsets = state.trainable.cur.specs, state.trainable.cur.offsets
+                spans = {n: (at, at + math.prod(specs[n][0])) for n, at in offsets.items()}
+            self._fused = fused_update(name, hyperparameters, threads=threads, spans=spans)
         self.blocks = layout if self._fused is not None else None
         self.flat: FlatLayout | None = None
         self.graph_model = proto
