@@ -704,6 +704,12 @@ def test_models_past_protobufs_limit_go_through_files(exporter, monkeypatch, tmp
     assert [n.op_type for n in expected.graph.node] == [n.op_type for n in got.graph.node]
 
 
+def test_a_forward_that_fails_on_the_example_inputs_is_an_error_naming_them():
+    with pytest.raises(ModelError, match=r"Linear's forward fails on the example inputs "
+                       r"\[\(\(3, 5\), 'torch.float32'\)\]: RuntimeError: mat1 and mat2"):
+        traingraph.from_torch(nn.Linear(4, 2), torch.randn(3, 5))
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

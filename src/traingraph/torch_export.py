@@ -367,7 +367,14 @@ def _reference(
     and the buffers it moves."""
     before = _snapshot(model)
     with torch.enable_grad(), _no_dropout(torch, model):
-        out = model(*args)
+        try:
+            out = model(*args)
+        except Exception as exc:  # the module's own code: any error
+            shapes = [None if a is None else (tuple(a.shape), str(a.dtype)) for a in args]
+            raise ModelError(
+                f"{type(model).__name__}'s forward fails on the example inputs {shapes}:"
+                f" {_first(exc)}; pass inputs the module takes (it runs in train mode)"
+            ) from exc
     moved = {
         n for n, b in model.named_buffers()
         if b.is_floating_point() and n in before and not torch.equal(before[n], b)
