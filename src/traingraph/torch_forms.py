@@ -1,4 +1,5 @@
-"""Differentiable forms of the torch functions that the ONNX exporters write as loops.
+"""Differentiable forms of the torch functions that the ONNX exporters write as loops, or
+write wrongly, or not at all.
 
 Both exporters write ``torch.nn.functional.embedding_bag`` (``nn.EmbeddingBag``) as a ``Loop``
 over the bags, which no gradient rule differentiates. :func:`exportable_forms` makes it, for
@@ -16,6 +17,13 @@ tie with themselves and get the same total either way. With ``scale_grad_by_freq
 lookup's gradient is divided by its row's count among all the lookups, as torch documents and
 ``F.embedding`` computes; torch's CPU ``embedding_bag`` kernel divides some rows' gradients by
 another row's count instead.
+
+``scatter_reduce`` with ``reduce="mean"`` (graph networks' mean aggregation), which the dynamo
+exporter writes as another reduction, becomes the sums of one ``scatter_add`` over the counts of
+another (positions that no index names keep their value); ``index_reduce``, which neither
+exporter converts, becomes the ``scatter_reduce`` of its index spread over the source's shape.
+``"amax"`` and ``"amin"`` export as ``ScatterElements`` with ``reduction="max"`` / ``"min"``,
+whose gradient (:mod:`traingraph.autodiff.rules.indexing`) shares ties as torch does.
 """
 
 from __future__ import annotations
@@ -29,8 +37,9 @@ from traingraph.errors import ModelError
 
 @contextlib.contextmanager
 def exportable_forms(torch: Any) -> Iterator[None]:
-    """``torch.nn.functional.embedding_bag`` as lookups and reductions (see the module) while
-    the context is open; torch's own function back after."""
+    """``torch.nn.functional.embedding_bag`` as lookups and reductions, ``scatter_reduce``
+    (and ``index_reduce``) with ``"mean"`` as sums and counts (see the module) while the
+    context is open; torch's own functions back after."""
     functional = torch.nn.functional
     original = functional.embedding_bag
 
@@ -58,11 +67,51 @@ def exportable_forms(torch: Any) -> Iterator[None]:
             include_last_offset, padding_idx,
         )  # fmt: skip
 
-    functional.embedding_bag = embedding_bag
+    tensor = torch.Tensor
+    originals = {
+        (functional, "embedding_bag"): original,
+        (tensor, "scatter_reduce"): tensor.scatter_reduce,
+        (tensor, "scatter_reduce_"): tensor.scatter_reduce_,
+        (torch, "scatter_reduce"): torch.scatter_reduce,
+        (tensor, "index_reduce"): tensor.index_reduce,
+        (tensor, "index_reduce_"): tensor.index_reduce_,
+    }
+    scatter_reduce = originals[(tensor, "scatter_reduce")]
+
+    def scatter(self: Any, dim: int, index: Any, src: Any, reduce: str, *,
+                include_self: bool = True) -> Any:  # fmt: skip
+        if reduce == "mean" and self.is_floating_point():
+            return _scatter_mean(torch, self, dim, index, src, include_self)
+        return scatter_reduce(self, dim, index, src, reduce, include_self=include_self)
+
+    def scatter_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.copy_(scatter(self, *args, **kwargs))
+
+    def index(self: Any, dim: int, index: Any, source: Any, reduce: str, *,
+              include_self: bool = True) -> Any:  # fmt: skip
+        dim = dim % max(source.dim(), 1)
+        spread = index.view([-1 if i == dim else 1 for i in range(source.dim())])
+        return scatter(self, dim, spread.expand_as(source), source, reduce,
+                       include_self=include_self)  # fmt: skip
+
+    def index_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.copy_(index(self, *args, **kwargs))
+
+    replacements = {
+        (functional, "embedding_bag"): embedding_bag,
+        (tensor, "scatter_reduce"): scatter,
+        (tensor, "scatter_reduce_"): scatter_,
+        (torch, "scatter_reduce"): scatter,
+        (tensor, "index_reduce"): index,
+        (tensor, "index_reduce_"): index_,
+    }
     try:
+        for (owner, name), replacement in replacements.items():
+            setattr(owner, name, replacement)
         yield
     finally:
-        functional.embedding_bag = original
+        for (owner, name), function in originals.items():
+            setattr(owner, name, function)
 
 
 def _embedding_bag(
@@ -131,3 +180,17 @@ def _reduce(torch: Any, rows: Any, members: Any, mode: str, axis: int) -> Any:
     if mode == "sum":
         return sums
     return sums / weights.sum(axis).clamp(min=1)
+
+
+def _scatter_mean(
+    torch: Any, self: Any, dim: int, index: Any, src: Any, include_self: bool
+) -> Any:
+    """``self.scatter_reduce(dim, index, src, "mean", include_self=include_self)`` as the
+    sums of a ``scatter_add`` over the counts of another: positions that no index names keep
+    their value."""
+    counts = torch.zeros_like(self).scatter_add(dim, index, torch.ones_like(src))
+    if include_self:
+        return self.scatter_add(dim, index, src) / (counts + 1)
+    sums = self.scatter(dim, index, torch.zeros_like(src)).scatter_add(dim, index, src)
+    return torch.where(counts > 0, sums / counts.clamp(min=1), self)
+

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
-from gradcheck import check_model_gradient, check_op_gradient
+from gradcheck import check_model_gradient, check_op_gradient, session
 from traingraph.autodiff import build_gradient_graph
 from traingraph.errors import GradientNotImplementedError
 
@@ -345,6 +345,57 @@ def test_scatter_elements(dynamic, opset, reduction):
         "ScatterElements", {"data": data, "indices": indices, "updates": updates}, attrs,
         const_inputs=["indices"], opset=opset, dynamic=dynamic, torch_fn=torch_fn,
     )
+
+
+@pytest.mark.parametrize("reduction", ["max", "min"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_scatter_elements_extremum(reduction, axis):
+    """``scatter_reduce`` with ``amax`` / ``amin`` (include_self): against finite differences
+    and torch where the values are distinct, and against torch's even sharing where data and
+    updates tie."""
+    data, updates = r(4, 5), r(4, 5)
+    if axis == 0:  # rows 0..3
+        indices = np.array([[1, 0, 3, 1, 0], [1, 2, 0, 0, 3], [3, 3, 1, 2, 0], [0, 1, 1, 3, 2]])
+    else:  # columns 0..4, four updates per row
+        indices = np.array([[1, 0, 3, 1], [1, 2, 0, 4], [3, 3, 1, 2], [0, 1, 4, 4]])
+    updates = updates[:, :4] if axis == 1 else updates
+    attrs = {"axis": axis, "reduction": reduction}
+    normal = torch.tensor(indices)
+    torch_reduce = {"max": "amax", "min": "amin"}[reduction]
+
+    def torch_fn(d, u):
+        return d.scatter_reduce(axis, normal, u, torch_reduce)
+
+    inputs = {"data": data, "indices": indices, "updates": updates}
+    check_op_gradient(
+        "ScatterElements", inputs, attrs, const_inputs=["indices"], opset=18, torch_fn=torch_fn
+    )
+    # ties: an update equal to the data element it lands on, and two equal updates
+    tied_data, tied_updates = data.copy(), updates.copy()
+    tied_data[1, 0] = tied_updates[0, 0] = tied_updates[1, 0] = 9.0 if reduction == "max" else -9.0
+    if axis == 1:
+        tied_data[1, 0], tied_updates[1, 0] = tied_data[0, 1], tied_updates[0, 0]
+        tied_data[0, 1] = tied_updates[0, 3] = tied_updates[0, 0]
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("ScatterElements", ["data", "indices", "updates"], ["y"], **attrs),
+             helper.make_node("Mul", ["y", "w"], ["yw"]),
+             helper.make_node("ReduceSum", ["yw"], ["loss"], keepdims=0)],
+            "tie", [helper.make_tensor_value_info(n, TensorProto.DOUBLE, a.shape)
+                    for n, a in (("data", data), ("updates", updates), ("w", data))],
+            [helper.make_tensor_value_info("loss", TensorProto.DOUBLE, [])],
+            [numpy_helper.from_array(indices, "indices")],
+        ), opset_imports=[helper.make_opsetid("", 18)],
+    )  # fmt: skip
+    weights = r(*data.shape)
+    grads = build_gradient_graph(model, wrt=["data", "updates"], loss="loss")
+    got = session(grads).run(
+        ["data_grad", "updates_grad"], {"data": tied_data, "updates": tied_updates, "w": weights}
+    )
+    d, u = (torch.tensor(a, requires_grad=True) for a in (tied_data, tied_updates))
+    (torch_fn(d, u) * torch.tensor(weights)).sum().backward()
+    np.testing.assert_allclose(got[0], d.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[1], u.grad.numpy(), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dynamic", ["none", "all"])

@@ -436,11 +436,12 @@ def gather_nd(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     return [b.reshape_like(summed, x)]
 
 
-def _reduction(ctx: GradContext) -> str:
+def _reduction(ctx: GradContext, supported: tuple[str, ...] = ("none", "add")) -> str:
     reduction = ctx.attr("reduction", "none")
-    if reduction not in ("none", "add"):
+    if reduction not in supported:
         ctx.unsupported(
-            f"reduction={reduction!r} has no gradient rule; only 'none' and 'add' are supported"
+            f"reduction={reduction!r} has no gradient rule; {', '.join(map(repr, supported))}"
+            " are supported"
         )
     return reduction
 
@@ -448,11 +449,15 @@ def _reduction(ctx: GradContext) -> str:
 @register_gradient("ScatterElements")
 def scatter_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     """``d data = g`` (with the overwritten positions zeroed when ``reduction="none"``);
-    ``d updates = GatherElements(g, indices, axis)``."""
+    ``d updates = GatherElements(g, indices, axis)``. With ``reduction="max"`` or ``"min"``
+    (``scatter_reduce`` with ``"amax"`` / ``"amin"``) the gradient of each output goes to the
+    data element and the updates that equal it, shared evenly among them, as torch shares it."""
     b, g = ctx.b, ctx.grad_or_zeros(grads, 0)
-    reduction = _reduction(ctx)
+    reduction = _reduction(ctx, ("none", "add", "max", "min"))
     axis = int(ctx.attr("axis", 0))
     index = ctx.x(1)
+    if reduction in ("max", "min"):
+        return _scatter_extremum(ctx, g, index, axis)
     d_data = d_updates = None
     if ctx.need(0):
         d_data = g
@@ -460,6 +465,23 @@ def scatter_elements(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
             d_data = b.ScatterElements(g, index, b.zeros_like(ctx.x(2)), axis=axis)
     if ctx.need(2):
         d_updates = b.GatherElements(g, index, axis=axis)
+    return [d_data, None, d_updates]
+
+
+def _scatter_extremum(
+    ctx: GradContext, g: ir.Value, index: ir.Value, axis: int
+) -> list[ir.Value | None]:
+    """The gradient of ``y = ScatterElements(data, index, updates, reduction=max|min)``:
+    ``share = g / (data == y) + sum over the updates at each position of (update == y)``, then
+    ``d data = (data == y) * share`` and ``d updates = (updates == y at their position) *
+    share at their position``."""
+    b, data, updates, y = ctx.b, ctx.x(0), ctx.x(2), ctx.outputs[0]
+    data_is = b.cast_like(b.Equal(data, y), data)
+    update_is = b.cast_like(b.Equal(updates, b.GatherElements(y, index, axis=axis)), updates)
+    count = b.ScatterElements(data_is, index, update_is, axis=axis, reduction="add")
+    share = b.Div(g, count)
+    d_data = b.Mul(data_is, share) if ctx.need(0) else None
+    d_updates = b.Mul(update_is, b.GatherElements(share, index, axis=axis)) if ctx.need(2) else None
     return [d_data, None, d_updates]
 
 
