@@ -758,6 +758,22 @@ def test_scatter_and_index_reductions_train_as_in_torch(reduce, include_self, by
         np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
 
 
+class PackedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        _, (h, _) = self.rnn(packed)
+        return h[-1]
+
+
+def test_packed_sequences_are_an_error_naming_what_to_do_instead():
+    with pytest.raises(ModelError, match=r"no exporter produced.*pack_padded_sequence.*padded"):
+        traingraph.from_torch(PackedLSTM(), (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])))
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

@@ -28,7 +28,7 @@ import re
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +63,7 @@ class _Reference:
     structure: Any
     used: set[str]
     moved: set[str]  # the floating-point buffers the forward changes (running statistics)
+    hints: list[str] = field(default_factory=list)  # what no exporter converts
 
 
 def from_torch(
@@ -278,7 +279,9 @@ def _restore(model: torch.nn.Module, snapshot: dict[str, torch.Tensor]) -> None:
 
 
 @contextlib.contextmanager
-def _no_dropout(torch: Any, model: torch.nn.Module) -> Iterator[None]:
+def _no_dropout(
+    torch: Any, model: torch.nn.Module, hints: list[str] | None = None
+) -> Iterator[None]:
     """Every dropout of ``model`` off: Dropout modules' ``p`` and the float dropout
     probabilities that modules keep as attributes (``MultiheadAttention.dropout``, Hugging Face
     attention's ``attention_dropout``) set to 0, and the dropout functions that the forward
@@ -292,14 +295,25 @@ def _no_dropout(torch: Any, model: torch.nn.Module) -> Iterator[None]:
     try:
         for module, name, _ in changed:
             setattr(module, name, 0.0)
-        with _no_dropout_mode(torch):
+        with _no_dropout_mode(torch, hints):
             yield
     finally:
         for module, name, value in changed:
             setattr(module, name, value)
 
 
-def _no_dropout_mode(torch: Any) -> Any:
+_UNEXPORTABLE = {
+    "_pack_padded_sequence": (
+        "the forward packs sequences (nn.utils.rnn.pack_padded_sequence), which no exporter"
+        " converts: run the RNN on the padded batch and take each sequence's last valid step"
+        " with gather (or mask the padded steps) instead"
+    ),
+}
+"""torch functions that no exporter converts -> what to do instead, named where an export
+fails after the forward called them."""
+
+
+def _no_dropout_mode(torch: Any, hints: list[str] | None = None) -> Any:
     """A torch function mode under which the dropout functions called from Python (not those
     called inside another torch function) are the identity and the random draws are their
     distributions' means (:func:`_mean_draw`), as :func:`_runner` makes the exported random
@@ -320,6 +334,9 @@ def _no_dropout_mode(torch: Any) -> Any:
     class NoDropout(torch.overrides.TorchFunctionMode):  # type: ignore[misc]
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = dict(kwargs or {})
+            hint = _UNEXPORTABLE.get(getattr(func, "__name__", ""))
+            if hint is not None and hints is not None and hint not in hints:
+                hints.append(hint)
             if func in dropouts:
                 return args[0] if args else kwargs["input"]
             if func in draws:
@@ -366,7 +383,8 @@ def _reference(
     """Run the train-mode forward with dropout off; find the parameters the outputs depend on
     and the buffers it moves."""
     before = _snapshot(model)
-    with torch.enable_grad(), _no_dropout(torch, model):
+    hints: list[str] = []
+    with torch.enable_grad(), _no_dropout(torch, model, hints):
         try:
             out = model(*args)
         except Exception as exc:  # the module's own code: any error
@@ -402,7 +420,7 @@ def _reference(
         grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
         used = {n for (n, _), g in zip(named, grads) if g is not None}
     outputs = [t.detach().cpu().numpy() for t in leaves]
-    return _Reference(outputs=outputs, structure=out, used=used, moved=moved)
+    return _Reference(outputs=outputs, structure=out, used=used, moved=moved, hints=hints)
 
 
 def _positional_parameters(model: torch.nn.Module) -> list[str]:
@@ -500,7 +518,8 @@ def _export_first(
         except Exception as exc:  # the exporters raise many kinds of errors
             reasons.append(f"the {name} exporter failed: {_first(exc)}")
             if exporter is not None:
-                raise ModelError(f"{reasons[-1]}. Try exporter=None or the other exporter") from exc
+                advice = "; ".join(reference.hints) or "try exporter=None or the other exporter"
+                raise ModelError(f"{reasons[-1]}. {advice[0].upper()}{advice[1:]}") from exc
             continue
         finally:
             _restore(model, snapshot)
@@ -521,7 +540,7 @@ def _export_first(
         return proto
     raise ModelError(
         f"no exporter produced a correct model of {type(model).__name__}: "
-        + "; ".join(reasons)
+        + "; ".join(reasons + reference.hints)
     )
 
 
