@@ -970,10 +970,25 @@ class _Warped(torch.nn.Module):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_grid_sample_and_embedding_bags_train_on_the_gpu_as_on_the_cpu(tmp_path) -> None:
-    """GridSample (through its standard-op form) and nn.EmbeddingBag (lookups and a product
-    with the bags' span matrix) in a CUDA-graph step: the CPU's loss curve."""
+def test_grid_sample_bags_and_aggregations_train_on_the_gpu_as_on_the_cpu(tmp_path) -> None:
+    """GridSample (through its standard-op form), nn.EmbeddingBag (lookups and a product with
+    the bags' span matrix) and graph aggregations (scatter_reduce mean as sums over counts,
+    amax as a ScatterElements max) in a CUDA-graph step: the CPU's loss curve."""
     from traingraph.runtime.cuda import CudaGraphStep
+
+    class Aggregate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.message = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(20, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.message(x.view(-1, 5, 4))
+            sources, targets = torch.tensor([0, 1, 2, 3, 4, 2]), torch.tensor([1, 0, 3, 3, 0, 1])
+            index = targets.view(1, -1, 1).expand(h.shape[0], -1, 4)
+            mean = h.scatter_reduce(1, index, h[:, sources], "mean", include_self=False)
+            top = h.scatter_reduce(1, index, h[:, sources], "amax")
+            return self.head((mean + top).flatten(1))
 
     class Bags(torch.nn.Module):
         def __init__(self) -> None:
@@ -986,7 +1001,8 @@ def test_grid_sample_and_embedding_bags_train_on_the_gpu_as_on_the_cpu(tmp_path)
             offsets = torch.arange(0, ids.shape[0], 20, device=ids.device)
             return self.head(self.bag(ids, offsets))
 
-    for name, net in (("warp", seeded(_Warped)), ("bags", seeded(Bags))):
+    nets = (("warp", seeded(_Warped)), ("bags", seeded(Bags)), ("aggregate", seeded(Aggregate)))
+    for name, net in nets:
         directory = tmp_path / name
         model = tg.from_torch(net, torch.randn(BATCH, 20), dynamic_axes=None, exporter="dynamo")
         _artifacts(directory, model)
