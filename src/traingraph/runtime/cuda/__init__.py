@@ -267,7 +267,8 @@ def _draw_from_noise(b: OpBuilder, node: ir.Node, noise: dict[str, Spec]) -> Non
     else:
         assert source is not None
         drawn = b.op("Less", uniform("noise"), b.cast(source, ir.DataType.FLOAT))
-    out = b.cast(drawn, dtype) if dtype != ir.DataType.FLOAT or drawn.dtype != dtype else drawn
+    boolean = node.op_type == "Bernoulli"
+    out = b.cast(drawn, dtype) if boolean or dtype != ir.DataType.FLOAT else drawn
     old = node.outputs[0]
     old.replace_all_uses_with(out, replace_graph_outputs=True)
     out.name, out.shape, out.type = old.name, old.shape, old.type
