@@ -774,6 +774,17 @@ def test_packed_sequences_are_an_error_naming_what_to_do_instead():
         traingraph.from_torch(PackedLSTM(), (torch.randn(3, 5, 4), torch.tensor([5, 3, 2])))
 
 
+def test_the_checks_tolerance_is_the_callers():
+    """The check allows float32 rounding (the defaults); rtol= / atol= set what it allows, and
+    a refusal says so."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    traingraph.from_torch(net, x, exporter="dynamo")
+    with pytest.raises(ModelError, match=r"allowed: 0 \+ 0 \* largest.*pass larger rtol= / atol="):
+        traingraph.from_torch(net, x, exporter="dynamo", rtol=0.0, atol=0.0)
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would
