@@ -785,6 +785,36 @@ def test_the_checks_tolerance_is_the_callers():
         traingraph.from_torch(net, x, exporter="dynamo", rtol=0.0, atol=0.0)
 
 
+class StochasticDepth(nn.Module):
+    """A residual branch dropped per sample, as torchvision's ``stochastic_depth`` draws it
+    (``empty().bernoulli_(survival).div_(survival)``: ConvNeXt, Swin and EfficientNet have it
+    on by default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        survival = 0.8
+        noise = torch.empty([x.shape[0], 1], dtype=x.dtype).bernoulli_(survival)
+        return self.head(x + torch.relu(self.branch(x)) * noise.div_(survival))
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_stochastic_depth_exports_and_drops_samples_at_random(exporter, tmp_path):
+    """The exporters write ``bernoulli_(p)`` as ``RandomUniformLike(x) < p``: the check draws
+    uniform values at their low end and Bernoulli ones at 1 on both sides, so the export's
+    forward keeps every branch where the module's does; training drops them at random."""
+    net = _seeded(StochasticDepth)
+    x = torch.randn(64, 6)
+    model = traingraph.from_torch(copy.deepcopy(net), x, exporter=exporter)
+    state, module = _mse_sgd_module(model, tmp_path)
+    target = np.zeros((64, 3), np.float32)
+    losses = {round(float(module(x.numpy(), target)), 6) for _ in range(6)}
+    assert len(losses) > 1
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

@@ -99,7 +99,7 @@ def from_torch(
 
     Before returning, the exported graph runs on onnxruntime on ``example_inputs`` (and, with a
     dynamic batch, on them twice over) and is compared with the module's train-mode forward
-    with dropout off and random draws at their distributions' means (BatchNorm on batch
+    with dropout off and random draws fixed alike on both sides (BatchNorm on batch
     statistics in both); the module's buffers are restored after, so its running statistics
     do not move.
 
@@ -322,8 +322,8 @@ fails after the forward called them."""
 
 def _no_dropout_mode(torch: Any, hints: list[str] | None = None) -> Any:
     """A torch function mode under which the dropout functions called from Python (not those
-    called inside another torch function) are the identity and the random draws are their
-    distributions' means (:func:`_mean_draw`), as :func:`_runner` makes the exported random
+    called inside another torch function) are the identity and the random draws are the
+    check's fixed draws (:func:`_mean_draw`), as :func:`_runner` makes the exported random
     ops."""
     functional = torch.nn.functional
     dropouts = {
@@ -359,26 +359,30 @@ def _no_dropout_mode(torch: Any, hints: list[str] | None = None) -> Any:
 
 
 def _mean_draw(torch: Any, func: Any, out: Any, args: tuple, kwargs: dict) -> Any:
-    """``out``, drawn by ``func(*args, **kwargs)``, as the mean of its distribution."""
+    """``out``, drawn by ``func(*args, **kwargs)``, as the check's fixed draw: a normal draw
+    is its mean, a uniform draw its low end and a Bernoulli draw 1 wherever its probability
+    is above 0, in the module's forward (here) and in the exported graph
+    (:func:`_mean_draws`) alike. A Bernoulli draw that an exporter writes as
+    ``RandomUniformLike(x) < p`` (``bernoulli_``, as torchvision's stochastic depth draws it)
+    is then 1 where the module's is: the forward keeps every sample, as a dropout with its
+    probability at 0 does."""
     tensor = torch.Tensor
     if func in (torch.randn, torch.randn_like):
         return torch.zeros_like(out)
     if func in (torch.rand, torch.rand_like):
-        return torch.full_like(out, 0.5)
+        return torch.zeros_like(out)
     if func is torch.normal:
         mean = kwargs.get("mean", args[0] if args else 0.0)
         return torch.zeros_like(out) + mean
     if func in (torch.bernoulli, tensor.bernoulli):
         p = kwargs.get("p", args[1] if len(args) > 1 else args[0])
-        return torch.zeros_like(out) + p
+        return (torch.zeros_like(out) + p > 0).to(out.dtype)
     if func is tensor.normal_:
         return out.fill_(kwargs.get("mean", args[1] if len(args) > 1 else 0.0))
     if func is tensor.uniform_:
-        low = kwargs.get("from", args[1] if len(args) > 1 else 0.0)
-        high = kwargs.get("to", args[2] if len(args) > 2 else 1.0)
-        return out.fill_((low + high) / 2)
+        return out.fill_(kwargs.get("from", args[1] if len(args) > 1 else 0.0))
     p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)  # Tensor.bernoulli_
-    return out.copy_(torch.zeros_like(out) + p)
+    return out.copy_((torch.zeros_like(out) + p > 0).to(out.dtype))
 
 
 _PLAIN_LEAVES: tuple[type, ...] = (int, float, bool, str, type(None))
@@ -906,23 +910,26 @@ _DRAWS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLik
 
 
 def _mean_draws(graph: ir.Graph) -> None:
-    """Each random op of ``graph`` as the mean of its distribution (the reference forward's
-    draws are their means too: :func:`_no_dropout_mode`)."""
+    """Each random op of ``graph`` as the check's fixed draw (:func:`_mean_draw`)."""
     for node in [n for n in graph if n.op_type in _DRAWS and n.domain in ("", "ai.onnx")]:
         attrs = node.attributes
         if node.op_type.startswith("RandomNormal"):
-            mean = attrs.get_float("mean", 0.0)
+            mean: float | None = attrs.get_float("mean", 0.0)
         elif node.op_type.startswith("RandomUniform"):
-            mean = (attrs.get_float("low", 0.0) + attrs.get_float("high", 1.0)) / 2
+            mean = attrs.get_float("low", 0.0)
         else:
             mean = None
         source = node.inputs[0] if node.inputs else None
         dtype = ir.DataType(attrs.get_int("dtype", 0)) if "dtype" in attrs else None
         if dtype is None:
             dtype = source.dtype if source is not None and source.dtype else ir.DataType.FLOAT
-        if mean is None:  # Bernoulli: its probabilities
+        if mean is None:  # Bernoulli: 1 where its probability is above 0
             assert source is not None
-            replacement = [ir.node("Cast", [source], {"to": dtype})]
+            kind = source.dtype.numpy() if source.dtype else np.float32
+            zero = ir.tensor(np.zeros((), dtype=kind))
+            nought = ir.node("Constant", [], {"value": zero})
+            above = ir.node("Greater", [source, nought.outputs[0]])
+            replacement = [nought, above, ir.node("Cast", [above.outputs[0]], {"to": dtype})]
         elif source is None:
             shape = attrs.get_ints("shape", ())
             value = ir.tensor(np.full(shape, mean, dtype=dtype.numpy()))
