@@ -732,3 +732,54 @@ def test_a_linear_of_rows_at_a_cut_writes_its_product_into_the_cut():
         "b": np.array([0, np.nan, np.inf, -1, 2], np.float32),
     }
     _runs_as_the_graph(plan, model, feeds)
+
+
+class _LinearNorm(nn.Module):
+    """LeViT's Linear and BatchNorm1d over the flattened tokens, viewed back."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(a, b, bias=False)
+        self.bn = nn.BatchNorm1d(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class _LeViTMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.act, self.ln2 = _LinearNorm(8, 16), nn.Hardswish(), _LinearNorm(16, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x + self.ln2(self.act(self.ln1(x)))).mean(1))
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs the native extension (python setup.py build_ext)")
+def test_a_segment_whose_values_nothing_reads_runs_nothing(tmp_path) -> None:
+    """With LeViT's MLP the BatchNorm kernels take in the Reshape of the view's gradient and
+    leave its Shape, after the BatchNorm forward kernel, in a segment of its own that nothing
+    reads (onnxruntime refuses a run without outputs); the step skips it and trains as
+    torch does (float64)."""
+    from traingraph import from_torch
+
+    torch.manual_seed(0)
+    net, x = _LeViTMlp(), torch.randn(4, 6, 8)
+    model = from_torch(net, x)
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.CrossEntropyLoss, optimizer=optim.SGD(lr=0.0),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    labels = torch.tensor([1, 2, 3, 4])
+    loss = float(module(x.numpy(), labels.numpy()))
+    reference = net.double()
+    expected = nn.functional.cross_entropy(reference(x.double()), labels)
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)

@@ -638,8 +638,12 @@ class SegmentedRunner:
             plan.segments, [[] for _ in plan.segments]
         )  # fmt: skip
         produced |= {r.out for rs in reorders for r in rs}
+        # a segment whose values nothing reads (nodes left behind by the kernels around
+        # them) runs nothing
         self._runners = [
-            BoundRunner(_idle(make_session(s.model)), device) if s.model.graph.node else None
+            BoundRunner(_idle(make_session(s.model)), device)
+            if s.model.graph.node and s.outputs
+            else None
             for s in segments
         ]
         self.inputs: dict[str, Any] = {}
