@@ -105,13 +105,17 @@ def exportable_forms(torch: Any) -> Iterator[None]:
         (tensor, "index_reduce"): index,
         (tensor, "index_reduce_"): index_,
     }
+    own = {key for key in replacements if key[1] in vars(key[0])}  # not inherited ones
     try:
         for (owner, name), replacement in replacements.items():
             setattr(owner, name, replacement)
         yield
     finally:
         for (owner, name), function in originals.items():
-            setattr(owner, name, function)
+            if (owner, name) in own:
+                setattr(owner, name, function)
+            else:  # torch.Tensor's methods come from its C base: uncover them again
+                delattr(owner, name)
 
 
 def _embedding_bag(
