@@ -815,6 +815,58 @@ def test_stochastic_depth_exports_and_drops_samples_at_random(exporter, tmp_path
     assert len(losses) > 1
 
 
+class LossInside(nn.Module):
+    """A model that returns its loss: CLIP's contrastive loss over in-batch negatives, or a
+    cross-entropy with label smoothing (class weights, an ignored label)."""
+
+    def __init__(self, kind: str, reduction: str = "mean") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 12))
+        self.kind, self.reduction = kind, reduction
+
+    def forward(self, x, labels):
+        out = self.net(x)
+        if self.kind == "contrastive":
+            image, text = nn.functional.normalize(out[:, :6]), nn.functional.normalize(out[:, 6:])
+            logits = image @ text.t() * 14.0
+            return nn.functional.cross_entropy(logits, torch.arange(x.shape[0]))
+        weight = torch.linspace(0.5, 2.0, 12, dtype=out.dtype)
+        return nn.functional.cross_entropy(
+            out, labels, weight=weight, ignore_index=3, reduction=self.reduction,
+            label_smoothing=0.1,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "reduction", "exporter"),
+    [("contrastive", "mean", "dynamo"), ("contrastive", "mean", "torchscript"),
+     ("smoothing", "mean", "dynamo"), ("smoothing", "sum", "dynamo"),
+     ("smoothing", "mean", "torchscript")],
+)  # fmt: skip
+def test_losses_inside_the_model_train_as_in_torch(kind, reduction, exporter, tmp_path):
+    """A contrastive loss mixes the samples, so the batch repeated twice is not the loss
+    repeated: the check asks the module for the repeated batch's. Label smoothing, which the
+    dynamo exporter drops and the TorchScript exporter refuses, exports as torch computes it.
+    The model's output is the loss (``loss=None``); against float64 torch."""
+    net = _seeded(LossInside, kind=kind, reduction=reduction)
+    x, labels = torch.randn(6, 8), torch.tensor([1, 3, 11, 0, 3, 7])
+    model = traingraph.from_torch(copy.deepcopy(net), (x, labels), exporter=exporter)
+    artifacts.generate_artifacts(
+        model, loss=None, optimizer=optim.SGD(lr=0.5), artifact_directory=tmp_path
+    )
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    feeds = {"x": x.numpy(), "labels": labels.numpy()}  # TorchScript drops an unread input
+    loss = module(*(feeds[name] for name in module.input_names()))
+    reference = copy.deepcopy(net).double()
+    expected = reference(x.double(), labels)
+    expected.backward()
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
 def test_running_statistics_the_export_drops_are_an_error_naming_them():
     """torch.export drops the running-statistics update of a training InstanceNorm (and the
     TorchScript exporter refuses it with a dynamic batch): the trained model's eval mode would

@@ -24,6 +24,10 @@ another (positions that no index names keep their value); ``index_reduce``, whic
 exporter converts, becomes the ``scatter_reduce`` of its index spread over the source's shape.
 ``"amax"`` and ``"amin"`` export as ``ScatterElements`` with ``reduction="max"`` / ``"min"``,
 whose gradient (:mod:`traingraph.autodiff.rules.indexing`) shares ties as torch does.
+
+``F.cross_entropy`` of class indices with ``label_smoothing`` (a loss inside the model), which
+the dynamo exporter writes without the smoothing and the TorchScript exporter refuses, becomes
+the log-softmax, ``nll_loss`` and smoothing term that torch computes.
 """
 
 from __future__ import annotations
@@ -67,9 +71,35 @@ def exportable_forms(torch: Any) -> Iterator[None]:
             include_last_offset, padding_idx,
         )  # fmt: skip
 
+    cross_entropy = functional.cross_entropy
+
+    def smoothed_cross_entropy(
+        input: Any,
+        target: Any,
+        weight: Any = None,
+        size_average: Any = None,
+        ignore_index: int = -100,
+        reduce: Any = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> Any:
+        plain = (
+            label_smoothing <= 0.0 or target.is_floating_point() or input.dim() < 2
+            or size_average is not None or reduce is not None
+        )  # fmt: skip
+        if plain:
+            return cross_entropy(
+                input, target, weight, size_average, ignore_index, reduce, reduction,
+                label_smoothing,
+            )  # fmt: skip
+        return _smoothed_cross_entropy(
+            torch, input, target, weight, ignore_index, reduction, label_smoothing
+        )
+
     tensor = torch.Tensor
     originals = {
         (functional, "embedding_bag"): original,
+        (functional, "cross_entropy"): cross_entropy,
         (tensor, "scatter_reduce"): tensor.scatter_reduce,
         (tensor, "scatter_reduce_"): tensor.scatter_reduce_,
         (torch, "scatter_reduce"): torch.scatter_reduce,
@@ -99,6 +129,7 @@ def exportable_forms(torch: Any) -> Iterator[None]:
 
     replacements = {
         (functional, "embedding_bag"): embedding_bag,
+        (functional, "cross_entropy"): smoothed_cross_entropy,
         (tensor, "scatter_reduce"): scatter,
         (tensor, "scatter_reduce_"): scatter_,
         (torch, "scatter_reduce"): scatter,
@@ -197,4 +228,40 @@ def _scatter_mean(
         return self.scatter_add(dim, index, src) / (counts + 1)
     sums = self.scatter(dim, index, torch.zeros_like(src)).scatter_add(dim, index, src)
     return torch.where(counts > 0, sums / counts.clamp(min=1), self)
+
+
+def _smoothed_cross_entropy(
+    torch: Any,
+    logits: Any,
+    target: Any,
+    weight: Any,
+    ignore_index: int,
+    reduction: str,
+    smoothing: float,
+) -> Any:
+    """``F.cross_entropy`` of class indices with ``label_smoothing``, as torch computes it:
+    ``(1 - s) * nll + s / classes * smooth``, ``smooth`` the (weighted) sum of the negative
+    log-probabilities over the classes, zero at ignored targets, reduced as the loss is (the
+    mean over the weights of the counted targets)."""
+    log_p = torch.log_softmax(logits, 1)
+    nll = torch.nn.functional.nll_loss(
+        log_p, target, weight=weight, ignore_index=ignore_index, reduction=reduction
+    )
+    ignored = target == ignore_index
+    if weight is not None:
+        per_class = weight.view([1, -1] + [1] * (logits.dim() - 2))
+        smooth = -(log_p * per_class).sum(1)
+    else:
+        smooth = -log_p.sum(1)
+    smooth = torch.where(ignored, torch.zeros_like(smooth), smooth)
+    if reduction == "mean":
+        if weight is not None:
+            counted = weight[torch.where(ignored, torch.zeros_like(target), target)]
+            total = torch.where(ignored, torch.zeros_like(counted), counted).sum()
+        else:
+            total = (~ignored).sum().to(smooth.dtype)
+        smooth = smooth.sum() / total
+    elif reduction == "sum":
+        smooth = smooth.sum()
+    return (1.0 - smoothing) * nll + smooth * (smoothing / logits.shape[1])
 
