@@ -388,6 +388,13 @@ class TiedLM(nn.Module):
         return self.lm_head(torch.tanh(self.mix(self.embed(ids).mean(dim=1))))
 
 
+def _assert_float64_gradients(state: CheckpointState, reference: nn.Module) -> None:
+    """Each parameter's gradient in ``state`` is the one backward gave ``reference`` (float64)."""
+    for name, param in reference.named_parameters():
+        got = state.parameters[name].grad.reshape(param.shape)
+        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
 def _mse_sgd_module(model: onnx.ModelProto, directory: Path) -> tuple[CheckpointState, Module]:
     """The checkpoint state and Module of ``model``'s artifacts (MSE loss, SGD at 0.5)."""
     artifacts.generate_artifacts(
@@ -459,9 +466,7 @@ def test_embedding_padding_row_gets_no_gradient_from_its_lookups(
     module(ids.numpy(), target)
     reference = copy.deepcopy(net).double()
     nn.functional.mse_loss(reference(ids), torch.tensor(target, dtype=torch.float64)).backward()
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
     lookups_only = copy.deepcopy(net).double()
     lookups_only.embed(ids).sum().backward()
     assert not lookups_only.embed.weight.grad[0].any()  # what the test relies on torch doing
@@ -528,9 +533,7 @@ def test_embedding_bag_trains_as_in_torch(exporter, bag, offsets, weighted, tmp_
     expected = nn.functional.mse_loss(forward(*doubled), torch.tensor(target))
     expected.backward()
     np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
 
 
 def test_embedding_bag_with_max_norm_is_an_error_naming_the_fix():
@@ -593,9 +596,7 @@ def test_a_forward_that_draws_random_numbers_exports_and_trains(exporter, tmp_pa
     expected = nn.functional.mse_loss(out, torch.tensor(target, dtype=torch.float64))
     expected.backward()
     np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
 
 
 def test_batch_norm_without_running_statistics_trains_without_warnings(tmp_path):
@@ -617,9 +618,7 @@ def test_batch_norm_without_running_statistics_trains_without_warnings(tmp_path)
         module(x.numpy(), target)
     reference = copy.deepcopy(net).double()
     nn.functional.mse_loss(reference(x.double()), torch.tensor(target).double()).backward()
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
 
 
 def test_compiled_and_data_parallel_modules_export_the_module_they_wrap():
@@ -670,9 +669,7 @@ def test_inputs_by_keyword_follow_the_forward_parameters(exporter, tmp_path):
     )
     expected.backward()
     np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
 
 
 def test_inputs_by_keyword_name_what_the_forward_does_not_take():
@@ -695,8 +692,8 @@ def test_models_past_protobufs_limit_go_through_files(exporter, monkeypatch, tmp
     net = _seeded(TiedLM)
     ids = torch.randint(0, 30, (4, 6))
     expected = traingraph.from_torch(copy.deepcopy(net), ids, exporter=exporter)
-    monkeypatch.setattr(ir_model, "LARGE_MODEL_BYTES", 1)
-    monkeypatch.setattr(torch_export, "LARGE_MODEL_BYTES", 1)
+    monkeypatch.setattr(ir_model, "EXTERNAL_DATA_THRESHOLD", 1)
+    monkeypatch.setattr(torch_export, "EXTERNAL_DATA_THRESHOLD", 1)
     got = traingraph.from_torch(copy.deepcopy(net), ids, exporter=exporter)
     for a, b in zip(expected.graph.initializer, got.graph.initializer):
         assert a.name == b.name
@@ -753,9 +750,7 @@ def test_scatter_and_index_reductions_train_as_in_torch(reduce, include_self, by
     expected = nn.functional.mse_loss(reference(nodes.double()), torch.tensor(target).double())
     expected.backward()
     np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
 
 
 class PackedLSTM(nn.Module):
@@ -862,9 +857,7 @@ def test_losses_inside_the_model_train_as_in_torch(kind, reduction, exporter, tm
     expected = reference(x.double(), labels)
     expected.backward()
     np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
-    for name, param in reference.named_parameters():
-        got = state.parameters[name].grad.reshape(param.shape)
-        np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-7, err_msg=name)
+    _assert_float64_gradients(state, reference)
 
 
 def test_running_statistics_the_export_drops_are_an_error_naming_them():

@@ -37,7 +37,8 @@ import onnx_ir as ir
 
 from traingraph.errors import ModelError
 from traingraph.ir.export_checks import REQUIRES_GRAD_KEY
-from traingraph.ir.model import LARGE_MODEL_BYTES
+from traingraph.ir.model import EXTERNAL_DATA_THRESHOLD
+from traingraph.ir.random import DRAWS
 from traingraph.torch_forms import exportable_forms
 
 if TYPE_CHECKING:
@@ -323,7 +324,7 @@ fails after the forward called them."""
 def _no_dropout_mode(torch: Any, hints: list[str] | None = None) -> Any:
     """A torch function mode under which the dropout functions called from Python (not those
     called inside another torch function) are the identity and the random draws are the
-    check's fixed draws (:func:`_mean_draw`), as :func:`_runner` makes the exported random
+    check's fixed draws (:func:`_fixed_draw`), as :func:`_runner` makes the exported random
     ops."""
     functional = torch.nn.functional
     dropouts = {
@@ -347,7 +348,7 @@ def _no_dropout_mode(torch: Any, hints: list[str] | None = None) -> Any:
             if func in dropouts:
                 return args[0] if args else kwargs["input"]
             if func in draws:
-                return _mean_draw(torch, func, func(*args, **kwargs), args, kwargs)
+                return _fixed_draw(torch, func, func(*args, **kwargs), args, kwargs)
             if func is attention:
                 if len(args) > 4:
                     args = (*args[:4], 0.0, *args[5:])
@@ -358,11 +359,11 @@ def _no_dropout_mode(torch: Any, hints: list[str] | None = None) -> Any:
     return NoDropout()
 
 
-def _mean_draw(torch: Any, func: Any, out: Any, args: tuple, kwargs: dict) -> Any:
+def _fixed_draw(torch: Any, func: Any, out: Any, args: tuple, kwargs: dict) -> Any:
     """``out``, drawn by ``func(*args, **kwargs)``, as the check's fixed draw: a normal draw
     is its mean, a uniform draw its low end and a Bernoulli draw 1 wherever its probability
     is above 0, in the module's forward (here) and in the exported graph
-    (:func:`_mean_draws`) alike. A Bernoulli draw that an exporter writes as
+    (:func:`_fixed_draws`) alike. A Bernoulli draw that an exporter writes as
     ``RandomUniformLike(x) < p`` (``bernoulli_``, as torchvision's stochastic depth draws it)
     is then 1 where the module's is: the forward keeps every sample, as a dropout with its
     probability at 0 does."""
@@ -613,7 +614,7 @@ def _export(
             "dynamic_axes": {n: dict(a) for n, a in axes.items()} or None, **names,
         }  # fmt: skip
         size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        if size < LARGE_MODEL_BYTES:
+        if size < EXTERNAL_DATA_THRESHOLD:
             torch.onnx.export(model, traced, buffer, **settings)
             return onnx.load_from_string(buffer.getvalue())
         # past protobuf's 2 GiB the exporter writes the tensors beside a file
@@ -891,7 +892,7 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
         if len(node.inputs) < 2:
             node.resize_inputs(2)
         node.replace_input_with(1, zero)
-    _mean_draws(graph)
+    _fixed_draws(graph)
     lower_training_batch_norm(graph, default_opset(m))
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -921,12 +922,9 @@ def _runner(proto: onnx.ModelProto) -> Callable[[dict[str, np.ndarray]], list[np
     return run
 
 
-_DRAWS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli")
-
-
-def _mean_draws(graph: ir.Graph) -> None:
-    """Each random op of ``graph`` as the check's fixed draw (:func:`_mean_draw`)."""
-    for node in [n for n in graph if n.op_type in _DRAWS and n.domain in ("", "ai.onnx")]:
+def _fixed_draws(graph: ir.Graph) -> None:
+    """Each random op of ``graph`` as the check's fixed draw (:func:`_fixed_draw`)."""
+    for node in [n for n in graph if n.op_type in DRAWS and n.domain in ("", "ai.onnx")]:
         attrs = node.attributes
         if node.op_type.startswith("RandomNormal"):
             mean: float | None = attrs.get_float("mean", 0.0)

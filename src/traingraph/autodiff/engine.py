@@ -168,13 +168,7 @@ def differentiate(
             continue
         rule = get_rule(node.domain, node.op_type, opset)
         if rule is None:
-            raise GradientNotImplementedError(
-                node.op_type,
-                node.name or "<unnamed>",
-                opset,
-                domain=node.domain,
-                supported=supported_ops(),
-            )
+            raise _no_rule(node, opset)
         b.scope = f"{node.name or node.op_type}/"
         inputs = tuple(node.inputs)  # a rule may replace its node (recurrent.py's LSTM)
         try:
@@ -183,13 +177,7 @@ def differentiate(
             blocker = _unsupported_before(nodes, node, reads, live, relevant, opset)
             if blocker is None:
                 raise
-            raise GradientNotImplementedError(
-                blocker.op_type,
-                blocker.name or "<unnamed>",
-                opset,
-                domain=blocker.domain,
-                supported=supported_ops(),
-            ) from exc
+            raise _no_rule(blocker, opset) from exc
         b.scope = ""
         if len(in_grads) > len(inputs):
             raise AssertionError(
@@ -223,6 +211,14 @@ def _live(
                 o for o in node.outputs if (o.dtype is None or is_float(o)) and o not in stop
             )
     return live
+
+
+def _no_rule(node: ir.Node, opset: int) -> GradientNotImplementedError:
+    """The error for ``node``, whose op has no gradient rule."""
+    return GradientNotImplementedError(
+        node.op_type, node.name or "<unnamed>", opset, domain=node.domain,
+        supported=supported_ops(),
+    )  # fmt: skip
 
 
 def _unsupported_before(

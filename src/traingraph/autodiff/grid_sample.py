@@ -57,22 +57,25 @@ def lower_grid_sample(b: OpBuilder, node: ir.Node) -> ir.Value:
     flat.type = x.type
     if x.shape is not None:
         flat.shape = ir.Shape([*x.shape.dims[:2], _product(x.shape.dims[2:])])
-    one = b.scalar(1.0, x)
+    one, zero = b.scalar(1.0, x), b.scalar(0.0, x)
+    corners: list[tuple[list[ir.Value], ir.Value | None]]
     if mode == "nearest":
         corners = [([b.Round(p) for p in points], None)]
     else:
-        low = [b.Floor(p) for p in points]
-        high_weights = [b.Sub(p, f) for p, f in zip(points, low)]
-        low_weights = [b.Sub(one, w) for w in high_weights]
+        # along each axis: the position below (weight 1 - frac) and the one above (frac)
+        neighbours = []
+        for p in points:
+            below = b.Floor(p)
+            frac = b.Sub(p, below)
+            neighbours.append([(below, b.Sub(one, frac)), (b.Add(below, one), frac)])
         corners = [
-            ([low[0] if i == 0 else b.Add(low[0], one), low[1] if j == 0 else b.Add(low[1], one)],
-             b.Mul((low_weights, high_weights)[i][0], (low_weights, high_weights)[j][1]))
-            for j in (0, 1) for i in (0, 1)
-        ]  # fmt: skip
+            ([column, row], b.Mul(column_weight, row_weight))
+            for row, row_weight in neighbours[1]
+            for column, column_weight in neighbours[0]
+        ]
     total: ir.Value | None = None
     for (column, row), weight in corners:
         inside = b.And(_within(b, column, width), _within(b, row, height))
-        zero = b.scalar(0.0, x)
         weight = b.cast_like(inside, x) if weight is None else b.Where(inside, weight, zero)
         position = b.Add(
             b.Mul(_clipped(b, row, height), width), _clipped(b, column, width)

@@ -238,12 +238,6 @@ def _small_enough(proto: onnx.ModelProto) -> bool:
     return total < EXTERNAL_DATA_THRESHOLD
 
 
-LARGE_MODEL_BYTES = 1 << 30
-"""From how many bytes of tensors a model goes to onnxruntime as a file with external data
-rather than as serialized bytes: protobuf serializes at most 2 GiB, and a margin keeps the
-graph's own size out of the way."""
-
-
 def tensor_bytes(m: ir.Model) -> int:
     """The bytes of the tensors that ``m``'s graphs hold as initializers."""
     return sum(
@@ -257,9 +251,10 @@ def tensor_bytes(m: ir.Model) -> int:
 @contextlib.contextmanager
 def onnxruntime_source(m: ir.Model) -> Iterator[bytes | str]:
     """What ``onnxruntime.InferenceSession`` takes for ``m``: its serialized bytes, or past
-    :data:`LARGE_MODEL_BYTES` of tensors the path of a temporary file whose tensors are
-    external data (the session reads them when it is created; the file is gone after)."""
-    if tensor_bytes(m) < LARGE_MODEL_BYTES:
+    :data:`EXTERNAL_DATA_THRESHOLD` of tensors (what protobuf cannot serialize, as
+    :func:`save` decides) the path of a temporary file whose tensors are external data (the
+    session reads them when it is created; the file is gone after)."""
+    if tensor_bytes(m) < EXTERNAL_DATA_THRESHOLD:
         yield ir.to_proto(m).SerializeToString()
         return
     with tempfile.TemporaryDirectory(prefix="traingraph-") as directory:

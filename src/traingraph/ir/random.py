@@ -33,6 +33,8 @@ GOLDEN = 0x9E3779B9
 MIX = 0x85EBCA6B
 NODE_OFFSET = 0x632BE5AB  # seeds of successive Dropouts differ by this odd constant
 SEED_OUTPUT = "dropout_seed"  # name hint of the per-step seed value
+DRAWS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli")
+"""The random ops that draw from a distribution their attributes (or input) give."""
 
 
 def lower_dropout(b: OpBuilder, nodes: list[ir.Node]) -> int:

@@ -50,6 +50,7 @@ from onnx import TensorProto, helper, numpy_helper
 from traingraph.errors import DeviceError, ModelError
 from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import default_opset, max_ir_version, to_proto
+from traingraph.ir.random import DRAWS
 from traingraph.precision import GRADS_FINITE, LOSS_SCALE
 from traingraph.runtime.amp import (
     COUNTERS,
@@ -169,7 +170,7 @@ def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     b = OpBuilder(graph, default_opset(model), prefix="dropout_noise")
     noise: dict[str, Spec] = {}
     for node in list(graph):
-        if node.op_type in _DRAWS and node.domain in ("", "ai.onnx"):
+        if node.op_type in DRAWS and node.domain in ("", "ai.onnx"):
             _draw_from_noise(b, node, noise)
             continue
         if node.op_type == "Multinomial" and node.domain in ("", "ai.onnx"):
@@ -215,13 +216,10 @@ def dropout_from_noise(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[st
     return to_proto(model), noise
 
 
-_DRAWS = ("RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli")
-
-
 def _draw_from_noise(b: OpBuilder, node: ir.Node, noise: dict[str, Spec]) -> None:
-    """Replace a random op ``node`` (:data:`_DRAWS`) by the same draw computed from new uniform
-    [0, 1) graph inputs: ``low + (high - low) * u`` for a uniform draw (such as the per-step
-    seed draw of a lowered training Dropout, :mod:`traingraph.ir.random`), ``mean + scale *
+    """Replace a random op ``node`` (:data:`~traingraph.ir.random.DRAWS`) by the same draw
+    computed from new uniform [0, 1) graph inputs: ``low + (high - low) * u`` for a uniform
+    draw (such as the per-step seed draw of a lowered training Dropout), ``mean + scale *
     sqrt(-2 ln(1 - u)) cos(2 pi v)`` for a normal one (Box-Muller, from two inputs), ``u < p``
     for ``Bernoulli(p)``.
 

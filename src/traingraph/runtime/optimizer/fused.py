@@ -125,14 +125,9 @@ def fused_update(
 
         def adamw(params, grads, slots, *, lr, step):
             m, v = slots["exp_avg"], slots["exp_avg_sq"]
-            if not undecayed:
+            for part, decay in _parts(params.size, undecayed, weight_decay):
                 native.adamw(
-                    params, grads, m, v, lr, step, b1, b2, eps, weight_decay, threads
-                )  # fmt: skip
-                return
-            for a, b, decay in _runs(params.size, undecayed, weight_decay):
-                native.adamw(
-                    params[a:b], grads[a:b], m[a:b], v[a:b], lr, step, b1, b2, eps, decay,
+                    params[part], grads[part], m[part], v[part], lr, step, b1, b2, eps, decay,
                     threads,
                 )  # fmt: skip
 
@@ -143,20 +138,25 @@ def fused_update(
 
         def sgd(params, grads, slots, *, lr, step):
             buffer = slots.get("momentum_buffer")
-            if not undecayed:
+            for part, decay in _parts(params.size, undecayed, weight_decay):
                 native.sgd(
-                    params, grads, buffer, lr, step, momentum, dampening, nesterov, weight_decay,
-                    threads,
-                )  # fmt: skip
-                return
-            for a, b, decay in _runs(params.size, undecayed, weight_decay):
-                native.sgd(
-                    params[a:b], grads[a:b], None if buffer is None else buffer[a:b], lr, step,
-                    momentum, dampening, nesterov, decay, threads,
+                    params[part], grads[part], None if buffer is None else buffer[part], lr,
+                    step, momentum, dampening, nesterov, decay, threads,
                 )  # fmt: skip
 
         return sgd
     return None
+
+
+def _parts(
+    size: int, undecayed: list[tuple[int, int]], weight_decay: float
+) -> list[tuple[Any, float]]:
+    """The parts of the arrays to update, each with its weight decay: the whole arrays
+    (whatever their shape) where no span is undecayed, else the :func:`_runs` of the flat
+    block."""
+    if not undecayed:
+        return [(..., weight_decay)]
+    return [(slice(a, b), decay) for a, b, decay in _runs(size, undecayed, weight_decay)]
 
 
 def _runs(
