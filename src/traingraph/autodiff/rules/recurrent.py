@@ -52,6 +52,7 @@ length everywhere, and the default activations. Anything else raises an error na
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,7 @@ from traingraph.autodiff.rules.recurrent_steps import (
 )
 from traingraph.ir.builder import OpBuilder
 from traingraph.ir.model import max_ir_version
+from traingraph.ir.tags import tagging
 
 Grads = Sequence[ir.Value | None]
 
@@ -513,7 +515,8 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         dy_steps = split(b, dy, steps, axis=0)
     dy_h, dy_c = (_permuted(b, grad(k), states_in) for k in (1, 2))
     g = OutputGradients(dy_steps, dy_h, dy_c)
-    by_input = BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need)
+    with tagging(b, "lstm_backward", ctx.node.name or ctx.node.op_type) if lstm else nullcontext():
+        by_input = BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need)
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if 0 in by_input:
         dx = b.Reshape(by_input[0], b.ints([0, 0, steps, -1]))  # [D, I, T, N]

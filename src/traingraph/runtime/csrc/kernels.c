@@ -2065,6 +2065,7 @@ static PyMethodDef methods[] = {
     {"hardswish", hardswish, METH_VARARGS, hardswish_doc},
     {"silu_grad", silu_grad, METH_VARARGS, silu_grad_doc},
     {"lstm_cell", lstm_cell, METH_VARARGS, lstm_cell_doc},
+    {"lstm_cell_grad", lstm_cell_grad, METH_VARARGS, lstm_cell_grad_doc},
     {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,
      depthwise_conv_transpose_doc},
     {"scatter_add_rows", scatter_add_rows, METH_VARARGS, scatter_add_rows_doc},

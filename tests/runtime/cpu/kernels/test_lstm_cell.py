@@ -1,7 +1,7 @@
-"""An LSTM's forward steps with each step's gate math in one native pass: the cell against the
-float64 formulas (NaN and infinities where they fall), the rule's chain of steps found in a
-training model and computed as its nodes compute it, and Module's train steps equal with the
-kernel and without."""
+"""An LSTM's forward and backward steps with each step's gate math in one native pass: the
+cells against the float64 formulas (NaN and infinities where they fall), the rule's chains of
+steps found in a training model and computed as their nodes compute them, and Module's train
+steps equal with the kernels and without."""
 
 from __future__ import annotations
 
@@ -37,8 +37,47 @@ class Tagger(nn.Module):
         return self.head(self.lstm(x)[0][:, -1])
 
 
-def _artifacts(tmp_path):
-    return adamw_artifacts(tmp_path, export(seeded(Tagger), torch.zeros(2, STEPS, FEATURES)))
+class LastState(Tagger):
+    """The Linear on the final hidden states alone: no step's output has a gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lstm(x)[1][0]
+        return self.head(torch.cat([h[0], h[1]], dim=1))
+
+
+def _artifacts(tmp_path, module=Tagger):
+    return adamw_artifacts(tmp_path, export(seeded(module), torch.zeros(2, STEPS, FEATURES)))
+
+
+def _graph_values(model, kernel, nodes, values):
+    """What the nodes ``nodes`` of ``model`` compute for ``kernel``'s outputs from ``values``."""
+    graph = model.graph
+    chosen = [graph.node[i] for i in sorted(nodes)]
+    read = {v for n in chosen for v in n.input}
+    constants = [n for n in graph.node if n.op_type == "Constant" and n.output[0] in read]
+    initializers = [t for t in graph.initializer if t.name in read]
+    f = onnx.TensorProto.FLOAT
+    sub = onnx.helper.make_graph(
+        constants + chosen, "steps",
+        [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.inputs],
+        [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.outputs],
+        initializer=initializers,
+    )  # fmt: skip
+    sub_model = onnx.helper.make_model(sub, opset_imports=model.opset_import)
+    providers = ["CPUExecutionProvider"]
+    session = ort.InferenceSession(sub_model.SerializeToString(), providers=providers)
+    return dict(zip(kernel.outputs, session.run(kernel.outputs, values)))
+
+
+def _assert_computed_as_the_graph(model, kernel, nodes, values):
+    want = _graph_values(model, kernel, nodes, values)
+    out: dict[str, np.ndarray] = {}
+    kernel.compute(values, out, 2)
+    for name in kernel.outputs:
+        assert np.array_equal(np.isnan(out[name]), np.isnan(want[name])), name
+        assert np.array_equal(np.isinf(out[name]), np.isinf(want[name])), name
+        finite = np.isfinite(want[name])
+        np.testing.assert_allclose(out[name][finite], want[name][finite], atol=2e-6, err_msg=name)
 
 
 def _cell_reference(mm, piece, c_prev):
@@ -75,43 +114,100 @@ def test_cell_computes_the_gate_math(threads):
                                 HIDDEN * 16, 1)  # fmt: skip
 
 
+def test_cell_reads_its_piece_among_every_steps_columns():
+    rng = np.random.default_rng(1)
+    mm = rng.standard_normal((2, 4 * HIDDEN, 5)).astype(np.float32)
+    projection = rng.standard_normal((2, 4 * HIDDEN, 3 * 5)).astype(np.float32)
+    c_prev = rng.standard_normal((2, HIDDEN, 5)).astype(np.float32)
+    shapes = [c_prev.shape] * 2 + [mm.shape] + [c_prev.shape] * 2
+    strided, whole = ([np.empty(s, np.float32) for s in shapes] for _ in range(2))
+    native.NATIVE.lstm_cell(mm, projection, c_prev, *strided, HIDDEN * 5, 2, 5, 15, 5)
+    piece = np.ascontiguousarray(projection[:, :, 5:10])
+    native.NATIVE.lstm_cell(mm, piece, c_prev, *whole, HIDDEN * 5, 2)
+    for got, want in zip(strided, whole):
+        assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="piece has"):
+        native.NATIVE.lstm_cell(mm, projection, c_prev, *strided, HIDDEN * 5, 2, 5, 15, 15)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_dy", [True, False])
+def test_backward_cell_computes_the_gradient_math(threads, with_dy):
+    rng = np.random.default_rng(2)
+    n, width = 2 * HIDDEN * 1024, 1024  # above the size that threads share
+    mm, dy, dc_next, f_next, through = (
+        rng.standard_normal((2, HIDDEN, width)).astype(np.float32) for _ in range(5)
+    )
+    slope = rng.standard_normal((2, 4 * HIDDEN, width)).astype(np.float32)
+    mm[0, 1, :3] = [np.nan, np.inf, -np.inf]
+    f_next[1, 2, 4] = np.inf
+    dc = np.empty_like(mm)
+    dgates = np.empty_like(slope)
+    columns = np.zeros((2, 4 * HIDDEN, 3 * width), np.float32)
+    native.NATIVE.lstm_cell_grad(
+        mm, dy if with_dy else None, dc_next, f_next, through, slope, dc, dgates, columns,
+        HIDDEN * width, width, 3 * width, 2 * width, threads,
+    )  # fmt: skip
+    with np.errstate(invalid="ignore"):
+        dh = mm.astype(np.float64) + (dy if with_dy else 0)
+        want_dc = dh * through + dc_next.astype(np.float64) * f_next
+        want = np.concatenate([want_dc, dh, want_dc, want_dc], axis=1) * slope
+    for got, expected in ((dc, want_dc), (dgates, want), (columns[:, :, 2 * width :], want)):
+        assert np.array_equal(np.isnan(got), np.isnan(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6, atol=1e-6)
+    assert not columns[:, :, : 2 * width].any()
+    assert n == mm.size
+    with pytest.raises(ValueError, match="columns has"):
+        native.NATIVE.lstm_cell_grad(
+            mm, dy, dc_next, f_next, through, slope, dc, dgates, columns, HIDDEN * width,
+            width, 2 * width, width, 1,
+        )  # fmt: skip
+
+
 def test_the_rules_steps_are_found_and_computed_as_the_graph(tmp_path):
     model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
     found = lstm_cell.split_lstm_forwards(model)
     assert len(found) == 1
     kernel, nodes = found[0]
-    assert len(kernel.steps) == STEPS and len(nodes) == 19 * STEPS
+    # the steps and the Split of the input projection into them
+    assert len(kernel.steps) == STEPS and len(nodes) == 19 * STEPS + 1
+    assert kernel.projection is not None and kernel.places == tuple(range(STEPS))
     # the chain's nodes alone, on inputs at an initialized LSTM's scale, with a NaN and an
-    # infinity in one step's projection
-    graph = model.graph
-    chosen = [graph.node[i] for i in sorted(nodes)]
-    read = {v for n in chosen for v in n.input}
-    constants = [n for n in graph.node if n.op_type == "Constant" and n.output[0] in read]
-    initializers = [t for t in graph.initializer if t.name in read]
-    f = onnx.TensorProto.FLOAT
-    sub = onnx.helper.make_graph(
-        constants + chosen, "steps",
-        [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.inputs],
-        [onnx.helper.make_tensor_value_info(v, f, None) for v in kernel.outputs],
-        initializer=initializers,
-    )  # fmt: skip
-    sub_model = onnx.helper.make_model(sub, opset_imports=model.opset_import)
-    providers = ["CPUExecutionProvider"]
-    session = ort.InferenceSession(sub_model.SerializeToString(), providers=providers)
+    # infinity in two steps' columns of the projection
     rng = np.random.default_rng(0)
-    values = {v: rng.standard_normal((2, 4 * HIDDEN, 3)).astype(np.float32) for v in kernel.inputs}
-    values[kernel.r] = rng.uniform(-1, 1, (2, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 3
+    values = {kernel.r: rng.uniform(-1, 1, (2, 4 * HIDDEN, HIDDEN)).astype(np.float32) / 3}
     for v in kernel.inputs[1:3]:
-        values[v] = values[v][:, :HIDDEN].copy()
-    values[kernel.steps[2].piece][0, 1, 0] = np.nan
-    values[kernel.steps[3].piece][1, 3 * HIDDEN, 2] = np.inf
-    want = dict(zip(kernel.outputs, session.run(kernel.outputs, values)))
-    out: dict[str, np.ndarray] = {}
-    kernel.compute(values, out, 2)
-    for name in kernel.outputs:
-        assert np.array_equal(np.isnan(out[name]), np.isnan(want[name])), name
-        finite = np.isfinite(want[name])
-        np.testing.assert_allclose(out[name][finite], want[name][finite], atol=2e-6, err_msg=name)
+        values[v] = rng.standard_normal((2, HIDDEN, 3)).astype(np.float32)
+    projection = rng.standard_normal((2, 4 * HIDDEN, 3 * STEPS)).astype(np.float32)
+    projection[0, 1, 2 * 3] = np.nan
+    projection[1, 3 * HIDDEN, 3 * 3 + 2] = np.inf
+    values[kernel.projection] = projection
+    _assert_computed_as_the_graph(model, kernel, nodes, values)
+
+
+@pytest.mark.parametrize("module", [Tagger, LastState])
+def test_the_rules_backward_steps_are_found_and_computed_as_the_graph(tmp_path, module):
+    model = onnx.load(_artifacts(tmp_path, module) / "training_model.onnx")
+    found = lstm_cell.split_lstm_backwards(model)
+    assert len(found) == 1
+    kernel, nodes = found[0]
+    # every step but the last in time (the first to run, which reads no MatMul), and the
+    # Concat of all steps' gates' gradients
+    assert len(kernel.steps) == STEPS - 1
+    assert all((s.dy is not None) == (module is Tagger) for s in kernel.steps)
+    assert len(nodes) == (7 if module is Tagger else 6) * (STEPS - 1) + 1
+    assert kernel.columns is not None and kernel.places == tuple(range(STEPS - 1, -1, -1))
+    rng = np.random.default_rng(0)
+    values = {
+        v: rng.standard_normal((2, HIDDEN, 3)).astype(np.float32) for v in kernel.inputs
+    }
+    values[kernel.r] = rng.uniform(-1, 1, (2, HIDDEN, 4 * HIDDEN)).astype(np.float32) / 3
+    for v in [kernel.steps[0].back] + [s.slope for s in kernel.steps]:
+        values[v] = rng.standard_normal((2, 4 * HIDDEN, 3)).astype(np.float32)
+    values[kernel.steps[1].slope][0, 1, 0] = np.nan
+    values[kernel.steps[2].through][1, 3, 2] = np.inf
+    _assert_computed_as_the_graph(model, kernel, nodes, values)
 
 
 def test_intermediate_values_read_elsewhere_stay_in_the_graph(tmp_path):
@@ -125,13 +221,21 @@ def test_intermediate_values_read_elsewhere_stay_in_the_graph(tmp_path):
     assert all(len(k.steps) < STEPS for k, _ in found)
 
 
-def test_module_trains_as_the_graph_does(tmp_path):
-    directory = _artifacts(tmp_path)
+@pytest.mark.parametrize(
+    ("module", "kernel", "kind"),
+    [
+        (Tagger, "lstm_forward", lstm_cell.LstmForward),
+        (Tagger, "lstm_backward", lstm_cell.LstmBackward),
+        (LastState, "lstm_backward", lstm_cell.LstmBackward),
+    ],
+)
+def test_module_trains_as_the_graph_does(tmp_path, module, kernel, kind):
+    directory = _artifacts(tmp_path, module)
     rng = np.random.default_rng(0)
     batches = [
         (rng.standard_normal((n, STEPS, FEATURES)).astype(np.float32), rng.integers(0, 3, n))
         for n in (4, 4, 3)  # the batch changes: the kernel's arrays follow it
     ]
-    got = artifact_steps(directory, batches, lstm_cell.LstmForward)
-    expected = artifact_steps(directory, batches, lstm_cell.LstmForward, without="lstm_forward")
+    got = artifact_steps(directory, batches, kind)
+    expected = artifact_steps(directory, batches, kind, without=kernel)
     assert_same_training(got, expected)

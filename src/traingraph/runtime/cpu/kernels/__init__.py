@@ -47,7 +47,7 @@ from traingraph.runtime.cpu.kernels.direct_conv import split_direct_convs
 from traingraph.runtime.cpu.kernels.flipped_filter import split_flipped_filters
 from traingraph.runtime.cpu.kernels.gelu import split_gelus
 from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
-from traingraph.runtime.cpu.kernels.lstm_cell import split_lstm_forwards
+from traingraph.runtime.cpu.kernels.lstm_cell import split_lstm_backwards, split_lstm_forwards
 from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
 from traingraph.runtime.cpu.kernels.max_pool import split_max_pool_scatters
 from traingraph.runtime.cpu.kernels.scatter_rows import split_scatter_add_rows
@@ -164,6 +164,11 @@ REGISTRY: tuple[KernelSpec, ...] = (
     KernelSpec("silu_grad", lambda s: list(split_silu_grads(s.model, s.taken)), None),
     KernelSpec("scatter_add_rows", lambda s: list(split_scatter_add_rows(s.model, s.taken)), None),
     KernelSpec("lstm_forward", lambda s: list(split_lstm_forwards(s.model, s.taken)), None),
+    KernelSpec(
+        "lstm_backward",
+        lambda s: list(split_lstm_backwards(s.model, s.taken)),
+        "lstm_backward",
+    ),
     KernelSpec(
         "layer_norm_grad",
         lambda s: list(split_layer_norm_grads(s.model, s.taken)),

@@ -59,16 +59,23 @@ class LstmForward:
         r: The recurrence weights every step multiplies by.
         steps: The steps in the order they run (each reads the one before's ``h`` and ``c``).
         written: The steps' values that nodes outside the chain read (or the model outputs).
+        projection: Where the chain holds the ``Split`` of the input projection into its
+            steps' pieces: the projection (``[D, 4H, T*N]``, every step's columns side by
+            side), which the cell reads in place; else None.
+        places: With ``projection``: the column block of each step's piece.
     """
 
     r: str
     steps: tuple[CellStep, ...]
     written: tuple[str, ...]
+    projection: str | None = None
+    places: tuple[int, ...] = ()
 
     @property
     def inputs(self) -> list[str]:
         first = self.steps[0]
-        return [self.r, first.h_prev, first.c_prev, *(s.piece for s in self.steps)]
+        pieces = [self.projection] if self.projection else [s.piece for s in self.steps]
+        return [self.r, first.h_prev, first.c_prev, *pieces]
 
     @property
     def outputs(self) -> list[str]:
@@ -100,13 +107,25 @@ class LstmForward:
                   "c": [np.empty(state, np.float32) for _ in range(2)]}  # fmt: skip
         mm = np.empty(gates, np.float32)
         matmul = Product("MatMul", threads)
-        for k, step in enumerate(self.steps):
-            piece = np.ascontiguousarray(values[step.piece], np.float32)
-            if piece.shape != gates:
+        width, stride, projection = 0, 0, None
+        if self.projection is not None:
+            projection = np.ascontiguousarray(values[self.projection], np.float32)
+            width, stride = gates[2], gates[2] * len(self.places)
+            if projection.shape != (*gates[:2], stride):
                 raise ValueError(
-                    f"LSTM step {k}: {step.piece!r} is {list(piece.shape)}; expected"
-                    f" {list(gates)} (R h_prev's shape)"
+                    f"LSTM steps of {self.r!r}: the projection {self.projection!r} is"
+                    f" {list(projection.shape)}; expected {[*gates[:2], stride]} (the steps'"
+                    " gates side by side)"
                 )
+        for k, step in enumerate(self.steps):
+            piece = projection
+            if piece is None:
+                piece = np.ascontiguousarray(values[step.piece], np.float32)
+                if piece.shape != gates:
+                    raise ValueError(
+                        f"LSTM step {k}: {step.piece!r} is {list(piece.shape)}; expected"
+                        f" {list(gates)} (R h_prev's shape)"
+                    )
 
             def array(role: str, k: int = k, step: CellStep = step) -> np.ndarray:
                 name = getattr(step, role)
@@ -116,9 +135,10 @@ class LstmForward:
 
             h_next, c_next = array("h"), array("c")
             matmul(r, h, mm)
+            offset = self.places[k] * width if projection is not None else 0
             NATIVE.lstm_cell(
                 mm, piece, c, h_next, c_next, array("slope"), array("through"), array("f"),
-                state[1] * state[2], threads,
+                state[1] * state[2], threads, width, stride, offset,
             )  # fmt: skip
             h, c = h_next, c_next
 
@@ -153,13 +173,41 @@ def split_lstm_forwards(
                 break
             steps.append(following)
             members |= more
+        projection, places = _projection_pieces(g, steps, taken)
+        if projection is not None:
+            members.add(g.consumers[projection].copy().pop())
         written = g.external(members)
         allowed = {v for s in steps for v in (s.h, s.c, s.slope, s.through, s.f)}
         if len(steps) > 1 and written <= allowed:
             ordered = tuple(v for s in steps for v in (s.h, s.c, s.slope, s.through, s.f)
                             if v in written)  # fmt: skip
-            matches.append((LstmForward(r, tuple(steps), ordered), members))
+            kernel = LstmForward(r, tuple(steps), ordered, projection, places)
+            matches.append((kernel, members))
     return verify.verified_kernels(model, g, matches, shapes, check=_InitScale(shapes))
+
+
+def _projection_pieces(
+    g: graph_match.GraphIndex, steps: Sequence[CellStep], taken: Set[int]
+) -> tuple[str | None, tuple[int, ...]]:
+    """Where every step's piece is an output of one ``Split`` into equal parts along the last
+    axis (of rank 3) that only the chain reads, the split value and the place of each step's
+    piece among the parts; else ``(None, ())``."""
+    producer = g.producer.get(steps[0].piece)
+    if producer is None or producer in taken:
+        return None, ()
+    split = g.nodes[producer]
+    axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
+    pieces = [s.piece for s in steps]
+    if split.op_type != "Split" or split.domain not in _DEFAULT or axis not in (2, -1):
+        return None, ()
+    if len(split.input) > 1 and split.input[1]:
+        return None, ()  # sizes given: the parts need not be equal
+    if sorted(split.output) != sorted(pieces) or len(set(pieces)) != len(pieces):
+        return None, ()
+    if g.only_reader(split.input[0], taken) != producer:
+        return None, ()
+    place = {v: k for k, v in enumerate(split.output)}
+    return split.input[0], tuple(place[v] for v in pieces)
 
 
 class _InitScale(verify.Check):
@@ -191,6 +239,11 @@ class _InitScale(verify.Check):
                 name: rng.standard_normal([int(d or 2) for d in shape or ()], dtype=np.float32)
                 for name, shape in zip(kernel.inputs, shapes)
             }
+            projection = getattr(kernel, "projection", None)
+            if projection is not None and not (self.shapes.get(projection) or [1])[-1]:
+                # every step's columns of a batch of 2
+                dims = [*feeds[projection].shape[:-1], 2 * len(kernel.places)]
+                feeds[projection] = rng.standard_normal(dims, dtype=np.float32)
             r = feeds[kernel.r]
             weights = rng.uniform(-1.0, 1.0, r.shape) / np.sqrt(max(r.shape[-1], 1))
             feeds[kernel.r] = weights.astype(np.float32)
@@ -313,4 +366,242 @@ def _step(
     return r, step, nodes
 
 
-__all__ = ["CellStep", "LstmForward", "split_lstm_forwards"]
+@dataclass(frozen=True)
+class GradStep:
+    """One backward step's values: what it reads (``back`` the gates' gradient of the step
+    after it, ``dy`` the gradient of its output or None, ``dc_next`` and ``f_next`` the cell
+    gradient and the forget gate of the step after it, its ``through`` and ``slope``) and
+    writes (its cell gradient ``dc`` and gates' gradient ``dgates``)."""
+
+    back: str
+    dy: str | None
+    dc_next: str
+    f_next: str
+    through: str
+    slope: str
+    dc: str
+    dgates: str
+
+
+@dataclass(frozen=True)
+class LstmBackward:
+    """A chain of LSTM backward steps: per step ``dh = R^T back + dy``, then the cell
+    (``_convc.lstm_cell_grad``), ``dc = dh through + dc_next f_next`` and ``dgates = [dc, dh,
+    dc, dc] slope``.
+
+    Attributes:
+        r: The transposed recurrence weights ``[D, H, 4H]`` every step multiplies by.
+        steps: The steps in the order they run (each reads the one before's ``dgates`` and
+            ``dc``).
+        written: The steps' values that nodes outside the chain read (or the model outputs).
+        columns: The ``Concat`` of every step's ``dgates`` side by side (``[D, 4H, T*N]``, the
+            weight gradients' operand), written as the steps run; None where the chain does
+            not hold it.
+        places: With ``columns``: the column block of the first step's ``back``, then of each
+            step's ``dgates``.
+    """
+
+    r: str
+    steps: tuple[GradStep, ...]
+    written: tuple[str, ...]
+    columns: str | None = None
+    places: tuple[int, ...] = ()
+
+    @property
+    def inputs(self) -> list[str]:
+        first = self.steps[0]
+        reads = [v for s in self.steps for v in (s.dy, s.f_next, s.through, s.slope) if v]
+        return [self.r, first.back, first.dc_next, *reads]
+
+    @property
+    def outputs(self) -> list[str]:
+        return list(self.written) + ([self.columns] if self.columns else [])
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write :attr:`outputs` into ``out`` (in place where arrays of their shapes are
+        there) from ``values``."""
+        assert NATIVE is not None
+        r = np.ascontiguousarray(values[self.r], np.float32)
+        back = np.ascontiguousarray(values[self.steps[0].back], np.float32)
+        dc = np.ascontiguousarray(values[self.steps[0].dc_next], np.float32)
+        if (
+            r.ndim != 3
+            or back.ndim != 3
+            or r.shape[2] != 4 * r.shape[1]
+            or back.shape[:2] != (r.shape[0], r.shape[2])
+            or dc.shape != (r.shape[0], r.shape[1], back.shape[2])
+        ):
+            raise ValueError(
+                f"LSTM backward steps of {self.r!r}: R^T {list(r.shape)}, gates' gradient"
+                f" {list(back.shape)}, cell gradient {list(dc.shape)}; expected R^T [D, H, 4H],"
+                " [D, 4H, N] and [D, H, N]"
+            )
+        gates, state = back.shape, dc.shape
+        width, stride, columns = 0, 0, None
+        if self.columns is not None:
+            width, stride = gates[2], gates[2] * len(self.places)
+            columns = output_array(out, self.columns, (*gates[:2], stride))
+            first = self.places[0] * width
+            columns[:, :, first : first + width] = back
+        written = set(self.written)
+        buffers = {"dc": [np.empty(state, np.float32) for _ in range(2)],
+                   "dgates": [np.empty(gates, np.float32) for _ in range(2)]}  # fmt: skip
+        mm = np.empty(state, np.float32)
+        matmul = Product("MatMul", threads)
+        for k, step in enumerate(self.steps):
+
+            def array(role: str, k: int = k, step: GradStep = step) -> np.ndarray:
+                name = getattr(step, role)
+                shape = gates if role == "dgates" else state
+                return output_array(out, name, shape) if name in written else buffers[role][k % 2]
+
+            dy, f_next, through, slope = (
+                np.ascontiguousarray(values[v], np.float32) if v else None
+                for v in (step.dy, step.f_next, step.through, step.slope)
+            )
+            dc_step, dgates = array("dc"), array("dgates")
+            matmul(r, back, mm)
+            offset = self.places[k + 1] * width if columns is not None else 0
+            NATIVE.lstm_cell_grad(
+                mm, dy, dc, f_next, through, slope, dc_step, dgates, columns,
+                state[1] * state[2], width, stride, offset, threads,
+            )  # fmt: skip
+            back, dc = dgates, dc_step
+
+
+def split_lstm_backwards(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[LstmBackward, set[int]]]:
+    """Each chain of LSTM backward steps of the rule's form in float32 ``model`` (tagged
+    ``lstm_backward`` where the model has tags) whose intermediate values only the chain
+    reads, as an :class:`LstmBackward` with the indices of its nodes (none in ``taken``), with
+    the ``Concat`` of its gates' gradients where only it and the chain read them, checked
+    numerically. ``[]`` where the extension is missing or nothing matches."""
+    if not graph_match.can_match(model, "lstm_cell_grad", "MatMul"):
+        return []
+    g = graph_match.GraphIndex.of(model.graph)
+    shapes = graph_match.inferred_shapes(model)
+    found: dict[str, tuple[str, GradStep, set[int]]] = {}  # by back
+    for i, node in enumerate(g.nodes):
+        if i in taken or node.op_type != "MatMul" or node.domain not in _DEFAULT:
+            continue
+        if g.tagged(i, "lstm_backward"):
+            match = _grad_step(g, i, taken)
+            if match is not None:
+                found[match[1].back] = match
+    after = {step.dgates for _, step, _ in found.values()}
+    matches = []
+    for r, first, nodes in found.values():
+        if first.back in after:
+            continue  # not the first step of its chain
+        steps, members = [first], set(nodes)
+        while steps[-1].dgates in found:
+            r_next, following, more = found[steps[-1].dgates]
+            if r_next != r or following.dc_next != steps[-1].dc:
+                break
+            steps.append(following)
+            members |= more
+        if len(steps) < 2:
+            continue
+        columns, places = _gates_columns(g, steps, taken)
+        if columns is not None:
+            members.add(g.producer[columns])
+        written = g.external(members)
+        allowed = {v for s in steps for v in (s.dc, s.dgates)} | {columns}
+        if written <= allowed:
+            ordered = tuple(v for s in steps for v in (s.dc, s.dgates)
+                            if v in written and v != columns)  # fmt: skip
+            kernel = LstmBackward(r, tuple(steps), ordered, columns, places)
+            matches.append((kernel, members))
+    return verify.verified_kernels(model, g, matches, shapes, check=_InitScale(shapes))
+
+
+def _grad_step(
+    g: graph_match.GraphIndex, i: int, taken: Set[int]
+) -> tuple[str, GradStep, set[int]] | None:
+    """The backward step whose ``MatMul`` of the transposed recurrence weights is node ``i``:
+    ``(R^T, the step, its nodes)``."""
+    r, back = g.nodes[i].input
+    nodes = {i}
+
+    def only(value: str, op_type: str) -> tuple[int, onnx.NodeProto] | None:
+        j = g.only_reader(value, taken)
+        node = None if j is None else g.nodes[j]
+        if node is None or node.op_type != op_type or node.domain not in _DEFAULT:
+            return None
+        assert j is not None
+        nodes.add(j)
+        return j, node
+
+    mm = g.nodes[i].output[0]
+    dh, dy = mm, None
+    add = only(mm, "Add")
+    if add is not None:
+        if len(add[1].input) != 2:
+            return None
+        dy = add[1].input[1] if add[1].input[0] == mm else add[1].input[0]
+        dh = add[1].output[0]
+    readers = [g.nodes[j] for j in sorted(g.consumers.get(dh, ()))]
+    mul = next((n for n in readers if n.op_type == "Mul" and list(n.input)[:1] == [dh]), None)
+    cat = next((n for n in readers if n.op_type == "Concat"), None)
+    if len(readers) != 2 or mul is None or cat is None or len(mul.input) != 2:
+        return None
+    from_h, through = mul.output[0], mul.input[1]
+    dc_add = only(from_h, "Add")
+    if dc_add is None or len(dc_add[1].input) != 2 or dc_add[1].input[0] != from_h:
+        return None
+    c_back, dc = dc_add[1].input[1], dc_add[1].output[0]
+    c_mul = g.producer.get(c_back)
+    if c_mul is None or c_mul in taken or g.only_reader(c_back, taken) is None:
+        return None
+    c_node = g.nodes[c_mul]
+    if c_node.op_type != "Mul" or c_node.domain not in _DEFAULT or len(c_node.input) != 2:
+        return None
+    dc_next, f_next = c_node.input
+    axis = next((a.i for a in cat.attribute if a.name == "axis"), None)
+    if list(cat.input) != [dc, dh, dc, dc] or axis != 1 or cat.domain not in _DEFAULT:
+        return None
+    cat_v = cat.output[0]
+    gates = only(cat_v, "Mul")
+    if gates is None or list(gates[1].input)[:1] != [cat_v] or len(gates[1].input) != 2:
+        return None
+    nodes |= {c_mul} | {g.producer[v] for v in (from_h, cat_v)}
+    if nodes & taken or any(
+        g.nodes[j].domain not in _DEFAULT or len(g.nodes[j].output) != 1 for j in nodes
+    ):
+        return None
+    step = GradStep(back, dy, dc_next, f_next, through, gates[1].input[1], dc,
+                    gates[1].output[0])  # fmt: skip
+    outside = {step.dc, step.dgates}
+    for j in nodes:
+        for v in g.nodes[j].output:
+            if v not in outside and (v in g.outputs or not g.consumers.get(v, set()) <= nodes):
+                return None
+    return r, step, nodes
+
+
+def _gates_columns(
+    g: graph_match.GraphIndex, steps: Sequence[GradStep], taken: Set[int]
+) -> tuple[str | None, tuple[int, ...]]:
+    """The ``Concat`` along the last axis of exactly the first step's ``back`` and every
+    step's ``dgates`` (in any order), with the place of each (see :attr:`LstmBackward.places`);
+    ``(None, ())`` where there is none."""
+    pieces = [steps[0].back] + [s.dgates for s in steps]
+    for j in sorted(g.consumers.get(steps[-1].dgates, ())):
+        node = g.nodes[j]
+        axis = next((a.i for a in node.attribute if a.name == "axis"), None)
+        if j in taken or node.op_type != "Concat" or node.domain not in _DEFAULT:
+            continue
+        if axis not in (2, -1) or sorted(node.input) != sorted(pieces):
+            continue
+        if len(set(node.input)) != len(pieces):
+            continue
+        place = {v: k for k, v in enumerate(node.input)}
+        return node.output[0], tuple(place[v] for v in pieces)
+    return None, ()
+
+
+__all__ = [
+    "CellStep", "GradStep", "LstmBackward", "LstmForward", "split_lstm_backwards",
+    "split_lstm_forwards",
+]
