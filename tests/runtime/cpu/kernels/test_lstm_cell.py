@@ -45,6 +45,36 @@ class LastState(Tagger):
         return self.head(torch.cat([h[0], h[1]], dim=1))
 
 
+class OneWay(nn.Module):
+    """A one-directional LSTM, the mean of its outputs: the direction axis's size (1) is
+    where shape inference loses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(FEATURES, HIDDEN, batch_first=True)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0].mean(1))
+
+
+class LearnedState(Tagger):
+    """Two layers from learned initial states, the final cell states in the output: the
+    backward chain's last gates' and cell gradients are read beyond it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(FEATURES, HIDDEN, num_layers=2, batch_first=True, bidirectional=True)
+        self.h0 = nn.Parameter(torch.randn(4, 1, HIDDEN) * 0.1)
+        self.c0 = nn.Parameter(torch.randn(4, 1, HIDDEN) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        start = (self.h0.expand(-1, n, -1).contiguous(), self.c0.expand(-1, n, -1).contiguous())
+        out, (_, c) = self.lstm(x, start)
+        return self.head(out[:, -1]) + c.sum(0).sum(-1, keepdim=True)
+
+
 def _artifacts(tmp_path, module=Tagger):
     return adamw_artifacts(tmp_path, export(seeded(module), torch.zeros(2, STEPS, FEATURES)))
 
@@ -227,6 +257,9 @@ def test_intermediate_values_read_elsewhere_stay_in_the_graph(tmp_path):
         (Tagger, "lstm_forward", lstm_cell.LstmForward),
         (Tagger, "lstm_backward", lstm_cell.LstmBackward),
         (LastState, "lstm_backward", lstm_cell.LstmBackward),
+        (OneWay, "lstm_forward", lstm_cell.LstmForward),
+        (OneWay, "lstm_backward", lstm_cell.LstmBackward),
+        (LearnedState, "lstm_backward", lstm_cell.LstmBackward),
     ],
 )
 def test_module_trains_as_the_graph_does(tmp_path, module, kernel, kind):

@@ -81,6 +81,15 @@ class LstmForward:
     def outputs(self) -> list[str]:
         return list(self.written)
 
+    def check_shapes(self, r: tuple[int, ...], batch: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each input for ``R`` of shape ``r`` and a batch of ``batch``."""
+        gates, state = (r[0], r[1], batch), (r[0], r[2], batch)
+        first = self.steps[0]
+        shapes = {self.r: r, first.h_prev: state, first.c_prev: state}
+        if self.projection is not None:
+            return shapes | {self.projection: (*gates[:2], batch * len(self.places))}
+        return shapes | {s.piece: gates for s in self.steps}
+
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write :attr:`outputs` into ``out`` (in place where arrays of their shapes are
         there) from ``values``."""
@@ -211,8 +220,8 @@ def _projection_pieces(
 
 
 class _InitScale(verify.Check):
-    """Standard-normal inputs of the inferred shapes (a batch of 2 where it is open), but the
-    recurrence weights at the scale of an LSTM's initialization (uniform within
+    """Standard-normal inputs of the shapes the recurrence weights' shape gives (a batch of
+    2), but the recurrence weights at the scale of an LSTM's initialization (uniform within
     ``1 / sqrt(H)``, PyTorch's): with standard-normal weights of a few hundred columns the
     recurrence is chaotic, and any rounding difference of a Sigmoid or Tanh grows over the
     steps past the check's tolerance."""
@@ -226,24 +235,20 @@ class _InitScale(verify.Check):
         return len(kernel.steps), tuple(tuple(self.shapes.get(v) or ()) for v in kernel.inputs)
 
     def inputs(
-        self, matches: Sequence[tuple[LstmForward, set[int]]]
+        self, matches: Sequence[tuple[LstmForward | LstmBackward, set[int]]]
     ) -> list[dict[str, np.ndarray] | None]:
         rng = np.random.default_rng(0)
         drawn: list[dict[str, np.ndarray] | None] = []
         for kernel, _ in matches:
-            shapes = [self.shapes.get(name) for name in kernel.inputs]
-            if any(shape is None for shape in shapes):
+            r_dims = self.shapes.get(kernel.r)
+            if r_dims is None or len(r_dims) != 3 or not all(r_dims):
                 drawn.append(None)
                 continue
+            shapes = kernel.check_shapes(tuple(int(d or 0) for d in r_dims), 2)
             feeds = {
-                name: rng.standard_normal([int(d or 2) for d in shape or ()], dtype=np.float32)
-                for name, shape in zip(kernel.inputs, shapes)
+                name: rng.standard_normal(shape, dtype=np.float32)
+                for name, shape in shapes.items()
             }
-            projection = getattr(kernel, "projection", None)
-            if projection is not None and not (self.shapes.get(projection) or [1])[-1]:
-                # every step's columns of a batch of 2
-                dims = [*feeds[projection].shape[:-1], 2 * len(kernel.places)]
-                feeds[projection] = rng.standard_normal(dims, dtype=np.float32)
             r = feeds[kernel.r]
             weights = rng.uniform(-1.0, 1.0, r.shape) / np.sqrt(max(r.shape[-1], 1))
             feeds[kernel.r] = weights.astype(np.float32)
@@ -416,6 +421,16 @@ class LstmBackward:
     @property
     def outputs(self) -> list[str]:
         return list(self.written) + ([self.columns] if self.columns else [])
+
+    def check_shapes(self, r: tuple[int, ...], batch: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each input for ``R^T`` of shape ``r`` and a batch of ``batch``."""
+        gates, state = (r[0], r[2], batch), (r[0], r[1], batch)
+        first = self.steps[0]
+        shapes = {self.r: r, first.back: gates, first.dc_next: state}
+        for s in self.steps:
+            shapes |= {v: state for v in (s.dy, s.f_next, s.through) if v}
+            shapes[s.slope] = gates
+        return shapes
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write :attr:`outputs` into ``out`` (in place where arrays of their shapes are
