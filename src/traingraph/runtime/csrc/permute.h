@@ -1,6 +1,8 @@
-/* A tensor's axes permuted into a new C-contiguous buffer (included by _convc.c).
+/* A tensor's axes permuted (and some reversed) into a new C-contiguous buffer (included by
+ * _convc.c).
  *
- * dst = src.reshape(dims).transpose(perm): the layout changes that onnxruntime's blocked
+ * dst = src.reshape(dims).transpose(perm), with the axes `reversed` of src.reshape(dims) taken
+ * back to front (a Conv input gradient's filter turned by 180 degrees): the layout changes that onnxruntime's blocked
  * convolution kernels need of a filter every step (OIHW into channel blocks), which a Gather of
  * the filter's positions does one indexed element at a time. Each thread writes a share of dst's
  * rows (all axes but the last) in order; the reads of a row go along the source at the stride
@@ -58,22 +60,23 @@ static int permute_share(const void *arg, int t, int threads)
 }
 
 PyDoc_STRVAR(permute_doc,
-"permute(src, dst, dims, perm, threads)\n--\n\n"
+"permute(src, dst, dims, perm, threads, reversed=())\n--\n\n"
 "Write ``src.reshape(dims).transpose(perm)`` into ``dst``: both float32 and C-contiguous, of\n"
 "``prod(dims)`` elements each (any shapes), ``perm`` a permutation of ``range(len(dims))``,\n"
-"at most 8 axes. ``threads`` threads share the rows of ``dst``.");
+"at most 8 axes; the axes ``reversed`` of ``src.reshape(dims)`` are read back to front\n"
+"(``[::-1]``). ``threads`` threads share the rows of ``dst``.");
 
 static PyObject *permute(PyObject *self, PyObject *args)
 {
-    PyObject *objects[2], *dims_obj, *perm_obj;
+    PyObject *objects[2], *dims_obj, *perm_obj, *reversed_obj = NULL;
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOi:permute", &objects[0], &objects[1], &dims_obj, &perm_obj,
-                          &threads)) {
+    if (!PyArg_ParseTuple(args, "OOOOi|O:permute", &objects[0], &objects[1], &dims_obj,
+                          &perm_obj, &threads, &reversed_obj)) {
         return NULL;
     }
     Py_buffer views[2];
     Py_ssize_t held = 0;
-    PyObject *result = NULL, *dims = NULL, *perm = NULL;
+    PyObject *result = NULL, *dims = NULL, *perm = NULL, *reversed = NULL;
     static const char *names[2] = {"src", "dst"};
     for (int k = 0; k < 2; k++) {
         if (float32_array(objects[k], &views[k], -1, k == 1, "permute: array", k, names[k]) < 0) {
@@ -123,7 +126,31 @@ static PyObject *permute(PyObject *self, PyObject *args)
     for (Py_ssize_t a = nd - 1; a > 0; a--) {
         stride[a - 1] = stride[a] * size[a];
     }
-    struct permute p = {.src = views[0].buf, .dst = views[1].buf, .nd = (int)nd, .rows = 1};
+    const float *start = views[0].buf;
+    if (reversed_obj != NULL) {
+        reversed = PySequence_Fast(reversed_obj, "permute: reversed must be a sequence of ints");
+        if (reversed == NULL) {
+            goto done;
+        }
+        int flipped[PERMUTE_MAX_DIMS] = {0};
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(reversed); k++) {
+            const Py_ssize_t a = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(reversed, k));
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+            if (a < 0 || a >= nd || flipped[a]++) {
+                PyErr_Format(PyExc_ValueError,
+                             "permute: reversed must name distinct axes of range(%zd); got %zd",
+                             nd, a);
+                goto done;
+            }
+            if (size[a] > 0) {
+                start += (size[a] - 1) * stride[a]; /* the axis's last place first */
+            }
+            stride[a] = -stride[a];
+        }
+    }
+    struct permute p = {.src = start, .dst = views[1].buf, .nd = (int)nd, .rows = 1};
     for (Py_ssize_t a = 0; a < nd; a++) {
         p.extent[a] = size[order[a]];
         p.stride[a] = stride[order[a]];
@@ -138,6 +165,7 @@ static PyObject *permute(PyObject *self, PyObject *args)
 done:
     Py_XDECREF(dims);
     Py_XDECREF(perm);
+    Py_XDECREF(reversed);
     release_views(views, held);
     return result;
 }

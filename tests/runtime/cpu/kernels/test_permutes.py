@@ -68,6 +68,29 @@ def test_every_permutation_of_four_axes() -> None:
         assert np.array_equal(copied.reshape(-1), positions.reshape(-1))
 
 
+@pytest.mark.parametrize("reversed_axes", [(), (0,), (2,), (1, 3), (0, 1, 2, 3)])
+@pytest.mark.parametrize("native", [True, False])
+def test_axes_read_back_to_front(
+    reversed_axes: tuple[int, ...], native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not native:
+        monkeypatch.setattr(conv_grads, "NATIVE", None)
+    elif conv_grads.NATIVE is None:
+        pytest.skip("traingraph.runtime._convc was not built (no C compiler at install time)")
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal((3, 4, 5, 6)).astype(np.float32)
+    src[1, 2, 3, 4], src[0, 0, 0, 1] = np.nan, -np.inf
+    flips = tuple(slice(None, None, -1 if a in reversed_axes else 1) for a in range(4))
+    for perm in ([1, 0, 2, 3], [3, 1, 0, 2]):
+        want = src[flips].transpose(perm)
+        dst = np.zeros(want.shape, np.float32)
+        permutes.permute(src, dst, list(src.shape), perm, 2, reversed_axes)
+        np.testing.assert_array_equal(dst, want)
+    if native:
+        with pytest.raises(ValueError, match="distinct axes"):
+            conv_grads.NATIVE.permute(src, dst, list(src.shape), [0, 1, 2, 3], 1, (4,))
+
+
 @pytest.mark.parametrize(
     "positions",
     [

@@ -4,11 +4,13 @@ The input gradient of a Conv of stride 1 is the Conv of the output gradient with
 transposed and turned by 180 degrees (:func:`traingraph.autodiff.rules.conv.flipped_weight`):
 ``Slice(Transpose(W, perm=[1, 0, 2, 3]))`` with steps of -1 along both spatial axes, which
 onnxruntime runs as two passes that index every element (a 256 x 256 x 3 x 3 filter: about
-1.8 ms on one thread). :class:`FlippedFilter` writes the same values in one strided copy
-(about 0.25 ms). Where the Winograd kernel takes the Conv, it reads the parameter in place
-instead (:mod:`traingraph.runtime.cpu.kernels.winograd`); this kernel takes the flips left to
-onnxruntime's Convs, which then read a filter of the step's inputs, whose blocked reorder the
-segmented run copies natively too (:mod:`traingraph.runtime.cpu.kernels.permutes`). Values are
+1.8 ms on one thread). :class:`FlippedFilter` writes the same values in one native strided copy
+(:func:`~traingraph.runtime.cpu.kernels.permutes.permute` with the spatial axes reversed; the
+threads share its rows of nine floats). Where the Winograd kernel takes the Conv, it reads the
+parameter in place instead (:mod:`traingraph.runtime.cpu.kernels.winograd`); this kernel takes
+the flips left to onnxruntime's Convs (a ResNet's 7 x 7 planes at 224 x 224), which then read
+a filter of the step's inputs, whose blocked reorder the segmented run copies natively too
+(:mod:`traingraph.runtime.cpu.kernels.permutes`). Values are
 copied, so NaN and infinities stay as they are; the load-time check compares the two.
 """
 
@@ -21,6 +23,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
+from traingraph.runtime.cpu.kernels.permutes import permute
 from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
@@ -49,8 +52,11 @@ class FlippedFilter(OneOutput):
             raise ValueError(
                 f"flipped filter {self.out!r}: weight {list(weight.shape)} must be [K, C, 3, 3]"
             )
-        flipped = weight.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]
-        np.copyto(output_array(out, self.out, flipped.shape), flipped)
+        k, c = weight.shape[:2]
+        target = output_array(out, self.out, (c, k, 3, 3))
+        # both spatial axes reversed: the nine taps of each filter back to front
+        permute(np.ascontiguousarray(weight, np.float32), target, [k, c, 9], [1, 0, 2], threads,
+                reversed_axes=(2,))  # fmt: skip
 
 
 def split_flipped_filters(

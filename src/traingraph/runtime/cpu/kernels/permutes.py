@@ -43,24 +43,31 @@ __all__ = ["FilterReorder", "as_permutation", "permute", "split_filter_reorders"
 
 
 def permute(
-    src: np.ndarray, dst: np.ndarray, dims: list[int], perm: list[int], threads: int
+    src: np.ndarray,
+    dst: np.ndarray,
+    dims: list[int],
+    perm: list[int],
+    threads: int,
+    reversed_axes: tuple[int, ...] = (),
 ) -> None:
     """Write ``src.reshape(dims).transpose(perm)`` into ``dst`` (float32, C-contiguous, of
-    ``prod(dims)`` elements each) with the native kernel, or numpy where it is not built.
+    ``prod(dims)`` elements each), the axes ``reversed_axes`` of ``src.reshape(dims)`` read
+    back to front, with the native kernel, or numpy where it is not built.
 
     Raises:
         ValueError: Where the sizes or the permutation do not fit (from the native kernel).
     """
     native = conv_grads.NATIVE
     if native is not None and hasattr(native, "permute"):
-        native.permute(src, dst, dims, perm, threads)
+        native.permute(src, dst, dims, perm, threads, reversed_axes)
         return
     if src.size != math.prod(dims) or dst.size != src.size:
         raise ValueError(
             f"permute: src has {src.size} and dst {dst.size} elements; dims {dims} give"
             f" {math.prod(dims)}: both must hold prod(dims)"
         )
-    dst.reshape(-1)[:] = src.reshape(dims).transpose(perm).reshape(-1)
+    flips = tuple(slice(None, None, -1 if a in reversed_axes else 1) for a in range(len(dims)))
+    dst.reshape(-1)[:] = src.reshape(dims)[flips].transpose(perm).reshape(-1)
 
 
 @dataclass(frozen=True)
