@@ -459,8 +459,10 @@ class LstmBackward:
             first = self.places[0] * width
             columns[:, :, first : first + width] = back
         written = set(self.written)
-        buffers = {"dc": [np.empty(state, np.float32) for _ in range(2)],
-                   "dgates": [np.empty(gates, np.float32) for _ in range(2)]}  # fmt: skip
+        buffers: dict[str, list[np.ndarray]] = {
+            "dc": [np.empty(state, np.float32) for _ in range(2)],
+            "dgates": [np.empty(gates, np.float32) for _ in range(2)],
+        }
         mm = np.empty(state, np.float32)
         matmul = Product("MatMul", threads)
         for k, step in enumerate(self.steps):
