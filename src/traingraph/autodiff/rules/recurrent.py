@@ -515,7 +515,8 @@ def _stepwise_gradient(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         dy_steps = split(b, dy, steps, axis=0)
     dy_h, dy_c = (_permuted(b, grad(k), states_in) for k in (1, 2))
     g = OutputGradients(dy_steps, dy_h, dy_c)
-    with tagging(b, "lstm_backward", ctx.node.name or ctx.node.op_type) if lstm else nullcontext():
+    instance = ctx.node.name or ctx.node.op_type
+    with tagging(b, "lstm_backward", instance) if lstm else nullcontext():  # a native kernel's
         by_input = BACKWARDS[spec.op_type](b, fwd, d, g, spec, ctx.need)
     out: list[ir.Value | None] = [None] * len(ctx.inputs)
     if 0 in by_input:

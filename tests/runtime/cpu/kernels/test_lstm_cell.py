@@ -272,3 +272,13 @@ def test_module_trains_as_the_graph_does(tmp_path, module, kernel, kind):
     got = artifact_steps(directory, batches, kind)
     expected = artifact_steps(directory, batches, kind, without=kernel)
     assert_same_training(got, expected)
+
+
+def test_the_recurrence_weights_shape_is_completed_from_one_axis():
+    # R^T of a transpose's Reshape to -1 leaves its gates' axis open; R may leave H open
+    assert lstm_cell._recurrence_shape([2, 256, None], 1, 4) == (2, 256, 1024)
+    assert lstm_cell._recurrence_shape([1, None, 8], 2, 4) == (1, 32, 8)
+    assert lstm_cell._recurrence_shape([2, 1024, None], 2, 4) == (2, 1024, 256)
+    assert lstm_cell._recurrence_shape([2, None, None], 1, 4) is None
+    assert lstm_cell._recurrence_shape([None, 8, 32], 1, 4) is None
+    assert lstm_cell._recurrence_shape([2, 8, 30], 1, 4) is None  # not 4H

@@ -71,6 +71,9 @@ class LstmForward:
     projection: str | None = None
     places: tuple[int, ...] = ()
 
+    recurrence_axes = (2, 4)
+    """``R``'s axis of ``H`` entries and its gates (:func:`_recurrence_shape`)."""
+
     @property
     def inputs(self) -> list[str]:
         first = self.steps[0]
@@ -219,9 +222,30 @@ def _projection_pieces(
     return split.input[0], tuple(place[v] for v in pieces)
 
 
+def _recurrence_shape(
+    dims: Sequence[int | None] | None, hidden_axis: int, gates: int
+) -> tuple[int, ...] | None:
+    """The shape ``[D, ., .]`` of recurrence weights whose axis ``hidden_axis`` (1 or 2) has
+    ``H`` entries and the other ``gates * H`` (``R``, ``[D, 4H, H]`` for an LSTM, or ``R^T``),
+    from ``dims`` with one of the two open (a transpose's ``Reshape`` to ``-1``); None where
+    more is open."""
+    if dims is None or len(dims) != 3 or not dims[0]:
+        return None
+    other = 3 - hidden_axis
+    hidden, wide = dims[hidden_axis], dims[other]
+    if not hidden and wide and wide % gates == 0:
+        hidden = wide // gates
+    if not hidden:
+        return None
+    full = [int(dims[0]), 0, 0]
+    full[hidden_axis], full[other] = int(hidden), gates * int(hidden)
+    return tuple(full) if not wide or wide == full[other] else None
+
+
 class _InitScale(verify.Check):
     """Standard-normal inputs of the shapes the recurrence weights' shape gives (a batch of
-    2), but the recurrence weights at the scale of an LSTM's initialization (uniform within
+    2; the kernel's ``check_shapes``), but the recurrence weights at the scale of an LSTM's
+    initialization (uniform within
     ``1 / sqrt(H)``, PyTorch's): with standard-normal weights of a few hundred columns the
     recurrence is chaotic, and any rounding difference of a Sigmoid or Tanh grows over the
     steps past the check's tolerance."""
@@ -229,7 +253,7 @@ class _InitScale(verify.Check):
     def __init__(self, shapes: Mapping[str, list[int | None]]) -> None:
         self.shapes = shapes
 
-    def form(self, kernel: LstmForward, nodes: set[int]) -> Hashable | None:
+    def form(self, kernel: LstmForward | LstmBackward, nodes: set[int]) -> Hashable | None:
         """The chains of one length and shapes share one check (a stack of layers): the
         matcher fixed every node and its wiring, so that only their inputs' values differ."""
         return len(kernel.steps), tuple(tuple(self.shapes.get(v) or ()) for v in kernel.inputs)
@@ -240,11 +264,11 @@ class _InitScale(verify.Check):
         rng = np.random.default_rng(0)
         drawn: list[dict[str, np.ndarray] | None] = []
         for kernel, _ in matches:
-            r_dims = self.shapes.get(kernel.r)
-            if r_dims is None or len(r_dims) != 3 or not all(r_dims):
+            r_dims = _recurrence_shape(self.shapes.get(kernel.r), *kernel.recurrence_axes)
+            if r_dims is None:
                 drawn.append(None)
                 continue
-            shapes = kernel.check_shapes(tuple(int(d or 0) for d in r_dims), 2)
+            shapes = kernel.check_shapes(r_dims, 2)
             feeds = {
                 name: rng.standard_normal(shape, dtype=np.float32)
                 for name, shape in shapes.items()
@@ -412,6 +436,9 @@ class LstmBackward:
     columns: str | None = None
     places: tuple[int, ...] = ()
 
+    recurrence_axes = (1, 4)
+    """``R^T``'s axis of ``H`` entries and its gates (:func:`_recurrence_shape`)."""
+
     @property
     def inputs(self) -> list[str]:
         first = self.steps[0]
@@ -520,7 +547,7 @@ def split_lstm_backwards(
             members |= more
         if len(steps) < 2:
             continue
-        columns, places = _gates_columns(g, steps, taken)
+        columns, places = _columns_concat(g, [steps[0].back] + [s.dgates for s in steps], taken)
         if columns is not None:
             members.add(g.producer[columns])
         written = g.external(members)
@@ -597,14 +624,13 @@ def _grad_step(
     return r, step, nodes
 
 
-def _gates_columns(
-    g: graph_match.GraphIndex, steps: Sequence[GradStep], taken: Set[int]
+def _columns_concat(
+    g: graph_match.GraphIndex, pieces: Sequence[str], taken: Set[int]
 ) -> tuple[str | None, tuple[int, ...]]:
-    """The ``Concat`` along the last axis of exactly the first step's ``back`` and every
-    step's ``dgates`` (in any order), with the place of each (see :attr:`LstmBackward.places`);
-    ``(None, ())`` where there is none."""
-    pieces = [steps[0].back] + [s.dgates for s in steps]
-    for j in sorted(g.consumers.get(steps[-1].dgates, ())):
+    """The ``Concat`` along the last axis (of rank 3) of exactly ``pieces`` (in any order,
+    each once), with the place of each piece among its inputs; ``(None, ())`` where there is
+    none."""
+    for j in sorted(g.consumers.get(pieces[-1], ())):
         node = g.nodes[j]
         axis = next((a.i for a in node.attribute if a.name == "axis"), None)
         if j in taken or node.op_type != "Concat" or node.domain not in _DEFAULT:
