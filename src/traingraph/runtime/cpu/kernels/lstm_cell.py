@@ -187,7 +187,7 @@ def split_lstm_forwards(
             members |= more
         projection, places = _projection_pieces(g, steps, taken)
         if projection is not None:
-            members.add(g.consumers[projection].copy().pop())
+            members.add(g.producer[first.piece])  # the Split
         written = g.external(members)
         allowed = {v for s in steps for v in (s.h, s.c, s.slope, s.through, s.f)}
         if len(steps) > 1 and written <= allowed:
