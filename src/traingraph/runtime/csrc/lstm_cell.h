@@ -299,15 +299,7 @@ static PyObject *lstm_cell(PyObject *self, PyObject *args)
                           .through = views[6].buf, .f = views[7].buf, .block = block,
                           .width = width, .stride = stride, .offset = offset};
     /* a Sigmoid or Tanh an element: enough work for a second thread from a few thousand on */
-    const struct split share = {lstm_cell_range, &p, size};
-    Py_BEGIN_ALLOW_THREADS
-    if (threads <= 1 || size < 4096) {
-        lstm_cell_range(&p, 0, size);
-    }
-    else {
-        pool_run(split_share, &share, threads);
-    }
-    Py_END_ALLOW_THREADS
+    run_elementwise_from(lstm_cell_range, &p, size, threads, 4096);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);
@@ -389,15 +381,7 @@ static PyObject *lstm_cell_grad(PyObject *self, PyObject *args)
                                .dc = (float *)data[6], .dgates = (float *)data[7],
                                .columns = (float *)data[8], .block = block, .width = width,
                                .stride = stride, .offset = offset};
-    const struct split share = {lstm_cell_grad_range, &p, size};
-    Py_BEGIN_ALLOW_THREADS
-    if (threads <= 1 || size < 16384) {
-        lstm_cell_grad_range(&p, 0, size);
-    }
-    else {
-        pool_run(split_share, &share, threads);
-    }
-    Py_END_ALLOW_THREADS
+    run_elementwise_from(lstm_cell_grad_range, &p, size, threads, 16384);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);

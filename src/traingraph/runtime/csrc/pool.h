@@ -243,9 +243,11 @@ static int split_share(const void *arg, int t, int threads)
     return 0;
 }
 
-/* Run kernel over n elements, without the GIL where n is large, on up to threads threads. */
-static void run_elementwise(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t),
-                            const void *args, Py_ssize_t n, int threads)
+/* Run kernel over n elements, without the GIL where n is large, on up to threads threads from
+ * per_thread_min elements on (fewer where each element costs more: a Sigmoid, a Tanh). */
+static void run_elementwise_from(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t),
+                                 const void *args, Py_ssize_t n, int threads,
+                                 Py_ssize_t per_thread_min)
 {
     if (n < RELEASE_GIL_MIN) {
         kernel(args, 0, n);
@@ -253,13 +255,20 @@ static void run_elementwise(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t)
     }
     const struct split s = {kernel, args, n};
     Py_BEGIN_ALLOW_THREADS
-    if (n < PER_THREAD_MIN || threads <= 1) {
+    if (n < per_thread_min || threads <= 1) {
         kernel(args, 0, n);
     }
     else {
         pool_run(split_share, &s, threads);
     }
     Py_END_ALLOW_THREADS
+}
+
+/* run_elementwise_from with the threads from PER_THREAD_MIN elements on. */
+static void run_elementwise(void (*kernel)(const void *, Py_ssize_t, Py_ssize_t),
+                            const void *args, Py_ssize_t n, int threads)
+{
+    run_elementwise_from(kernel, args, n, threads, PER_THREAD_MIN);
 }
 
 #endif

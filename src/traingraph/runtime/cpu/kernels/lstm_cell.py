@@ -21,8 +21,9 @@ Tanh's rounding differences would grow over the steps.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence, Set
+from collections.abc import Hashable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import onnx
@@ -48,6 +49,11 @@ class CellStep:
     slope: str
     through: str
     f: str
+
+    @property
+    def carried(self) -> tuple[tuple[str, str], ...]:
+        """What the step reads of the one before, paired with what it passes to the next."""
+        return (self.h_prev, self.h), (self.c_prev, self.c)
 
 
 @dataclass(frozen=True)
@@ -167,24 +173,15 @@ def split_lstm_forwards(
     g = graph_match.GraphIndex.of(model.graph)
     constants = graph_match.constant_values(model.graph)
     shapes = graph_match.inferred_shapes(model)
-    found: dict[str, tuple[str, CellStep, set[int]]] = {}  # by h_prev
-    for i, node in enumerate(g.nodes):
-        if i not in taken and node.op_type == "MatMul" and node.domain in _DEFAULT:
-            match = _step(g, i, constants, taken)
-            if match is not None:
-                found[match[1].h_prev] = match
-    after = {step.h for _, step, _ in found.values()}
+    found = [
+        match
+        for i, node in enumerate(g.nodes)
+        if i not in taken and node.op_type == "MatMul" and node.domain in _DEFAULT
+        and (match := _step(g, i, constants, taken)) is not None
+    ]  # fmt: skip
     matches = []
-    for r, first, nodes in found.values():
-        if first.h_prev in after:
-            continue  # not the first step of its chain
-        steps, members = [first], set(nodes)
-        while steps[-1].h in found:
-            r_next, following, more = found[steps[-1].h]
-            if r_next != r or following.c_prev != steps[-1].c:
-                break
-            steps.append(following)
-            members |= more
+    for r, steps, members in _chains(found):
+        first = steps[0]
         projection, places = _projection_pieces(g, steps, taken)
         if projection is not None:
             members.add(g.producer[first.piece])  # the Split
@@ -411,6 +408,36 @@ class GradStep:
     dc: str
     dgates: str
 
+    @property
+    def carried(self) -> tuple[tuple[str, str], ...]:
+        """What the step reads of the one before, paired with what it passes to the next."""
+        return (self.back, self.dgates), (self.dc_next, self.dc)
+
+
+_Step = TypeVar("_Step", CellStep, GradStep)
+
+
+def _chains(
+    found: Sequence[tuple[str, _Step, set[int]]],
+) -> Iterator[tuple[str, list[_Step], set[int]]]:
+    """The chains of the steps ``found`` (each with its weights and nodes): each step reads
+    what the one before passes on (:attr:`CellStep.carried`) and multiplies by the same
+    weights. Yields each chain's weights, steps in order and nodes."""
+    by_entry = {step.carried[0][0]: (r, step, nodes) for r, step, nodes in found}
+    passed = {step.carried[0][1] for _, step, _ in found}
+    for r, first, nodes in found:
+        if first.carried[0][0] in passed:
+            continue  # not the first step of its chain
+        steps, members = [first], set(nodes)
+        while steps[-1].carried[0][1] in by_entry:
+            r_next, following, more = by_entry[steps[-1].carried[0][1]]
+            links = zip(following.carried, steps[-1].carried)
+            if r_next != r or any(read != given for (read, _), (_, given) in links):
+                break
+            steps.append(following)
+            members |= more
+        yield r, steps, members
+
 
 @dataclass(frozen=True)
 class LstmBackward:
@@ -525,26 +552,14 @@ def split_lstm_backwards(
         return []
     g = graph_match.GraphIndex.of(model.graph)
     shapes = graph_match.inferred_shapes(model)
-    found: dict[str, tuple[str, GradStep, set[int]]] = {}  # by back
-    for i, node in enumerate(g.nodes):
-        if i in taken or node.op_type != "MatMul" or node.domain not in _DEFAULT:
-            continue
-        if g.tagged(i, "lstm_backward"):
-            match = _grad_step(g, i, taken)
-            if match is not None:
-                found[match[1].back] = match
-    after = {step.dgates for _, step, _ in found.values()}
+    found = [
+        match
+        for i, node in enumerate(g.nodes)
+        if i not in taken and node.op_type == "MatMul" and node.domain in _DEFAULT
+        and g.tagged(i, "lstm_backward") and (match := _grad_step(g, i, taken)) is not None
+    ]  # fmt: skip
     matches = []
-    for r, first, nodes in found.values():
-        if first.back in after:
-            continue  # not the first step of its chain
-        steps, members = [first], set(nodes)
-        while steps[-1].dgates in found:
-            r_next, following, more = found[steps[-1].dgates]
-            if r_next != r or following.dc_next != steps[-1].dc:
-                break
-            steps.append(following)
-            members |= more
+    for r, steps, members in _chains(found):
         if len(steps) < 2:
             continue
         columns, places = _columns_concat(g, [steps[0].back] + [s.dgates for s in steps], taken)
