@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import heapq
 import threading
-from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +32,43 @@ from traingraph.runtime.cpu.native import (
 FLOAT = onnx.TensorProto.FLOAT
 SHAPE_OPS = frozenset({"Squeeze", "Unsqueeze", "Reshape", "Identity", "Flatten"})
 """Ops that keep a value's elements and only change its shape."""
+
+
+def without_identities(
+    nodes: Sequence[onnx.NodeProto], pinned: Set[str]
+) -> list[onnx.NodeProto]:
+    """``nodes`` without their default-domain ``Identity`` nodes, each reader of an Identity's
+    output reading its input instead (copies of the readers, with the inputs renamed). An
+    Identity whose output is ``pinned`` (a graph output, a kernel's input) stays.
+
+    onnxruntime's Identity hands its input over where both live in one session, but a value
+    that crosses a cut is bound to a buffer of its own: an Identity at either end of a cut (a
+    ``Dropout`` of ratio 0 in training mode, lowered to one, an ``nn.Identity`` or a
+    ``clone()`` exported) copies the whole tensor there every step, and keeps both copies
+    alive."""
+    source: dict[str, str] = {}
+    for node in nodes:
+        if (
+            node.op_type == "Identity" and node.domain in ("", "ai.onnx")
+            and len(node.input) == 1 and len(node.output) == 1
+            and node.input[0] and node.output[0] not in pinned
+        ):  # fmt: skip
+            source[node.output[0]] = source.get(node.input[0], node.input[0])
+    if not source:
+        return list(nodes)
+    result: list[onnx.NodeProto] = []
+    for node in nodes:
+        if node.output and node.output[0] in source and node.op_type == "Identity":
+            continue
+        if any(v in source for v in node.input):
+            renamed = onnx.NodeProto()
+            renamed.CopyFrom(node)
+            for k, v in enumerate(renamed.input):
+                if v in source:
+                    renamed.input[k] = source[v]
+            node = renamed
+        result.append(node)
+    return result
 
 
 def graph_reads(graph: onnx.GraphProto) -> set[str]:

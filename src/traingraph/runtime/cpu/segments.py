@@ -125,7 +125,7 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         and not node.input and node.output[0] not in outside
     }  # fmt: skip
     kept = [node for node in kept if not node.output or node.output[0] not in constants]
-    kept = _without_identities(kept, outside)
+    kept = graph_match.without_identities(kept, outside)
     by_output = {o: k for k, (grad, _) in enumerate(grads) for o in grad.outputs}
     by_node = {o: i for i, node in enumerate(kept) for o in node.output if o}
     stages: dict[tuple[bool, int], int] = {}  # (a kernel?, its index) -> its stage
@@ -219,42 +219,6 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
     return Plan(segments, plan_kernels, others, first)
-
-
-def _without_identities(
-    nodes: Sequence[onnx.NodeProto], pinned: Set[str]
-) -> list[onnx.NodeProto]:
-    """``nodes`` without their default-domain ``Identity`` nodes, each reader of an Identity's
-    output reading its input instead (copies of the readers, with the inputs renamed). An
-    Identity whose output is a graph output or a kernel's input (``pinned``) stays.
-
-    onnxruntime's Identity hands its input over where both live in one session, but a value
-    that crosses a cut is bound to a buffer of its own: an Identity at either end of a cut (a
-    ``Dropout`` of ratio 0 in training mode, lowered to one, or an ``nn.Identity`` exported)
-    copies the whole tensor there every step, and keeps both copies alive."""
-    source: dict[str, str] = {}
-    for node in nodes:
-        if (
-            node.op_type == "Identity" and node.domain in ("", "ai.onnx")
-            and len(node.input) == 1 and len(node.output) == 1
-            and node.input[0] and node.output[0] not in pinned
-        ):  # fmt: skip
-            source[node.output[0]] = source.get(node.input[0], node.input[0])
-    if not source:
-        return list(nodes)
-    result: list[onnx.NodeProto] = []
-    for node in nodes:
-        if node.output and node.output[0] in source and node.op_type == "Identity":
-            continue
-        if any(v in source for v in node.input):
-            renamed = onnx.NodeProto()
-            renamed.CopyFrom(node)
-            for k, v in enumerate(renamed.input):
-                if v in source:
-                    renamed.input[k] = source[v]
-            node = renamed
-        result.append(node)
-    return result
 
 
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})

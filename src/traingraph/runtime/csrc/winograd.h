@@ -761,15 +761,34 @@ static int wino_share(const void *arg, int t, int threads)
     return 0;
 }
 
+/* `planes` planes h x w copied into planes he x we (he >= h, we >= w) whose other rows and
+ * columns are zeros; NULL where memory runs out. */
+static float *wino_padded(const float *src, Py_ssize_t planes, Py_ssize_t h, Py_ssize_t w,
+                          Py_ssize_t he, Py_ssize_t we)
+{
+    float *dst = calloc((size_t)(planes * he * we), sizeof(float));
+    if (dst == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t plane = 0; plane < planes; plane++) {
+        for (Py_ssize_t i = 0; i < h; i++) {
+            memcpy(dst + (plane * he + i) * we, src + (plane * h + i) * w, sizeof(float) * (size_t)w);
+        }
+    }
+    return dst;
+}
+
 PyDoc_STRVAR(conv_winograd_doc,
 "conv_winograd(x, w, b, addend, y, threads, tile=0, flipped=False)\n--\n\n"
 "Write into ``y`` (float32, C-contiguous, ``[N, K, H, W]``) the convolution of ``x``\n"
 "``[N, C, H, W]`` with the 3 x 3 filters ``w`` ``[K, C, 3, 3]``, strides 1 and pads 1, plus\n"
-"the bias ``b`` ``[K]`` and ``addend`` (``y``'s shape) where not None; H and W even. By\n"
-"Winograd's F(tile x tile, 3 x 3): ``tile`` 4 where H and W are multiples of 4 and W is 8,\n"
-"16, 32 or a multiple of 64, else 2; 0 picks 4 where it can. ``threads`` threads share the\n"
-"tile rows. With ``flipped``, ``w`` is ``[C, K, 3, 3]`` and the filters are\n"
-"``w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]`` (a Conv's input gradient), read in place.");
+"the bias ``b`` ``[K]`` and ``addend`` (``y``'s shape) where not None. By Winograd's\n"
+"F(tile x tile, 3 x 3): ``tile`` 4 where H and W are multiples of 4 and W is 8, 16, 32 or a\n"
+"multiple of 64, else 2; 0 picks 4 where it can. An odd H or W is computed over the plane\n"
+"one row or column larger, of zeros there (copies of ``x``, ``addend`` and ``y``), with tile 2.\n"
+"``threads`` threads share the tile rows. With ``flipped``, ``w`` is ``[C, K, 3, 3]`` and the\n"
+"filters are ``w.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]`` (a Conv's input gradient), read in\n"
+"place.");
 
 static PyObject *conv_winograd(PyObject *self, PyObject *args)
 {
@@ -785,7 +804,7 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
     const float *bufs[5] = {NULL};
     Py_ssize_t held = 0, shapes[5][4] = {{0}};
     PyObject *result = NULL;
-    float *u = NULL;
+    float *u = NULL, *xp = NULL, *ap = NULL, *yp = NULL;
     for (int k = 0; k < 5; k++) {
         if (objects[k] == Py_None && (k == 2 || k == 3)) {
             continue;
@@ -801,7 +820,7 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
     const Py_ssize_t *xs = shapes[0], *ws = shapes[1], *ys = shapes[4];
     const Py_ssize_t n = xs[0], c = xs[1], h = xs[2], w = xs[3], k = ws[flipped ? 1 : 0];
     int fits = ws[flipped ? 0 : 1] == c && ws[2] == 3 && ws[3] == 3 && ys[0] == n && ys[1] == k && ys[2] == h &&
-               ys[3] == w && h >= 2 && w >= 2 && h % 2 == 0 && w % 2 == 0 && c >= 1 && k >= 1;
+               ys[3] == w && h >= 1 && w >= 1 && c >= 1 && k >= 1;
     if (bufs[2] != NULL && shapes[2][0] != k) {
         fits = 0;
     }
@@ -811,13 +830,16 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
     if (!fits) {
         PyErr_Format(PyExc_ValueError,
                      "conv_winograd: x [%zd, %zd, %zd, %zd], w [%zd, %zd, %zd, %zd] and y [%zd,"
-                     " %zd, %zd, %zd] are not one 3 x 3 convolution of pads 1 over an even"
-                     " height and width; y must be [N, K, H, W] with w [K, C, 3, 3] ([C, K, 3,"
-                     " 3] flipped), b [K] and addend y's shape",
+                     " %zd, %zd, %zd] are not one 3 x 3 convolution of pads 1; y must be [N, K,"
+                     " H, W] with w [K, C, 3, 3] ([C, K, 3, 3] flipped), b [K] and addend y's"
+                     " shape",
                      n, c, h, w, ws[0], ws[1], ws[2], ws[3], ys[0], ys[1], ys[2], ys[3]);
         goto done;
     }
-    const int four = h % 4 == 0 && w % 4 == 0 && wino4_lanes(w / 4);
+    /* an odd side: the plane one larger, its last row or column zeros */
+    const Py_ssize_t he = h + h % 2, we = w + w % 2;
+    const int padded = he != h || we != w;
+    const int four = !padded && h % 4 == 0 && w % 4 == 0 && wino4_lanes(w / 4);
     if (tile == 0) {
         tile = four ? 4 : 2;
     }
@@ -841,13 +863,25 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
     if (run_pool(wino_transform_share, &transform, transform_threads) < 0) {
         goto done;
     }
-    const Py_ssize_t th = h / tile, tw = w / tile, units = n * th;
+    const float *x = bufs[0], *addend = bufs[3];
+    float *y = (float *)bufs[4];
+    if (padded) {
+        xp = wino_padded(x, n * c, h, w, he, we);
+        ap = addend != NULL ? wino_padded(addend, n * k, h, w, he, we) : NULL;
+        yp = malloc(sizeof(float) * (size_t)(n * k * he * we));
+        if (xp == NULL || yp == NULL || (addend != NULL && ap == NULL)) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        x = xp, addend = ap, y = yp;
+    }
+    const Py_ssize_t th = he / tile, tw = we / tile, units = n * th;
     /* the block's V and M within wino_block_bytes, with enough blocks for the threads */
     const Py_ssize_t u_bytes = (Py_ssize_t)sizeof(float) * freqs * c * k;
     Py_ssize_t fit = wino_block_bytes(u_bytes) / (Py_ssize_t)sizeof(float) / (freqs * (c + k)) / tw;
     fit = fit > 1 ? fit : 1;
     fit = fit < WINO_MAX_ROWS ? fit : WINO_MAX_ROWS;
-    if (n * k * h * w < ROUTE_PER_THREAD / 4 || threads < 1) {
+    if (n * k * he * we < ROUTE_PER_THREAD / 4 || threads < 1) {
         threads = 1;
     }
     Py_ssize_t rows = (units + 2 * threads - 1) / (2 * threads);
@@ -858,15 +892,29 @@ static PyObject *conv_winograd(PyObject *self, PyObject *args)
     }
     atomic_long next = 0;
     struct wino p = {
-        .x = bufs[0], .b = bufs[2], .addend = bufs[3], .y = (float *)bufs[4], .u = u, .n = n,
-        .c = c, .h = h, .w = w, .k = k, .tile = tile, .freqs = freqs, .th = th, .tw = tw, .rows = rows,
+        .x = x, .b = bufs[2], .addend = addend, .y = y, .u = u, .n = n,
+        .c = c, .h = he, .w = we, .k = k, .tile = tile, .freqs = freqs, .th = th, .tw = tw, .rows = rows,
         .tiles = round16(rows * tw), .v_pitch = c * round16(rows * tw) + 16,
         .m_pitch = k * round16(rows * tw) + 16, .next = &next,
     };
-    result = run_pool(wino_share, &p, threads) < 0 ? NULL : Py_NewRef(Py_None);
+    if (run_pool(wino_share, &p, threads) < 0) {
+        goto done;
+    }
+    if (padded) {
+        float *out = (float *)bufs[4];
+        for (Py_ssize_t plane = 0; plane < n * k; plane++) {
+            for (Py_ssize_t i = 0; i < h; i++) {
+                memcpy(out + (plane * h + i) * w, yp + (plane * he + i) * we, sizeof(float) * (size_t)w);
+            }
+        }
+    }
+    result = Py_NewRef(Py_None);
 done:
     release_views(views, held);
     free(u);
+    free(xp);
+    free(ap);
+    free(yp);
     return result;
 }
 

@@ -24,13 +24,14 @@ pytestmark = pytest.mark.skipif(
 
 
 class OddNet(nn.Module):
-    """3 x 3 Convs of stride 1 over an odd height and width (left to onnxruntime: the Winograd
-    kernel takes even sizes), then one over an even size (the Winograd kernel's)."""
+    """A 3 x 3 Conv of dilations 2 and pads 2, whose input gradient (the same Conv of the
+    flipped filters) is left to onnxruntime (the Winograd kernel takes dilations 1), then one
+    of dilations 1 and pads 1 (the Winograd kernel's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.odd = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.odd = nn.Conv2d(8, 8, 3, padding=2, dilation=2, bias=False)
         self.down = nn.Conv2d(8, 12, 2, stride=1)
         self.even = nn.Conv2d(12, 6, 3, padding=1)
         self.fc = nn.Linear(6, 5)
@@ -55,8 +56,8 @@ def test_the_flips_left_to_onnxruntime_are_taken(tmp_path):
     model = onnx.load(_artifacts(tmp_path) / "training_model.onnx")
     taken = set().union(*(nodes for _, nodes in winograd.split_winograd_convs(model)))
     found = flipped_filter.split_flipped_filters(model, taken)
-    # the odd-sized Conv's input gradient (the stem's is not computed; Winograd reads the
-    # even one's parameter in place)
+    # the dilated Conv's input gradient (the stem's is not computed; Winograd reads the other
+    # one's parameter in place)
     assert [k.weight for k, _ in found] == ["odd.weight"]
     kernel, nodes = found[0]
     assert sorted(model.graph.node[i].op_type for i in nodes) == ["Slice", "Transpose"]

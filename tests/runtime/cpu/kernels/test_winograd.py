@@ -42,6 +42,12 @@ GEOMETRIES = {
     "large-block": (2, 40, 24, 14, 14),
     "large-block-4": (2, 40, 24, 16, 16),
     "deep": (3, 64, 64, 8, 8),
+    # odd sides: computed over the plane one larger, zeros there
+    "7x7": (3, 20, 12, 7, 7),
+    "odd-height": (2, 5, 7, 5, 8),
+    "odd-width": (2, 5, 7, 6, 9),
+    "1x1-plane": (2, 4, 3, 1, 1),
+    "13x13-deep": (2, 64, 48, 13, 13),
 }
 
 
@@ -147,16 +153,16 @@ def test_kernel_refuses_arrays_it_cannot_take():
     native = NATIVE
     x, w = np.zeros((2, 3, 6, 6), np.float32), np.zeros((4, 3, 3, 3), np.float32)
     y = np.zeros((2, 4, 6, 6), np.float32)
-    with pytest.raises(ValueError, match=r"over an even height and width"):
+    with pytest.raises(ValueError, match=r"are not one 3 x 3 convolution of pads 1"):
         native.conv_winograd(np.zeros((2, 3, 5, 6), np.float32), w, None, None,
-                             np.zeros((2, 4, 5, 6), np.float32), 1)  # fmt: skip
+                             np.zeros((2, 4, 5, 5), np.float32), 1)  # fmt: skip
     with pytest.raises(ValueError, match=r"w \[4, 3, 5, 5\]"):
         native.conv_winograd(x, np.zeros((4, 3, 5, 5), np.float32), None, None, y, 1)
     with pytest.raises(ValueError, match=r"b \[K\] and addend y's shape"):
         native.conv_winograd(x, w, None, np.zeros((2, 4, 6, 4), np.float32), y, 1)
     with pytest.raises(ValueError, match=r"b \[K\]"):
         native.conv_winograd(x, w, np.zeros(3, np.float32), None, y, 1)
-    for tile, shape in [(4, (2, 3, 6, 8)), (4, (2, 3, 8, 12)), (3, (2, 3, 8, 8))]:
+    for tile, shape in [(4, (2, 3, 6, 8)), (4, (2, 3, 8, 12)), (3, (2, 3, 8, 8)), (4, (2, 3, 7, 8))]:
         with pytest.raises(ValueError, match=rf"tile {tile} over a height {shape[2]} and width"):
             native.conv_winograd(np.zeros(shape, np.float32), w, None, None,
                                  np.zeros((2, 4, *shape[2:]), np.float32), 1, tile)  # fmt: skip
@@ -190,8 +196,8 @@ class PlainBlock(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
-def _artifacts(directory, dynamo=False):
-    model, example = seeded(PlainBlock), torch.zeros(4, 3, 8, 12)
+def _artifacts(directory, dynamo=False, size=(8, 12)):
+    model, example = seeded(PlainBlock), torch.zeros(4, 3, *size)
     onnx_model = (
         export_dynamo(model, example) if dynamo else export(model, example, training=True)
     )
@@ -233,11 +239,10 @@ def test_the_three_by_three_convs_of_stride_one_are_taken(tmp_path):
     [
         ({"pads": [1, 1, 1, 1], "strides": [2, 2]}, [2, 3, 8, 8]),
         ({"pads": [0, 0, 0, 0]}, [2, 3, 8, 8]),
-        ({"pads": [1, 1, 1, 1]}, [2, 3, 7, 8]),
         ({"pads": [1, 1, 1, 1], "dilations": [2, 2]}, [2, 3, 8, 8]),
         ({"pads": [1, 1, 1, 1], "group": 3}, [2, 3, 8, 8]),
     ],
-    ids=["strided", "unpadded", "odd-height", "dilated", "grouped"],
+    ids=["strided", "unpadded", "dilated", "grouped"],
 )
 def test_convs_the_kernel_does_not_take_stay(attributes, shape):
     group = attributes.get("group", 1)
@@ -254,7 +259,7 @@ def test_convs_the_kernel_does_not_take_stay(attributes, shape):
     assert winograd.split_winograd_convs(model) == []
     attributes = {"pads": [1, 1, 1, 1]}
     model.graph.node[0].CopyFrom(helper.make_node("Conv", ["x", "w"], ["y"], **attributes))
-    if shape[2] % 2 == 0 and group == 1:  # the same Conv, made one the kernel takes
+    if group == 1:  # the same Conv, made one the kernel takes
         assert len(winograd.split_winograd_convs(model)) == 1
 
 
@@ -314,6 +319,27 @@ def test_module_trains_as_the_graph_does(tmp_path, dynamo):
     batches = [
         (rng.standard_normal((n, 3, 8, 12)).astype(np.float32), rng.integers(0, 5, n))
         for n in (4, 4, 3)  # the batch changes: the kernels' outputs follow it
+    ]
+    got = artifact_steps(directory, batches, winograd.WinogradConv)
+    expected = artifact_steps(directory, batches, winograd.WinogradConv, without=NO_WINOGRAD)
+    assert_same_training(got, expected, one_scale=True)
+
+
+def test_odd_planes_are_taken_and_train_as_the_graph_does(tmp_path):
+    """At 7 x 9 (and 4 x 5 after the strided Conv) every 3 x 3 Conv of stride 1 and its input
+    gradient is the kernel's, computed over planes one row and column larger; the training is
+    the graph's."""
+    directory = _artifacts(tmp_path, size=(7, 9))
+    model = onnx.load(directory / "training_model.onnx")
+    found = winograd.split_winograd_convs(model)
+    assert {k.weight for k, _ in found if not k.flipped} == {
+        "stem.weight", "conv1.weight", "conv2.weight", "head.weight"
+    }
+    assert {k.weight for k, _ in found if k.flipped} == {"conv1.weight", "conv2.weight", "head.weight"}
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.standard_normal((n, 3, 7, 9)).astype(np.float32), rng.integers(0, 5, n))
+        for n in (4, 4, 3)
     ]
     got = artifact_steps(directory, batches, winograd.WinogradConv)
     expected = artifact_steps(directory, batches, winograd.WinogradConv, without=NO_WINOGRAD)

@@ -263,6 +263,7 @@ def split(
         ModelError: ``config.native_kernels`` names a kernel that does not exist.
     """
     chosen = select(config.native_kernels)
+    model = _bypassed_identities(model)
     grads: list[conv_grads.WeightGrad] = []
     if config.native_conv_grads:
         model, grads = conv_grads.split_weight_grads(model, forward, chosen)
@@ -270,3 +271,24 @@ def split(
     if config.native_segments:
         model, found = find(model, grads, forward, chosen)
     return model, grads, found
+
+
+def _bypassed_identities(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each reader of an ``Identity``'s output reading its input instead and
+    the Identity gone, unless the output is a graph output (``model`` itself where there is
+    none to remove, or where a subgraph may read one from the enclosing scope).
+
+    An Identity is a copy (an exported ``clone()``, a lowered ``Dropout`` of ratio 0): inside
+    one onnxruntime session it hands its input over, but where a kernel reads its output,
+    the value crosses a cut and is copied there every step."""
+    graph = model.graph
+    if not any(n.op_type == "Identity" for n in graph.node) or graph_match.has_subgraphs(model):
+        return model
+    nodes = graph_match.without_identities(graph.node, {o.name for o in graph.output})
+    if len(nodes) == len(graph.node):
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.node[:]
+    result.graph.node.extend(nodes)
+    return result

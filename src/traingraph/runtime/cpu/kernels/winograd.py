@@ -51,8 +51,8 @@ _TILE = 2  # F(2 x 2, 3 x 3): within about twice a direct convolution's rounding
 @dataclass(frozen=True)
 class WinogradConv(OneOutput):
     """``out = Conv(x, weight, bias) + addend`` for 3 x 3 filters, strides and dilations 1,
-    pads 1 and one group over an even height and width; without the bias or the addend where
-    they are None.
+    pads 1 and one group; without the bias or the addend where they are None. An odd height
+    or width is computed over the plane one row or column larger, zeros there, and cut back.
 
     Attributes:
         x: The Conv's input ``[N, C, H, W]``.
@@ -108,7 +108,7 @@ def split_winograd_convs(
     """Each Conv of ``model`` (with the Sum or Add that alone reads it) that
     :class:`WinogradConv` computes, with the indices of the nodes it replaces, none in
     ``taken``: 2-D float Convs of 3 x 3 filters, strides and dilations 1, pads 1 and one group
-    over an even height and width known from shape inference. ``[]`` where the extension is
+    over a height and width known from shape inference. ``[]`` where the extension is
     missing or nothing matches."""
     if not graph_match.can_match(model, "conv_winograd", "Conv"):
         return []
@@ -144,7 +144,7 @@ def _match(
     if weight[2:] != [3, 3] or weight[1] is None or x[1] != weight[1] or weight[0] is None:
         return None
     height, width = x[2], x[3]
-    if height is None or width is None or height % 2 or width % 2:
+    if height is None or width is None:
         return None
     attrs = {a.name: a for a in node.attribute}
     ints = {name: list(a.ints) for name, a in attrs.items() if a.type == onnx.AttributeProto.INTS}
