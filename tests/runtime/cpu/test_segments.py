@@ -19,7 +19,7 @@ from torch import nn
 
 from gradcheck import assert_same_training
 from torch_models import ResidualNet, export, seeded
-from traingraph import artifacts, optim
+from traingraph import artifacts, from_torch, optim
 from traingraph.api import CheckpointState, Module, Optimizer
 from traingraph.runtime.cpu import segments
 from traingraph.runtime.cpu.kernels import batch_norm, conv_grads
@@ -783,3 +783,52 @@ def test_a_segment_whose_values_nothing_reads_runs_nothing(tmp_path) -> None:
     for name, param in reference.named_parameters():
         got = state.parameters[name].grad.reshape(param.shape)
         np.testing.assert_allclose(got, param.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+class _Cloned(nn.Module):
+    """A Conv reading an exported ``clone()`` (an Identity) of a Relu's output: its weight
+    gradient, a native kernel, reads the clone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x)).clone()
+        return self.fc(torch.relu(self.conv(h) + h).mean(dim=(2, 3)))
+
+
+def test_an_identity_a_kernel_reads_is_bypassed_in_the_whole_model(tmp_path):
+    from traingraph.runtime.cpu import kernels
+
+    artifacts.generate_artifacts(
+        from_torch(seeded(_Cloned), (torch.zeros(2, 3, 6, 6),), input_names=["x"]),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.1, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    model = onnx.load(tmp_path / "training_model.onnx")
+    clones = {n.output[0] for n in model.graph.node if n.op_type == "Identity"}
+    clones -= {o.name for o in model.graph.output}
+    assert clones
+    split, grads, found = kernels.split(model, SessionConfig())
+    assert grads  # the weight gradients read the Relu's output, not its copy
+    reads = {v for g in grads for v in (g.x, g.dy)} | {v for k, _ in found for v in k.inputs}
+    assert not reads & clones
+    assert not {n.output[0] for n in split.graph.node if n.op_type == "Identity"} & clones
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((2, 3, 6, 6)).astype(np.float32), rng.integers(0, 4, 2))
+        for _ in range(3)
+    ]
+    from gradcheck import train_steps
+
+    def run(config: SessionConfig):
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state, session_config=config)
+        return train_steps(module, Optimizer(tmp_path / "optimizer_model.onnx", module), state, batches)
+
+    plain = SessionConfig(native_conv_grads=False, native_segments=False)
+    assert_same_training(run(SessionConfig()), run(plain), one_scale=True)
