@@ -209,6 +209,12 @@ AVG_CASES = {
     "2d_asym_pads": ((1, 2, 7, 6), [3, 2], [2, 1], [1, 0, 2, 1], 0),
     "2d_ceil": ((1, 3, 7, 8), [3, 2], [2, 3], [1, 0, 1, 0], 1),
     "3d": ((1, 2, 5, 4, 5), [2, 2, 3], [1, 2, 2], [1, 0, 1, 1, 0, 1], 0),
+    # strides 1: the gradient is an AveragePool itself
+    "2d_stride1": ((2, 3, 7, 6), [3, 3], [1, 1], [1, 1, 1, 1], 0),
+    "2d_stride1_asym_pads": ((1, 2, 6, 7), [3, 2], [1, 1], [2, 0, 1, 1], 0),
+    "2d_stride1_unpadded_ceil": ((1, 3, 6, 5), [3, 3], [1, 1], [0, 0, 0, 0], 1),
+    "1d_stride1": ((2, 3, 9), [4], [1], [1, 2], 0),
+    "3d_stride1": ((1, 2, 4, 5, 4), [2, 3, 2], [1, 1, 1], [0, 1, 1, 1, 1, 0], 0),
 }
 
 
@@ -239,12 +245,26 @@ def test_average_pool(case, count_include_pad):
 
 
 @pytest.mark.parametrize("dynamic", ["batch", "all"])
-def test_average_pool_dynamic_shapes(dynamic):
+@pytest.mark.parametrize("strides", [[2, 3], [1, 1]])
+def test_average_pool_dynamic_shapes(dynamic, strides):
     check_op_gradient(
         "AveragePool", {"x": r(2, 3, 7, 9, dtype=np.float32)},
-        {"kernel_shape": [3, 2], "strides": [2, 3]}, dynamic=dynamic,
-        torch_fn=lambda x: F.avg_pool2d(x, [3, 2], [2, 3]), **F32,
+        {"kernel_shape": [3, 2], "strides": strides}, dynamic=dynamic,
+        torch_fn=lambda x: F.avg_pool2d(x, [3, 2], strides), **F32,
     )
+
+
+def test_a_stride_one_pool_gradient_is_one_pool():
+    """The gradient of a 3 x 3 pool of stride 1 (PoolFormer's token mixer) pools the scaled
+    output gradient once: no ConvTranspose, no unfolded columns."""
+    x = r(2, 3, 7, 6, dtype=np.float32)
+    attrs = {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]}
+    model = make_op_model("AveragePool", {"x": x}, attrs)
+    y = session(model).run(None, {"x": x})[0]
+    model = build_gradient_graph(add_weighted_sum_loss(model, ["y0"], [y]), wrt=["x"], loss="loss")
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("AveragePool") >= 2  # the forward's and the gradient's
+    assert not {"ConvTranspose", "Col2Im", "Conv", "MatMul"} & set(ops)
 
 
 def test_average_pool_padding_needs_static_spatial_dims():

@@ -11,6 +11,11 @@
   ``dL/dX = ConvTranspose(G / div, ones)`` per channel. ``1 / div(o)`` is read off the forward
   op itself, ``AveragePool(ones)[o] / count(o)`` with ``count(o)`` the input elements (not
   padding) in window ``o``, so it matches every ``count_include_pad`` / ``ceil_mode`` convention.
+  With strides and dilations 1 (the 3 x 3 pools of PoolFormer, Inception and NAS cells), the
+  transposed convolution with a window of ones is the sum over the window turned around, that
+  is over the same window with the pads ``k - 1 - p`` exchanged: an ``AveragePool`` that counts
+  the pads, of ``G * prod(k) / div``, one pooling pass where the ConvTranspose unfolds
+  ``prod(k)`` columns and folds them back.
 - The global pools are the same over the whole spatial extent.
 """
 
@@ -207,6 +212,23 @@ def average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
     b, x = ctx.b, ctx.x(0)
     win = sliding_window(ctx, kernel_shape(ctx, None), x)
     n = len(win.kernel)
+    unit = all(s == 1 for s in win.strides) and all(d == 1 for d in win.dilations)
+    if unit and all(p < k for k, p in zip(win.kernel * 2, win.begins + win.ends)):
+        size = float(math.prod(win.kernel))
+        scale = b.Mul(_average_scale(ctx, win, x), b.scalar(size, like=x))
+        # window o reads inputs o - pb .. o - pb + k - 1, so input i is read by outputs
+        # i + pb - k + 1 .. i + pb: a window of k again, with the pads k - 1 - pb before
+        # and k - 1 - pe after, each of which the pool divides by prod(k)
+        pads = [k - 1 - p for k, p in zip(win.kernel, win.ends)]
+        pads = [k - 1 - p for k, p in zip(win.kernel, win.begins)] + pads
+        summed = b.op(
+            "AveragePool",
+            b.Mul(g, scale),
+            kernel_shape=list(win.kernel),
+            pads=pads,
+            count_include_pad=1,
+        )
+        return [summed]
     planes = b.ints([-1, 1] + [0] * n)
     scaled = b.Reshape(b.Mul(g, _average_scale(ctx, win, x)), planes)
     ones = b.const(np.ones((1, 1, *win.kernel)), like=x)
