@@ -118,10 +118,16 @@ def _shape_of(
     return {found[0]}
 
 
-def _pooled(size: int, kernel: int, stride: int, begin: int, end: int, dilation: int) -> int | None:
-    """The windows along one axis (floor mode), or None where one of them holds no element
-    of the input."""
-    count = (size + begin + end - (kernel - 1) * dilation - 1) // stride + 1
+def _pooled(
+    size: int, kernel: int, stride: int, begin: int, end: int, dilation: int, ceil: bool
+) -> int | None:
+    """The windows along one axis, or None where one of them holds no element of the input.
+    In ceil mode a last window that would start past the input and its begin pads is
+    dropped, as onnxruntime and PyTorch drop it."""
+    span = size + begin + end - (kernel - 1) * dilation - 1
+    count = (-(-span // stride) if ceil else span // stride) + 1
+    if ceil and (count - 1) * stride >= size + begin:
+        count -= 1
     for o in range(count):
         starts = o * stride - begin + np.arange(kernel) * dilation
         if not ((starts >= 0) & (starts < size)).any():
@@ -158,13 +164,13 @@ def _match(
     dilations = list(p.get("dilations", [1, 1]))  # type: ignore[call-overload]
     if (
         p.get("storage_order", 0) != 0
-        or p.get("ceil_mode", 0) != 0
         or p.get("auto_pad", b"NOTSET") != b"NOTSET"
         or len(kernel) != 2 or len(pads) != 4 or len(strides) != 2 or len(dilations) != 2
     ):  # fmt: skip
         return None
+    ceil = bool(p.get("ceil_mode", 0))
     counts = [
-        _pooled(int(s), k, st, b, e, d)
+        _pooled(int(s), k, st, b, e, d, ceil)
         for s, k, st, b, e, d in zip(dims[2:], kernel, strides, pads[:2], pads[2:], dilations)
     ]
     if None in counts or pooled != [*dims[:2], *counts]:
