@@ -53,6 +53,11 @@ plane adds the copies to and from the padded plane and its extra tiles. Measured
 two threads, against onnxruntime's Conv: 256 and 256 channels over 7 x 7 1.8 times as fast,
 128 and 128 over 13 x 13 1.3 times; 16 and 64 over 23 x 23 (SqueezeNet's expand Convs,
 12.8) 0.65 times, 64 and 256 over 5 x 5 (51) 0.77 times."""
+_ODD_PLANE_SIDE = 7
+"""The least height and width of an odd plane the kernel takes: below, the padded plane's
+extra tiles (16 for 9 outputs at 3 x 3) and the filters' transform, whose cost does not shrink
+with the plane, outweigh the products (512 and 512 channels at batch 8: 0.65 times
+onnxruntime's speed over 3 x 3, 0.75 over 5 x 5, 1.17 over 7 x 7)."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,8 @@ def split_winograd_convs(
     """Each Conv of ``model`` (with the Sum or Add that alone reads it) that
     :class:`WinogradConv` computes, with the indices of the nodes it replaces, none in
     ``taken``: 2-D float Convs of 3 x 3 filters, strides and dilations 1, pads 1 and one group
-    over a height and width known from shape inference (odd ones with enough channels,
-    :data:`_ODD_PLANE_CHANNELS`). ``[]`` where the extension is
+    over a height and width known from shape inference (odd ones of enough channels and
+    size, :data:`_ODD_PLANE_CHANNELS`, :data:`_ODD_PLANE_SIDE`). ``[]`` where the extension is
     missing or nothing matches."""
     if not graph_match.can_match(model, "conv_winograd", "Conv"):
         return []
@@ -155,7 +160,10 @@ def _match(
     if height is None or width is None:
         return None
     channels, filters = weight[1], weight[0]
-    if (height % 2 or width % 2) and channels * filters < _ODD_PLANE_CHANNELS * (channels + filters):
+    if (height % 2 or width % 2) and (
+        min(height, width) < _ODD_PLANE_SIDE
+        or channels * filters < _ODD_PLANE_CHANNELS * (channels + filters)
+    ):
         return None
     attrs = {a.name: a for a in node.attribute}
     ints = {name: list(a.ints) for name, a in attrs.items() if a.type == onnx.AttributeProto.INTS}
