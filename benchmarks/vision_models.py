@@ -1,0 +1,147 @@
+"""CPU train steps of vision models users train, traingraph against torch eager in one process.
+
+Each model (``tv:NAME`` from torchvision, ``timm:NAME`` from timm where it is importable) is
+built with a fixed seed and its dropout and drop-path probabilities at 0, exported with
+:func:`traingraph.from_torch`, and trained with SGD (momentum 0.9) and cross-entropy on one
+fixed batch by traingraph's ``Module`` and by torch eager in turn, one step each; the median
+ms per step of each, their ratio (eager / traingraph, above 1 where traingraph is faster) and
+the first and last losses of both are printed.
+
+Between the two systems' steps the process sleeps ``--pause`` seconds (default 0.02): PyTorch's
+OpenMP workers (libgomp) spin for several milliseconds after each parallel region before they
+sleep, and on a machine of few cores they take them from whatever runs next in the process.
+``--pause 0`` measures that too (on two cores it adds 4-5 ms to a traingraph step that follows
+a torch step).
+
+Run from the repository root (timm's own directory with ``--timm-path`` where it is installed
+with ``pip install --no-deps --target DIR timm``)::
+
+    python benchmarks/vision_models.py --batch 8 --size 96 --steps 10 \
+        tv:squeezenet1_1 tv:mobilenet_v2 timm:poolformer_s12 timm:densenet121
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CLASSES = 10
+
+
+def build(spec: str) -> Any:
+    """The seeded torch model ``spec`` in train mode, without dropout or drop paths."""
+    source, name = spec.split(":", 1)
+    torch.manual_seed(0)
+    if source == "tv":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from zoo.torchvision_import import torchvision_models
+
+        model = getattr(torchvision_models(), name)(num_classes=CLASSES)
+    elif source == "timm":
+        import timm
+
+        model = timm.create_model(name, num_classes=CLASSES, pretrained=False, drop_rate=0.0)
+    else:
+        raise SystemExit(f"model {spec!r}: expected tv:NAME or timm:NAME")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if hasattr(module, "drop_prob"):
+            module.drop_prob = 0.0
+    return model.train()
+
+
+def run(spec: str, batch: int, size: int, steps: int, pause: float) -> str:
+    """One model's row of the table."""
+    from traingraph import from_torch, losses, optim
+    from traingraph.api import CheckpointState, Module, Optimizer
+    from traingraph.artifacts import generate_artifacts
+
+    model = build(spec)
+    torch.manual_seed(1)
+    x = torch.randn(batch, 3, size, size)
+    y = torch.randint(0, CLASSES, (batch,))
+    directory = Path(tempfile.mkdtemp())
+    proto = from_torch(copy.deepcopy(model), (x,), input_names=["input"], output_names=["output"])
+    generate_artifacts(
+        proto,
+        requires_grad=[n for n, p in model.named_parameters() if p.requires_grad],
+        loss=losses.CrossEntropyLoss(),
+        optimizer=optim.SGD(lr=1e-3, momentum=0.9),
+        artifact_directory=directory,
+    )
+    state = CheckpointState.load_checkpoint(directory / "checkpoint")
+    module = Module(directory / "training_model.onnx", state)
+    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
+    module.train()
+    torch_optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    criterion = torch.nn.CrossEntropyLoss()
+    images, labels = x.numpy(), y.numpy().astype(np.int64)
+
+    def traingraph_step() -> float:
+        loss = module(images, labels)
+        optimizer.step()
+        module.lazy_reset_grad()
+        return float(np.asarray(loss))
+
+    def eager_step() -> float:
+        torch_optimizer.zero_grad(set_to_none=True)
+        loss = criterion(model(x), y)
+        loss.backward()
+        torch_optimizer.step()
+        return float(loss.detach())
+
+    times: dict[str, list[float]] = {"traingraph": [], "eager": []}
+    losses_seen: dict[str, list[float]] = {"traingraph": [], "eager": []}
+    for i in range(steps + 2):
+        for name, step in (("traingraph", traingraph_step), ("eager", eager_step)):
+            start = time.perf_counter()
+            losses_seen[name].append(step())
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+            time.sleep(pause)
+    ours, eager = (statistics.median(times[n]) * 1e3 for n in ("traingraph", "eager"))
+    a, b = losses_seen["traingraph"], losses_seen["eager"]
+    return (
+        f"| {spec} | {ours:.1f} | {eager:.1f} | {eager / ours:.2f} | {a[0]:.5f} / {b[0]:.5f}"
+        f" | {a[-1]:.4f} / {b[-1]:.4f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="+", help="tv:NAME or timm:NAME")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps, after 2")
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads; 0: its default")
+    parser.add_argument("--pause", type=float, default=0.02, help="seconds between systems")
+    parser.add_argument("--timm-path", help="a directory timm is installed in")
+    args = parser.parse_args(argv)
+    if args.timm_path:
+        sys.path.insert(0, args.timm_path)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"batch {args.batch}, {args.size} x {args.size}, torch threads {torch.get_num_threads()}")
+    print("| model | traingraph ms | eager ms | eager / traingraph | first losses | last losses |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.models:
+        try:
+            print(run(spec, args.batch, args.size, args.steps, args.pause), flush=True)
+        except Exception as error:  # one model's failure does not end the table
+            print(f"| {spec} | failed: {type(error).__name__}: {str(error)[:200]} | | | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
