@@ -917,49 +917,9 @@ static inline float finite_or_zero(float v)
     return v - v == 0.0f ? v : 0.0f;
 }
 
-/* The r < 16 floats at p in a vector's first lanes, `fill` in the others. */
-static inline v16 load_part(const float *p, Py_ssize_t r, float fill)
-{
-    v16 v = fill - (v16){0};
-    for (Py_ssize_t j = 0; j < r; j++) {
-        v[j] = p[j];
-    }
-    return v;
-}
-
-/* Lanes below r set (all bits), the others clear. */
-static inline v16i lanes_below(Py_ssize_t r)
-{
-    v16i keep = {0};
-    for (Py_ssize_t j = 0; j < r; j++) {
-        keep[j] = -1;
-    }
-    return keep;
-}
-
-/* load_part where the 16 floats at p may be read (they lie in the array): one load, the lanes
- * past r replaced through the mask `keep` (lanes < r). */
-static inline v16 load_kept(const float *p, Py_ssize_t r, int whole, v16i keep, float fill)
-{
-    if (!whole) {
-        return load_part(p, r, fill);
-    }
-    const v16i v = (v16i) * (const v16u *)p, f = (v16i)(fill - (v16){0});
-    return (v16)((v & keep) | (f & ~keep));
-}
-
-static inline void store_part(float *p, v16 v, Py_ssize_t r)
-{
-    for (Py_ssize_t j = 0; j < r; j++) {
-        p[j] = v[j];
-    }
-}
-
 TARGETS static void bn_sums(const struct bn *b, Py_ssize_t c, float x0, double sums[4])
 {
     const v16 shift = x0 - (v16){0};
-    const Py_ssize_t total = b->n * b->c * b->s;
-    const v16i keep = lanes_below(b->s % 16);
     for (Py_ssize_t n = 0; n < b->n; n++) {
         const Py_ssize_t off = (n * b->c + c) * b->s;
         const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
@@ -976,23 +936,18 @@ TARGETS static void bn_sums(const struct bn *b, Py_ssize_t c, float x0, double s
             sg += g;
             sgd += g * d;
         }
-        if (i < b->s) { /* the last lanes: x0 (d = 0) and g = 0 add nothing */
-            const Py_ssize_t r = b->s - i;
-            const int whole = off + i + 16 <= total;
-            const v16 d = load_kept(x + i, r, whole, keep, x0) - shift;
-            v16 g = load_kept(dy + i, r, whole, keep, 0.0f);
-            if (y != NULL) {
-                g = relu_gate(g, load_kept(y + i, r, whole, keep, 0.0f));
-            }
-            sd += d;
-            sdd += d * d;
-            sg += g;
-            sgd += g * d;
+        float tail[4] = {0};
+        for (; i < b->s; i++) {
+            const float d = x[i] - x0, g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
+            tail[0] += d;
+            tail[1] += d * d;
+            tail[2] += g;
+            tail[3] += g * d;
         }
-        sums[0] += (double)hsum(sd);
-        sums[1] += (double)hsum(sdd);
-        sums[2] += (double)hsum(sg);
-        sums[3] += (double)hsum(sgd);
+        sums[0] += (double)hsum(sd) + tail[0];
+        sums[1] += (double)hsum(sdd) + tail[1];
+        sums[2] += (double)hsum(sg) + tail[2];
+        sums[3] += (double)hsum(sgd) + tail[3];
     }
 }
 
@@ -1003,8 +958,6 @@ TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k,
      * multiplied by x's (possibly large) mean */
     const v16 av = a - (v16){0}, kv = k - (v16){0}, mv = mean - (v16){0};
     const v16 bv = bias - (v16){0};
-    const Py_ssize_t total = b->n * b->c * b->s;
-    const v16i keep = lanes_below(b->s % 16);
     for (Py_ssize_t n = 0; n < b->n; n++) {
         const Py_ssize_t off = (n * b->c + c) * b->s;
         const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
@@ -1017,14 +970,9 @@ TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k,
             }
             *(v16u *)(dx + i) = av * g - kv * (*(const v16u *)(x + i) - mv) + bv;
         }
-        if (i < b->s) {
-            const Py_ssize_t r = b->s - i;
-            const int whole = off + i + 16 <= total;
-            v16 g = load_kept(dy + i, r, whole, keep, 0.0f);
-            if (y != NULL) {
-                g = relu_gate(g, load_kept(y + i, r, whole, keep, 0.0f));
-            }
-            store_part(dx + i, av * g - kv * (load_kept(x + i, r, whole, keep, 0.0f) - mv) + bv, r);
+        for (; i < b->s; i++) {
+            const float g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
+            dx[i] = a * g - k * (x[i] - mean) + bias;
         }
     }
 }
@@ -1155,11 +1103,8 @@ struct bnf {
 TARGETS static void bnf_sums(const struct bnf *b, Py_ssize_t c, float x0, double sums[2])
 {
     const v16 shift = x0 - (v16){0};
-    const Py_ssize_t total = b->n * b->c * b->s;
-    const v16i keep = lanes_below(b->s % 16);
     for (Py_ssize_t n = 0; n < b->n; n++) {
-        const Py_ssize_t off = (n * b->c + c) * b->s;
-        const float *x = b->x + off;
+        const float *x = b->x + (n * b->c + c) * b->s;
         v16 sd = {0}, sdd = {0};
         Py_ssize_t i = 0;
         for (; i + 16 <= b->s; i += 16) {
@@ -1167,21 +1112,20 @@ TARGETS static void bnf_sums(const struct bnf *b, Py_ssize_t c, float x0, double
             sd += d;
             sdd += d * d;
         }
-        if (i < b->s) { /* the last lanes: x0, d = 0 */
-            const v16 d = load_kept(x + i, b->s - i, off + i + 16 <= total, keep, x0) - shift;
-            sd += d;
-            sdd += d * d;
+        float tail[2] = {0};
+        for (; i < b->s; i++) {
+            const float d = x[i] - x0;
+            tail[0] += d;
+            tail[1] += d * d;
         }
-        sums[0] += (double)hsum(sd);
-        sums[1] += (double)hsum(sdd);
+        sums[0] += (double)hsum(sd) + tail[0];
+        sums[1] += (double)hsum(sdd) + tail[1];
     }
 }
 
 TARGETS static void bnf_apply(const struct bnf *b, Py_ssize_t c, float a, float shift)
 {
     const v16 av = a - (v16){0}, bv = shift - (v16){0};
-    const Py_ssize_t total = b->n * b->c * b->s;
-    const v16i keep = lanes_below(b->s % 16);
     for (Py_ssize_t n = 0; n < b->n; n++) {
         const Py_ssize_t off = (n * b->c + c) * b->s;
         const float *x = b->x + off, *r = b->addend ? b->addend + off : NULL;
@@ -1194,14 +1138,9 @@ TARGETS static void bnf_apply(const struct bnf *b, Py_ssize_t c, float a, float 
             }
             *(v16u *)(y + i) = b->relu ? relu_max(v) : v;
         }
-        if (i < b->s) {
-            const Py_ssize_t left = b->s - i;
-            const int whole = off + i + 16 <= total;
-            v16 v = av * load_kept(x + i, left, whole, keep, 0.0f) + bv;
-            if (r != NULL) {
-                v += load_kept(r + i, left, whole, keep, 0.0f);
-            }
-            store_part(y + i, b->relu ? relu_max(v) : v, left);
+        for (; i < b->s; i++) {
+            float v = a * x[i] + shift + (r != NULL ? r[i] : 0.0f);
+            y[i] = b->relu ? relu_max1(v) : v;
         }
     }
 }
