@@ -36,8 +36,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "plain"])
 @pytest.mark.parametrize(
-    "shape", [(4, 3, 5, 7), (8, 16, 12, 12), (3, 5, 17), (2, 3, 4, 5, 6)],
-    ids=["tails", "vector-rows", "1d", "3d"],
+    "shape", [(4, 3, 5, 7), (8, 16, 12, 12), (3, 5, 17), (2, 3, 4, 5, 6), (4, 6, 2, 2), (8, 5, 3, 3)],
+    ids=["tails", "vector-rows", "1d", "3d", "2x2-planes", "3x3-planes"],
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_matches_torch(shape, relu, threads):

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("shape", [(8, 16, 9, 11), (5, 3, 40), (7, 6), (2, 4, 1, 1)])
+@pytest.mark.parametrize(
+    "shape", [(8, 16, 9, 11), (5, 3, 40), (7, 6), (2, 4, 1, 1), (4, 6, 2, 2), (8, 5, 3, 3)]
+)  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("addend", [False, True])
