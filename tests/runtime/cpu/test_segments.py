@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "plain"])
 @pytest.mark.parametrize(
-    "shape", [(4, 3, 5, 7), (8, 16, 12, 12), (3, 5, 17), (2, 3, 4, 5, 6), (4, 6, 2, 2), (8, 5, 3, 3)],
+    "shape",
+    [(4, 3, 5, 7), (8, 16, 12, 12), (3, 5, 17), (2, 3, 4, 5, 6), (4, 6, 2, 2), (8, 5, 3, 3)],
     ids=["tails", "vector-rows", "1d", "3d", "2x2-planes", "3x3-planes"],
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -828,7 +829,8 @@ def test_an_identity_a_kernel_reads_is_bypassed_in_the_whole_model(tmp_path):
     def run(config: SessionConfig):
         state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
         module = Module(tmp_path / "training_model.onnx", state, session_config=config)
-        return train_steps(module, Optimizer(tmp_path / "optimizer_model.onnx", module), state, batches)
+        optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+        return train_steps(module, optimizer, state, batches)
 
     plain = SessionConfig(native_conv_grads=False, native_segments=False)
     assert_same_training(run(SessionConfig()), run(plain), one_scale=True)

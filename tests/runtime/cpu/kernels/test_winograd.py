@@ -162,7 +162,8 @@ def test_kernel_refuses_arrays_it_cannot_take():
         native.conv_winograd(x, w, None, np.zeros((2, 4, 6, 4), np.float32), y, 1)
     with pytest.raises(ValueError, match=r"b \[K\]"):
         native.conv_winograd(x, w, np.zeros(3, np.float32), None, y, 1)
-    for tile, shape in [(4, (2, 3, 6, 8)), (4, (2, 3, 8, 12)), (3, (2, 3, 8, 8)), (4, (2, 3, 7, 8))]:
+    cases = [(4, (2, 3, 6, 8)), (4, (2, 3, 8, 12)), (3, (2, 3, 8, 8)), (4, (2, 3, 7, 8))]
+    for tile, shape in cases:
         with pytest.raises(ValueError, match=rf"tile {tile} over a height {shape[2]} and width"):
             native.conv_winograd(np.zeros(shape, np.float32), w, None, None,
                                  np.zeros((2, 4, *shape[2:]), np.float32), 1, tile)  # fmt: skip
