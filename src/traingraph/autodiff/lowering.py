@@ -156,7 +156,7 @@ def _lower_one(b: OpBuilder, node: ir.Node, unbiased: bool) -> list[_RunningUpda
     replace_value(node.outputs[0], y)
     running_var = batch_var
     if unbiased:
-        running_var = b.Mul(batch_var, _bessel_factor(b, x, scale, batch_var))
+        running_var = b.Mul(batch_var, _bessel_factor(b, x, scale, batch_var, var_in.dtype))
     pairs = ((mean_in, batch_mean), (var_in, running_var))
     return [
         _RunningUpdate(old, running, batch, momentum)
@@ -165,15 +165,21 @@ def _lower_one(b: OpBuilder, node: ir.Node, unbiased: bool) -> list[_RunningUpda
     ]
 
 
-def _bessel_factor(b: OpBuilder, x: ir.Value, scale: ir.Value, like: ir.Value) -> ir.Value:
+def _bessel_factor(
+    b: OpBuilder, x: ir.Value, scale: ir.Value, like: ir.Value, dtype: ir.DataType | None
+) -> ir.Value:
     """``n / (n - 1)``, ``n`` the values of ``x`` per channel (``scale`` holds one per
-    channel), typed like ``like``: a constant where the shapes are static. It reads ``x`` and
-    ``scale``, not the statistics' ReduceMeans, which a runtime kernel may write itself (only
-    their Squeezes read them)."""
+    channel), typed like ``like`` (of type ``dtype`` where known): a constant where the shapes
+    are static; with a dynamic batch and a known channel count ``C``, ``Size(x) / (Size(x) - C)``
+    (four nodes). It reads ``x`` and ``scale``, not the statistics' ReduceMeans, which a runtime
+    kernel may write itself (only their Squeezes read them)."""
     dims, c_dims = static_shape(x), static_shape(scale)
     if dims is not None and c_dims is not None:
         n = math.prod(dims) // math.prod(c_dims)
         return b.scalar(n / (n - 1) if n > 1 else math.inf, like)
+    if c_dims is not None and dtype is not None:
+        size = b.cast(b.op("Size", x), dtype)
+        return b.Div(size, b.Sub(size, b.const(float(math.prod(c_dims)), dtype)))
     inverse = b.cast_like(inverse_channel_count(b, x, scale), like)
     one = b.scalar(1.0, like)
     return b.Div(one, b.Sub(one, inverse))
