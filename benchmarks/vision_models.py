@@ -23,7 +23,6 @@ with ``pip install --no-deps --target DIR timm``)::
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 CLASSES = 10
 
 
@@ -63,26 +63,17 @@ def build(spec: str) -> Any:
 
 def run(spec: str, batch: int, size: int, steps: int, pause: float) -> str:
     """One model's row of the table."""
-    from traingraph import from_torch, losses, optim
-    from traingraph.api import CheckpointState, Module, Optimizer
-    from traingraph.artifacts import generate_artifacts
+    from cpu_profile import load, write_artifacts
+
+    from traingraph.runtime.session import SessionConfig
 
     model = build(spec)
     torch.manual_seed(1)
     x = torch.randn(batch, 3, size, size)
     y = torch.randint(0, CLASSES, (batch,))
     directory = Path(tempfile.mkdtemp())
-    proto = from_torch(copy.deepcopy(model), (x,), input_names=["input"], output_names=["output"])
-    generate_artifacts(
-        proto,
-        requires_grad=[n for n, p in model.named_parameters() if p.requires_grad],
-        loss=losses.CrossEntropyLoss(),
-        optimizer=optim.SGD(lr=1e-3, momentum=0.9),
-        artifact_directory=directory,
-    )
-    state = CheckpointState.load_checkpoint(directory / "checkpoint")
-    module = Module(directory / "training_model.onnx", state)
-    optimizer = Optimizer(directory / "optimizer_model.onnx", module)
+    write_artifacts(model, x, directory)  # SGD with momentum, cross-entropy
+    module, optimizer = load(directory, SessionConfig())
     module.train()
     torch_optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     criterion = torch.nn.CrossEntropyLoss()
