@@ -35,18 +35,21 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cpu_profile import load, write_artifacts  # noqa: E402  (after the path)
+
 CLASSES = 10
 
 
 def build(spec: str) -> Any:
     """The seeded torch model ``spec`` in train mode, without dropout or drop paths."""
+    from zoo.torchvision_import import torchvision_models  # on the path with cpu_profile
+
     source, name = spec.split(":", 1)
     torch.manual_seed(0)
+    vision = torchvision_models()  # timm imports torchvision too
     if source == "tv":
-        sys.path.insert(0, str(ROOT / "tests"))
-        from zoo.torchvision_import import torchvision_models
-
-        model = getattr(torchvision_models(), name)(num_classes=CLASSES)
+        model = getattr(vision, name)(num_classes=CLASSES)
     elif source == "timm":
         import timm
 
@@ -63,8 +66,6 @@ def build(spec: str) -> Any:
 
 def run(spec: str, batch: int, size: int, steps: int, pause: float) -> str:
     """One model's row of the table."""
-    from cpu_profile import load, write_artifacts
-
     from traingraph.runtime.session import SessionConfig
 
     model = build(spec)
