@@ -219,8 +219,7 @@ def average_pool(ctx: GradContext, grads: Grads) -> list[ir.Value | None]:
         # window o reads inputs o - pb .. o - pb + k - 1, so input i is read by outputs
         # i + pb - k + 1 .. i + pb: a window of k again, with the pads k - 1 - pb before
         # and k - 1 - pe after, each of which the pool divides by prod(k)
-        pads = [k - 1 - p for k, p in zip(win.kernel, win.ends)]
-        pads = [k - 1 - p for k, p in zip(win.kernel, win.begins)] + pads
+        pads = [k - 1 - p for k, p in zip(win.kernel * 2, win.begins + win.ends)]
         summed = b.op(
             "AveragePool",
             b.Mul(g, scale),

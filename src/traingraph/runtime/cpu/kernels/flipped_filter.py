@@ -8,11 +8,10 @@ onnxruntime runs as two passes that index every element (a 256 x 256 x 3 x 3 fil
 (:func:`~traingraph.runtime.cpu.kernels.permutes.permute` with the spatial axes reversed; the
 threads share its rows of nine floats). Where the Winograd kernel takes the Conv, it reads the
 parameter in place instead (:mod:`traingraph.runtime.cpu.kernels.winograd`); this kernel takes
-the flips left to onnxruntime's Convs (dilated ones, or planes whose size shape inference
-leaves open), which then read
-a filter of the step's inputs, whose blocked reorder the segmented run copies natively too
-(:mod:`traingraph.runtime.cpu.kernels.permutes`). Values are
-copied, so NaN and infinities stay as they are; the load-time check compares the two.
+the flips left to onnxruntime's Convs (dilated ones, small odd planes, planes whose size shape
+inference leaves open), which then read a filter of the step's inputs, whose blocked reorder
+the segmented run copies natively too (:mod:`traingraph.runtime.cpu.kernels.permutes`). Values
+are copied, so NaN and infinities stay as they are; the load-time check compares the two.
 """
 
 from __future__ import annotations

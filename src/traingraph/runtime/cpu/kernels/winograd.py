@@ -50,14 +50,17 @@ _ODD_PLANE_CHANNELS = 56
 """The least ``C K / (C + K)`` (input and output channels) of a Conv over an odd plane that the
 kernel takes. The products grow as ``C K``, the patch and output transforms as ``C + K``; an odd
 plane adds the copies to and from the padded plane and its extra tiles. Measured at batch 8,
-two threads, against onnxruntime's Conv: 256 and 256 channels over 7 x 7 1.8 times as fast,
-128 and 128 over 13 x 13 1.3 times; 16 and 64 over 23 x 23 (SqueezeNet's expand Convs,
-12.8) 0.65 times, 64 and 256 over 5 x 5 (51) 0.77 times."""
+two threads, against onnxruntime's Conv of a filter that is a graph input: 256 and 256
+channels over 7 x 7 1.8 times as fast, 128 and 128 over 13 x 13 1.3 times; 16 and 64 over
+23 x 23 (SqueezeNet's expand Convs, 12.8) 0.65 times, 64 and 256 over 5 x 5 (51) 0.77 times.
+Against the blocked Conv the step would run instead (:mod:`traingraph.runtime.rewrites.nchwc`)
+it is at about parity alone, and ahead in the step, where it reads the parameter in place of
+the flipped and reordered copies (benchmarks/RESULTS.md)."""
 _ODD_PLANE_SIDE = 7
 """The least height and width of an odd plane the kernel takes: below, the padded plane's
 extra tiles (16 for 9 outputs at 3 x 3) and the filters' transform, whose cost does not shrink
-with the plane, outweigh the products (512 and 512 channels at batch 8: 0.65 times
-onnxruntime's speed over 3 x 3, 0.75 over 5 x 5, 1.17 over 7 x 7)."""
+with the plane, outweigh the products (512 and 512 channels at batch 8: 0.65 times the speed of
+onnxruntime's Conv of a filter input over 3 x 3, 0.75 over 5 x 5, 1.17 over 7 x 7)."""
 
 
 @dataclass(frozen=True)
