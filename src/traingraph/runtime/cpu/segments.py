@@ -43,7 +43,9 @@ The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,7 @@ from traingraph.runtime import heap
 from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.graph_match import Pending, settle
 from traingraph.runtime.cpu.kernels import Kernel, conv_grads, find
+from traingraph.runtime.cpu.kernels.flipped_filter import FlippedFilter, FlippedReorder
 from traingraph.runtime.cpu.kernels.permutes import FilterReorder, split_filter_reorders
 from traingraph.runtime.device import Device
 from traingraph.runtime.rewrites.specialize import for_cpu
@@ -598,10 +601,12 @@ class SegmentedRunner:
         self._threads = threads
         produced = {o for s in plan.segments for o in s.outputs}
         produced |= {o for k in plan.all_kernels for o in k.outputs}
-        segments, reorders = _with_native_reorders(plan.segments, produced) if layouts else (
+        split, found = _with_native_reorders(plan.segments, produced) if layouts else (
             plan.segments, [[] for _ in plan.segments]
         )  # fmt: skip
-        produced |= {r.out for rs in reorders for r in rs}
+        plan, segments, reorders = _flips_reordered(plan, split, found)
+        self._plan = plan
+        produced |= {o for rs in reorders for r in rs for o in r.outputs}
         # a segment whose values nothing reads (nodes left behind by the kernels around
         # them) runs nothing
         self._runners = [
@@ -825,6 +830,61 @@ def _with_native_reorders(
     return split_segments, reorders
 
 
+def _flips_reordered(
+    plan: Plan, segments: Sequence[Segment], reorders: Sequence[Sequence[Kernel]]
+) -> tuple[Plan, list[Segment], list[list[Kernel]]]:
+    """``plan``, ``segments`` and their ``reorders`` with each :class:`FlippedFilter` whose
+    flipped filters only one reorder reads made one copy with it (:class:`FlippedReorder`):
+    the flipped filters are then neither written nor a segment's input."""
+    flips = {k.out: k for k in plan.first if isinstance(k, FlippedFilter)}
+    if not flips or not any(reorders):
+        return plan, list(segments), [list(r) for r in reorders]
+    readers: Counter[str] = Counter()
+    for segment in segments:  # the nodes whose values are read (onnxruntime drops the others)
+        live = _live_nodes(segment.model.graph)
+        readers.update({v for node in live for v in node.input if v})
+        readers.update(o.name for o in segment.model.graph.output)
+    for kernel in plan.all_kernels:
+        readers.update(kernel.inputs)
+    for step in (r for rs in reorders for r in rs):
+        readers.update(step.inputs)
+    fused: set[str] = set()
+    new_reorders: list[list[Kernel]] = []
+    new_segments: list[Segment] = []
+    for segment, found in zip(segments, reorders):
+        kept: list[Kernel] = []
+        for reorder in found:
+            flip = flips.get(reorder.src) if isinstance(reorder, FilterReorder) else None
+            if flip is None or not isinstance(reorder, FilterReorder) or readers[flip.out] != 1:
+                kept.append(reorder)
+                continue
+            kept.append(FlippedReorder(flip.weight, reorder.out, reorder.dims, reorder.perm,
+                                       reorder.shape))  # fmt: skip
+            fused.add(flip.out)
+        if fused & set(segment.inputs):
+            model = onnx.ModelProto()
+            model.CopyFrom(_without_unread(segment.model))
+            inputs = [i for i in model.graph.input if i.name not in fused]
+            del model.graph.input[:]
+            model.graph.input.extend(inputs)
+            segment = Segment(model, [v for v in segment.inputs if v not in fused], segment.outputs)
+        new_segments.append(segment)
+        new_reorders.append(kept)
+    first = [k for k in plan.first if not (isinstance(k, FlippedFilter) and k.out in fused)]
+    return dataclasses.replace(plan, first=first), new_segments, new_reorders
+
+
+def _live_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes of ``graph`` (in order) whose values a graph output needs."""
+    wanted = {o.name for o in graph.output}
+    live: list[onnx.NodeProto] = []
+    for node in reversed(graph.node):
+        if wanted & set(node.output):
+            wanted.update(node.input)
+            live.append(node)
+    return live[::-1]
+
+
 def _moved(
     runner: BoundRunner,
     bound: Mapping[str, ort.OrtValue | None],
@@ -917,18 +977,13 @@ def after_run(
 
 def _without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the nodes whose outputs neither a graph output is nor a node reads."""
-    wanted = {o.name for o in model.graph.output}
-    kept: list[onnx.NodeProto] = []
-    for node in reversed(model.graph.node):
-        if any(o in wanted for o in node.output):
-            kept.append(node)
-            wanted.update(node.input)
+    kept = _live_nodes(model.graph)
     if len(kept) == len(model.graph.node):
         return model
     pruned = onnx.ModelProto()
     pruned.CopyFrom(model)
     del pruned.graph.node[:]
-    pruned.graph.node.extend(reversed(kept))
+    pruned.graph.node.extend(kept)
     return pruned
 
 

@@ -89,3 +89,84 @@ def test_module_trains_as_the_graph_does(tmp_path):
     got = artifact_steps(directory, batches, kind)
     expected = artifact_steps(directory, batches, kind, without="flipped_filter")
     assert_same_training(got, expected, one_scale=True)
+
+
+@pytest.mark.parametrize(
+    ("dims", "perm"),
+    [
+        ([3, 16, 2, 16, 9], [0, 2, 4, 3, 1]),  # onnxruntime's blocks of 16 channels
+        ([6, 8, 4, 8, 9], [0, 2, 4, 3, 1]),  # of 8
+        ([48, 4, 8, 3, 3], [1, 0, 3, 4, 2]),  # the taps split
+        ([48, 32, 9], [1, 0, 2]),
+        ([1536, 9], [1, 0]),  # a part across the two channel axes: two copies
+        ([48, 288], [1, 0]),  # across the output channels and the taps
+    ],
+)
+def test_a_flipped_filter_and_its_reorder_are_one_copy_bit_for_bit(dims, perm):
+    """``FlippedReorder`` writes what the flip and then the reorder write, NaN, infinities and
+    -0 included; one strided copy where each part of ``dims`` lies in one axis of the flipped
+    filters, two otherwise."""
+    k, c = 32, 48
+    weight = np.random.default_rng(3).standard_normal((k, c, 3, 3)).astype(np.float32)
+    weight.flat[[3, 77, 500, 901]] = [np.nan, np.inf, -np.inf, -0.0]
+    flipped: dict[str, np.ndarray] = {}
+    flipped_filter.FlippedFilter("w", "f").compute({"w": weight}, flipped, 2)
+    want = np.ascontiguousarray(flipped["f"].reshape(dims).transpose(perm))
+    composed = flipped_filter.composed_layout(dims, perm, k, c)
+    assert (composed is not None) == (dims[0] not in (1536,) and dims[-1] != 288)
+    kernel = flipped_filter.FlippedReorder("w", "o", tuple(dims), tuple(perm), want.shape)
+    for threads in (1, 2):
+        out: dict[str, np.ndarray] = {}
+        kernel.compute({"w": weight}, out, threads)
+        np.testing.assert_array_equal(out["o"].view(np.int32), want.view(np.int32))
+
+
+class SmallPlaneNet(nn.Module):
+    """A residual 3 x 3 Conv of 32 channels over a 5 x 5 plane: its input gradient is left to
+    onnxruntime's blocked Conv, whose filter is the flipped parameter reordered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv = nn.Conv2d(32, 32, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        h = torch.relu(h + self.bn(self.conv(h)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def test_module_with_the_flip_and_reorder_in_one_copy_trains_as_the_graph_does(tmp_path):
+    artifacts.generate_artifacts(
+        export(seeded(SmallPlaneNet), torch.zeros(4, 3, 5, 5), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=tmp_path,
+    )
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((4, 3, 5, 5)).astype(np.float32), rng.integers(0, 5, 4))
+        for _ in range(3)
+    ]
+    from gradcheck import train_steps
+    from traingraph.api import CheckpointState, Module, Optimizer
+    from traingraph.runtime.cpu import kernels
+    from traingraph.runtime.session import SessionConfig
+
+    def run(config: SessionConfig) -> tuple[tuple, list]:
+        state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+        module = Module(tmp_path / "training_model.onnx", state, session_config=config)
+        steps = list(getattr(module.step.runner, "_steps", []))
+        optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+        return train_steps(module, optimizer, state, batches), steps
+
+    got, steps = run(SessionConfig())
+    if not any(isinstance(s, flipped_filter.FlippedReorder) for s in steps):
+        pytest.skip("onnxruntime's blocked layout of this filter is not a reorder here")
+    assert not any(isinstance(s, flipped_filter.FlippedFilter) for s in steps)
+    chosen = set(kernels.names()) - {"flipped_filter"}
+    expected, steps = run(SessionConfig(native_kernels=chosen))
+    assert not any(isinstance(s, flipped_filter.FlippedReorder) for s in steps)
+    assert_same_training(got, expected, one_scale=True)

@@ -10,13 +10,15 @@ threads share its rows of nine floats). Where the Winograd kernel takes the Conv
 parameter in place instead (:mod:`traingraph.runtime.cpu.kernels.winograd`); this kernel takes
 the flips left to onnxruntime's Convs (dilated ones, small odd planes, planes whose size shape
 inference leaves open), which then read a filter of the step's inputs, whose blocked reorder
-the segmented run copies natively too (:mod:`traingraph.runtime.cpu.kernels.permutes`). Values
-are copied, so NaN and infinities stay as they are; the load-time check compares the two.
+the segmented run copies natively too (:mod:`traingraph.runtime.cpu.kernels.permutes`); where
+that reorder alone reads the flipped filters, the two copies are one (:class:`FlippedReorder`).
+Values are copied, so NaN and infinities stay as they are; the load-time check compares the
+flip with the graph's nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +59,81 @@ class FlippedFilter(OneOutput):
         # both spatial axes reversed: the nine taps of each filter back to front
         permute(np.ascontiguousarray(weight, np.float32), target, [k, c, 9], [1, 0, 2], threads,
                 reversed_axes=(2,))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FlippedReorder(OneOutput):
+    """A :class:`FlippedFilter`'s filters reordered as a
+    :class:`~traingraph.runtime.cpu.kernels.permutes.FilterReorder` reorders them for
+    onnxruntime's blocked Conv, in one strided copy of the parameter:
+    ``out = flipped(weight).reshape(dims).transpose(perm).reshape(shape)``.
+
+    Attributes:
+        weight: The Conv's filters ``[K, C, 3, 3]``.
+        out: The reordered flipped filters.
+        dims: The axes the flipped filters ``[C, K, 3, 3]`` are split into.
+        perm: Their order in ``out``.
+        shape: ``out``'s shape.
+    """
+
+    weight: str
+    out: str
+    dims: tuple[int, ...]
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.weight]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        weight = np.ascontiguousarray(values[self.weight], np.float32)
+        if weight.ndim != 4 or weight.shape[2:] != (3, 3):
+            raise ValueError(
+                f"flipped filter {self.out!r}: weight {list(weight.shape)} must be [K, C, 3, 3]"
+            )
+        target = output_array(out, self.out, self.shape)
+        layout = composed_layout(self.dims, self.perm, weight.shape[0], weight.shape[1])
+        if layout is None:  # blocks across the flipped filters' axes: two copies
+            flipped: dict[str, np.ndarray] = {}
+            FlippedFilter(self.weight, "f").compute({self.weight: weight}, flipped, threads)
+            permute(flipped["f"], target, list(self.dims), list(self.perm), threads)
+            return
+        dims, perm, reversed_axes = layout
+        permute(weight, target, dims, perm, threads, reversed_axes=reversed_axes)
+
+
+def composed_layout(
+    dims: Sequence[int], perm: Sequence[int], k: int, c: int
+) -> tuple[list[int], list[int], tuple[int, ...]] | None:
+    """``(dims', perm', reversed)`` with ``W.reshape(dims')`` read back to front along
+    ``reversed`` and transposed by ``perm'`` equal to ``flipped(W).reshape(dims).transpose(perm)``
+    for filters ``W`` ``[k, c, 3, 3]``, where ``dims`` splits the flipped filters' axes
+    ``[c, k, 9]`` each into whole parts; None where a part spans two of them.
+
+    The flipped filters are ``W`` with its first two axes exchanged and its nine taps read
+    back to front; reading a split axis back to front is reading each of its parts so."""
+    sizes = (c, k, 9)
+    groups: list[list[int]] = [[], [], []]  # dims' indices in each of c, k and the taps
+    axis, left = 0, sizes[0]
+    for index, size in enumerate(dims):
+        while left == 1 and axis < 2:  # this axis is whole: the next one
+            axis += 1
+            left = sizes[axis]
+        if left % size:
+            return None
+        groups[axis].append(index)
+        left //= size
+    if left != 1 or axis != 2:
+        return None
+    order = groups[1] + groups[0] + groups[2]  # W's axes: k, c, taps
+    place = {index: position for position, index in enumerate(order)}
+    return (
+        [dims[i] for i in order],
+        [place[i] for i in perm],
+        tuple(place[i] for i in groups[2]),
+    )
 
 
 def split_flipped_filters(
