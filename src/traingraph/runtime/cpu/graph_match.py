@@ -71,6 +71,20 @@ def without_identities(
     return result
 
 
+def with_nodes(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph holds ``nodes``, or ``model`` itself where ``nodes`` are
+    its graph's nodes already (as many: the callers only drop or rename nodes)."""
+    if len(nodes) == len(model.graph.node) and all(
+        a is b for a, b in zip(nodes, model.graph.node)
+    ):
+        return model
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.node[:]
+    result.graph.node.extend(nodes)
+    return result
+
+
 def graph_reads(graph: onnx.GraphProto) -> set[str]:
     """The names a graph reads from outside its nodes: its inputs and initializers."""
     return {i.name for i in graph.input} | {t.name for t in graph.initializer}

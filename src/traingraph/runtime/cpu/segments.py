@@ -858,8 +858,7 @@ def _flips_reordered(
             if flip is None or not isinstance(reorder, FilterReorder) or readers[flip.out] != 1:
                 kept.append(reorder)
                 continue
-            kept.append(FlippedReorder(flip.weight, reorder.out, reorder.dims, reorder.perm,
-                                       reorder.shape))  # fmt: skip
+            kept.append(FlippedReorder(flip.weight, reorder))
             fused.add(flip.out)
         if fused & set(segment.inputs):
             model = onnx.ModelProto()
@@ -977,14 +976,7 @@ def after_run(
 
 def _without_unread(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` without the nodes whose outputs neither a graph output is nor a node reads."""
-    kept = _live_nodes(model.graph)
-    if len(kept) == len(model.graph.node):
-        return model
-    pruned = onnx.ModelProto()
-    pruned.CopyFrom(model)
-    del pruned.graph.node[:]
-    pruned.graph.node.extend(kept)
-    return pruned
+    return graph_match.with_nodes(model, _live_nodes(model.graph))
 
 
 @dataclass(frozen=True)

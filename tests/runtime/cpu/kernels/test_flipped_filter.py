@@ -15,6 +15,7 @@ from torch_models import export, seeded
 from traingraph import artifacts, optim
 from traingraph.runtime.cpu import verify
 from traingraph.runtime.cpu.kernels import flipped_filter, winograd
+from traingraph.runtime.cpu.kernels.permutes import FilterReorder
 from traingraph.runtime.cpu.native import AVAILABLE
 
 pytestmark = pytest.mark.skipif(
@@ -114,7 +115,8 @@ def test_a_flipped_filter_and_its_reorder_are_one_copy_bit_for_bit(dims, perm):
     want = np.ascontiguousarray(flipped["f"].reshape(dims).transpose(perm))
     composed = flipped_filter.composed_layout(dims, perm, k, c)
     assert (composed is not None) == (dims[0] not in (1536,) and dims[-1] != 288)
-    kernel = flipped_filter.FlippedReorder("w", "o", tuple(dims), tuple(perm), want.shape)
+    reorder = FilterReorder("f", "o", tuple(dims), tuple(perm), want.shape)
+    kernel = flipped_filter.FlippedReorder("w", reorder)
     for threads in (1, 2):
         out: dict[str, np.ndarray] = {}
         kernel.compute({"w": weight}, out, threads)

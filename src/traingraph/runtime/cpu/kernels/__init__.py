@@ -285,10 +285,4 @@ def _bypassed_identities(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(n.op_type == "Identity" for n in graph.node) or graph_match.has_subgraphs(model):
         return model
     nodes = graph_match.without_identities(graph.node, {o.name for o in graph.output})
-    if len(nodes) == len(graph.node):
-        return model
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    del result.graph.node[:]
-    result.graph.node.extend(nodes)
-    return result
+    return graph_match.with_nodes(model, nodes)

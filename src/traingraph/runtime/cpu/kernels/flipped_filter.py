@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.kernels.permutes import permute
+from traingraph.runtime.cpu.kernels.permutes import FilterReorder, permute
 from traingraph.runtime.cpu.native import NATIVE, Arrays, OneOutput, Outputs, output_array
 
 _DEFAULT = ("", "ai.onnx")
@@ -62,45 +62,45 @@ class FlippedFilter(OneOutput):
 
 
 @dataclass(frozen=True)
-class FlippedReorder(OneOutput):
-    """A :class:`FlippedFilter`'s filters reordered as a
-    :class:`~traingraph.runtime.cpu.kernels.permutes.FilterReorder` reorders them for
-    onnxruntime's blocked Conv, in one strided copy of the parameter:
-    ``out = flipped(weight).reshape(dims).transpose(perm).reshape(shape)``.
+class FlippedReorder:
+    """A :class:`FlippedFilter`'s filters reordered by a
+    :class:`~traingraph.runtime.cpu.kernels.permutes.FilterReorder` (for onnxruntime's blocked
+    Conv), in one strided copy of the parameter.
 
     Attributes:
         weight: The Conv's filters ``[K, C, 3, 3]``.
-        out: The reordered flipped filters.
-        dims: The axes the flipped filters ``[C, K, 3, 3]`` are split into.
-        perm: Their order in ``out``.
-        shape: ``out``'s shape.
+        reorder: The reorder of the flipped filters ``[C, K, 3, 3]``; its ``out`` is this
+            kernel's.
     """
 
     weight: str
-    out: str
-    dims: tuple[int, ...]
-    perm: tuple[int, ...]
-    shape: tuple[int, ...]
+    reorder: FilterReorder
 
     @property
     def inputs(self) -> list[str]:
         return [self.weight]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.reorder.out]
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         weight = np.ascontiguousarray(values[self.weight], np.float32)
         if weight.ndim != 4 or weight.shape[2:] != (3, 3):
             raise ValueError(
-                f"flipped filter {self.out!r}: weight {list(weight.shape)} must be [K, C, 3, 3]"
+                f"flipped filter {self.reorder.out!r}: weight {list(weight.shape)} must be"
+                " [K, C, 3, 3]"
             )
-        target = output_array(out, self.out, self.shape)
-        layout = composed_layout(self.dims, self.perm, weight.shape[0], weight.shape[1])
+        reorder = self.reorder
+        layout = composed_layout(reorder.dims, reorder.perm, weight.shape[0], weight.shape[1])
         if layout is None:  # blocks across the flipped filters' axes: two copies
             flipped: dict[str, np.ndarray] = {}
-            FlippedFilter(self.weight, "f").compute({self.weight: weight}, flipped, threads)
-            permute(flipped["f"], target, list(self.dims), list(self.perm), threads)
+            FlippedFilter(self.weight, reorder.src).compute({self.weight: weight}, flipped, threads)
+            reorder.compute(flipped, out, threads)
             return
         dims, perm, reversed_axes = layout
+        target = output_array(out, reorder.out, reorder.shape)
         permute(weight, target, dims, perm, threads, reversed_axes=reversed_axes)
 
 
