@@ -858,7 +858,7 @@ def _flips_reordered(
             if flip is None or not isinstance(reorder, FilterReorder) or readers[flip.out] != 1:
                 kept.append(reorder)
                 continue
-            kept.append(FlippedReorder(flip.weight, reorder))
+            kept.append(FlippedReorder(flip.weight, reorder, flip.group))
             fused.add(flip.out)
         if fused & set(segment.inputs):
             model = onnx.ModelProto()

@@ -18,6 +18,14 @@ from traingraph.runtime.cpu.kernels import flipped_filter, winograd
 from traingraph.runtime.cpu.kernels.permutes import FilterReorder
 from traingraph.runtime.cpu.native import AVAILABLE
 
+
+def _flipped(weight: np.ndarray, group: int) -> np.ndarray:
+    """The flipped filters of ``weight`` ``[K, C / group, kh, kw]`` as numpy writes them."""
+    k, cg, kh, kw = weight.shape
+    grouped = weight.reshape(group, k // group, cg, kh, kw).transpose(0, 2, 1, 3, 4)
+    return grouped.reshape(group * cg, k // group, kh, kw)[:, :, ::-1, ::-1]
+
+
 pytestmark = pytest.mark.skipif(
     not AVAILABLE,
     reason="traingraph.runtime._convc was not built (no C compiler at install time)",
@@ -99,22 +107,21 @@ def test_module_trains_as_the_graph_does(tmp_path):
         ([6, 8, 4, 8, 9], [0, 2, 4, 3, 1]),  # of 8
         ([48, 4, 8, 3, 3], [1, 0, 3, 4, 2]),  # the taps split
         ([48, 32, 9], [1, 0, 2]),
-        ([1536, 9], [1, 0]),  # a part across the two channel axes: two copies
+        ([1536, 9], [1, 0]),  # a part across the two channel axes
         ([48, 288], [1, 0]),  # across the output channels and the taps
+        ([32, 48, 9], [1, 0, 2]),  # parts that overlap the channel axes: two copies
     ],
 )
 def test_a_flipped_filter_and_its_reorder_are_one_copy_bit_for_bit(dims, perm):
     """``FlippedReorder`` writes what the flip and then the reorder write, NaN, infinities and
-    -0 included; one strided copy where each part of ``dims`` lies in one axis of the flipped
-    filters, two otherwise."""
+    -0 included; one strided copy where each part of ``dims`` is whole parts of the flipped
+    filters' axes, two otherwise."""
     k, c = 32, 48
     weight = np.random.default_rng(3).standard_normal((k, c, 3, 3)).astype(np.float32)
     weight.flat[[3, 77, 500, 901]] = [np.nan, np.inf, -np.inf, -0.0]
-    flipped: dict[str, np.ndarray] = {}
-    flipped_filter.FlippedFilter("w", "f").compute({"w": weight}, flipped, 2)
-    want = np.ascontiguousarray(flipped["f"].reshape(dims).transpose(perm))
-    composed = flipped_filter.composed_layout(dims, perm, k, c)
-    assert (composed is not None) == (dims[0] not in (1536,) and dims[-1] != 288)
+    want = np.ascontiguousarray(_flipped(weight, 1).reshape(dims).transpose(perm))
+    composed = flipped_filter.composed_layout(dims, perm, weight.shape)
+    assert (composed is not None) == (dims[0] != 32)
     reorder = FilterReorder("f", "o", tuple(dims), tuple(perm), want.shape)
     kernel = flipped_filter.FlippedReorder("w", reorder)
     for threads in (1, 2):
@@ -171,4 +178,99 @@ def test_module_with_the_flip_and_reorder_in_one_copy_trains_as_the_graph_does(t
     chosen = set(kernels.names()) - {"flipped_filter"}
     expected, steps = run(SessionConfig(native_kernels=chosen))
     assert not any(isinstance(s, flipped_filter.FlippedReorder) for s in steps)
+    assert_same_training(got, expected, one_scale=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "group"),
+    [((32, 48, 3, 3), 1), ((64, 16, 3, 3), 4), ((24, 8, 5, 5), 3), ((12, 1, 3, 3), 12),
+     ((16, 4, 1, 3), 2), ((16, 4, 3, 1), 4), ((8, 8, 2, 2), 1)],
+)  # fmt: skip
+def test_grouped_and_rectangular_flips_bit_for_bit(shape, group):
+    """``FlippedFilter`` of any 2-D kernel and any groups against numpy, NaN, infinities and -0
+    included, on one and two threads."""
+    weight = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    weight.flat[[0, 7, 11, 30]] = [np.nan, np.inf, -np.inf, -0.0]
+    want = np.ascontiguousarray(_flipped(weight, group))
+    for threads in (1, 2):
+        out: dict[str, np.ndarray] = {}
+        flipped_filter.FlippedFilter("w", "f", group).compute({"w": weight}, out, threads)
+        np.testing.assert_array_equal(out["f"].view(np.int32), want.view(np.int32))
+
+
+def test_a_grouped_flip_and_its_blocked_reorder_are_one_copy_bit_for_bit():
+    """64 filters in 4 groups of 16 channels each, the flipped filters ``[64, 16, 3, 3]`` cut
+    into onnxruntime's blocks of 8 channels and filters: one strided copy of the parameter."""
+    weight = np.random.default_rng(6).standard_normal((64, 16, 3, 3)).astype(np.float32)
+    weight.flat[[1, 99, 1000]] = [np.nan, np.inf, -0.0]
+    dims, perm = [8, 8, 2, 8, 9], [0, 2, 4, 3, 1]
+    want = np.ascontiguousarray(_flipped(weight, 4).reshape(dims).transpose(perm))
+    assert flipped_filter.composed_layout(dims, perm, weight.shape, 4) is not None
+    reorder = FilterReorder("f", "o", tuple(dims), tuple(perm), want.shape)
+    out: dict[str, np.ndarray] = {}
+    flipped_filter.FlippedReorder("w", reorder, 4).compute({"w": weight}, out, 2)
+    np.testing.assert_array_equal(out["o"].view(np.int32), want.view(np.int32))
+
+
+class GroupedNet(nn.Module):
+    """Grouped Convs of strides 1 (RegNet's and ResNeXt's 3 x 3, a 5 x 5 and a 1 x 3) of at
+    least 8 channels a group, whose input gradients are Convs of grouped flipped filters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.grouped = nn.Conv2d(32, 32, 3, padding=1, groups=4, bias=False)
+        self.wide = nn.Conv2d(32, 48, 5, padding=2, groups=2)
+        self.row = nn.Conv2d(48, 48, (1, 3), padding=(0, 1), groups=3)
+        self.fc = nn.Linear(48, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.grouped(torch.relu(self.stem(x))))
+        h = torch.relu(self.row(torch.relu(self.wide(h))))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def _grouped_artifacts(directory):
+    artifacts.generate_artifacts(
+        export(seeded(GroupedNet), torch.zeros(4, 3, 6, 6), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.05, momentum=0.9),
+        artifact_directory=directory,
+    )
+    return directory
+
+
+def test_grouped_flips_are_taken_and_copied_as_the_graph_does(tmp_path):
+    model = onnx.load(_grouped_artifacts(tmp_path) / "training_model.onnx")
+    found = flipped_filter.split_flipped_filters(model)
+    groups = {k.weight: k.group for k, _ in found}
+    assert groups == {"grouped.weight": 4, "wide.weight": 2, "row.weight": 3}
+    rng = np.random.default_rng(0)
+    for kernel, nodes in found:
+        ops = sorted(model.graph.node[i].op_type for i in nodes)
+        assert ops == ["Reshape", "Reshape", "Slice", "Transpose"]
+        shape = next(
+            [d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in model.graph.input
+            if i.name == kernel.weight
+        )
+        weight = rng.standard_normal(shape).astype(np.float32)
+        weight.flat[[0, 5]] = [np.nan, -np.inf]
+        subgraph = [model.graph.node[i] for i in sorted(nodes)]
+        (want,) = verify.run_subgraph(model, subgraph, {kernel.weight: weight}, [kernel.out])
+        out: dict[str, np.ndarray] = {}
+        kernel.compute({kernel.weight: weight}, out, 2)
+        np.testing.assert_array_equal(out[kernel.out].view(np.int32), want.view(np.int32))
+
+
+def test_module_with_grouped_flips_trains_as_the_graph_does(tmp_path):
+    directory = _grouped_artifacts(tmp_path)
+    rng = np.random.default_rng(1)
+    batches = [
+        (rng.standard_normal((4, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, 4))
+        for _ in range(3)
+    ]
+    kind = flipped_filter.FlippedFilter
+    got = artifact_steps(directory, batches, kind)
+    expected = artifact_steps(directory, batches, kind, without="flipped_filter")
     assert_same_training(got, expected, one_scale=True)

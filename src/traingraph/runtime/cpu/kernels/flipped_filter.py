@@ -2,11 +2,13 @@
 
 The input gradient of a Conv of stride 1 is the Conv of the output gradient with the filters
 transposed and turned by 180 degrees (:func:`traingraph.autodiff.rules.conv.flipped_weight`):
-``Slice(Transpose(W, perm=[1, 0, 2, 3]))`` with steps of -1 along both spatial axes, which
-onnxruntime runs as two passes that index every element (a 256 x 256 x 3 x 3 filter: about
-1.8 ms on one thread). :class:`FlippedFilter` writes the same values in one native strided copy
-(:func:`~traingraph.runtime.cpu.kernels.permutes.permute` with the spatial axes reversed; the
-threads share its rows of nine floats). Where the Winograd kernel takes the Conv, it reads the
+``Slice(Transpose(W, perm=[1, 0, 2, 3]))`` with steps of -1 along the spatial axes (with
+groups, each group's two axes exchanged by a Reshape, a Transpose and a Reshape), which
+onnxruntime runs as passes that index every element (a 256 x 256 x 3 x 3 filter: about 1.8 ms
+on one thread; a grouped 400 x 16 x 3 x 3 one about 0.3 ms on two). :class:`FlippedFilter`
+writes the same values in one native strided copy
+(:func:`~traingraph.runtime.cpu.kernels.permutes.permute` with the taps reversed; the threads
+share its rows of taps), for any 2-D kernel and any groups. Where the Winograd kernel takes the Conv, it reads the
 parameter in place instead (:mod:`traingraph.runtime.cpu.kernels.winograd`); this kernel takes
 the flips left to onnxruntime's Convs (dilated ones, small odd planes, planes whose size shape
 inference leaves open), which then read a filter of the step's inputs, whose blocked reorder
@@ -33,15 +35,19 @@ _DEFAULT = ("", "ai.onnx")
 
 @dataclass(frozen=True)
 class FlippedFilter(OneOutput):
-    """``out = weight.transpose(1, 0, 2, 3)[:, :, ::-1, ::-1]`` for 3 x 3 filters.
+    """The filters of a Conv's input gradient: ``weight`` ``[K, C / group, kh, kw]`` with each
+    group's filter and channel axes exchanged and its taps read back to front, ``[C, K / group,
+    kh, kw]`` (:func:`traingraph.autodiff.rules.conv.flipped_weight`).
 
     Attributes:
-        weight: The Conv's filters ``[K, C, 3, 3]``.
-        out: The flipped filters ``[C, K, 3, 3]``.
+        weight: The Conv's filters.
+        out: The flipped filters.
+        group: The Conv's groups.
     """
 
     weight: str
     out: str
+    group: int = 1
 
     @property
     def inputs(self) -> list[str]:
@@ -49,16 +55,26 @@ class FlippedFilter(OneOutput):
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
-        weight = values[self.weight]
-        if weight.ndim != 4 or weight.shape[2:] != (3, 3):
-            raise ValueError(
-                f"flipped filter {self.out!r}: weight {list(weight.shape)} must be [K, C, 3, 3]"
-            )
-        k, c = weight.shape[:2]
-        target = output_array(out, self.out, (c, k, 3, 3))
-        # both spatial axes reversed: the nine taps of each filter back to front
-        permute(np.ascontiguousarray(weight, np.float32), target, [k, c, 9], [1, 0, 2], threads,
-                reversed_axes=(2,))  # fmt: skip
+        weight = np.ascontiguousarray(values[self.weight], np.float32)
+        k, cg, kh, kw = _filter_shape(weight, self.group, self.out)
+        shape = (self.group * cg, k // self.group, kh, kw)
+        target = output_array(out, self.out, shape)
+        layout = composed_layout([shape[0], shape[1], kh * kw], [0, 1, 2], weight.shape,
+                                 self.group)  # fmt: skip
+        assert layout is not None  # the flipped filters' own axes are whole parts
+        dims, perm, reversed_axes = layout
+        permute(weight, target, dims, perm, threads, reversed_axes=reversed_axes)
+
+
+def _filter_shape(weight: np.ndarray, group: int, name: str) -> tuple[int, int, int, int]:
+    """``weight``'s ``[K, C / group, kh, kw]``, checked."""
+    if weight.ndim != 4 or weight.shape[0] % group:
+        raise ValueError(
+            f"flipped filter {name!r}: weight {list(weight.shape)} must be [K, C / group, kh, kw]"
+            f" with K divisible by the {group} groups"
+        )
+    k, cg, kh, kw = weight.shape
+    return k, cg, kh, kw
 
 
 @dataclass(frozen=True)
@@ -68,13 +84,15 @@ class FlippedReorder:
     Conv), in one strided copy of the parameter.
 
     Attributes:
-        weight: The Conv's filters ``[K, C, 3, 3]``.
-        reorder: The reorder of the flipped filters ``[C, K, 3, 3]``; its ``out`` is this
-            kernel's.
+        weight: The Conv's filters ``[K, C / group, kh, kw]``.
+        reorder: The reorder of the flipped filters ``[C, K / group, kh, kw]``; its ``out`` is
+            this kernel's.
+        group: The Conv's groups.
     """
 
     weight: str
     reorder: FilterReorder
+    group: int = 1
 
     @property
     def inputs(self) -> list[str]:
@@ -87,16 +105,13 @@ class FlippedReorder:
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         weight = np.ascontiguousarray(values[self.weight], np.float32)
-        if weight.ndim != 4 or weight.shape[2:] != (3, 3):
-            raise ValueError(
-                f"flipped filter {self.reorder.out!r}: weight {list(weight.shape)} must be"
-                " [K, C, 3, 3]"
-            )
+        _filter_shape(weight, self.group, self.reorder.out)
         reorder = self.reorder
-        layout = composed_layout(reorder.dims, reorder.perm, weight.shape[0], weight.shape[1])
-        if layout is None:  # blocks across the flipped filters' axes: two copies
+        layout = composed_layout(reorder.dims, reorder.perm, weight.shape, self.group)
+        if layout is None:  # a part of the reorder's axes is not whole parts of the flip's
             flipped: dict[str, np.ndarray] = {}
-            FlippedFilter(self.weight, reorder.src).compute({self.weight: weight}, flipped, threads)
+            flip = FlippedFilter(self.weight, reorder.src, self.group)
+            flip.compute({self.weight: weight}, flipped, threads)
             reorder.compute(flipped, out, threads)
             return
         dims, perm, reversed_axes = layout
@@ -105,44 +120,58 @@ class FlippedReorder:
 
 
 def composed_layout(
-    dims: Sequence[int], perm: Sequence[int], k: int, c: int
+    dims: Sequence[int], perm: Sequence[int], shape: Sequence[int], group: int = 1
 ) -> tuple[list[int], list[int], tuple[int, ...]] | None:
     """``(dims', perm', reversed)`` with ``W.reshape(dims')`` read back to front along
     ``reversed`` and transposed by ``perm'`` equal to ``flipped(W).reshape(dims).transpose(perm)``
-    for filters ``W`` ``[k, c, 3, 3]``, where ``dims`` splits the flipped filters' axes
-    ``[c, k, 9]`` each into whole parts; None where a part spans two of them.
+    for filters ``W`` of ``shape`` ``[K, C / group, kh, kw]``; None where an axis of ``dims``
+    and an axis of the flipped filters overlap without one's size dividing the other's.
 
-    The flipped filters are ``W`` with its first two axes exchanged and its nine taps read
-    back to front; reading a split axis back to front is reading each of its parts so."""
-    sizes = (c, k, 9)
-    groups: list[list[int]] = [[], [], []]  # dims' indices in each of c, k and the taps
+    The flipped filters' elements are ``[group, C / group, K / group, taps]`` in order, ``W``'s
+    the same axes as ``[group, K / group, C / group, taps]``. Each axis of ``dims`` is cut into
+    pieces that each lie in one of those four, so that both tensors are the same pieces in two
+    orders; reading an axis back to front is reading each of its pieces so."""
+    k, cg, kh, kw = shape
+    sizes = (group, cg, k // group, kh * kw)  # the flipped filters' axes, outer to inner
+    pieces: list[tuple[int, int]] = []  # (axis of sizes, size), in the flipped order
+    owned: list[list[int]] = []  # the pieces of each axis of dims
     axis, left = 0, sizes[0]
-    for index, size in enumerate(dims):
-        while left == 1 and axis < 2:  # this axis is whole: the next one
-            axis += 1
-            left = sizes[axis]
-        if left % size:
-            return None
-        groups[axis].append(index)
-        left //= size
-    if left != 1 or axis != 2:
+    for size in dims:
+        mine: list[int] = []
+        while size > 1:
+            while left == 1 and axis < 3:
+                axis += 1
+                left = sizes[axis]
+            take = left if size % left == 0 else size if left % size == 0 else 0
+            if take <= 1:
+                return None
+            mine.append(len(pieces))
+            pieces.append((axis, take))
+            left //= take
+            size //= take
+        if not mine:  # an axis of 1: anywhere
+            mine.append(len(pieces))
+            pieces.append((axis, 1))
+        owned.append(mine)
+    if left != 1 or any(s != 1 for s in sizes[axis + 1 :]):
         return None
-    order = groups[1] + groups[0] + groups[2]  # W's axes: k, c, taps
-    place = {index: position for position, index in enumerate(order)}
+    source = (0, 2, 1, 3)  # W's order of the four axes
+    order = sorted(range(len(pieces)), key=lambda p: (source.index(pieces[p][0]), p))
+    place = {piece: position for position, piece in enumerate(order)}
     return (
-        [dims[i] for i in order],
-        [place[i] for i in perm],
-        tuple(place[i] for i in groups[2]),
+        [pieces[p][1] for p in order],
+        [place[p] for axis_ in perm for p in owned[axis_]],
+        tuple(place[p] for p in order if pieces[p][0] == 3),
     )
 
 
 def split_flipped_filters(
     model: onnx.ModelProto, taken: Set[int] = frozenset()
 ) -> list[tuple[FlippedFilter, set[int]]]:
-    """Each flipped 3 x 3 filter of ``model`` (see the module) whose Transpose and Slice are not
-    in ``taken``, of a float32 model input, as a :class:`FlippedFilter` with the indices of the
-    two nodes, checked numerically. ``[]`` where the extension is missing (the kernels between
-    segments need it) or nothing matches."""
+    """Each flipped filter of ``model`` (see the module) whose nodes are not in ``taken``, of a
+    float32 model input, as a :class:`FlippedFilter` with the indices of its nodes, checked
+    numerically. ``[]`` where the extension is missing (the kernels between segments need it)
+    or nothing matches."""
     if NATIVE is None:
         return []
     graph = model.graph
@@ -159,14 +188,27 @@ def split_flipped_filters(
         consumers = g.consumers.get(node.output[0], set())
         if not consumers or node.output[0] in g.outputs or consumers & taken:
             continue
-        found = flipped_source(g, node.output[0], taken, constants, readers=False)
-        if found is None or found[0] not in inputs:
+        found = flipped_source(g, node.output[0], taken, constants, shapes, readers=False)
+        if found is None or found.weight not in inputs:
             continue
-        dims = shapes.get(found[0])
-        if dims is None or len(dims) != 4 or None in dims or dims[2:] != [3, 3]:
-            continue
-        matches.append((FlippedFilter(found[0], node.output[0]), found[1]))
+        kernel = FlippedFilter(found.weight, node.output[0], found.group)
+        matches.append((kernel, found.nodes))
     return verify.verified_kernels(model, g, matches, shapes)
+
+
+@dataclass(frozen=True)
+class FlipSource:
+    """Where a Conv's filter is the flip of a parameter (:func:`flipped_source`).
+
+    Attributes:
+        weight: The parameter ``[K, C / group, kh, kw]``.
+        nodes: The indices of the nodes that flip it.
+        group: The Conv's groups.
+    """
+
+    weight: str
+    nodes: set[int]
+    group: int
 
 
 def flipped_source(
@@ -174,12 +216,16 @@ def flipped_source(
     weight: str,
     taken: Set[int],
     constants: Mapping[str, np.ndarray],
+    shapes: Mapping[str, Sequence[int | None]],
     readers: bool = True,
-) -> tuple[str, set[int]] | None:
-    """Where ``weight`` is ``Slice(Transpose(w, perm=[1, 0, 2, 3]))`` reversing both spatial
-    axes of a 3 x 3 filter (a Conv's input gradient) and nothing else reads the Transpose,
-    ``w`` and the indices of the two nodes; else None. With ``readers``, one node alone (the
-    Conv) must read ``weight`` too."""
+) -> FlipSource | None:
+    """Where ``weight`` is the flip of a parameter ``w`` ``[K, C / group, kh, kw]`` as the
+    gradient rule writes it (:func:`traingraph.autodiff.rules.conv.flipped_weight`): a Slice of
+    steps -1 over the spatial axes longer than 1, each whole, of ``Transpose(w, perm=[1, 0, 2,
+    3])``, or with groups of ``Reshape(Transpose(Reshape(w, [group, K / group, C / group, kh,
+    kw]), perm=[0, 2, 1, 3, 4]), [C, K / group, kh, kw])``, with nothing else reading the
+    values between: ``w``, the nodes and the groups; else None. With ``readers``, one node
+    alone (the Conv) must read ``weight`` too."""
     if weight not in g.producer or (readers and g.only_reader(weight, taken) is None):
         return None
     flip = g.nodes[g.producer[weight]]
@@ -187,22 +233,68 @@ def flipped_source(
         return None
     if any(v not in constants for v in flip.input[1:]):
         return None
+    shape = shapes.get(flip.input[0])
+    if shape is None or len(shape) != 4 or None in shape:
+        return None
+    dims = [int(d or 0) for d in shape]
     starts, ends, axes, steps = (constants[v].reshape(-1).tolist() for v in flip.input[1:])
-    if sorted(a % 4 for a in axes) != [2, 3] or any(s != -1 for s in steps):
+    if sorted(a % 4 for a in axes) != [axis for axis in (2, 3) if dims[axis] > 1]:
         return None
-    # along an axis of 3, a step of -1 from the last place (start 2 or more, or -1) past the
-    # first (end -4 or less) takes the axis whole and reversed
-    if any(not (s >= 2 or s == -1) or e > -4 for s, e in zip(starts, ends)):
+    # along an axis of k, a step of -1 from the last place (start k - 1 or more, or -1) past
+    # the first (end -(k + 1) or less) takes the axis whole and reversed
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        size = dims[axis % 4]
+        if step != -1 or not (start >= size - 1 or start == -1) or end > -(size + 1):
+            return None
+    found = _swap_source(g, flip.input[0], taken, constants)
+    if found is None:
         return None
-    swapped = flip.input[0]
-    if swapped not in g.producer or g.only_reader(swapped, taken) is None:
-        return None
-    swap = g.nodes[g.producer[swapped]]
-    perm = next((list(a.ints) for a in swap.attribute if a.name == "perm"), None)
-    if swap.op_type != "Transpose" or swap.domain not in _DEFAULT or perm != [1, 0, 2, 3]:
-        return None
-    nodes = {g.producer[weight], g.producer[swapped]}
-    return (swap.input[0], nodes) if not nodes & taken else None
+    source, nodes, group = found
+    nodes = nodes | {g.producer[weight]}
+    return None if nodes & taken else FlipSource(source, nodes, group)
 
 
-__all__ = ["FlippedFilter", "flipped_source", "split_flipped_filters"]
+def _swap_source(
+    g: graph_match.GraphIndex, value: str, taken: Set[int], constants: Mapping[str, np.ndarray]
+) -> tuple[str, set[int], int] | None:
+    """``(w, nodes, group)`` where ``value`` is ``w`` with each group's first two axes exchanged
+    (see :func:`flipped_source`) and only the next node reads each value between; else None."""
+
+    def producer(name: str, op: str) -> onnx.NodeProto | None:
+        if name not in g.producer or g.only_reader(name, taken) is None:
+            return None
+        node = g.nodes[g.producer[name]]
+        return node if node.op_type == op and node.domain in _DEFAULT else None
+
+    def perm(node: onnx.NodeProto) -> list[int] | None:
+        return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+
+    swap = producer(value, "Transpose")
+    if swap is not None and perm(swap) == [1, 0, 2, 3]:
+        return swap.input[0], {g.producer[value]}, 1
+    outer = producer(value, "Reshape")
+    if outer is None or outer.input[1] not in constants:
+        return None
+    regroup = producer(outer.input[0], "Transpose")
+    if regroup is None or perm(regroup) != [0, 2, 1, 3, 4]:
+        return None
+    inner = producer(regroup.input[0], "Reshape")
+    if inner is None or inner.input[1] not in constants:
+        return None
+    split = constants[inner.input[1]].reshape(-1).tolist()
+    joined = constants[outer.input[1]].reshape(-1).tolist()
+    if len(split) != 5 or len(joined) != 4 or split[0] < 1 or split[2] < 1:
+        return None
+    if joined[0] != split[0] * split[2] or joined[2:] != split[3:]:
+        return None
+    nodes = {g.producer[value], g.producer[outer.input[0]], g.producer[regroup.input[0]]}
+    return inner.input[0], nodes, int(split[0])
+
+
+__all__ = [
+    "FlipSource",
+    "FlippedFilter",
+    "FlippedReorder",
+    "flipped_source",
+    "split_flipped_filters",
+]

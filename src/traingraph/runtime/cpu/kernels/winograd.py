@@ -191,9 +191,11 @@ def _match(
             ]:
                 addend, out = other, total.output[0]
                 nodes.add(reader)
-    source = flipped_source(g, node.input[1], taken, constants)
-    if source is not None:
-        return WinogradConv(node.input[0], source[0], bias, addend, out, True), nodes | source[1]
+    source = flipped_source(g, node.input[1], taken, constants, shapes)
+    if source is not None and source.group == 1:
+        return WinogradConv(node.input[0], source.weight, bias, addend, out, True), (
+            nodes | source.nodes
+        )
     return WinogradConv(node.input[0], node.input[1], bias, addend, out), nodes
 
 
