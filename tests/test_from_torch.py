@@ -621,6 +621,55 @@ def test_batch_norm_without_running_statistics_trains_without_warnings(tmp_path)
     _assert_float64_gradients(state, reference)
 
 
+class StandardizedConv(nn.Conv2d):
+    """A Conv whose filters are standardized per output channel before each use, as NFNets'
+    and BiT's ``StdConv2d`` do: ``F.batch_norm`` over the filters without running statistics."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.weight.reshape(1, self.out_channels, -1)
+        weight = nn.functional.batch_norm(flat, None, None, training=True, eps=1e-5)
+        return self._conv_forward(x, weight.reshape_as(self.weight), self.bias)
+
+
+def test_batch_statistics_written_out_are_a_training_batch_norm_in_the_train_graph(tmp_path):
+    """A BatchNormalization whose mean and variance the exporter computes from its own input
+    (standardized filters; BatchNorm2d(track_running_stats=False)) is a training-mode one in
+    the training graph: the native BatchNorm kernels take it, the gradients are torch's in
+    float64, and the eval graph still normalizes with the batch's statistics."""
+    from traingraph.runtime.cpu.kernels.batch_norm import BatchNormGrad
+    from traingraph.runtime.cpu.kernels.bn_forward import BatchNormForward
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        StandardizedConv(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(),
+        StandardizedConv(8, 6, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4),
+    )  # fmt: skip
+    x = torch.randn(4, 3, 12, 12)
+    model = traingraph.from_torch(copy.deepcopy(net), x, exporter="dynamo")
+    state, module = _mse_sgd_module(model, tmp_path)
+    train = onnx.load(tmp_path / "training_model.onnx")
+    norms = [n for n in model.graph.node if n.op_type == "BatchNormalization"]
+    exported = {v for n in norms for v in n.input[3:]}
+    assert len(exported) == 6  # the exporter's means and variances: none left in training
+    assert not exported & {v for n in train.graph.node for v in [*n.input, *n.output]}
+    kernels = module.step.runner._plan.all_kernels
+    assert sum(isinstance(k, BatchNormForward) for k in kernels) == 3
+    assert any(isinstance(k, BatchNormGrad) for k in kernels)
+    target = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    module(x.numpy(), target)
+    reference = copy.deepcopy(net).double()
+    nn.functional.mse_loss(reference(x.double()), torch.tensor(target).double()).backward()
+    _assert_float64_gradients(state, reference)
+    module = Module(
+        tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx"
+    ).eval()
+    eval_loss = module(x.numpy(), target)
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(net.eval()(x), torch.tensor(target))
+    np.testing.assert_allclose(float(eval_loss), expected.item(), rtol=1e-5)
+
+
 def test_compiled_and_data_parallel_modules_export_the_module_they_wrap():
     """torch.compile's OptimizedModule and nn.DataParallel take ``*args`` (no dynamic shapes
     for the exporters) and prefix the parameter names: the module inside is exported."""

@@ -21,7 +21,11 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from traingraph.autodiff.engine import differentiate, name_output, values_by_name
-from traingraph.autodiff.lowering import lower_training_batch_norm, running_stats_default
+from traingraph.autodiff.lowering import (
+    batch_statistics_to_training_mode,
+    lower_training_batch_norm,
+    running_stats_default,
+)
 from traingraph.errors import ModelError, SizeLimitError, reports_load_errors
 from traingraph.ir.builder import OpBuilder, is_float
 from traingraph.ir.fold import remove_dead_nodes
@@ -494,6 +498,10 @@ def to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> di
     b = OpBuilder(graph, opset, prefix="train_mode")
     updates: dict[str, ir.Value] = {}
     for node in list(graph):
+        statistics = list(node.inputs[3:5])
+        if opset >= 14 and batch_statistics_to_training_mode(b, node):
+            _remove_unread(graph, statistics)
+            continue
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
             mean, var = node.inputs[3], node.inputs[4]
             if mean is None or var is None or mean.name not in params or var.name not in params:
@@ -515,6 +523,20 @@ def to_training_mode(graph: ir.Graph, params: dict[str, bool], opset: int) -> di
     lower_dropout(b, [node for node in graph if node.op_type == "Dropout"])
     graph.sort()
     return updates
+
+
+def _remove_unread(graph: ir.Graph, values: Sequence[ir.Value | None]) -> None:
+    """Remove the nodes that write ``values`` where nothing reads them, and so on upwards."""
+    pending = [v.producer() for v in values if v is not None]
+    while pending:
+        node = pending.pop()
+        if node is None or node.graph is not graph:
+            continue
+        if any(o.uses() or o.is_graph_output() for o in node.outputs):
+            continue
+        inputs = list(node.inputs)
+        graph.remove(node, safe=True)
+        pending.extend(v.producer() for v in inputs if v is not None)
 
 
 def to_inference_mode(graph: ir.Graph) -> None:

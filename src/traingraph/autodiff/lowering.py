@@ -68,6 +68,69 @@ RUNNING_STATS = ("torch", "onnx")
 RUNNING_STATS_KEY = "traingraph.running_stats"
 
 
+def batch_statistics_to_training_mode(b: OpBuilder, node: ir.Node) -> bool:
+    """Make ``node`` a training-mode BatchNormalization where it is an inference-mode one whose
+    mean and variance are its input's batch statistics, written out as PyTorch's exporters
+    write ``F.batch_norm(x, None, None, training=True)`` (a BatchNorm without running
+    statistics; a standardized Conv weight, as in NFNets' and BiT's ``StdConv2d``):
+    ``ReduceMean(x)`` and ``ReduceMean(d * d)`` with ``d = x - ReduceMean(x, keepdims=1)``,
+    over every axis but 1. The node then reads constant running statistics and returns none,
+    so it computes the same values, and its gradient is a training-mode BatchNormalization's.
+    Returns whether ``node`` was changed; the statistics' nodes stay for the caller to
+    remove where nothing else reads them."""
+    if node.op_type != "BatchNormalization" or node.domain not in _DEFAULT_DOMAINS:
+        return False
+    if len(node.inputs) != 5 or is_training_batch_norm(node) or len(node.outputs) > 1:
+        return False
+    x, scale, mean, var = node.inputs[0], node.inputs[1], node.inputs[3], node.inputs[4]
+    r = rank(x) if x is not None else None
+    if x is None or scale is None or mean is None or var is None or r is None or r < 2:
+        return False
+    axes = [0, *range(2, r)]
+    if _mean_of(mean, axes, keepdims=False) is not x:
+        return False
+    square = _mean_of(var, axes, keepdims=False)
+    product = square.producer() if square is not None else None
+    if product is None or product.op_type != "Mul" or product.inputs[0] is not product.inputs[1]:
+        return False
+    centered = product.inputs[0].producer() if product.inputs[0] is not None else None
+    if centered is None or centered.op_type != "Sub" or centered.inputs[0] is not x:
+        return False
+    if _mean_of(centered.inputs[1], axes, keepdims=True) is not x:
+        return False
+    channels = static_dim(x, 1) or (static_shape(scale) or [None])[0]
+    if channels is None or mean.dtype is None:
+        return False
+    dtype = mean.dtype.numpy()
+    node.replace_input_with(3, b.const(np.zeros(channels, dtype), mean.dtype))
+    node.replace_input_with(4, b.const(np.ones(channels, dtype), mean.dtype))
+    node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+    node.resize_outputs(3)  # running statistics that nothing reads: the spec's three outputs
+    for out, suffix in zip(node.outputs[1:], ("running_mean", "running_var")):
+        out.name = out.name or f"{node.outputs[0].name}_unread_{suffix}"
+        out.shape, out.type = ir.Shape([channels]), ir.TensorType(mean.dtype)
+    return True
+
+
+def _mean_of(value: ir.Value | None, axes: list[int], keepdims: bool) -> ir.Value | None:
+    """The input of the ReduceMean over ``axes`` (each once, in any order, negative or not) with
+    ``keepdims`` that writes ``value``; else None."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "ReduceMean" or node.domain not in _DEFAULT_DOMAINS:
+        return None
+    data = node.inputs[0]
+    r = rank(data) if data is not None else None
+    if data is None or r is None or bool(node.attributes.get_int("keepdims", 1)) != keepdims:
+        return None
+    given = node.attributes.get_ints("axes")
+    if given is None and len(node.inputs) > 1:
+        found = constant_value(node.inputs[1])
+        given = None if found is None else [int(a) for a in np.asarray(found).reshape(-1)]
+    if given is None or sorted(a % r for a in given) != axes or len(set(given)) != len(axes):
+        return None
+    return data
+
+
 def running_stats_default(m: ir.Model) -> str | None:
     """``"torch"`` for a model that PyTorch exported (``producer_name == "pytorch"``, as both
     of its exporters write), else None: each node's :data:`RUNNING_STATS_KEY` metadata, or

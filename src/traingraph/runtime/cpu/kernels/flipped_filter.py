@@ -4,11 +4,12 @@ The input gradient of a Conv of stride 1 is the Conv of the output gradient with
 transposed and turned by 180 degrees (:func:`traingraph.autodiff.rules.conv.flipped_weight`):
 ``Slice(Transpose(W, perm=[1, 0, 2, 3]))`` with steps of -1 along the spatial axes (with
 groups, each group's two axes exchanged by a Reshape, a Transpose and a Reshape), which
-onnxruntime runs as passes that index every element (a 256 x 256 x 3 x 3 filter: about 1.8 ms
-on one thread; a grouped 400 x 16 x 3 x 3 one about 0.3 ms on two). :class:`FlippedFilter`
-writes the same values in one native strided copy
+onnxruntime runs as passes that index every element (a 256 x 256 x 3 x 3 filter: about
+1.8 ms on one thread; a grouped 400 x 16 x 3 x 3 one about 0.3 ms on two).
+:class:`FlippedFilter` writes the same values in one native strided copy
 (:func:`~traingraph.runtime.cpu.kernels.permutes.permute` with the taps reversed; the threads
-share its rows of taps), for any 2-D kernel and any groups. Where the Winograd kernel takes the Conv, it reads the
+share its rows of taps), for any 2-D kernel and any groups, of a parameter or of filters the
+graph computes (standardized weights). Where the Winograd kernel takes the Conv, it reads the
 parameter in place instead (:mod:`traingraph.runtime.cpu.kernels.winograd`); this kernel takes
 the flips left to onnxruntime's Convs (dilated ones, small odd planes, planes whose size shape
 inference leaves open), which then read a filter of the step's inputs, whose blocked reorder
@@ -180,7 +181,6 @@ def split_flipped_filters(
     g = graph_match.GraphIndex.of(graph)
     shapes = graph_match.inferred_shapes(model)
     constants = graph_match.constant_values(graph)
-    inputs = {i.name for i in graph.input}
     matches = []
     for i, node in enumerate(g.nodes):
         if i in taken or node.op_type != "Slice" or node.domain not in _DEFAULT:
@@ -189,7 +189,8 @@ def split_flipped_filters(
         if not consumers or node.output[0] in g.outputs or consumers & taken:
             continue
         found = flipped_source(g, node.output[0], taken, constants, shapes, readers=False)
-        if found is None or found.weight not in inputs:
+        weight = shapes.get(found.weight) if found is not None else None
+        if found is None or weight is None or None in weight:
             continue
         kernel = FlippedFilter(found.weight, node.output[0], found.group)
         matches.append((kernel, found.nodes))
