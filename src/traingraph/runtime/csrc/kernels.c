@@ -1100,17 +1100,27 @@ struct bnf {
     int relu;
 };
 
+/* The float32 lanes hold the sums of at most this many values of a plane before they are
+ * added into the double sums: a long plane (a BatchNorm over one sample, as over a
+ * standardized filter's 4608 taps) would otherwise round its sums over thousands of terms. */
+#define BNF_BLOCK 256
+
 TARGETS static void bnf_sums(const struct bnf *b, Py_ssize_t c, float x0, double sums[2])
 {
     const v16 shift = x0 - (v16){0};
     for (Py_ssize_t n = 0; n < b->n; n++) {
         const float *x = b->x + (n * b->c + c) * b->s;
-        v16 sd = {0}, sdd = {0};
         Py_ssize_t i = 0;
-        for (; i + 16 <= b->s; i += 16) {
-            const v16 d = *(const v16u *)(x + i) - shift;
-            sd += d;
-            sdd += d * d;
+        for (; i + 16 <= b->s;) {
+            v16 sd = {0}, sdd = {0};
+            const Py_ssize_t end = i + BNF_BLOCK < b->s ? i + BNF_BLOCK : b->s;
+            for (; i + 16 <= end; i += 16) {
+                const v16 d = *(const v16u *)(x + i) - shift;
+                sd += d;
+                sdd += d * d;
+            }
+            sums[0] += (double)hsum(sd);
+            sums[1] += (double)hsum(sdd);
         }
         float tail[2] = {0};
         for (; i < b->s; i++) {
@@ -1118,8 +1128,8 @@ TARGETS static void bnf_sums(const struct bnf *b, Py_ssize_t c, float x0, double
             tail[0] += d;
             tail[1] += d * d;
         }
-        sums[0] += (double)hsum(sd) + tail[0];
-        sums[1] += (double)hsum(sdd) + tail[1];
+        sums[0] += tail[0];
+        sums[1] += tail[1];
     }
 }
 
