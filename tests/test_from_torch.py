@@ -622,20 +622,27 @@ def test_batch_norm_without_running_statistics_trains_without_warnings(tmp_path)
 
 
 class StandardizedConv(nn.Conv2d):
-    """A Conv whose filters are standardized per output channel before each use, as NFNets'
-    and BiT's ``StdConv2d`` do: ``F.batch_norm`` over the filters without running statistics."""
+    """A Conv whose filters are standardized per output channel before each use, as BiT's
+    ``StdConv2d`` does (``F.batch_norm`` over the filters without running statistics), or
+    with a trained gain as the BatchNorm's scale, as NFNets' ``ScaledStdConv2d``."""
+
+    def __init__(self, *args: object, gain: bool = False, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gain = nn.Parameter(torch.rand(self.out_channels) + 0.5) if gain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = self.weight.reshape(1, self.out_channels, -1)
-        weight = nn.functional.batch_norm(flat, None, None, training=True, eps=1e-5)
+        scale = None if self.gain is None else self.gain * 0.5
+        weight = nn.functional.batch_norm(flat, None, None, scale, training=True, eps=1e-5)
         return self._conv_forward(x, weight.reshape_as(self.weight), self.bias)
 
 
 def test_batch_statistics_written_out_are_a_training_batch_norm_in_the_train_graph(tmp_path):
     """A BatchNormalization whose mean and variance the exporter computes from its own input
     (standardized filters; BatchNorm2d(track_running_stats=False)) is a training-mode one in
-    the training graph: the native BatchNorm kernels take it, the gradients are torch's in
-    float64, and the eval graph still normalizes with the batch's statistics."""
+    the training graph: the native BatchNorm kernels take it (its gradient too where the
+    bias is constant and the scale computed), the gradients are torch's in float64, and the
+    eval graph still normalizes with the batch's statistics."""
     from traingraph.runtime.cpu.kernels.batch_norm import BatchNormGrad
     from traingraph.runtime.cpu.kernels.bn_forward import BatchNormForward
 
@@ -643,7 +650,8 @@ def test_batch_statistics_written_out_are_a_training_batch_norm_in_the_train_gra
     net = nn.Sequential(
         StandardizedConv(3, 8, 3, padding=1), nn.ReLU(),
         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8, track_running_stats=False), nn.ReLU(),
-        StandardizedConv(8, 6, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 4),
+        StandardizedConv(8, 6, 1, gain=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(6, 4),
     )  # fmt: skip
     x = torch.randn(4, 3, 12, 12)
     model = traingraph.from_torch(copy.deepcopy(net), x, exporter="dynamo")
@@ -655,7 +663,10 @@ def test_batch_statistics_written_out_are_a_training_batch_norm_in_the_train_gra
     assert not exported & {v for n in train.graph.node for v in [*n.input, *n.output]}
     kernels = module.step.runner._plan.all_kernels
     assert sum(isinstance(k, BatchNormForward) for k in kernels) == 3
-    assert any(isinstance(k, BatchNormGrad) for k in kernels)
+    # the filters' gradients too: without a bias gradient, and with a computed scale's
+    grads = [k for k in kernels if isinstance(k, BatchNormGrad)]
+    assert len(grads) == 3 and sum(k.dbias is None for k in grads) == 2
+    assert sum(k.dscale is not None for k in grads) == 2
     target = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
     module(x.numpy(), target)
     reference = copy.deepcopy(net).double()

@@ -60,8 +60,10 @@ class NormalizationGrad:
         dy: The gradient of its output.
         epsilon: Its epsilon.
         dx: The gradient of ``x`` the graph computes (None where nothing reads it).
-        dscale: The model output of the scale's gradient, or None.
-        dbias: The model output of the bias's gradient.
+        dscale: The scale's gradient (a model output, or a value the graph reads where the
+            scale is computed), or None.
+        dbias: The model output of the bias's gradient, or None where the graph does not
+            compute it (a constant bias).
     """
 
     x: str
@@ -70,7 +72,7 @@ class NormalizationGrad:
     epsilon: float
     dx: str | None
     dscale: str | None
-    dbias: str
+    dbias: str | None
 
     @property
     def outputs(self) -> list[str]:
@@ -95,7 +97,9 @@ class NormalizationGrad:
             if name:
                 output_array(out, name, shape)
         targets = [out[name] if name else None for name in (self.dx, self.dscale)]
-        getattr(NATIVE, function)(*inputs, *targets, out[self.dbias], epsilon, threads)
+        # the kernels sum dy on their way: into scratch where the bias's gradient is not asked
+        dbias = out[self.dbias] if self.dbias else np.empty(features, np.float32)
+        getattr(NATIVE, function)(*inputs, *targets, dbias, epsilon, threads)
 
 
 def output_array(out: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:

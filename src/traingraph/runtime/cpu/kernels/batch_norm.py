@@ -17,12 +17,13 @@ Each match is checked numerically against its kernel before it is used
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
+from traingraph.ir.tags import origin
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.kernels import conv_grads
 from traingraph.runtime.cpu.kernels.conv_grads import MaxPoolGrad
@@ -100,8 +101,8 @@ def _match(
     dbias = f"{bias}_grad"
     # dbias = ReduceSum(G) through shape ops; G = dy (behind a Relu: dy * mask(y))
     gated = g.summed_into(dbias)
-    if gated is None:
-        return None
+    if gated is None:  # no bias gradient among the outputs: a computed or constant bias
+        return _match_by_tag(g, bn, shapes)
     # the forward graph (g itself, or the forward phase f) holds the Relu that reads bn
     home = g if bn.output[0] in g.producer else f
     readers = [home.nodes[j] for j in home.consumers.get(bn.output[0], ())]
@@ -150,6 +151,74 @@ def _match(
     epsilon = float(attrs.get("epsilon", 1e-5))
     grad = BatchNormGrad(x, scale, dy, epsilon, dx, dscale, dbias, y=y)
     return grad, nodes
+
+
+def _match_by_tag(
+    g: graph_match.GraphIndex, bn: onnx.NodeProto, shapes: Mapping[str, Sequence[int | None]]
+) -> tuple[BatchNormGrad, set[int]] | None:
+    """The gradient of ``bn`` where its bias's gradient is no model output (a BatchNorm whose
+    scale or bias the graph computes or holds constant: standardized Conv filters): the
+    nodes the gradient rule tagged for it, which read ``x``, the scale, one output gradient
+    ``dy`` of ``x``'s shape and statistics of ``x``, and write the input's gradient and, where
+    the graph reads them, the scale's and the bias's (the sum of ``dy``)."""
+    if not g.tags:
+        return None
+    name = origin(bn)
+    nodes = {i for i in g.tags.get(KERNEL, set()) if origin(g.nodes[i]) == name}
+    x, scale = bn.input[:2]
+    x_shape = shapes.get(x)
+    if not nodes or x_shape is None or None in x_shape[1:]:
+        return None
+    sources = {x, scale}
+    memo: dict[str, bool] = {}
+    beyond = g.reads_beyond(nodes, sources)
+    dys = [v for v in beyond if not g.derived_from(v, sources, memo)]
+    if len(dys) != 1 or not _like(shapes.get(dys[0]), x_shape, unknown=False):
+        return None
+    (dy,) = dys
+    nodes |= _computed_from(g, beyond - {dy}, sources)
+    outputs = {o for o in g.external(nodes) if not g.derived_from(o, sources, memo)}
+    channels = int(x_shape[1] or 0)
+    dx = [o for o in outputs if _like(shapes.get(o), x_shape, unknown=False)]
+    sums = [o for o in outputs if _channel_sized(shapes.get(o), channels) and _sum_of(g, o, dy)]
+    rest = outputs - set(dx) - set(sums)
+    dscale = [o for o in rest if _channel_sized(shapes.get(o), channels)]
+    if len(dx) > 1 or len(sums) > 1 or len(dscale) > 1 or rest - set(dscale):
+        return None
+    epsilon = float(graph_match.attributes(bn).get("epsilon", 1e-5))
+    grad = BatchNormGrad(
+        x, scale, dy, epsilon, next(iter(dx), None), next(iter(dscale), None),
+        next(iter(sums), None),
+    )  # fmt: skip
+    return (grad, nodes) if grad.outputs else None
+
+
+def _channel_sized(shape: Sequence[int | None] | None, channels: int) -> bool:
+    return shape is not None and None not in shape and math.prod(shape) == channels  # type: ignore[arg-type]
+
+
+def _sum_of(g: graph_match.GraphIndex, value: str, dy: str) -> bool:
+    """Whether ``value`` is a ReduceSum of ``dy`` (through shape ops and a Cast)."""
+    i = g.producer.get(value)
+    while i is not None and g.nodes[i].op_type in (*graph_match.SHAPE_OPS, "Cast"):
+        i = g.producer.get(g.nodes[i].input[0])
+    return i is not None and g.nodes[i].op_type == "ReduceSum" and g.nodes[i].input[0] == dy
+
+
+def _computed_from(g: graph_match.GraphIndex, values: Set[str], sources: Set[str]) -> set[int]:
+    """The nodes that compute ``values`` from ``sources`` and constants."""
+    found: set[int] = set()
+    pending = [v for v in values if v in g.producer]
+    while pending:
+        i = g.producer[pending.pop()]
+        if i in found:
+            continue
+        found.add(i)
+        pending += [
+            v for v in g.nodes[i].input
+            if v and v in g.producer and v not in sources and v not in g.constants
+        ]  # fmt: skip
+    return found
 
 
 def _like(
