@@ -28,7 +28,10 @@ import onnx_ir as ir
 from traingraph.autodiff.context import GradContext
 from traingraph.autodiff.registry import register_gradient
 from traingraph.ir.builder import OpBuilder, rank, static_shape
-from traingraph.ir.tags import tags
+from traingraph.ir.tags import tagging, tags
+
+INSTANCE_NORM_GRAD = "instance_norm_grad"
+"""The tag of the nodes of an InstanceNormalization's input gradient."""
 
 Grads = Sequence[ir.Value | None]
 
@@ -256,10 +259,13 @@ def instance_normalization(ctx: GradContext, grads: Grads) -> list[ir.Value | No
     r = _known_rank(ctx, x, 3)
     xhat, rstd = standardize(b, x, list(range(2, r)), float(ctx.attr("epsilon", 1e-5)))
     axes = _channel_axes(r)
+    dx = None
+    if ctx.need(0):  # a native kernel's pattern (the CPU runtime's instance_norm_grad)
+        with tagging(b, INSTANCE_NORM_GRAD, ctx.node.name or "InstanceNormalization"):
+            gh = b.Mul(g, _per_channel(b, scale, r))
+            dx = standardize_grad(b, gh, xhat, rstd, list(range(2, r)))
     return [
-        standardize_grad(b, b.Mul(g, _per_channel(b, scale, r)), xhat, rstd, list(range(2, r)))
-        if ctx.need(0)
-        else None,
+        dx,
         b.sum(b.Mul(g, xhat), axes, keepdims=False) if ctx.need(1) else None,
         b.sum(g, axes, keepdims=False) if ctx.need(2) else None,
     ]

@@ -46,7 +46,10 @@ from traingraph.runtime.cpu.kernels.depthwise import split_depthwise_conv_transp
 from traingraph.runtime.cpu.kernels.direct_conv import split_direct_convs
 from traingraph.runtime.cpu.kernels.flipped_filter import split_flipped_filters
 from traingraph.runtime.cpu.kernels.gelu import split_gelus
-from traingraph.runtime.cpu.kernels.layer_norm import split_layer_norm_grads
+from traingraph.runtime.cpu.kernels.layer_norm import (
+    split_instance_norm_grads,
+    split_layer_norm_grads,
+)
 from traingraph.runtime.cpu.kernels.lstm_cell import split_lstm_backwards, split_lstm_forwards
 from traingraph.runtime.cpu.kernels.masks import split_dropout_masks
 from traingraph.runtime.cpu.kernels.max_pool import split_max_pool_scatters
@@ -173,6 +176,11 @@ REGISTRY: tuple[KernelSpec, ...] = (
         "layer_norm_grad",
         lambda s: list(split_layer_norm_grads(s.model, s.taken)),
         "layer_norm_grad",
+    ),
+    KernelSpec(
+        "instance_norm_grad",
+        lambda s: list(split_instance_norm_grads(s.model, s.taken)),
+        "instance_norm_grad",
     ),
     KernelSpec(
         "depthwise_conv_transpose",

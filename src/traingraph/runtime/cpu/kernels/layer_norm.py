@@ -22,8 +22,16 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from traingraph.autodiff.rules.normalization import INSTANCE_NORM_GRAD as INSTANCE_KERNEL
+from traingraph.ir.tags import origin
 from traingraph.runtime.cpu import graph_match, verify
-from traingraph.runtime.cpu.native import Arrays, NormalizationGrad, Outputs
+from traingraph.runtime.cpu.native import (
+    NATIVE,
+    Arrays,
+    NormalizationGrad,
+    Outputs,
+    output_array,
+)
 
 KERNEL = "layer_norm_grad"
 """The tag of the nodes of a LayerNormalization's gradient."""
@@ -115,9 +123,130 @@ def _match(
     return LayerNormGrad(x, scale, dy, epsilon, dx, dscale, dbias), nodes
 
 
+@dataclass(frozen=True)
+class InstanceNormGrad:
+    """The input gradient of one InstanceNormalization (statistics over the axes after the
+    second, for each sample and channel), which PyTorch's exporters also write for GroupNorm
+    (over ``[N, groups, -1]``, with unit scale and the affine map after it).
+
+    Each row of ``x`` ``[N, C, ...]`` flattened to ``[N, C, L]`` is standardized over its
+    ``L`` values: its gradient is a LayerNormalization's over the last axis with a unit scale
+    (the ``layer_norm_grad`` kernel), times the row's channel's scale, which enters ``dx``
+    linearly.
+
+    Attributes:
+        x: The normalization's input.
+        scale: Its per-channel scale.
+        dy: The gradient of its output.
+        epsilon: Its epsilon.
+        dx: The gradient of ``x``.
+    """
+
+    x: str
+    scale: str
+    dy: str
+    epsilon: float
+    dx: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.dy, self.scale]
+
+    @property
+    def outputs(self) -> list[str]:
+        return [self.dx]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``dx`` into ``out`` (in place where an array of its shape is there)."""
+        assert NATIVE is not None
+        x = np.ascontiguousarray(values[self.x], np.float32)
+        n, c = x.shape[:2]
+        rows = x.reshape(n, c, -1)
+        dy = np.ascontiguousarray(values[self.dy], np.float32).reshape(rows.shape)
+        scale = np.asarray(values[self.scale], np.float32).reshape(-1)
+        if scale.size != c:
+            raise ValueError(
+                f"instance norm {self.dx!r}: scale has {scale.size} values for {c} channels"
+            )
+        target = output_array(out, self.dx, x.shape)
+        features = rows.shape[-1]
+        sums = np.empty(features, np.float32)  # the unit scale's and bias's gradients: unread
+        dx = target.reshape(rows.shape)
+        ones = np.ones(features, np.float32)
+        NATIVE.layer_norm_grad(rows, dy, ones, dx, None, sums, self.epsilon, threads)
+        if not np.all(scale == 1.0):
+            dx *= scale[None, :, None]
+
+
+def split_instance_norm_grads(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[InstanceNormGrad, set[int]]]:
+    """Each InstanceNormalization input gradient of ``model`` (the nodes the gradient rule
+    tagged for it, :data:`~traingraph.autodiff.rules.normalization.INSTANCE_NORM_GRAD`) that
+    reads the input, the scale, one output gradient of the input's shape and values computed
+    from the input and the scale alone (statistics the kernel computes again), with none of its
+    nodes in ``taken``; checked numerically. ``[]`` where the extension is missing or nothing
+    matches."""
+    if not graph_match.can_match(model, "layer_norm_grad", "InstanceNormalization"):
+        return []
+    g = graph_match.GraphIndex.of(model.graph)
+    by_instance: dict[str, set[int]] = {}
+    for i in g.tags.get(INSTANCE_KERNEL, set()):
+        by_instance.setdefault(origin(g.nodes[i]), set()).add(i)
+    shapes = graph_match.inferred_shapes(model)
+    found = []
+    for node in g.nodes:
+        if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        nodes = by_instance.get(node.name)
+        if not nodes or nodes & taken or len(node.input) < 3:
+            continue
+        x, scale = node.input[:2]
+        x_shape = shapes.get(x)
+        if x_shape is None or len(x_shape) < 3 or None in x_shape[1:]:
+            continue
+        sources = {x, scale}
+        memo: dict[str, bool] = {}
+        beyond = g.reads_beyond(nodes, sources)
+        dys = [v for v in beyond if not g.derived_from(v, sources, memo)]
+        # the statistics the rule computes from x (read by the scale's gradient too, where
+        # the scale is trained: such nodes stay in the graph for it)
+        nodes = nodes | _computed_from(g, beyond - set(dys), sources)
+        outputs = {o for o in g.external(nodes) if not g.derived_from(o, sources, memo)}
+        if len(dys) != 1 or len(outputs) != 1:
+            continue
+        (dy,), (dx,) = dys, outputs
+        if not _like(shapes.get(dy), x_shape) or not _like(shapes.get(dx), x_shape):
+            continue
+        epsilon = float(graph_match.attributes(node).get("epsilon", 1e-5))
+        found.append((InstanceNormGrad(x, scale, dy, epsilon, dx), nodes))
+    return verify.verified_kernels(model, g, found, shapes)
+
+
+def _computed_from(g: graph_match.GraphIndex, values: Set[str], sources: Set[str]) -> set[int]:
+    """The nodes that compute ``values`` from ``sources`` and constants."""
+    found: set[int] = set()
+    pending = [v for v in values if v in g.producer]
+    while pending:
+        i = g.producer[pending.pop()]
+        if i in found:
+            continue
+        found.add(i)
+        pending += [
+            v for v in g.nodes[i].input
+            if v and v in g.producer and v not in sources and v not in g.constants
+        ]  # fmt: skip
+    return found
+
+
 def _like(shape: Sequence[int | None] | None, x_shape: Sequence[int | None]) -> bool:
     """Whether ``shape`` is ``x_shape``, an unknown dimension matching only an unknown one."""
     return shape is not None and list(shape) == list(x_shape)
 
 
-__all__ = ["LayerNormGrad", "split_layer_norm_grads"]
+__all__ = [
+    "InstanceNormGrad",
+    "LayerNormGrad",
+    "split_instance_norm_grads",
+    "split_layer_norm_grads",
+]
