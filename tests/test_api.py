@@ -287,6 +287,41 @@ def test_inputs_may_be_ortvalues(tmp_path):
     assert float(as_numpy) == float(as_ortvalues.numpy())
 
 
+def test_an_output_a_native_kernel_writes_is_returned_and_kept(tmp_path):
+    """A model output that a native CPU kernel computes (the last Conv's, by the Winograd
+    kernel), asked for as an additional output: returned as an array (an OrtValue for
+    OrtValue inputs), equal to the graph's, and not overwritten by the next step."""
+    from torch import nn
+
+    from traingraph import from_torch, losses
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 3, 3, padding=1),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 16, 16)
+    artifacts.generate_artifacts(
+        from_torch(net, x, output_names=["output"]), loss=losses.MSELoss(),
+        optimizer=optim.SGD(lr=0.1), artifact_directory=tmp_path,
+        additional_output_names=["output"],
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    kernels = module.step.runner._plan.all_kernels
+    assert any("output" in k.outputs for k in kernels)  # else this test tests nothing
+    images, target = x.numpy(), np.zeros((2, 3, 16, 16), np.float32)
+    loss, output = module(images, target)
+    kept = output.copy()
+    with torch.no_grad():
+        np.testing.assert_allclose(output, net(x).numpy(), rtol=1e-4, atol=1e-5)
+    module.lazy_reset_grad()
+    as_values = module(*(ort.OrtValue.ortvalue_from_numpy(a) for a in (images, target + 1)))
+    assert all(isinstance(v, ort.OrtValue) for v in as_values)
+    np.testing.assert_array_equal(as_values[1].numpy(), kept)  # the same weights, no step
+    np.testing.assert_array_equal(output, kept)  # the first call's array stays as it was
+
+
 def test_misuse_raises_clear_errors(tmp_path):
     directory = _artifacts(tmp_path, seeded(MLP), nominal_checkpoint=True)
     nominal = CheckpointState.load_checkpoint(directory / "nominal_checkpoint")

@@ -486,22 +486,28 @@ class Module:
             else:
                 outputs, fixed = self._eval_step(feeds), {}
         values: list[Any]
+        # (an output a native CPU kernel writes, such as a model output computed by the
+        # kernel of its last Conv, is an array in the run's own memory)
         if as_ortvalues:  # the fixed outputs' buffers are written again by the next call
             values = [
-                self._device_copy(outputs[n]) if n in fixed else outputs[n]
+                self._device_copy(outputs[n])
+                if n in fixed or isinstance(outputs[n], np.ndarray)
+                else outputs[n]
                 for n in self.output_names()
             ]
         else:
             values = [
-                outputs[n].numpy().copy() if n in fixed else outputs[n].numpy()
+                _host_array(outputs[n]).copy()
+                if n in fixed or isinstance(outputs[n], np.ndarray)
+                else outputs[n].numpy()
                 for n in self.output_names()
             ]
         return values[0] if len(values) == 1 else values
 
-    def _device_copy(self, value: ort.OrtValue) -> ort.OrtValue:
+    def _device_copy(self, value: ort.OrtValue | np.ndarray) -> ort.OrtValue:
         device = self.step.device
         return ort.OrtValue.ortvalue_from_numpy(
-            value.numpy().copy(), device.ort_device_type, device.index
+            _host_array(value).copy(), device.ort_device_type, device.index
         )
 
     def _check_feeds(
@@ -618,6 +624,11 @@ def _require_loaded(runtime: TrainingState, names: Any = None) -> None:
             " values yet; load them with Module.copy_buffer_to_parameters(buffer,"
             " trainable_only=False)."
         )
+
+
+def _host_array(value: ort.OrtValue | np.ndarray) -> np.ndarray:
+    """``value``'s elements as a host array (``value`` itself where it is one)."""
+    return value if isinstance(value, np.ndarray) else value.numpy()
 
 
 def _as_feed(value: Any) -> Any:

@@ -151,9 +151,9 @@ class OrderedExecutor:
             self._pool.submit(lambda: None).result()
 
 
-def host(value: ort.OrtValue) -> np.ndarray:
-    """A host copy of an OrtValue."""
-    return np.array(value.numpy(), copy=True)
+def host(value: ort.OrtValue | np.ndarray) -> np.ndarray:
+    """A host copy of an OrtValue (or of an array a native CPU kernel wrote)."""
+    return np.array(value if isinstance(value, np.ndarray) else value.numpy(), copy=True)
 
 
 def as_device_feed(value: Any, device_type: str, device_index: int) -> ort.OrtValue:

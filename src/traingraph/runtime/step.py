@@ -453,8 +453,10 @@ def host_grads_finite(grads: TensorStore) -> bool:
     return all(np.isfinite(np.sum(v, dtype=np.float64)) for v in views)
 
 
-def finite_loss(value: ort.OrtValue) -> bool:
+def finite_loss(value: ort.OrtValue | np.ndarray) -> bool:
     """Whether a scalar loss on the host is finite; True for other outputs and device values."""
+    if isinstance(value, np.ndarray):
+        return value.size != 1 or math.isfinite(value.item())
     if value.device_name().lower() != "cpu" or math.prod(value.shape()) != 1:
         return True
     return math.isfinite(value.numpy().item())
