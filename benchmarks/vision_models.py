@@ -61,6 +61,8 @@ def build(spec: str) -> Any:
             module.p = 0.0
         if hasattr(module, "drop_prob"):
             module.drop_prob = 0.0
+        if type(module).__name__ == "StochasticDepth":  # torchvision's
+            module.p = 0.0
     return model.train()
 
 

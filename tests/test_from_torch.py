@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
@@ -681,6 +682,81 @@ def test_batch_statistics_written_out_are_a_training_batch_norm_in_the_train_gra
     np.testing.assert_allclose(float(eval_loss), expected.item(), rtol=1e-5)
 
 
+class DropPath(nn.Module):
+    """timm's stochastic depth: each sample's branch kept with probability ``1 - drop_prob``
+    (scaled by its inverse where ``scale_by_keep``), the identity in eval mode."""
+
+    def __init__(self, drop_prob: float, scale_by_keep: bool = True) -> None:
+        super().__init__()
+        self.drop_prob, self.scale_by_keep = drop_prob, scale_by_keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = 1 - self.drop_prob
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+        return x * (mask / keep if self.scale_by_keep else mask)
+
+
+class StochasticDepth(nn.Module):
+    """torchvision's stochastic depth (``torchvision.ops.StochasticDepth``), ``mode="row"``."""
+
+    def __init__(self, p: float, mode: str = "row") -> None:
+        super().__init__()
+        self.p, self.mode = p, mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        size = [x.shape[0]] + [1] * (x.ndim - 1) if self.mode == "row" else [1] * x.ndim
+        noise = torch.empty(size, dtype=x.dtype).bernoulli_(1 - self.p)
+        return x * noise.div_(1 - self.p)
+
+
+class ResidualDropPaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.paths = nn.ModuleList([DropPath(0.3), DropPath(0.2, False), StochasticDepth(0.4)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.paths[0](torch.relu(self.a(x)))
+        x = x + self.paths[1](torch.relu(self.b(x)))
+        return self.head(x + self.paths[2](x))
+
+
+def test_stochastic_depth_is_a_dropout_that_the_eval_graph_drops(tmp_path):
+    """timm's DropPath and torchvision's StochasticDepth draw their masks with bernoulli_,
+    random ops that an eval graph would keep; exported as a Dropout of ones they are the
+    identity in the eval graph and the inference model, as in torch's eval mode, and the
+    modules keep their own forwards."""
+    torch.manual_seed(0)
+    net = ResidualDropPaths()
+    x = torch.randn(6, 8)
+    model = traingraph.from_torch(net, x)
+    ops = {n.op_type for n in model.graph.node}
+    assert "Dropout" in ops and not ops & {"Bernoulli", "RandomUniformLike", "RandomUniform"}
+    assert all("forward" not in vars(m) for m in net.modules())
+    artifacts.generate_artifacts(
+        model, loss=artifacts.LossType.MSELoss, optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path, additional_output_names=["output"],
+    )  # fmt: skip
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    target = np.zeros((6, 3), np.float32)
+    losses_seen = {float(module(x.numpy(), target)[0]) for _ in range(4)}
+    assert len(losses_seen) > 1  # the masks are drawn anew each step
+    _, output = module.eval()(x.numpy(), target)
+    with torch.no_grad():
+        expected = net.eval()(x).numpy()
+    np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-6)
+    module.export_model_for_inferencing(tmp_path / "inference.onnx", ["output"])
+    session = ort.InferenceSession(str(tmp_path / "inference.onnx"))
+    (got,) = session.run(["output"], {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_and_data_parallel_modules_export_the_module_they_wrap():
     """torch.compile's OptimizedModule and nn.DataParallel take ``*args`` (no dynamic shapes
     for the exporters) and prefix the parameter names: the module inside is exported."""
@@ -840,7 +916,7 @@ def test_the_checks_tolerance_is_the_callers():
         traingraph.from_torch(net, x, exporter="dynamo", rtol=0.0, atol=0.0)
 
 
-class StochasticDepth(nn.Module):
+class InlineStochasticDepth(nn.Module):
     """A residual branch dropped per sample, as torchvision's ``stochastic_depth`` draws it
     (``empty().bernoulli_(survival).div_(survival)``: ConvNeXt, Swin and EfficientNet have it
     on by default)."""
@@ -861,7 +937,7 @@ def test_stochastic_depth_exports_and_drops_samples_at_random(exporter, tmp_path
     """The exporters write ``bernoulli_(p)`` as ``RandomUniformLike(x) < p``: the check draws
     uniform values at their low end and Bernoulli ones at 1 on both sides, so the export's
     forward keeps every branch where the module's does; training drops them at random."""
-    net = _seeded(StochasticDepth)
+    net = _seeded(InlineStochasticDepth)
     x = torch.randn(64, 6)
     model = traingraph.from_torch(copy.deepcopy(net), x, exporter=exporter)
     state, module = _mse_sgd_module(model, tmp_path)

@@ -250,9 +250,10 @@ def _check_names(names: list[str], count: int, what: str, of: str) -> None:
 
 @contextlib.contextmanager
 def _train_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Every submodule in train mode and every Dropout module out of place (the dynamo
-    exporter writes an in-place dropout as random ops instead of a Dropout node); each one's
-    own settings back after."""
+    """Every submodule in train mode, every Dropout module out of place (the dynamo exporter
+    writes an in-place dropout as random ops instead of a Dropout node) and every stochastic
+    depth module as a Dropout (:func:`_drop_path_as_dropout`); each one's own settings back
+    after."""
     import torch
 
     modes = [(m, m.training) for m in model.modules()]
@@ -261,9 +262,12 @@ def _train_mode(model: torch.nn.Module) -> Iterator[None]:
         for d in model.modules()
         if isinstance(d, torch.nn.modules.dropout._DropoutNd) and d.inplace
     ]
+    drop_paths = [(m, f) for m in model.modules() if (f := _drop_path_as_dropout(torch, m))]
     model.train()
     for dropout in in_place:
         dropout.inplace = False
+    for module, forward in drop_paths:
+        module.forward = forward
     try:
         yield
     finally:
@@ -271,6 +275,40 @@ def _train_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
         for dropout in in_place:
             dropout.inplace = True
+        for module, _ in drop_paths:
+            del module.forward  # the class's forward again
+
+
+def _drop_path_as_dropout(torch: Any, module: torch.nn.Module) -> Callable[..., Any] | None:
+    """For a stochastic depth module (timm's ``DropPath``: ``drop_prob`` and ``scale_by_keep``;
+    torchvision's ``StochasticDepth``: ``p`` and ``mode``), a forward that draws the same
+    per-sample (or per-batch) keep mask through ``F.dropout`` of ones: the exporters write it
+    as a training Dropout, which the eval graph and the inference model drop, as the module
+    is the identity in eval mode. Their own forwards draw the mask with ``bernoulli_``, random
+    ops that would stay in the eval graph. None for other modules, and where the
+    probability is 0 (the module is the identity) or 1."""
+    kind = type(module).__name__
+    attrs: dict[str, Any] = vars(module)
+    p: float
+    if kind == "DropPath" and isinstance(attrs.get("drop_prob"), float):
+        p, per_sample = attrs["drop_prob"], True
+        scale = bool(attrs.get("scale_by_keep", True))
+    elif kind == "StochasticDepth" and attrs.get("mode") in ("row", "batch"):
+        p, per_sample, scale = float(attrs.get("p", 0.0)), attrs["mode"] == "row", True
+    else:
+        return None
+    if not 0.0 < p < 1.0 or "forward" in vars(module):
+        return None
+    functional = torch.nn.functional
+
+    def forward(x: Any) -> Any:
+        if not module.training:
+            return x
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1) if per_sample else (1,) * x.dim()
+        keep = functional.dropout(x.new_ones(shape), p, training=True)  # 0 or 1 / (1 - p)
+        return x * (keep if scale else (keep > 0).to(x.dtype))
+
+    return forward
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
