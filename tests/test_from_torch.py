@@ -726,7 +726,8 @@ class ResidualDropPaths(nn.Module):
         return self.head(x + self.paths[2](x))
 
 
-def test_stochastic_depth_is_a_dropout_that_the_eval_graph_drops(tmp_path):
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_stochastic_depth_is_a_dropout_that_the_eval_graph_drops(exporter, tmp_path):
     """timm's DropPath and torchvision's StochasticDepth draw their masks with bernoulli_,
     random ops that an eval graph would keep; exported as a Dropout of ones they are the
     identity in the eval graph and the inference model, as in torch's eval mode, and the
@@ -734,7 +735,7 @@ def test_stochastic_depth_is_a_dropout_that_the_eval_graph_drops(tmp_path):
     torch.manual_seed(0)
     net = ResidualDropPaths()
     x = torch.randn(6, 8)
-    model = traingraph.from_torch(net, x)
+    model = traingraph.from_torch(net, x, exporter=exporter)
     ops = {n.op_type for n in model.graph.node}
     assert "Dropout" in ops and not ops & {"Bernoulli", "RandomUniformLike", "RandomUniform"}
     assert all("forward" not in vars(m) for m in net.modules())
