@@ -758,6 +758,32 @@ def test_stochastic_depth_is_a_dropout_that_the_eval_graph_drops(exporter, tmp_p
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
+class TrainOnlyMask(nn.Module):
+    """A residual branch dropped per sample in train mode by a mask drawn in the forward (no
+    stochastic depth module the export knows), the identity in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.branch(x))
+        if self.training:
+            h = h * x.new_empty((x.shape[0], 1)).bernoulli_(0.7) / 0.7
+        return self.head(x + h)
+
+
+def test_an_eval_graph_unlike_the_modules_eval_mode_is_reported():
+    """The eval graph keeps random ops that the forward draws only in train mode: from_torch
+    warns that it differs from the module's eval mode, and names the way out."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"eval graph of the exported TrainOnlyMask differs"):
+        traingraph.from_torch(TrainOnlyMask(), torch.randn(8, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the stochastic depth modules: no warning
+        traingraph.from_torch(ResidualDropPaths(), torch.randn(8, 8))
+
+
 def test_compiled_and_data_parallel_modules_export_the_module_they_wrap():
     """torch.compile's OptimizedModule and nn.DataParallel take ``*args`` (no dynamic shapes
     for the exporters) and prefix the parameter names: the module inside is exported."""

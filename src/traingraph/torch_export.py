@@ -590,11 +590,66 @@ def _export_first(
                 UserWarning,
                 stacklevel=3,
             )
+        _check_eval(torch, proto, model, args, input_names, reference.tolerance)
         return proto
     raise ModelError(
         f"no exporter produced a correct model of {type(model).__name__}: "
         + "; ".join(reasons + reference.hints)
     )
+
+
+EVAL_CHECK_BYTES = 1 << 29
+"""The largest serialized model whose eval graph ``from_torch`` checks against the module's
+eval mode (:func:`_check_eval`)."""
+
+
+def _check_eval(
+    torch: Any,
+    proto: onnx.ModelProto,
+    model: torch.nn.Module,
+    args: tuple[torch.Tensor | None, ...],
+    input_names: list[str],
+    tolerance: tuple[float, float],
+) -> None:
+    """Warn where the eval graph that training artifacts make of ``proto`` (Dropout off,
+    BatchNorm on its running statistics) differs from ``model.eval()``'s forward on ``args``:
+    the forward then does more in train mode than those two (a mask drawn inline, a branch on
+    ``self.training``), which the eval graph and the inference model keep. The training graph
+    is right either way (the train-mode check passed). Skipped for models over
+    :data:`EVAL_CHECK_BYTES`, whose second session would double the export's memory."""
+    from traingraph.program import to_inference_mode
+
+    if proto.ByteSize() > EVAL_CHECK_BYTES:
+        return
+    try:
+        m = ir.from_proto(proto)
+        to_inference_mode(m.graph)
+        got = _runner(ir.to_proto(m))(
+            dict(zip(input_names, (a.detach().cpu().numpy() for a in args if a is not None)))
+        )
+        modes = [(module, module.training) for module in model.modules()]
+        model.eval()
+        try:
+            with torch.no_grad():
+                expected = _reference(torch, model, args, gradients=False).outputs
+        finally:
+            for module, training in modes:
+                module.training = training
+        _compare(got, expected, proto, "", tolerance)
+    except ModelError as error:
+        warnings.warn(
+            f"the eval graph of the exported {type(model).__name__} differs from its eval mode"
+            f" ({str(error).partition(': ')[2].partition(' (allowed')[0][:300]}): the forward"
+            " does more in train mode than"
+            " Dropout and BatchNorm (a random mask drawn in the forward, a branch on"
+            " self.training), which the eval graph and the inference model keep; the training"
+            " graph is right. Draw such a mask with F.dropout (x * F.dropout(x.new_ones(...),"
+            " p, self.training)), or evaluate with the module",
+            UserWarning,
+            stacklevel=4,
+        )
+    except Exception:  # the check is advice: its own failures do not fail the export
+        return
 
 
 def _first(exc: BaseException) -> str:
