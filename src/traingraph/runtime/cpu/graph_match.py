@@ -520,6 +520,22 @@ class GraphIndex:
                     changed = True
         return found
 
+    def writers_of(self, values: Collection[str], sources: Collection[str]) -> set[int]:
+        """The nodes that compute ``values`` (transitively) from ``sources`` and constants:
+        statistics a normalization's gradient computes again from its input."""
+        found: set[int] = set()
+        pending = [v for v in values if v in self.producer]
+        while pending:
+            i = self.producer[pending.pop()]
+            if i in found:
+                continue
+            found.add(i)
+            pending += [
+                v for v in self.nodes[i].input
+                if v and v in self.producer and v not in sources and v not in self.constants
+            ]  # fmt: skip
+        return found
+
     def summed_into(self, grad: str) -> str | None:
         """The value whose ReduceSum, through shape ops, is the model output ``grad`` (a bias's
         gradient); None where it is none."""

@@ -51,9 +51,10 @@ class OddNet(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
-def _artifacts(directory):
+def _artifacts(directory, net=None, side=7):
+    """The artifacts of ``net`` (an :class:`OddNet` where None) on ``side`` x ``side`` images."""
     artifacts.generate_artifacts(
-        export(seeded(OddNet), torch.zeros(4, 3, 7, 7), training=True),
+        export(seeded(net or OddNet), torch.zeros(4, 3, side, side), training=True),
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=optim.SGD(lr=0.05, momentum=0.9),
         artifact_directory=directory,
@@ -87,11 +88,14 @@ def test_the_copy_is_the_graphs_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(out[kernel.out].view(np.int32), want.view(np.int32))
 
 
-def test_module_trains_as_the_graph_does(tmp_path):
-    directory = _artifacts(tmp_path)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_module_trains_as_the_graph_does(tmp_path, grouped):
+    """With the flips of OddNet's Convs, and of GroupedNet's grouped ones."""
+    side = 6 if grouped else 7
+    directory = _artifacts(tmp_path, GroupedNet if grouped else None, side)
     rng = np.random.default_rng(0)
     batches = [
-        (rng.standard_normal((4, 3, 7, 7)).astype(np.float32), rng.integers(0, 5, 4))
+        (rng.standard_normal((4, 3, side, side)).astype(np.float32), rng.integers(0, 5, 4))
         for _ in range(3)
     ]
     kind = flipped_filter.FlippedFilter
@@ -230,18 +234,8 @@ class GroupedNet(nn.Module):
         return self.fc(h.mean(dim=(2, 3)))
 
 
-def _grouped_artifacts(directory):
-    artifacts.generate_artifacts(
-        export(seeded(GroupedNet), torch.zeros(4, 3, 6, 6), training=True),
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optim.SGD(lr=0.05, momentum=0.9),
-        artifact_directory=directory,
-    )
-    return directory
-
-
 def test_grouped_flips_are_taken_and_copied_as_the_graph_does(tmp_path):
-    model = onnx.load(_grouped_artifacts(tmp_path) / "training_model.onnx")
+    model = onnx.load(_artifacts(tmp_path, GroupedNet, 6) / "training_model.onnx")
     found = flipped_filter.split_flipped_filters(model)
     groups = {k.weight: k.group for k, _ in found}
     assert groups == {"grouped.weight": 4, "wide.weight": 2, "row.weight": 3}
@@ -261,16 +255,3 @@ def test_grouped_flips_are_taken_and_copied_as_the_graph_does(tmp_path):
         out: dict[str, np.ndarray] = {}
         kernel.compute({kernel.weight: weight}, out, 2)
         np.testing.assert_array_equal(out[kernel.out].view(np.int32), want.view(np.int32))
-
-
-def test_module_with_grouped_flips_trains_as_the_graph_does(tmp_path):
-    directory = _grouped_artifacts(tmp_path)
-    rng = np.random.default_rng(1)
-    batches = [
-        (rng.standard_normal((4, 3, 6, 6)).astype(np.float32), rng.integers(0, 5, 4))
-        for _ in range(3)
-    ]
-    kind = flipped_filter.FlippedFilter
-    got = artifact_steps(directory, batches, kind)
-    expected = artifact_steps(directory, batches, kind, without="flipped_filter")
-    assert_same_training(got, expected, one_scale=True)

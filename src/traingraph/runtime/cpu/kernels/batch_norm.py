@@ -17,7 +17,7 @@ Each match is checked numerically against its kernel before it is used
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,7 +176,7 @@ def _match_by_tag(
     if len(dys) != 1 or not _like(shapes.get(dys[0]), x_shape, unknown=False):
         return None
     (dy,) = dys
-    nodes |= _computed_from(g, beyond - {dy}, sources)
+    nodes |= g.writers_of(beyond - {dy}, sources)
     outputs = {o for o in g.external(nodes) if not g.derived_from(o, sources, memo)}
     channels = int(x_shape[1] or 0)
     dx = [o for o in outputs if _like(shapes.get(o), x_shape, unknown=False)]
@@ -203,22 +203,6 @@ def _sum_of(g: graph_match.GraphIndex, value: str, dy: str) -> bool:
     while i is not None and g.nodes[i].op_type in (*graph_match.SHAPE_OPS, "Cast"):
         i = g.producer.get(g.nodes[i].input[0])
     return i is not None and g.nodes[i].op_type == "ReduceSum" and g.nodes[i].input[0] == dy
-
-
-def _computed_from(g: graph_match.GraphIndex, values: Set[str], sources: Set[str]) -> set[int]:
-    """The nodes that compute ``values`` from ``sources`` and constants."""
-    found: set[int] = set()
-    pending = [v for v in values if v in g.producer]
-    while pending:
-        i = g.producer[pending.pop()]
-        if i in found:
-            continue
-        found.add(i)
-        pending += [
-            v for v in g.nodes[i].input
-            if v and v in g.producer and v not in sources and v not in g.constants
-        ]  # fmt: skip
-    return found
 
 
 def _like(

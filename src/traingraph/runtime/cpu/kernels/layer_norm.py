@@ -211,7 +211,7 @@ def split_instance_norm_grads(
         dys = [v for v in beyond if not g.derived_from(v, sources, memo)]
         # the statistics the rule computes from x (read by the scale's gradient too, where
         # the scale is trained: such nodes stay in the graph for it)
-        nodes = nodes | _computed_from(g, beyond - set(dys), sources)
+        nodes = nodes | g.writers_of(beyond - set(dys), sources)
         outputs = {o for o in g.external(nodes) if not g.derived_from(o, sources, memo)}
         if len(dys) != 1 or len(outputs) != 1:
             continue
@@ -221,22 +221,6 @@ def split_instance_norm_grads(
         epsilon = float(graph_match.attributes(node).get("epsilon", 1e-5))
         found.append((InstanceNormGrad(x, scale, dy, epsilon, dx), nodes))
     return verify.verified_kernels(model, g, found, shapes)
-
-
-def _computed_from(g: graph_match.GraphIndex, values: Set[str], sources: Set[str]) -> set[int]:
-    """The nodes that compute ``values`` from ``sources`` and constants."""
-    found: set[int] = set()
-    pending = [v for v in values if v in g.producer]
-    while pending:
-        i = g.producer[pending.pop()]
-        if i in found:
-            continue
-        found.add(i)
-        pending += [
-            v for v in g.nodes[i].input
-            if v and v in g.producer and v not in sources and v not in g.constants
-        ]  # fmt: skip
-    return found
 
 
 def _like(shape: Sequence[int | None] | None, x_shape: Sequence[int | None]) -> bool:
