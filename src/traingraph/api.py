@@ -485,23 +485,17 @@ class Module:
                 outputs, fixed = step.run(feeds), step.fixed_outputs
             else:
                 outputs, fixed = self._eval_step(feeds), {}
-        values: list[Any]
-        # (an output a native CPU kernel writes, such as a model output computed by the
-        # kernel of its last Conv, is an array in the run's own memory)
-        if as_ortvalues:  # the fixed outputs' buffers are written again by the next call
-            values = [
-                self._device_copy(outputs[n])
-                if n in fixed or isinstance(outputs[n], np.ndarray)
-                else outputs[n]
-                for n in self.output_names()
-            ]
-        else:
-            values = [
-                _host_array(outputs[n]).copy()
-                if n in fixed or isinstance(outputs[n], np.ndarray)
-                else outputs[n].numpy()
-                for n in self.output_names()
-            ]
+        # the next call writes the fixed outputs' buffers again, and the arrays of the outputs
+        # a native CPU kernel writes (a model output of the last Conv's kernel): copies of them
+        reused = set(fixed) | {n for n, v in outputs.items() if isinstance(v, np.ndarray)}
+        values: list[Any] = []
+        for name in self.output_names():
+            value = outputs[name]
+            if name in reused:
+                value = self._device_copy(value) if as_ortvalues else _host_array(value).copy()
+            elif not as_ortvalues:
+                value = value.numpy()
+            values.append(value)
         return values[0] if len(values) == 1 else values
 
     def _device_copy(self, value: ort.OrtValue | np.ndarray) -> ort.OrtValue:

@@ -50,6 +50,7 @@ from traingraph.errors import ModelError
 from traingraph.ir.builder import OpBuilder, rank, static_shape
 from traingraph.ir.fold import constant_value
 from traingraph.ir.tags import tagging
+from traingraph.ir.transposes import axes_of
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
@@ -122,10 +123,7 @@ def _mean_of(value: ir.Value | None, axes: list[int], keepdims: bool) -> ir.Valu
     r = rank(data) if data is not None else None
     if data is None or r is None or bool(node.attributes.get_int("keepdims", 1)) != keepdims:
         return None
-    given = node.attributes.get_ints("axes")
-    if given is None and len(node.inputs) > 1:
-        found = constant_value(node.inputs[1])
-        given = None if found is None else [int(a) for a in np.asarray(found).reshape(-1)]
+    given = axes_of(node)
     if given is None or sorted(a % r for a in given) != axes or len(set(given)) != len(axes):
         return None
     return data

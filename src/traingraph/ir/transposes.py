@@ -211,7 +211,7 @@ class _Layout:
             self.axes = [head, [f for a in self.axes[axis:] for f in a]]
             return True
         if op in ("Squeeze", "Unsqueeze"):
-            axes = _axes_of(node)
+            axes = axes_of(node)
             if axes is None:
                 return False
             if op == "Squeeze":
@@ -251,8 +251,10 @@ class _Layout:
         return sizes, [head[f] for f in sequence if f in head]
 
 
-def _axes_of(node: ir.Node) -> list[int] | None:
-    """The ``axes`` of a Squeeze or Unsqueeze (input from opset 13, attribute before)."""
+def axes_of(node: ir.Node) -> list[int] | None:
+    """The ``axes`` of a Squeeze, Unsqueeze or reduction: its constant second input (from
+    opset 13 for Squeeze and Unsqueeze, 18 for most reductions) or its attribute before;
+    None where neither gives them."""
     if len(node.inputs) > 1 and node.inputs[1] is not None:
         value = constant_value(node.inputs[1])
         return None if value is None else [int(a) for a in np.ravel(value)]
@@ -1118,6 +1120,7 @@ def transposed_products(graph: ir.Graph, forward: set[ir.Node] | None = None) ->
 
 
 __all__ = [
+    "axes_of",
     "compose_transposes",
     "compose_views",
     "dims_of",

@@ -520,21 +520,34 @@ class GraphIndex:
                     changed = True
         return found
 
-    def writers_of(self, values: Collection[str], sources: Collection[str]) -> set[int]:
-        """The nodes that compute ``values`` (transitively) from ``sources`` and constants:
-        statistics a normalization's gradient computes again from its input."""
-        found: set[int] = set()
-        pending = [v for v in values if v in self.producer]
-        while pending:
+    def tagged_gradient(
+        self, kernel: str, instance: str, sources: Set[str]
+    ) -> tuple[set[int], str, set[str]] | None:
+        """The nodes a gradient rule tagged as ``kernel``'s pattern for the forward node
+        ``instance`` (:mod:`traingraph.ir.tags`), with those that compute what they read from
+        ``sources`` alone (statistics of a normalization's input, which a kernel computes
+        again), where they read one value beyond those (the output's gradient): ``(nodes,
+        that value, the values they give the rest of the graph that are not computed from
+        sources alone)``; None where nothing is tagged so or they read more."""
+        nodes = {i for i in self.tags.get(kernel, set()) if origin(self.nodes[i]) == instance}
+        if not nodes:
+            return None
+        memo: dict[str, bool] = {}
+        beyond = self.reads_beyond(nodes, set(sources))
+        given = [v for v in beyond if not self.derived_from(v, set(sources), memo)]
+        if len(given) != 1:
+            return None
+        pending = [v for v in beyond if v != given[0] and v in self.producer]
+        while pending:  # the nodes that compute the statistics, from sources and constants
             i = self.producer[pending.pop()]
-            if i in found:
-                continue
-            found.add(i)
-            pending += [
-                v for v in self.nodes[i].input
-                if v and v in self.producer and v not in sources and v not in self.constants
-            ]  # fmt: skip
-        return found
+            if i not in nodes:
+                nodes.add(i)
+                pending += [
+                    v for v in self.nodes[i].input
+                    if v and v in self.producer and v not in sources and v not in self.constants
+                ]  # fmt: skip
+        written = {o for o in self.external(nodes) if not self.derived_from(o, set(sources), memo)}
+        return nodes, given[0], written
 
     def summed_into(self, grad: str) -> str | None:
         """The value whose ReduceSum, through shape ops, is the model output ``grad`` (a bias's

@@ -161,23 +161,14 @@ def _match_by_tag(
     nodes the gradient rule tagged for it, which read ``x``, the scale, one output gradient
     ``dy`` of ``x``'s shape and statistics of ``x``, and write the input's gradient and, where
     the graph reads them, the scale's and the bias's (the sum of ``dy``)."""
-    if not g.tags:
-        return None
-    name = origin(bn)
-    nodes = {i for i in g.tags.get(KERNEL, set()) if origin(g.nodes[i]) == name}
     x, scale = bn.input[:2]
     x_shape = shapes.get(x)
-    if not nodes or x_shape is None or None in x_shape[1:]:
+    found = g.tagged_gradient(KERNEL, origin(bn), {x, scale}) if x_shape is not None else None
+    if found is None or x_shape is None or None in x_shape[1:]:
         return None
-    sources = {x, scale}
-    memo: dict[str, bool] = {}
-    beyond = g.reads_beyond(nodes, sources)
-    dys = [v for v in beyond if not g.derived_from(v, sources, memo)]
-    if len(dys) != 1 or not _like(shapes.get(dys[0]), x_shape, unknown=False):
+    nodes, dy, outputs = found
+    if not _like(shapes.get(dy), x_shape, unknown=False):
         return None
-    (dy,) = dys
-    nodes |= g.writers_of(beyond - {dy}, sources)
-    outputs = {o for o in g.external(nodes) if not g.derived_from(o, sources, memo)}
     channels = int(x_shape[1] or 0)
     dx = [o for o in outputs if _like(shapes.get(o), x_shape, unknown=False)]
     sums = [o for o in outputs if _channel_sized(shapes.get(o), channels) and _sum_of(g, o, dy)]

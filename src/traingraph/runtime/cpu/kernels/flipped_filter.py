@@ -56,26 +56,41 @@ class FlippedFilter(OneOutput):
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
-        weight = np.ascontiguousarray(values[self.weight], np.float32)
-        k, cg, kh, kw = _filter_shape(weight, self.group, self.out)
-        shape = (self.group * cg, k // self.group, kh, kw)
-        target = output_array(out, self.out, shape)
-        layout = composed_layout([shape[0], shape[1], kh * kw], [0, 1, 2], weight.shape,
-                                 self.group)  # fmt: skip
-        assert layout is not None  # the flipped filters' own axes are whole parts
-        dims, perm, reversed_axes = layout
-        permute(weight, target, dims, perm, threads, reversed_axes=reversed_axes)
+        weight = _filters(values[self.weight], self.group, self.out)
+        k, cg, kh, kw = weight.shape
+        target = output_array(out, self.out, (self.group * cg, k // self.group, kh, kw))
+        copied = _copy_flipped(weight, self.group, target.shape[:2] + (kh * kw,), [0, 1, 2],
+                               target, threads)  # fmt: skip
+        assert copied  # the flipped filters' own axes are whole pieces of the parameter's
 
 
-def _filter_shape(weight: np.ndarray, group: int, name: str) -> tuple[int, int, int, int]:
-    """``weight``'s ``[K, C / group, kh, kw]``, checked."""
+def _filters(weight: np.ndarray, group: int, name: str) -> np.ndarray:
+    """``weight`` as float32 ``[K, C / group, kh, kw]``, checked."""
     if weight.ndim != 4 or weight.shape[0] % group:
         raise ValueError(
             f"flipped filter {name!r}: weight {list(weight.shape)} must be [K, C / group, kh, kw]"
             f" with K divisible by the {group} groups"
         )
-    k, cg, kh, kw = weight.shape
-    return k, cg, kh, kw
+    return np.ascontiguousarray(weight, np.float32)
+
+
+def _copy_flipped(
+    weight: np.ndarray,
+    group: int,
+    dims: Sequence[int],
+    perm: Sequence[int],
+    target: np.ndarray,
+    threads: int,
+) -> bool:
+    """Write ``flipped(weight).reshape(dims).transpose(perm)`` into ``target`` in one strided
+    copy of ``weight`` (:func:`composed_layout`); False, writing nothing, where ``dims`` does
+    not cut into whole pieces of the parameter's axes."""
+    layout = composed_layout(dims, perm, weight.shape, group)
+    if layout is None:
+        return False
+    source_dims, source_perm, reversed_axes = layout
+    permute(weight, target, source_dims, source_perm, threads, reversed_axes=reversed_axes)
+    return True
 
 
 @dataclass(frozen=True)
@@ -105,19 +120,16 @@ class FlippedReorder:
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
-        weight = np.ascontiguousarray(values[self.weight], np.float32)
-        _filter_shape(weight, self.group, self.reorder.out)
         reorder = self.reorder
-        layout = composed_layout(reorder.dims, reorder.perm, weight.shape, self.group)
-        if layout is None:  # a part of the reorder's axes is not whole parts of the flip's
-            flipped: dict[str, np.ndarray] = {}
-            flip = FlippedFilter(self.weight, reorder.src, self.group)
-            flip.compute({self.weight: weight}, flipped, threads)
-            reorder.compute(flipped, out, threads)
-            return
-        dims, perm, reversed_axes = layout
+        weight = _filters(values[self.weight], self.group, reorder.out)
         target = output_array(out, reorder.out, reorder.shape)
-        permute(weight, target, dims, perm, threads, reversed_axes=reversed_axes)
+        if not _copy_flipped(weight, self.group, reorder.dims, reorder.perm, target, threads):
+            # a part of the reorder's axes is not whole pieces of the parameter's: two copies
+            flipped: dict[str, np.ndarray] = {}
+            FlippedFilter(self.weight, reorder.src, self.group).compute(
+                {self.weight: weight}, flipped, threads
+            )
+            reorder.compute(flipped, out, threads)
 
 
 def composed_layout(

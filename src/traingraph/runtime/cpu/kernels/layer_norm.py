@@ -23,7 +23,6 @@ import numpy as np
 import onnx
 
 from traingraph.autodiff.rules.normalization import INSTANCE_NORM_GRAD as INSTANCE_KERNEL
-from traingraph.ir.tags import origin
 from traingraph.runtime.cpu import graph_match, verify
 from traingraph.runtime.cpu.native import (
     NATIVE,
@@ -190,32 +189,21 @@ def split_instance_norm_grads(
     if not graph_match.can_match(model, "layer_norm_grad", "InstanceNormalization"):
         return []
     g = graph_match.GraphIndex.of(model.graph)
-    by_instance: dict[str, set[int]] = {}
-    for i in g.tags.get(INSTANCE_KERNEL, set()):
-        by_instance.setdefault(origin(g.nodes[i]), set()).add(i)
     shapes = graph_match.inferred_shapes(model)
     found = []
     for node in g.nodes:
         if node.op_type != "InstanceNormalization" or node.domain not in ("", "ai.onnx"):
             continue
-        nodes = by_instance.get(node.name)
-        if not nodes or nodes & taken or len(node.input) < 3:
-            continue
         x, scale = node.input[:2]
         x_shape = shapes.get(x)
-        if x_shape is None or len(x_shape) < 3 or None in x_shape[1:]:
+        if len(node.input) < 3 or x_shape is None or len(x_shape) < 3 or None in x_shape[1:]:
             continue
-        sources = {x, scale}
-        memo: dict[str, bool] = {}
-        beyond = g.reads_beyond(nodes, sources)
-        dys = [v for v in beyond if not g.derived_from(v, sources, memo)]
-        # the statistics the rule computes from x (read by the scale's gradient too, where
+        # (the statistics the rule computes from x are read by the scale's gradient too where
         # the scale is trained: such nodes stay in the graph for it)
-        nodes = nodes | g.writers_of(beyond - set(dys), sources)
-        outputs = {o for o in g.external(nodes) if not g.derived_from(o, sources, memo)}
-        if len(dys) != 1 or len(outputs) != 1:
+        tagged = g.tagged_gradient(INSTANCE_KERNEL, node.name, {x, scale})
+        if tagged is None or tagged[0] & taken or len(tagged[2]) != 1:
             continue
-        (dy,), (dx,) = dys, outputs
+        nodes, dy, (dx,) = tagged
         if not _like(shapes.get(dy), x_shape) or not _like(shapes.get(dx), x_shape):
             continue
         epsilon = float(graph_match.attributes(node).get("epsilon", 1e-5))
