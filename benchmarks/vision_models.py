@@ -13,6 +13,11 @@ sleep, and on a machine of few cores they take them from whatever runs next in t
 ``--pause 0`` measures that too (on two cores it adds 4-5 ms to a traingraph step that follows
 a torch step).
 
+``--without KERNEL`` (repeatable) adds a third system to the turns: traingraph on the same
+artifacts without those native kernels (``SessionConfig(native_kernels=...)``), so a kernel is
+measured against the graph it replaces in one process, and the table gains its ms per step
+and the ratio (without / with, above 1 where the kernels pay).
+
 Run from the repository root (timm's own directory with ``--timm-path`` where it is installed
 with ``pip install --no-deps --target DIR timm``)::
 
@@ -66,8 +71,9 @@ def build(spec: str) -> Any:
     return model.train()
 
 
-def run(spec: str, batch: int, size: int, steps: int, pause: float) -> str:
+def run(spec: str, batch: int, size: int, steps: int, pause: float, without: frozenset[str]) -> str:
     """One model's row of the table."""
+    from traingraph.runtime.cpu import kernels
     from traingraph.runtime.session import SessionConfig
 
     model = build(spec)
@@ -76,40 +82,48 @@ def run(spec: str, batch: int, size: int, steps: int, pause: float) -> str:
     y = torch.randint(0, CLASSES, (batch,))
     directory = Path(tempfile.mkdtemp())
     write_artifacts(model, x, directory)  # SGD with momentum, cross-entropy
-    module, optimizer = load(directory, SessionConfig())
-    module.train()
+    steppers = {"traingraph": load(directory, SessionConfig())}
+    if without:
+        others = frozenset(kernels.names()) - without
+        steppers["without"] = load(directory, SessionConfig(native_kernels=others))
     torch_optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     criterion = torch.nn.CrossEntropyLoss()
     images, labels = x.numpy(), y.numpy().astype(np.int64)
 
-    def traingraph_step() -> float:
+    def traingraph_step(name: str) -> float:
+        module, optimizer = steppers[name]
         loss = module(images, labels)
         optimizer.step()
         module.lazy_reset_grad()
         return float(np.asarray(loss))
 
-    def eager_step() -> float:
+    def eager_step(name: str) -> float:
         torch_optimizer.zero_grad(set_to_none=True)
         loss = criterion(model(x), y)
         loss.backward()
         torch_optimizer.step()
         return float(loss.detach())
 
-    times: dict[str, list[float]] = {"traingraph": [], "eager": []}
-    losses_seen: dict[str, list[float]] = {"traingraph": [], "eager": []}
+    systems = [(name, traingraph_step) for name in steppers] + [("eager", eager_step)]
+    times: dict[str, list[float]] = {name: [] for name, _ in systems}
+    losses_seen: dict[str, list[float]] = {name: [] for name, _ in systems}
     for i in range(steps + 2):
-        for name, step in (("traingraph", traingraph_step), ("eager", eager_step)):
+        for name, step in systems if i % 2 == 0 else systems[::-1]:
             start = time.perf_counter()
-            losses_seen[name].append(step())
+            losses_seen[name].append(step(name))
             if i >= 2:
                 times[name].append(time.perf_counter() - start)
             time.sleep(pause)
-    ours, eager = (statistics.median(times[n]) * 1e3 for n in ("traingraph", "eager"))
+    ms = {name: statistics.median(times[name]) * 1e3 for name in times}
+    ours, eager = ms["traingraph"], ms["eager"]
     a, b = losses_seen["traingraph"], losses_seen["eager"]
-    return (
+    row = (
         f"| {spec} | {ours:.1f} | {eager:.1f} | {eager / ours:.2f} | {a[0]:.5f} / {b[0]:.5f}"
         f" | {a[-1]:.4f} / {b[-1]:.4f} |"
     )
+    if "without" in ms:
+        row += f" {ms['without']:.1f} | {ms['without'] / ours:.2f} |"
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,17 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch's threads; 0: its default")
     parser.add_argument("--pause", type=float, default=0.02, help="seconds between systems")
     parser.add_argument("--timm-path", help="a directory timm is installed in")
+    parser.add_argument(
+        "--without", action="append", default=[], metavar="KERNEL",
+        help="also time traingraph without this native kernel (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.timm_path:
         sys.path.insert(0, args.timm_path)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {args.size} x {args.size}, torch threads {torch.get_num_threads()}")
-    print("| model | traingraph ms | eager ms | eager / traingraph | first losses | last losses |")
-    print("|---|---|---|---|---|---|")
+    header = "| model | traingraph ms | eager ms | eager / traingraph | first losses | last losses"
+    header += " |"
+    rule = "|---|---|---|---|---|---|"
+    if args.without:
+        header += f" without {', '.join(args.without)} ms | without / with |"
+        rule += "---|---|"
+    print(header)
+    print(rule)
+    without = frozenset(args.without)
     for spec in args.models:
         try:
-            print(run(spec, args.batch, args.size, args.steps, args.pause), flush=True)
+            print(run(spec, args.batch, args.size, args.steps, args.pause, without), flush=True)
         except Exception as error:  # one model's failure does not end the table
             print(f"| {spec} | failed: {type(error).__name__}: {str(error)[:200]} | | | | |")
     return 0

@@ -489,6 +489,11 @@ static int wino_weight_fits(const struct conv *cv);
 static int wino_weight_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize_t n1,
                                struct scratch *scratch);
 
+/* Weight gradients of depthwise convolutions, channels in vector lanes (depthwise_weight.h). */
+static int dww_fits(const struct conv *cv);
+static int dww_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize_t n1,
+                       struct scratch *scratch);
+
 struct conv_batch {
     const struct conv *convs;
     Py_ssize_t count;
@@ -504,8 +509,9 @@ static int conv_share(const void *arg, int t, int threads)
         float *out = t == 0 ? cv->dw : cv->partial + (t - 1) * cv->size;
         const Py_ssize_t n0 = cv->n * t / threads, n1 = cv->n * (t + 1) / threads;
         const int by_winograd = wino_weight_fits(cv);
-        if ((by_winograd ? wino_weight_samples : conv_samples)(cv, out, n0, n1,
-                                                               &conv_scratch[t]) < 0) {
+        int (*samples)(const struct conv *, float *, Py_ssize_t, Py_ssize_t, struct scratch *) =
+            dww_fits(cv) ? dww_samples : by_winograd ? wino_weight_samples : conv_samples;
+        if (samples(cv, out, n0, n1, &conv_scratch[t]) < 0) {
             failed = 1;
         }
     }
@@ -1911,6 +1917,7 @@ done:
 #include "activation_grads.h"
 #include "lstm_cell.h"
 #include "depthwise.h"
+#include "depthwise_weight.h"
 #include "unfold.h"
 
 /* ------------------------------------------------ row scatter-add (an embedding's gradient) */

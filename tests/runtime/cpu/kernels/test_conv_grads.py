@@ -35,6 +35,17 @@ GEOMETRIES = [
     pytest.param((3, 2, 12, 12, 3, (3, 3), (1, 1), (2, 2), (2, 2), 1), id="dilated"),
     pytest.param((2, 4, 10, 10, 6, (3, 3), (2, 2), (1, 1), (2, 1), 2), id="groups-dilated"),
     pytest.param((3, 6, 8, 8, 6, (3, 3), (1, 1), (1, 1), (1, 1), 6), id="depthwise"),
+    # depthwise: 16 channels to a vector (40: a last vector of 8), the input rows of a band of
+    # output rows transposed into a buffer; planes needing several bands, any kernel
+    pytest.param((3, 40, 4, 4, 40, (5, 5), (1, 1), (2, 2), (1, 1), 40), id="depthwise-5x5-4x4"),
+    pytest.param((2, 32, 9, 9, 32, (5, 5), (2, 2), (2, 2), (1, 1), 32), id="depthwise-5x5-s2"),
+    pytest.param((2, 20, 64, 64, 20, (3, 3), (1, 1), (1, 1), (1, 1), 20), id="depthwise-bands"),
+    pytest.param((2, 17, 50, 37, 17, (5, 5), (2, 2), (2, 2), (1, 1), 17), id="depthwise-bands-s2"),
+    pytest.param((2, 16, 6, 6, 16, (7, 7), (1, 1), (3, 3), (1, 1), 16), id="depthwise-7x7"),
+    pytest.param((3, 18, 11, 9, 18, (3, 3), (1, 1), (2, 2), (2, 2), 18), id="depthwise-dilated"),
+    pytest.param((2, 24, 10, 10, 24, (3, 3), (3, 3), (0, 0), (1, 1), 24), id="depthwise-stride-3"),
+    pytest.param((2, 16, 8, 8, 16, (1, 9), (1, 1), (0, 4), (1, 1), 16), id="depthwise-1x9"),
+    pytest.param((2, 33, 7, 7, 33, (1, 1), (1, 1), (0, 0), (1, 1), 33), id="depthwise-1x1"),
     pytest.param((5, 8, 16, 16, 4, (1, 1), (2, 2), (0, 0), (1, 1), 1), id="1x1-stride-2"),
     pytest.param((2, 1, 28, 28, 6, (5, 5), (1, 1), (0, 0), (1, 1), 1), id="5x5"),
     pytest.param((1, 3, 7, 7, 17, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="batch-1"),
