@@ -39,6 +39,7 @@ setup(
                 "src/traingraph/runtime/csrc/maxpool.h",
                 "src/traingraph/runtime/csrc/activation_grads.h",
                 "src/traingraph/runtime/csrc/depthwise.h",
+                "src/traingraph/runtime/csrc/depthwise_weight.h",
                 "src/traingraph/runtime/csrc/lstm_cell.h",
                 "src/traingraph/runtime/csrc/unfold.h",
             ],
