@@ -140,6 +140,47 @@ def test_slices_that_tile_an_axis_join_with_concat(
     assert_grads(got, torch_grads(fn, feeds, ["x"]))
 
 
+@pytest.mark.parametrize("also_elementwise", [True, False])
+def test_expanded_gradients_of_a_sum_stay_unexpanded(also_elementwise: bool) -> None:
+    """A squeeze-and-excitation block: x reaches the loss through its channel means and sums
+    (ReduceMean and ReduceSum, whose gradients are Expands to x's shape) and, with
+    ``also_elementwise``, elementwise. The Sum of x's gradients takes the Expands' inputs and
+    broadcasts them; where every part is an Expand, one keeps x's shape."""
+    axes = numpy_helper.from_array(np.array([2, 3], np.int64), "axes")
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+        helper.make_node("ReduceSum", ["x", "axes"], ["pool"], keepdims=1),
+        helper.make_node("Mul", ["mean", "w"], ["scaled"]),
+        helper.make_node("Sigmoid", ["scaled"], ["gate"]),
+        helper.make_node("Mul", ["pool", "gate"], ["gated"]),
+    ]
+    if also_elementwise:
+        nodes += [
+            helper.make_node("Mul", ["x", "gate"], ["excited"]),
+            helper.make_node("Tanh", ["excited"], ["t"]),
+            helper.make_node("ReduceSum", ["t"], ["a"], keepdims=0),
+            helper.make_node("ReduceSum", ["gated"], ["b"], keepdims=0),
+            helper.make_node("Add", ["a", "b"], ["loss"]),
+        ]
+    else:
+        nodes.append(helper.make_node("ReduceSum", ["gated"], ["loss"], keepdims=0))
+    model = make_model(nodes, {"x": [2, 3, 4, 5], "w": [3, 1, 1]}, ["loss"], opset=18)
+    model.graph.initializer.append(axes)
+    feeds = {"x": r(2, 3, 4, 5), "w": r(3, 1, 1)}
+    grad_model, got = run_gradients(model, feeds, wrt=["x", "w"])
+    expanded = {o for n in grad_model.graph.node if n.op_type == "Expand" for o in n.output}
+    sums = [n for n in grad_model.graph.node if n.op_type == "Sum"]
+    expected = 0 if also_elementwise else 1
+    assert sums and all(sum(i in expanded for i in n.input) == expected for n in sums)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(x.mean((2, 3), keepdim=True) * w)
+        loss = (x.sum((2, 3), keepdim=True) * gate).sum()
+        return loss + torch.tanh(x * gate).sum() if also_elementwise else loss
+
+    assert_grads(got, torch_grads(fn, feeds, ["x", "w"]))
+
+
 def test_shape_subgraph_and_integer_paths_carry_no_gradient() -> None:
     # h = x * w; t = Reshape(h, Concat(Shape(h)[0:1], [-1])); an integer path through Cast(int64)
     # and a bool path through Greater both feed the loss as constants.

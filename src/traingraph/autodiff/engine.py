@@ -255,7 +255,7 @@ def _accumulate(b: OpBuilder, parts: Sequence[ir.Value], value: ir.Value) -> ir.
     pieces that tile an axis (see :func:`_tiling_pads`), else ``Sum``."""
     pieces = _tiling_pads(parts, value)
     if pieces is None:
-        return b.Sum(*parts)
+        return b.Sum(*_unexpanded(b, parts))
     axis, ordered = pieces
     joined = b.Concat(*(pad.inputs[0] for pad in ordered), axis=axis)
     for pad in ordered:
@@ -265,6 +265,47 @@ def _accumulate(b: OpBuilder, parts: Sequence[ir.Value], value: ir.Value) -> ir.
         if source is not None and source.op_type == "Constant":
             b.graph.remove(source, safe=True)
     return joined
+
+
+def _unexpanded(b: OpBuilder, parts: Sequence[ir.Value]) -> list[ir.Value]:
+    """``parts`` with each part that an ``Expand`` writes for this sum alone replaced by the
+    Expand's input, as long as one part keeps the value's shape.
+
+    Every part is a gradient of one value, so each has its shape; ``Sum`` broadcasts its
+    inputs, so an expanded part adds the same numbers to each element unexpanded (a
+    ReduceMean's or a global pool's gradient beside the other uses of its input, as in a
+    squeeze-and-excitation block), and no full-size copy of it is written and read again."""
+    expands = [_expand_for_sum(part, parts) for part in parts]
+    if None not in expands:
+        expands[0] = None  # the first keeps the shape
+    kept = []
+    for part, node in zip(parts, expands):
+        if node is None:
+            kept.append(part)
+            continue
+        source, shape = node.inputs[0], node.inputs[1]
+        assert source is not None
+        kept.append(source)
+        b.graph.remove(node, safe=True)
+        shape_node = shape.producer() if shape is not None and not shape.uses() else None
+        if shape_node is not None and shape_node.op_type in ("Shape", "Constant"):
+            b.graph.remove(shape_node, safe=True)
+    return kept
+
+
+def _expand_for_sum(part: ir.Value, parts: Sequence[ir.Value]) -> ir.Node | None:
+    """The default-domain ``Expand`` that writes ``part``, where nothing else reads it."""
+    node = part.producer()
+    if (
+        node is None
+        or node.op_type != "Expand"
+        or node.domain not in ("", "ai.onnx")
+        or part.uses()
+        or part.is_graph_output()
+        or parts.count(part) != 1
+    ):
+        return None
+    return node
 
 
 def _tiling_pads(parts: Sequence[ir.Value], value: ir.Value) -> tuple[int, list[ir.Node]] | None:
