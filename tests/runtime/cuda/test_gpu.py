@@ -224,6 +224,45 @@ def test_cuda_graph_step_matches_the_cpu_curve(tmp_path) -> None:
         step(batches[0][0][:8], batches[0][1][:8])
 
 
+class SqueezeExcite(torch.nn.Module):
+    """Conv, BatchNorm and a squeeze-and-excitation gate (the channel means through a bottleneck
+    scale the channels), as in MobileNetV3 and EfficientNet: the input of the gate reaches the
+    loss through its means and elementwise, so its gradient sums an unexpanded (broadcast) part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.squeeze = torch.nn.Linear(16, 4)
+        self.excite = torch.nn.Linear(4, 16)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        gate = torch.sigmoid(self.excite(torch.relu(self.squeeze(h.mean((2, 3))))))
+        h = h * gate[:, :, None, None]
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_step_captures_a_squeeze_and_excitation_model(tmp_path) -> None:
+    from traingraph.runtime.cuda import CudaGraphStep
+
+    _artifacts(tmp_path, _static_export(seeded(SqueezeExcite), torch.zeros(BATCH, 3, 8, 8)))
+    batches = _batches((3, 8, 8))
+    cpu_losses, cpu_params = _curve(tmp_path, "cpu", batches)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
+    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+    np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
+    assert losses[-1] < losses[0]
+    cpu_params.pop("conv.bias")  # BatchNorm takes out its exact gradient (see above)
+    cpu_params.pop("bn.running_mean")
+    _assert_parameters_follow(state, cpu_params)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_step_writes_a_large_state_in_place(tmp_path, monkeypatch) -> None:
