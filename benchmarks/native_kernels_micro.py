@@ -3,6 +3,9 @@ convolutions, alternating in one process.
 
 - ``weight``: the native weight gradient (``_convc.weight_grads``) against PyTorch's
   ``torch.nn.grad.conv2d_weight`` (oneDNN) on the same threads;
+- ``depthwise``: the native weight gradient of depthwise convolutions (one channel per group,
+  16 channels to a vector) against PyTorch's, on MobileNetV3's, EfficientNet-B0's and
+  ConvNeXt's shapes;
 - ``col2im``: the native column sum (``_convc.col2im_sum``,
   :mod:`traingraph.runtime.cpu.kernels.col2im`)
   against onnxruntime's ``Col2Im``, for the strided input gradients of ResNet-8 (batch 32) and
@@ -20,7 +23,7 @@ Each result is checked against the peer's before it is timed. Figures are median
 ``--repeats`` calls, the systems taking turns in chunks of 5.
 
 Usage:
-    python benchmarks/native_kernels_micro.py [--threads 2] [--repeats 60]
+    python benchmarks/native_kernels_micro.py [--threads 2] [--repeats 60] [--kernels depthwise]
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ WEIGHT_CASES = [
     (32, 32, 16, 32, 3, 1, 1), (32, 16, 32, 32, 1, 2, 0), (32, 32, 16, 64, 3, 2, 1),
     (32, 64, 8, 64, 3, 1, 1), (32, 32, 16, 64, 1, 2, 0), (64, 1, 28, 6, 5, 1, 2),
     (64, 6, 14, 16, 5, 1, 0),
+]  # fmt: skip
+# batch, channels, size, kernel, stride: a depthwise convolution (pads kernel // 2)
+DEPTHWISE_CASES = [
+    (32, 576, 4, 5, 1), (32, 240, 8, 5, 1), (32, 72, 32, 3, 2), (32, 1152, 4, 3, 1),
+    (32, 96, 64, 3, 2), (32, 144, 32, 3, 1), (32, 144, 32, 5, 2), (8, 96, 56, 7, 1),
 ]  # fmt: skip
 # batch, channels, image, kernel, stride, pad: the input gradient's Col2Im
 COL2IM_CASES = [
@@ -69,7 +77,9 @@ def _alternate(systems: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
-def _weight_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], object]]:
+def _weight_case(
+    case: tuple[int, ...], threads: int, group: int = 1
+) -> dict[str, Callable[[], object]]:
     """The native kernel and PyTorch on one convolution, checked against each other."""
     import torch
 
@@ -78,17 +88,17 @@ def _weight_case(case: tuple[int, ...], threads: int) -> dict[str, Callable[[], 
     oh = (h + 2 * p - k) // s + 1
     x = rng.standard_normal((n, c, h, h)).astype(np.float32)
     dy = rng.standard_normal((n, m, oh, oh)).astype(np.float32)
-    dw = np.empty((m, c, k, k), np.float32)
+    dw = np.empty((m, c // group, k, k), np.float32)
     xt, dyt = torch.from_numpy(x), torch.from_numpy(dy)
 
     def native() -> None:
-        NATIVE.weight_grads([(x, dy, dw, (s, s), (p, p), (1, 1), 1)], threads)
+        NATIVE.weight_grads([(x, dy, dw, (s, s), (p, p), (1, 1), group)], threads)
 
     def peer() -> object:
-        return torch.nn.grad.conv2d_weight(xt, dw.shape, dyt, stride=s, padding=p)
+        return torch.nn.grad.conv2d_weight(xt, dw.shape, dyt, stride=s, padding=p, groups=group)
 
     native()
-    want = torch.nn.grad.conv2d_weight(xt, dw.shape, dyt, stride=s, padding=p).numpy()
+    want = peer().numpy()  # type: ignore[attr-defined]
     np.testing.assert_allclose(dw, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
     return {"native": native, "peer": peer}
 
@@ -106,6 +116,18 @@ def weight_gradients(threads: int, repeats: int) -> None:
         flops = 2 * n * m * oh * oh * c * k * k
         print(f"| {n}x{c}x{h} -> {m} k{k} s{s} | {t['native']:.3f} | {t['peer']:.3f} |"
               f" {t['peer'] / t['native']:.2f}x | {flops / t['native'] / 1e6:.0f} |")  # fmt: skip
+
+
+def depthwise_weight_gradients(threads: int, repeats: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    print("| depthwise conv (N C H, k s) | native ms | torch ms | torch / native |")
+    print("|---|---|---|---|")
+    for n, c, h, k, s in DEPTHWISE_CASES:
+        t = _alternate(_weight_case((n, c, h, c, k, s, k // 2), threads, group=c), repeats)
+        print(f"| {n}x{c}x{h}, k{k} s{s} | {t['native']:.3f} | {t['peer']:.3f} |"
+              f" {t['peer'] / t['native']:.2f}x |")  # fmt: skip
 
 
 def _session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
@@ -238,13 +260,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=60)
-    kernels = ["weight", "col2im", "direct", "winograd"]
+    kernels = ["weight", "depthwise", "col2im", "direct", "winograd"]
     parser.add_argument("--kernels", nargs="+", choices=kernels, default=kernels)
     args = parser.parse_args()
     if NATIVE is None:
         raise SystemExit("traingraph.runtime._convc was not built (no C compiler at install time)")
     if "weight" in args.kernels:
         weight_gradients(args.threads, args.repeats)
+    if "depthwise" in args.kernels:
+        print()
+        depthwise_weight_gradients(args.threads, args.repeats)
     if "col2im" in args.kernels:
         print()
         col2im(args.threads, args.repeats)
