@@ -12,6 +12,10 @@ Run from the repository root::
 
 With ``--only traingraph`` or ``--only torch`` one side runs, and the peak RSS printed is its
 own (with ``--artifacts``, written by an earlier run, the export is not in it either).
+``--zoo NAME`` profiles traingraph alone on a model of the zoo set (``traingraph bench --zoo``'s
+cache entry and first batch, written there on first use) instead of a torchvision classifier.
+``--weight-grads`` also times each native Conv weight gradient by its shapes (ms per step, and
+GFLOP/s of its multiply-adds).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import copy
 import glob
 import json
+import math
 import os
 import resource
 import statistics
@@ -66,6 +71,28 @@ def write_artifacts(model: torch.nn.Module, images: torch.Tensor, directory: Pat
     )
 
 
+def zoo_artifacts(name: str, directory: Path) -> tuple[Any, ...]:
+    """Write the artifacts of the zoo model ``name`` (``benchmarks/zoo.py``) into ``directory``
+    from the benchmark's cache entry (written on first use); its first batch."""
+    from traingraph.bench import ZOO_MODELS, prepare_models
+
+    if name not in ZOO_MODELS:
+        raise SystemExit(f"--zoo {name!r}: expected one of {', '.join(ZOO_MODELS)}")
+    bench_dir = Path(__file__).resolve().parent
+    cache = bench_dir / ".envs" / "cache"
+    entry = cache / name
+    if not (entry / "meta.json").exists():
+        prepare_models(bench_dir, cache, [name], None)
+    sys.path.insert(0, str(bench_dir / "peers"))
+    from common import load_entry
+    from traingraph_runner import write_artifacts as write_entry
+
+    meta, _, data = load_entry(entry)
+    if not (directory / "training_model.onnx").exists():
+        write_entry(entry, meta, directory)
+    return data["x"][0], data["y"][0]
+
+
 def load(directory: Path, config: SessionConfig) -> tuple[Module, Optimizer]:
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.onnx", state, session_config=config)
@@ -91,10 +118,30 @@ class Timers:
                 self.calls[label] += 1
 
 
-def instrument(timers: Timers) -> None:
-    """Time every segment run and every native kernel call."""
+WEIGHT_GRAD_FLOPS: dict[str, float] = {}
+"""The multiply-add FLOPs of each weight gradient label that :func:`instrument` timed."""
+
+
+def instrument(timers: Timers, weight_grads: bool = False) -> None:
+    """Time every segment run and every native kernel call (with ``weight_grads``, each Conv
+    weight gradient by its shapes too)."""
     run_kernel = segments.SegmentedRunner._run_kernel
     bound_run = BoundRunner.run
+    if weight_grads:
+        from traingraph.runtime.cpu.kernels import conv_grads
+
+        compute = conv_grads.WeightGradKernel.compute
+
+        def timed_grad(self: Any, values: Any, out: Any, threads: int) -> None:
+            g = self.grad
+            x, dy = values[g.x].shape, values[g.route.y if g.route else g.dy].shape
+            label = f"wgrad x{list(x)} dy{list(dy)} k{list(g.kernel or ())} s{g.strides} g{g.group}"
+            taps = math.prod(g.kernel or (1,))
+            WEIGHT_GRAD_FLOPS[label] = 2.0 * math.prod(dy) * x[1] // g.group * taps
+            with timers.timing(label):
+                compute(self, values, out, threads)
+
+        conv_grads.WeightGradKernel.compute = timed_grad  # type: ignore[method-assign]
 
     def timed_kernel(self: Any, kernel: Any, *args: Any) -> None:
         with timers.timing(f"kernel {type(kernel).__name__}"):
@@ -129,6 +176,10 @@ def ort_ops(directory: str, steps: int, by_node: bool = False) -> list[tuple[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--zoo", help="a model of the zoo set instead (traingraph alone)")
+    parser.add_argument(
+        "--weight-grads", action="store_true", help="time each Conv weight gradient by shapes"
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--size", type=int, default=112)
     parser.add_argument("--threads", type=int, default=2)
@@ -148,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    model, images, labels = build(args.model, args.batch, args.size)
+    if args.zoo:
+        args.only, args.model = "traingraph", args.zoo
+        model = images = labels = None
+    else:
+        model, images, labels = build(args.model, args.batch, args.size)
     timers = Timers()
-    instrument(timers)
+    instrument(timers, args.weight_grads)
     with tempfile.TemporaryDirectory() as tmp:
         cwd = os.getcwd()
         os.chdir(tmp)  # the profiles land here
@@ -173,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             runs: list[tuple[str, Callable[[], None], list[float]]] = []
             if args.only != "torch":
                 folder = args.artifacts or Path(tmp)
-                if not (folder / "training_model.onnx").exists():
+                if args.zoo:
+                    batch = zoo_artifacts(args.zoo, folder)
+                elif not (folder / "training_model.onnx").exists():
                     write_artifacts(model, images, folder)
                 config = SessionConfig(
                     intra_op_threads=args.threads,
@@ -181,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                     memory_arena=not args.no_arena,
                 )
                 module, optimizer = load(folder, config)
-                fed = dict(zip(module.input_names(), (images.numpy(), labels.numpy())))
+                if not args.zoo:
+                    batch = (images.numpy(), labels.numpy())
+                fed = dict(zip(module.input_names(), batch))
                 runs.append(("traingraph", traingraph_steps, []))
             if args.only != "traingraph":
                 eager = copy.deepcopy(model)
@@ -200,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             timers.on = False
             steps = args.repeats * args.steps
             size = f"{args.size}x{args.size}"
-            print(f"{args.model} batch {args.batch} {size}, {args.threads} threads")
+            if args.zoo:
+                print(f"zoo model {args.zoo}, {args.threads} threads")
+            else:
+                print(f"{args.model} batch {args.batch} {size}, {args.threads} threads")
             for name, _, times in runs:
                 print(f"  {name}: {statistics.median(times):.1f} ms/step (median of {len(times)})")
             if len(runs) == 2:
@@ -208,8 +270,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  torch / traingraph: {ratio:.2f}")
             print("  traingraph step, ms per step (mean):")
             for label, seconds in timers.total.most_common():
+                if label.startswith("wgrad "):
+                    continue
                 calls = timers.calls[label] // steps
                 print(f"    {label:40s} {seconds * 1e3 / steps:8.1f}  ({calls} calls)")
+            if args.weight_grads:
+                print("  Conv weight gradients by shapes, ms per step (GFLOP/s):")
+                for label, seconds in timers.total.most_common():
+                    if label.startswith("wgrad "):
+                        calls = timers.calls[label]
+                        rate = WEIGHT_GRAD_FLOPS[label] * calls / seconds / 1e9
+                        print(f"    {label[6:]:70s} {seconds * 1e3 / steps:7.2f}  ({rate:.0f})")
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(f"  peak RSS of the process: {rss:.0f} MiB")
             if args.ort_ops and args.only != "torch":
