@@ -74,6 +74,9 @@ GEOMETRIES = [
     pytest.param((2, 4, 4, 4, 145, (3, 3), (1, 1), (2, 2), (2, 2), 1), id="small-plane-dilated"),
     pytest.param((5, 32, 5, 3, 24, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="small-plane-1x1"),
     pytest.param((4, 8, 4, 4, 32, (3, 3), (1, 1), (1, 1), (1, 1), 1), id="few-filters-3x3"),
+    # a squeeze-and-excitation block's 1 x 1 Convs on 1 x 1 planes: x and dy in one product
+    pytest.param((32, 96, 1, 1, 6, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="squeeze-excite-few"),
+    pytest.param((32, 24, 1, 1, 144, (1, 1), (1, 1), (0, 0), (1, 1), 1), id="squeeze-excite"),
 ]
 
 
@@ -152,6 +155,10 @@ def test_small_planes_take_the_product_form():
     assert not conv_grads.by_product(grad(), (16, 32, 7, 7), (3, 3))  # 32 filters for 9 taps
     assert conv_grads.by_product(grad(), (16, 32, 7, 7), (1, 1))
     assert not conv_grads.by_product(grad(group=4), (16, 512, 4, 4), (3, 3))
+    # 1 x 1 on 1 x 1 planes, unpadded: a product of x and dy as they are, even of 6 filters
+    unpadded = conv_grads.WeightGrad("g", "w", "x", "dy", (1, 1), (0, 0), (0, 0), (1, 1), 1)
+    assert conv_grads.by_product(unpadded, (32, 6, 1, 1), (1, 1))
+    assert not conv_grads.by_product(grad(), (32, 6, 1, 1), (1, 1))  # padded: not that product
 
 
 def _unfold_reference(x, kernel, grid, strides, pads, dilations):

@@ -238,10 +238,14 @@ def by_product(grad: WeightGrad, dy: tuple[int, ...], kernel: tuple[int, ...]) -
     sums each sample's output plane in turn, and its threads share the samples: over a small
     plane its sums are short and its threads' shares few, while the product sums every
     sample's positions in one run, after writing the unfold (``_convc.unfold``, the threads
-    sharing its rows)."""
+    sharing its rows). A 1 x 1 Conv of stride 1 and no padding on 1 x 1 planes (a
+    squeeze-and-excitation block's) is always a product, of ``x`` and ``dy`` in place."""
     if grad.group != 1 or len(dy) != 4:
         return False
     taps = math.prod(kernel)
+    unpadded = grad.pads == (0, 0) and grad.end_pads == (0, 0)
+    if taps == 1 and dy[2] * dy[3] == 1 and grad.strides == (1, 1) and unpadded:
+        return True  # a product of x and dy as they are, however few the filters
     if dy[1] < PRODUCT_FILTERS_PER_TAP * taps:
         return False
     plane = dy[2] * dy[3]
@@ -257,8 +261,9 @@ def product_weight_grad(
     one product by onnxruntime's GEMM: ``dy`` as ``[M, N * OH * OW]`` times the transposed
     unfold of the zero-padded input, ``[C * KH * KW, N * OH * OW]``, whose row ``(c, i, j)``
     holds the input values that filter tap ``(i, j)`` of channel ``c`` meets at every sample
-    and output position. Each weight's gradient is the sum over the same products as the
-    native kernel's, in another order."""
+    and output position; on 1 x 1 planes with a 1 x 1 filter, ``dy`` ``[N, M]`` transposed
+    times ``x`` ``[N, C]`` without copies. Each weight's gradient is the sum over the same
+    products as the native kernel's, in another order."""
     for name, array in (("x", x), ("dy", dy), ("dw", out)):
         if array.dtype != np.float32:
             raise ValueError(f"weight gradient {grad.param!r}: {name} is not float32")
@@ -272,6 +277,16 @@ def product_weight_grad(
             f" {list(out.shape)} do not form a convolution; dw must be [{m}, {c}, KH, KW]"
         )
     kh, kw = out.shape[2:]
+    target = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+    if (kh, kw, oh, ow) == (1, 1, 1, 1) and x.shape[2:] == (1, 1):
+        # a 1 x 1 Conv on 1 x 1 planes (a squeeze-and-excitation block's): x and dy are the
+        # product's [N, C] and [N, M] as they are
+        rows = np.ascontiguousarray(dy).reshape(n, m)
+        Product("Gemm", threads, transA=1)(rows, np.ascontiguousarray(x).reshape(n, c),
+                                           target.reshape(m, c))  # fmt: skip
+        if target is not out:
+            out[...] = target
+        return
     columns = np.empty((c * kh * kw, n * oh * ow), np.float32)
     assert NATIVE is not None
     NATIVE.unfold(
@@ -279,7 +294,6 @@ def product_weight_grad(
         grad.strides, grad.pads, grad.dilations, threads,
     )  # fmt: skip
     rows = np.ascontiguousarray(dy.reshape(n, m, oh * ow).transpose(1, 0, 2))
-    target = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
     Product("Gemm", threads, transB=1)(rows.reshape(m, -1), columns, target.reshape(m, -1))
     if target is not out:
         out[...] = target
