@@ -112,6 +112,52 @@ TARGETS static void silu_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
     }
 }
 
+#define RELU_GRAD_PARTS 8
+
+struct relu_grad {
+    const float *parts[RELU_GRAD_PARTS], *y;
+    float *out;
+    int count;
+};
+
+/* out = (((p0 + p1) + p2) + ...) * (y > 0 ? 1 : 0): a Relu's input gradient as its rule
+ * writes it (the cast mask times the gradient), of the Sum of the gradient's parts in the Sum's
+ * order: a non-finite gradient times the mask 0 is NaN and a negative one -0, as there */
+TARGETS static void relu_grad_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
+{
+    const struct relu_grad *r = arg;
+    const float *restrict y = r->y;
+    float *restrict out = r->out;
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        float g = r->parts[0][i];
+        for (int k = 1; k < r->count; k++) {
+            g = g + r->parts[k][i];
+        }
+        out[i] = g * (y[i] > 0.0f ? 1.0f : 0.0f);
+    }
+}
+
+/* The same for the common one- and two-part gradients, whose loops vectorize. */
+TARGETS static void relu_grad_one_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
+{
+    const struct relu_grad *r = arg;
+    const float *restrict g = r->parts[0], *restrict y = r->y;
+    float *restrict out = r->out;
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        out[i] = g[i] * (y[i] > 0.0f ? 1.0f : 0.0f);
+    }
+}
+
+TARGETS static void relu_grad_two_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
+{
+    const struct relu_grad *r = arg;
+    const float *restrict a = r->parts[0], *restrict b = r->parts[1], *restrict y = r->y;
+    float *restrict out = r->out;
+    for (Py_ssize_t i = i0; i < i1; i++) {
+        out[i] = (a[i] + b[i]) * (y[i] > 0.0f ? 1.0f : 0.0f);
+    }
+}
+
 #pragma GCC pop_options
 
 /* Views of `count` float32 C-contiguous arrays of one size (the last one written); -1 with an
@@ -222,5 +268,64 @@ static PyObject *silu_grad(PyObject *self, PyObject *args)
         result = Py_NewRef(Py_None);
     }
     release_views(views, held);
+    return result;
+}
+
+PyDoc_STRVAR(relu_grad_doc,
+"relu_grad(parts, y, out, threads)\n--\n\n"
+"Write ``(((p0 + p1) + p2) + ...) * (y > 0 ? 1 : 0)`` into ``out``: a Relu's input gradient\n"
+"(``y`` the Relu's output) of the gradient that is the sum of the 1 to 8 arrays ``parts``,\n"
+"added in their order. Every array float32 and C-contiguous of one size. ``threads`` threads\n"
+"share the elements.");
+
+static PyObject *relu_grad(PyObject *self, PyObject *args)
+{
+    PyObject *sequence, *y, *out;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOi:relu_grad", &sequence, &y, &out, &threads)) {
+        return NULL;
+    }
+    PyObject *items = PySequence_Fast(sequence, "relu_grad: parts must be a sequence of arrays");
+    if (items == NULL) {
+        return NULL;
+    }
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
+    if (count < 1 || count > RELU_GRAD_PARTS) {
+        PyErr_Format(PyExc_ValueError, "relu_grad: %zd parts; expected 1 to %d", count,
+                     RELU_GRAD_PARTS);
+        Py_DECREF(items);
+        return NULL;
+    }
+    static const char *const names[RELU_GRAD_PARTS + 2] = {
+        "parts[0]", "parts[1]", "parts[2]", "parts[3]", "parts[4]", "parts[5]", "parts[6]",
+        "parts[7]", "y", "out"};
+    PyObject *objects[RELU_GRAD_PARTS + 2];
+    const char *ordered[RELU_GRAD_PARTS + 2];
+    for (Py_ssize_t k = 0; k < count; k++) {
+        objects[k] = PySequence_Fast_GET_ITEM(items, k);
+        ordered[k] = names[k];
+    }
+    objects[count] = y;
+    objects[count + 1] = out;
+    ordered[count] = names[RELU_GRAD_PARTS];
+    ordered[count + 1] = names[RELU_GRAD_PARTS + 1];
+    Py_buffer views[RELU_GRAD_PARTS + 2];
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (same_size_arrays(objects, views, (int)count + 2, "relu_grad: array", ordered, &held) ==
+        0) {
+        struct relu_grad r = {.y = views[count].buf, .out = views[count + 1].buf,
+                              .count = (int)count};
+        for (Py_ssize_t k = 0; k < count; k++) {
+            r.parts[k] = views[k].buf;
+        }
+        const Py_ssize_t size = views[0].len / 4;
+        run_elementwise(count == 1 ? relu_grad_one_range
+                        : count == 2 ? relu_grad_two_range : relu_grad_range,
+                        &r, size, threads);
+        result = Py_NewRef(Py_None);
+    }
+    release_views(views, held);
+    Py_DECREF(items);
     return result;
 }

@@ -2081,6 +2081,7 @@ static PyMethodDef methods[] = {
     {"hardswish_grad", hardswish_grad, METH_VARARGS, hardswish_grad_doc},
     {"hardswish", hardswish, METH_VARARGS, hardswish_doc},
     {"silu_grad", silu_grad, METH_VARARGS, silu_grad_doc},
+    {"relu_grad", relu_grad, METH_VARARGS, relu_grad_doc},
     {"lstm_cell", lstm_cell, METH_VARARGS, lstm_cell_doc},
     {"lstm_cell_grad", lstm_cell_grad, METH_VARARGS, lstm_cell_grad_doc},
     {"depthwise_conv_transpose", depthwise_conv_transpose, METH_VARARGS,

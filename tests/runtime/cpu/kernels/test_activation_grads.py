@@ -189,3 +189,86 @@ def test_module_trains_with_the_hardswish_kernel_as_without(tmp_path):
     got = artifact_steps(directory, batches, activation_grads.HardSwish)
     expected = artifact_steps(directory, batches, activation_grads.HardSwish, without="hardswish")
     assert_same_training(got, expected)
+
+
+class Residual(nn.Module):
+    """Linear layers in a residual block (its output's Relu reads the branch and the skip, so
+    its gradient is a Sum of two parts) and a plain Relu between two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.branch, self.mid, self.out = (
+            nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 3),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.branch(h) + h)  # the residual block's output
+        return self.out(torch.relu(self.mid(h)))
+
+
+def _residual_artifacts(tmp_path):
+    return adamw_artifacts(tmp_path, export(seeded(Residual), torch.zeros(2, 6)))
+
+
+def test_small_relus_keep_their_gradients_in_the_graph(tmp_path):
+    # 16 values a sample: the cut around a kernel would cost more than the passes it saves
+    model = onnx.load(_residual_artifacts(tmp_path) / "training_model.onnx")
+    assert activation_grads.split_relu_grads(model) == []
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_relu_gradients_with_their_sums_are_found_and_computed_exactly(
+    tmp_path, threads, monkeypatch
+):
+    monkeypatch.setattr(activation_grads, "RELU_GRAD_MIN_VALUES", 16)
+    model = onnx.load(_residual_artifacts(tmp_path) / "training_model.onnx")
+    found = activation_grads.split_relu_grads(model)
+    parts = sorted(len(kernel.parts) for kernel, _ in found)
+    # the block's output: a Sum of the skip's gradient and the branch's; the others one part
+    assert parts == [1, 1, 2], parts
+    rng = np.random.default_rng(0)
+    for kernel, nodes in found:
+        assert len(nodes) == 3 + (len(kernel.parts) > 1)  # Greater, Cast, Mul (and the Sum)
+        session = ort.InferenceSession(
+            _replaced(model, nodes, kernel).SerializeToString(),
+            providers=["CPUExecutionProvider"],
+        )
+        values = {v: rng.standard_normal((7, 16)).astype(np.float32) for v in kernel.inputs}
+        y = values[kernel.y].reshape(-1)
+        y[:6] = [0.0, -0.0, np.nan, np.inf, -np.inf, 1.0]
+        first = values[kernel.parts[0]].reshape(-1)
+        first[:12] = [np.inf, -np.inf, np.nan, -1.0, 2.0, -3.0] * 2  # with the mask 0 and 1
+        want = session.run(None, values)[0]
+        out: dict[str, np.ndarray] = {}
+        kernel.compute(values, out, threads)
+        got = out[kernel.out]
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        finite = ~np.isnan(want)  # every other bit: infinities and signed zeros too
+        assert np.array_equal(got[finite], want[finite])
+        assert np.array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+
+
+def test_relu_gradient_kernel_rejects_what_it_cannot_take():
+    a = np.ones((4, 5), np.float32)
+    with pytest.raises(ValueError, match="expected 1 to 8"):
+        native.NATIVE.relu_grad([a] * 9, a, np.empty_like(a), 1)
+    with pytest.raises(ValueError, match="one size"):
+        native.NATIVE.relu_grad([a, a[:2].copy()], a, np.empty_like(a), 1)
+    with pytest.raises(ValueError, match="read-only"):
+        frozen = np.empty_like(a)
+        frozen.flags.writeable = False
+        native.NATIVE.relu_grad([a], a, frozen, 1)
+
+
+def test_module_trains_with_the_relu_gradient_kernel_as_without(tmp_path, monkeypatch):
+    monkeypatch.setattr(activation_grads, "RELU_GRAD_MIN_VALUES", 16)
+    directory = _residual_artifacts(tmp_path)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
+        for n in (5, 5, 3)
+    ]
+    got = artifact_steps(directory, batches, activation_grads.ReluGrad)
+    expected = artifact_steps(directory, batches, activation_grads.ReluGrad, without="relu_grad")
+    assert_same_training(got, expected)

@@ -36,6 +36,7 @@ from traingraph.runtime.cpu.kernels import conv_grads
 from traingraph.runtime.cpu.kernels.activation_grads import (
     split_hardswish_grads,
     split_hardswishes,
+    split_relu_grads,
     split_silu_grads,
 )
 from traingraph.runtime.cpu.kernels.batch_norm import split_batch_norm_grads, split_max_pool_grads
@@ -165,6 +166,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
     KernelSpec("hardswish_grad", lambda s: list(split_hardswish_grads(s.model, s.taken)), None),
     KernelSpec("hardswish", lambda s: list(split_hardswishes(s.model, s.taken)), None),
     KernelSpec("silu_grad", lambda s: list(split_silu_grads(s.model, s.taken)), None),
+    KernelSpec("relu_grad", lambda s: list(split_relu_grads(s.model, s.taken)), None),
     KernelSpec("scatter_add_rows", lambda s: list(split_scatter_add_rows(s.model, s.taken)), None),
     KernelSpec("lstm_forward", lambda s: list(split_lstm_forwards(s.model, s.taken)), None),
     KernelSpec(
@@ -271,6 +273,8 @@ def split(
         ModelError: ``config.native_kernels`` names a kernel that does not exist.
     """
     chosen = select(config.native_kernels)
+    if _undefined_reads(model.graph):  # onnxruntime refuses the graph, with its own message
+        return model, [], []
     model = _bypassed_identities(model)
     grads: list[conv_grads.WeightGrad] = []
     if config.native_conv_grads:
@@ -279,6 +283,16 @@ def split(
     if config.native_segments:
         model, found = find(model, grads, forward, chosen)
     return model, grads, found
+
+
+def _undefined_reads(graph: onnx.GraphProto) -> bool:
+    """Whether a node of ``graph`` reads a value that no graph input, initializer or node
+    defines. A kernel that took such a node would hide it from onnxruntime, which refuses the
+    graph whole and names the value."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined.update(t.values.name for t in graph.sparse_initializer)
+    defined.update(o for node in graph.node for o in node.output)
+    return any(name and name not in defined for node in graph.node for name in node.input)
 
 
 def _bypassed_identities(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -1,4 +1,4 @@
-"""The input gradients of HardSwish and SiLU, one native pass each on the CPU.
+"""The input gradients of HardSwish, SiLU and Relu, one native pass each on the CPU.
 
 The autodiff rules write them as chains of elementwise ops, and onnxruntime makes one pass over
 the activation per op:
@@ -9,6 +9,11 @@ the activation per op:
   kernels (MobileNetV3 has one HardSwish per block and a large one after its stem).
 - SiLU, ``x * Sigmoid(x)`` as exported (EfficientNet has two per block): the Mul's and the
   Sigmoid's rules give ``Sum(Mul(g, s), Mul(Mul(g, x), Mul(s, Sub(1, s))))``, six passes.
+- Relu (:func:`traingraph.autodiff.rules.elementwise.relu`): ``Mul(g, Cast(Greater(y, 0)))``,
+  three passes, after the ``Sum`` of ``g``'s parts where the Relu's output is read twice (a
+  residual block's: by the next block's branch and by its skip), whose BatchNorm-less form no
+  BatchNorm gradient kernel takes. :class:`ReluGrad` adds the parts in the Sum's order and
+  multiplies by the mask, the graph's float operations, bit for bit.
 
 :class:`HardSwishGrad` computes the same float operations in the same order in one pass
 (``_convc.hardswish_grad``; no fused multiply-adds), so each element is the graph's, NaN and
@@ -26,6 +31,7 @@ The matchers take any one-element float32 constants in the HardSwish form (the r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import TypeVar
@@ -102,6 +108,46 @@ class SiluGrad(OneOutput):
         x, g = _same_shape(self.out, values, [self.x, self.g])
         assert NATIVE is not None
         NATIVE.silu_grad(x, g, output_array(out, self.out, x.shape), threads)
+
+
+@dataclass(frozen=True)
+class ReluGrad(OneOutput):
+    """``out = Sum(parts) * Cast(y > 0)``: a Relu's input gradient as its rule writes it, of a
+    gradient that is the ``Sum`` of its parts where only the product reads that Sum (a
+    residual block's output: its branch's gradient and its skip's).
+
+    Attributes:
+        parts: The gradient, or the Sum's inputs in its order (of ``y``'s shape).
+        y: The Relu's output.
+        out: The gradient of its input.
+    """
+
+    parts: tuple[str, ...]
+    y: str
+    out: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [*self.parts, self.y]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        arrays = _same_shape(self.out, values, [*self.parts, self.y])
+        assert NATIVE is not None
+        target = output_array(out, self.out, arrays[0].shape)
+        NATIVE.relu_grad(arrays[:-1], arrays[-1], target, threads)
+
+
+RELU_GRAD_PARTS = 8
+"""The most inputs of a Sum that :class:`ReluGrad` adds itself."""
+
+RELU_GRAD_MIN_VALUES = 1 << 15
+"""The fewest values per sample (the dimensions after the first, which is often the dynamic
+batch) of a Relu whose gradient :class:`ReluGrad` takes. The kernel saves two of the graph's
+three or four passes over the values, while the cut it makes between onnxruntime segments
+costs tens of microseconds whatever their size: on ResNet-8's (16 x 32 x 32 and smaller, batch
+32), LeNet's and the MLP's Relus the step was 4-13% slower with the kernel; ResNet-50's at
+batch 16 on 112 x 112 (32768 values a sample and more) are 3% faster."""
 
 
 HARDSWISH_ALPHA = float(np.float32(1 / 6))
@@ -189,6 +235,50 @@ def split_silu_grads(
     stays in the graph), checked numerically. ``[]`` where the extension is missing or nothing
     matches."""
     return _split(model, taken, "silu_grad", "Sigmoid", "Sigmoid", _silu)
+
+
+def split_relu_grads(
+    model: onnx.ModelProto, taken: Set[int] = frozenset()
+) -> list[tuple[ReluGrad, set[int]]]:
+    """Each Relu input gradient of the rule's form (``Mul(g, Cast(Greater(y, 0)))``) in float32
+    ``model`` whose mask only it reads, with the ``Sum`` that writes ``g`` where only the Mul
+    reads it, as a :class:`ReluGrad` with the indices of its nodes (none in ``taken``), checked
+    numerically. ``[]`` where the extension is missing or nothing matches."""
+    return _split(model, taken, "relu_grad", "Greater", "Greater", _relu)
+
+
+def _relu(
+    g: graph_match.GraphIndex,
+    i: int,
+    constants: Mapping[str, np.ndarray],
+    shapes: Shapes,
+    taken: Set[int],
+) -> tuple[ReluGrad, set[int]] | None:
+    greater = g.nodes[i]
+    if len(greater.input) != 2 or _float(constants, greater.input[1]) != 0.0:
+        return None
+    y = greater.input[0]
+    cast = _reader(g, greater.output[0], "Cast", taken)
+    if cast is None or graph_match.attributes(cast[1]).get("to") != onnx.TensorProto.FLOAT:
+        return None
+    mul = _reader(g, cast[1].output[0], "Mul", taken)
+    grad = _other(mul[1], cast[1].output[0]) if mul is not None else None
+    if mul is None or grad is None:
+        return None
+    nodes = {i, cast[0], mul[0]}
+    parts: tuple[str, ...] = (grad,)
+    total = _inner(g, grad, "Sum", mul[0], taken) or _inner(g, grad, "Add", mul[0], taken)
+    if total is not None and 2 <= len(total[1].input) <= RELU_GRAD_PARTS:
+        inputs = tuple(total[1].input)
+        if _one_shape(shapes, y, *inputs):
+            parts = inputs
+            nodes.add(total[0])
+    if not _one_shape(shapes, y, *parts, mul[1].output[0]):
+        return None
+    per_sample = shapes[y][1:]
+    if None in per_sample or math.prod(int(d or 0) for d in per_sample) < RELU_GRAD_MIN_VALUES:
+        return None
+    return ReluGrad(parts, y, mul[1].output[0]), nodes
 
 
 _Match = TypeVar("_Match")
@@ -368,8 +458,10 @@ def _other(node: onnx.NodeProto, value: str) -> str | None:
 __all__ = [
     "HardSwish",
     "HardSwishGrad",
+    "ReluGrad",
     "SiluGrad",
     "split_hardswish_grads",
     "split_hardswishes",
+    "split_relu_grads",
     "split_silu_grads",
 ]
