@@ -146,8 +146,8 @@ RELU_GRAD_MIN_VALUES = 1 << 15
 batch) of a Relu whose gradient :class:`ReluGrad` takes. The kernel saves two of the graph's
 three or four passes over the values, while the cut it makes between onnxruntime segments
 costs tens of microseconds whatever their size: on ResNet-8's (16 x 32 x 32 and smaller, batch
-32), LeNet's and the MLP's Relus the step was 4-13% slower with the kernel; ResNet-50's at
-batch 16 on 112 x 112 (32768 values a sample and more) are 3% faster."""
+32), LeNet's and the MLP's Relus the step was 4-13% slower with the kernel; with ResNet-50's
+at batch 16 on 112 x 112 (32768 values a sample and more) its step is 1-3% faster."""
 
 
 HARDSWISH_ALPHA = float(np.float32(1 / 6))
