@@ -192,12 +192,13 @@ def test_cuda_optimizer_updates_the_blocks_as_one_vector(tmp_path) -> None:
         np.testing.assert_allclose(results[True][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-def _graph_step_and_cpu_curve(tmp_path):
-    """A CudaGraphStep on the static MLP, its state, the batches, and the CPU curve over them."""
+def _graph_step_and_cpu_curve(tmp_path, model=MLP, shape=(20,)):
+    """A CudaGraphStep on the static ``model`` (inputs of ``shape`` a sample), its state, the
+    batches, and the CPU curve over them."""
     from traingraph.runtime.cuda import CudaGraphStep
 
-    _artifacts(tmp_path, _static_export(seeded(MLP), torch.zeros(BATCH, 20)))
-    batches = _batches((20,))
+    _artifacts(tmp_path, _static_export(seeded(model), torch.zeros(BATCH, *shape)))
+    batches = _batches(shape)
     cpu_losses, cpu_params = _curve(tmp_path, "cpu", batches)
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
     module = Module(tmp_path / "training_model.onnx", state, device="cuda")
@@ -247,14 +248,9 @@ class SqueezeExcite(torch.nn.Module):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_step_captures_a_squeeze_and_excitation_model(tmp_path) -> None:
-    from traingraph.runtime.cuda import CudaGraphStep
-
-    _artifacts(tmp_path, _static_export(seeded(SqueezeExcite), torch.zeros(BATCH, 3, 8, 8)))
-    batches = _batches((3, 8, 8))
-    cpu_losses, cpu_params = _curve(tmp_path, "cpu", batches)
-    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state, device="cuda")
-    step = CudaGraphStep(module, tmp_path / "optimizer_model.onnx")
+    step, state, batches, cpu_losses, cpu_params = _graph_step_and_cpu_curve(
+        tmp_path, SqueezeExcite, (3, 8, 8)
+    )
     losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
     np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
     assert losses[-1] < losses[0]

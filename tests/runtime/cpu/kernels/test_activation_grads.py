@@ -64,6 +64,16 @@ def _replaced(model: onnx.ModelProto, nodes: set[int], kernel) -> onnx.ModelProt
     return onnx.helper.make_model(sub, opset_imports=model.opset_import)
 
 
+def _batches(seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Three batches for the 6-feature models, the last smaller: the kernels' outputs follow
+    the batch."""
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
+        for n in (5, 5, 3)
+    ]
+
+
 def _inputs(kernel, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     values = {v: rng.standard_normal((7, 16)).astype(np.float32) * 4 for v in kernel.inputs}
@@ -137,11 +147,7 @@ def test_intermediate_values_read_elsewhere_stay_in_the_graph(tmp_path):
 @pytest.mark.parametrize("act", ["hardswish", "silu"])
 def test_module_trains_as_the_graph_does(tmp_path, act):
     directory = adamw_artifacts(tmp_path, export(seeded(Net, act=act), torch.zeros(2, 6)))
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
-        for n in (5, 5, 3)  # the batch changes: the kernel's output follows it
-    ]
+    batches = _batches(0)
     name = f"{act}_grad"
     got = artifact_steps(directory, batches, KINDS[act])
     expected = artifact_steps(directory, batches, KINDS[act], without=name)
@@ -181,11 +187,7 @@ def test_hardswish_is_onnxruntimes_bit_for_bit(tmp_path, threads):
 
 def test_module_trains_with_the_hardswish_kernel_as_without(tmp_path):
     directory = adamw_artifacts(tmp_path, export(seeded(Net, act="hardswish"), torch.zeros(2, 6)))
-    rng = np.random.default_rng(1)
-    batches = [
-        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
-        for n in (5, 5, 3)
-    ]
+    batches = _batches(1)
     got = artifact_steps(directory, batches, activation_grads.HardSwish)
     expected = artifact_steps(directory, batches, activation_grads.HardSwish, without="hardswish")
     assert_same_training(got, expected)
@@ -264,11 +266,7 @@ def test_relu_gradient_kernel_rejects_what_it_cannot_take():
 def test_module_trains_with_the_relu_gradient_kernel_as_without(tmp_path, monkeypatch):
     monkeypatch.setattr(activation_grads, "RELU_GRAD_MIN_VALUES", 16)
     directory = _residual_artifacts(tmp_path)
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.standard_normal((n, 6)).astype(np.float32) * 3, rng.integers(0, 3, n))
-        for n in (5, 5, 3)
-    ]
+    batches = _batches(0)
     got = artifact_steps(directory, batches, activation_grads.ReluGrad)
     expected = artifact_steps(directory, batches, activation_grads.ReluGrad, without="relu_grad")
     assert_same_training(got, expected)

@@ -284,17 +284,15 @@ def product_weight_grad(
         rows = np.ascontiguousarray(dy).reshape(n, m)
         Product("Gemm", threads, transA=1)(rows, np.ascontiguousarray(x).reshape(n, c),
                                            target.reshape(m, c))  # fmt: skip
-        if target is not out:
-            out[...] = target
-        return
-    columns = np.empty((c * kh * kw, n * oh * ow), np.float32)
-    assert NATIVE is not None
-    NATIVE.unfold(
-        np.ascontiguousarray(x), columns, (kh, kw), (oh, ow),
-        grad.strides, grad.pads, grad.dilations, threads,
-    )  # fmt: skip
-    rows = np.ascontiguousarray(dy.reshape(n, m, oh * ow).transpose(1, 0, 2))
-    Product("Gemm", threads, transB=1)(rows.reshape(m, -1), columns, target.reshape(m, -1))
+    else:
+        columns = np.empty((c * kh * kw, n * oh * ow), np.float32)
+        assert NATIVE is not None
+        NATIVE.unfold(
+            np.ascontiguousarray(x), columns, (kh, kw), (oh, ow),
+            grad.strides, grad.pads, grad.dilations, threads,
+        )  # fmt: skip
+        rows = np.ascontiguousarray(dy.reshape(n, m, oh * ow).transpose(1, 0, 2))
+        Product("Gemm", threads, transB=1)(rows.reshape(m, -1), columns, target.reshape(m, -1))
     if target is not out:
         out[...] = target
 
