@@ -155,9 +155,11 @@ def instrument(timers: Timers, weight_grads: bool = False) -> None:
     BoundRunner.run = timed_run  # type: ignore[method-assign]
 
 
-def ort_ops(directory: str, steps: int, by_node: bool = False) -> list[tuple[str, float, int]]:
-    """Per op type (or node, with ``by_node``) in the profiles under ``directory``: ms per
-    step and runs per step."""
+def ort_ops(
+    directory: str, steps: int, by_node: bool = False, shapes_of: str | None = None
+) -> list[tuple[str, float, int]]:
+    """Per op type (or node, with ``by_node``; or, for the op type ``shapes_of``, its input
+    shapes) in the profiles under ``directory``: ms per step and runs per step."""
     total: collections.Counter[str] = collections.Counter()
     count: collections.Counter[str] = collections.Counter()
     for path in glob.glob(os.path.join(directory, "onnxruntime_profile_*.json")):
@@ -168,6 +170,11 @@ def ort_ops(directory: str, steps: int, by_node: bool = False) -> list[tuple[str
                 op = event.get("args", {}).get("op_name", "?")
                 if by_node:
                     op = f"{op} {event['name'].removesuffix('_kernel_time')}"
+                elif shapes_of is not None:
+                    if op != shapes_of:
+                        continue
+                    shapes = [list(d.values())[0] for d in event["args"]["input_type_shape"]]
+                    op = " ".join("x".join(map(str, shape)) for shape in shapes)
                 total[op] += event["dur"]
                 count[op] += 1
     return [(op, us / 1e3 / steps, count[op] // steps) for op, us in total.most_common()]
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="alternating runs")
     parser.add_argument("--steps", type=int, default=3, help="steps per run")
     parser.add_argument("--ort-ops", action="store_true", help="onnxruntime's profile by op")
+    parser.add_argument("--op-shapes", metavar="OP", help="with --ort-ops: OP's time by shapes")
     parser.add_argument(
         "--only", choices=["traingraph", "torch"], help="run one side (its peak RSS alone)"
     )
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             for _, run, _ in runs:
                 run()
             timers.on = True
+            usage = resource.getrusage(resource.RUSAGE_SELF)
             for _ in range(args.repeats):
                 for _, run, times in runs:
                     start = time.perf_counter()
@@ -258,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                     times.append((time.perf_counter() - start) * 1e3 / args.steps)
             timers.on = False
             steps = args.repeats * args.steps
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            faults = (after.ru_minflt - usage.ru_minflt) / steps / len(runs)
+            system_ms = (after.ru_stime - usage.ru_stime) * 1e3 / steps / len(runs)
             size = f"{args.size}x{args.size}"
             if args.zoo:
                 print(f"zoo model {args.zoo}, {args.threads} threads")
@@ -268,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(runs) == 2:
                 ratio = statistics.median(runs[1][2]) / statistics.median(runs[0][2])
                 print(f"  torch / traingraph: {ratio:.2f}")
+            print(f"  per step: {faults:.0f} page faults, {system_ms:.1f} ms in the kernel")
             print("  traingraph step, ms per step (mean):")
             for label, seconds in timers.total.most_common():
                 if label.startswith("wgrad "):
@@ -295,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                     print("  slowest onnxruntime nodes, ms per step:")
                     for node, ms, _ in ort_ops(tmp, steps + args.steps, True)[: args.top_nodes]:
                         print(f"    {node:70s} {ms:8.1f}")
+                if args.op_shapes:
+                    print(f"  {args.op_shapes} by input shapes, ms per step:")
+                    by_shape = ort_ops(tmp, steps + args.steps, shapes_of=args.op_shapes)
+                    for shapes, ms, n in by_shape[:30]:
+                        print(f"    {shapes:70s} {ms:8.1f}  ({n} runs)")
         finally:
             os.chdir(cwd)
     return 0

@@ -44,11 +44,42 @@ from traingraph_runner import write_artifacts
 CACHE = Path(__file__).resolve().parent / ".envs" / "cache"
 
 
+def write_dynamo_artifacts(
+    zoo: object, name: str, weights: dict, data: dict, meta: dict, directory: Path
+) -> None:
+    """The artifacts of zoo model ``name`` with the cached ``weights``, exported by
+    ``traingraph.from_torch`` with its defaults on the first batch of ``data``."""
+    from traingraph import artifacts, from_torch, optim
+
+    model = zoo.build(name)  # type: ignore[attr-defined]
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    proto = from_torch(
+        model, (torch.from_numpy(data["x"][0]),), input_names=["x"], output_names=["logits"]
+    )
+    if meta["optimizer"] == "sgd":
+        optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
+    else:
+        optimizer = optim.AdamW(lr=meta["lr"], weight_decay=meta["weight_decay"])
+    artifacts.generate_artifacts(
+        proto,
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optimizer,
+        artifact_directory=directory,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     zoo = models.zoo()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="lstm_tagger", choices=list(zoo.BENCH_MODELS))
     parser.add_argument("--write", type=Path, help="write the artifacts here and exit")
+    parser.add_argument(
+        "--exporter",
+        choices=["cache", "dynamo"],
+        default="cache",
+        help="with --write: the cached export (TorchScript, opset 17), or the module exported"
+        " with traingraph.from_torch's defaults (dynamo, opset 20)",
+    )
     parser.add_argument("--a", type=Path, help="artifacts of side A")
     parser.add_argument("--b", type=Path, help="artifacts of side B (default: --a)")
     parser.add_argument(
@@ -64,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     meta, weights, data = load_entry(entry)
     if args.write:
         args.write.mkdir(parents=True, exist_ok=True)
-        write_artifacts(entry, meta, args.write)
+        if args.exporter == "cache":
+            write_artifacts(entry, meta, args.write)
+        else:
+            write_dynamo_artifacts(zoo, args.model, weights, data, meta, args.write)
         return 0
     if args.a is None:
         parser.error("give --a (and --b) artifact folders, or --write")

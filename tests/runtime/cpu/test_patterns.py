@@ -214,6 +214,58 @@ def test_a_gelu_with_other_constants_or_readers_is_left(change):
     ]
 
 
+def _gelu_tanh_model(*, powered, half_at, swapped, exponent=3.0, **overrides):
+    """The tanh GELU of ``a`` [N, 16] writing ``y``: the cube as a Pow (``powered``) or two
+    products, the half taken of ``a``, of the product or of ``1 + tanh`` (``half_at``)."""
+
+    def pair(x, y):
+        return [y, x] if swapped else [x, y]
+
+    mul = helper.make_node
+    if powered:
+        cube = [mul("Pow", ["a", "three"], ["cube"])]
+    else:
+        cube = [mul("Mul", pair("a", "a"), ["sq"]), mul("Mul", pair("a", "sq"), ["cube"])]
+    nodes = cube + [
+        mul("Mul", pair("cube", "k"), ["kc"]),
+        mul("Add", pair("a", "kc"), ["s"]),
+        mul("Mul", pair("s", "c"), ["u"]),
+        mul("Tanh", ["u"], ["t"]),
+        mul("Add", pair("t", "one"), ["p"]),
+    ]
+    nodes += {
+        "first": [mul("Mul", pair("a", "half"), ["h"]), mul("Mul", pair("h", "p"), ["y"])],
+        "last": [mul("Mul", pair("a", "p"), ["q"]), mul("Mul", pair("q", "half"), ["y"])],
+        "inner": [mul("Mul", pair("half", "p"), ["h"]), mul("Mul", pair("a", "h"), ["y"])],
+    }[half_at]
+    values = {"k": 0.044715, "c": math.sqrt(2 / math.pi), "one": 1.0, "half": 0.5} | overrides
+    constants = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in values.items()]
+    constants.append(numpy_helper.from_array(np.array(exponent, np.float32), "three"))
+    return _model(nodes, [("a", ["N", 16])], ["y"], constants)
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["in-order", "swapped"])
+@pytest.mark.parametrize("half_at", ["first", "last", "inner"])
+@pytest.mark.parametrize("powered", [True, False], ids=["pow", "products"])
+def test_each_tanh_gelu_form_is_matched(powered, half_at, swapped):
+    model = _gelu_tanh_model(powered=powered, half_at=half_at, swapped=swapped)
+    ((match),) = patterns.find(model, patterns.GELU_TANH).matches
+    cube = "_pow" if powered else "_products"
+    assert match.rule == f"gelu_tanh_half_{half_at}{cube}"
+    assert match.nodes == set(range(len(model.graph.node)))
+    assert (match.name("a"), match.name("gelu"), match.name("masked")) == ("a", "y", None)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"k": 0.05}, {"c": 0.8}, {"one": 2.0}, {"half": 0.25}, {"exponent": 2.0}],
+    ids=["k", "c", "one", "half", "square"],
+)
+def test_a_tanh_gelu_with_other_constants_is_left(change):
+    model = _gelu_tanh_model(powered=True, half_at="first", swapped=False, **change)
+    assert _found(model, patterns.GELU_TANH) == []
+
+
 @pytest.mark.parametrize("half_first", [False, True], ids=["half-last", "half-first"])
 def test_masked_gelu_takes_the_mask_product_of_the_outputs_shape(half_first):
     model = _gelu_model(half_first=half_first, mask=["N", 16])

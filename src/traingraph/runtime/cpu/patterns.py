@@ -2,8 +2,9 @@
 
 Two native kernels serve a model's own forward nodes, which no traingraph code made (so no tag
 marks them): a network's first Conv, with the Relu that alone reads it
-(:mod:`~traingraph.runtime.cpu.kernels.direct_conv`), and the exact GELU, with the Dropout
-mask product after it (:mod:`~traingraph.runtime.cpu.kernels.gelu`). Their nodes are
+(:mod:`~traingraph.runtime.cpu.kernels.direct_conv`), and the GELU, exact or
+tanh-approximated, with the Dropout mask product after it
+(:mod:`~traingraph.runtime.cpu.kernels.gelu`). Their nodes are
 declared here as onnxscript patterns (``onnxscript.rewriter.pattern``), each with a check
 function that holds the conditions the kernel needs, and :func:`find` matches a family of
 them in a model. The rules only match; the kernels are built from the matches.
@@ -18,12 +19,16 @@ them in a model. The rules only match; the kernels are built from the matches.
   it (``masked_gelu``). Only the Add reads the Erf, only the half reads the product it
   halves; each product may take its factors in either order. Other values of the GELU may
   have other readers: its gradient, which the GELU kernel finds from the matched nodes.
+- :data:`GELU_TANH`: the tanh approximation, ``a / 2 (1 + tanh(sqrt(2 / pi) (a + 0.044715
+  a^3)))``, with the cube as a ``Pow`` or as products of ``a`` and the half taken of ``a``,
+  of the product or of ``1 + tanh`` (the forms of the TorchScript exporter, of torch's
+  decomposition and of GPT-2's written-out GELU); the masked form preferred, as above.
 
 Converting a whole training model to onnx-ir would cost time at every load, so
 :func:`find` converts only the neighbourhood of the nodes every match of a family holds
-(its anchors: the Convs that read graph inputs, the Erfs), with the readers of every value
-computed there, the model's inferred shapes on its values, and the nodes other kernels took
-marked.
+(its anchors: the Convs that read graph inputs, the Erfs, the Tanhs), with the readers of
+every value computed there, the model's inferred shapes on its values, and the nodes other
+kernels took marked.
 
 Example:
     >>> [match.rule for match in find(model, FIRST_CONV).matches]  # doctest: +SKIP
@@ -480,10 +485,88 @@ GELU = Family(
 """The exact (Erf) GELU, with the Dropout mask product after it where there is one."""
 
 
+# -- the tanh approximation of the GELU -------------------------------------------------------
+
+_GELU_TANH_C = math.sqrt(2.0 / math.pi)
+_GELU_TANH_K = 0.044715
+
+
+def _gelu_tanh_form(powered: bool, half_at: str, masked: bool) -> Callable[..., Any]:
+    """The pattern of one form of the tanh GELU, ``a / 2 (1 + tanh(c (a + k a^3)))``: the cube
+    as a ``Pow`` (``powered``) or as products of ``a``; the half taken of ``a`` first, of the
+    product last or of ``1 + tanh`` (``half_at``); times ``mask`` after it where ``masked``."""
+
+    def gelu(
+        op: Any, a: Any, three: Any, k: Any, c: Any, one: Any, half: Any, mask: Any
+    ) -> Any:
+        cube = op.Pow(a, three) if powered else op.Mul(a, op.Mul(a, a))
+        inner = op.Mul(op.Add(a, op.Mul(cube, k)), c)
+        plus_one = op.Add(op.Tanh(inner, _outputs=["tanh"]), one)
+        if half_at == "first":
+            y = op.Mul(op.Mul(a, half), plus_one, _outputs=["gelu"])
+        elif half_at == "last":
+            y = op.Mul(op.Mul(a, plus_one), half, _outputs=["gelu"])
+        else:
+            y = op.Mul(a, op.Mul(half, plus_one), _outputs=["gelu"])
+        return op.Mul(y, mask, _outputs=["masked"]) if masked else y
+
+    return gelu
+
+
+def _is_gelu_tanh(
+    context: Any,
+    k: ir.Value,
+    c: ir.Value,
+    one: ir.Value,
+    half: ir.Value,
+    gelu: ir.Value,
+    three: ir.Value | None = None,
+    mask: ir.Value | None = None,
+    masked: ir.Value | None = None,
+    **_: Any,
+) -> bool:
+    if not (
+        _scalar(k, _GELU_TANH_K) and _scalar(c, _GELU_TANH_C) and _scalar(one, 1.0)
+        and _scalar(half, 0.5)
+    ):  # fmt: skip
+        return False
+    if three is not None:  # Pow's exponent, of any numeric type
+        exponent = ir.convenience.get_const_tensor(three)
+        if exponent is None or exponent.size != 1 or float(exponent.numpy().reshape(())) != 3:
+            return False
+    return masked is None or mask is None or _masks(gelu, mask, masked)
+
+
+def _tanhs(graph: onnx.GraphProto) -> list[int]:
+    return [i for i, n in enumerate(graph.node) if n.op_type == "Tanh" and n.domain in _DEFAULT]
+
+
+GELU_TANH = Family(
+    "gelu_tanh",
+    _tanhs,
+    5,
+    tuple(
+        Rule(
+            f"{'masked_' if masked else ''}gelu_tanh_half_{half_at}"
+            f"{'_pow' if powered else '_products'}",
+            "Mul",
+            _gelu_tanh_form(powered, half_at, masked),
+            _is_gelu_tanh,
+        )
+        for masked in (True, False)
+        for half_at in ("first", "last", "inner")
+        for powered in (True, False)
+    ),
+)
+"""The tanh approximation of the GELU, with the Dropout mask product after it where there is
+one."""
+
+
 __all__ = [
     "DIRECT_CONV_CHANNELS",
     "FIRST_CONV",
     "GELU",
+    "GELU_TANH",
     "READ",
     "TAKEN",
     "Family",

@@ -1,7 +1,8 @@
 """GELU and its gradient computed natively between onnxruntime segments
-(traingraph.runtime.cpu.kernels.gelu): the kernel against PyTorch, the match of both exporters'
-forms and
-of the gradient nodes, and Module's train steps against the graph as written and PyTorch."""
+(traingraph.runtime.cpu.kernels.gelu), exact and tanh-approximated: the kernel against PyTorch
+in float64 and against the graph's nodes with non-finite inputs, the match of the exporters'
+forms (elementwise ops, or opset 20's Gelu op whose gradient alone is taken) and of the gradient
+nodes, and Module's train steps against the graph as written and PyTorch."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from gradcheck import (
     assert_trains_as_torch_adamw,
 )
 from torch_models import export, seeded
-from traingraph.runtime.cpu import segments
+from traingraph import from_torch
+from traingraph.runtime.cpu import segments, verify
 from traingraph.runtime.cpu.kernels import conv_grads, gelu
 from traingraph.runtime.cpu.kernels.masks import DropoutMask
 from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
@@ -90,6 +92,49 @@ def test_kernel_is_within_the_erf_bound_everywhere():
     assert np.all(np.abs(y - want) <= np.abs(a) * 1e-7 + np.abs(want) * 3e-7 + 1e-30)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("scale", [1.0, 4.0, 40.0])
+def test_tanh_kernel_matches_torch(threads, scale):
+    rng = np.random.default_rng(2)
+    a = (rng.standard_normal((3, 64, 341)) * scale).astype(np.float32)
+    a.flat[:8] = [0.0, -0.0, 1e-30, -1e-8, 0.62, -0.63, 44.0, -95.0]  # the tanh's branches
+    g = rng.standard_normal(a.shape).astype(np.float32)
+    y, da = np.full_like(a, np.nan), np.full_like(a, np.nan)
+    NATIVE.gelu(a, None, y, threads, None, True)
+    NATIVE.gelu(a, g, da, threads, None, True)
+    at = torch.from_numpy(a).double().requires_grad_()
+    want = nn.functional.gelu(at, approximate="tanh")
+    want.backward(torch.from_numpy(g).double())
+    want_y, want_da = want.detach().numpy(), at.grad.numpy()
+    # (a / 2)(1 + t) in float32 keeps |a| ulp(1) / 2 absolutely where t is near -1, as the
+    # graph's nodes do; elsewhere a few units in the last place
+    magnitude = np.abs(a) * (1 + np.abs(g))
+    assert np.all(np.abs(y - want_y) <= 1.2e-7 * np.abs(a) + 4e-7 * np.abs(want_y) + 1e-30)
+    assert np.all(np.abs(da - want_da) <= 4e-7 * magnitude + 1e-6 * np.abs(want_da) + 1e-30)
+
+
+def test_tanh_kernel_is_the_graphs_with_non_finite_values(tmp_path):
+    # the exporter's nodes of the tanh GELU and of its gradient, run by onnxruntime, against
+    # the kernel on the values where products of zero and infinity decide
+    model = onnx.load(
+        _artifacts(tmp_path, seeded(FeedForward, approximate="tanh")) / "training_model.onnx"
+    )
+    found = gelu.split_gelus(model)
+    (forward,), (backward,) = ([k for k, _ in found if (k.g is None) == f] for f in (1, 0))
+    nodes = [model.graph.node[i] for i in sorted(set().union(*(n for _, n in found)))]
+    special = [np.inf, -np.inf, np.nan, 1e20, -1e20, 3e13, -3e13, 0.0, -0.0, 9.0, -9.0]
+    a = np.array(special * 2 + [0.5] * 10, np.float32).reshape(4, 8)
+    g = np.ones_like(a)
+    g[2] = [np.inf, -np.inf, np.nan, 0.0, 2.0, -2.0, 1e30, -0.0]
+    want = verify.run_subgraph(model, nodes, {forward.a: a, backward.g: g},
+                               [forward.out, backward.out])  # fmt: skip
+    got: dict[str, np.ndarray] = {}
+    forward.compute({forward.a: a}, got, 1)
+    backward.compute({backward.a: a, backward.g: g}, got, 1)
+    for name, expected in zip((forward.out, backward.out), want):
+        assert verify.same_values(got[name], expected), (name, got[name], expected)
+
+
 def test_kernel_refuses_arrays_it_cannot_take():
     a = np.zeros(8, np.float32)
     with pytest.raises(ValueError, match="out has 7 elements, a has 8"):
@@ -129,11 +174,33 @@ class HalfFirst(nn.Module):
         return self.down((0.5 * a) * (1 + torch.erf(a * 0.7071067811865476)))
 
 
+class NewGelu(nn.Module):
+    """Transformers' GPT-2 GELU written out: ``0.5 a (1 + tanh(sqrt(2 / pi) (a + 0.044715
+    a^3)))``, with a ``Pow`` for the cube and the half taken first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.up(x)
+        inner = 0.7978845608028654 * (a + 0.044715 * torch.pow(a, 3.0))
+        return self.down(0.5 * a * (1.0 + torch.tanh(inner)))
+
+
+def _tanh_feed_forward() -> nn.Module:
+    return FeedForward(approximate="tanh")
+
+
 def _artifacts(tmp_path, net: nn.Module):
     return adamw_artifacts(tmp_path, export(net, torch.zeros(2, 6)))
 
 
-@pytest.mark.parametrize("net", [FeedForward, HalfFirst], ids=["exporter", "half-first"])
+NETS = [FeedForward, HalfFirst, _tanh_feed_forward, NewGelu]
+NET_IDS = ["exporter", "half-first", "tanh-exporter", "tanh-written-out"]
+
+
+@pytest.mark.parametrize("net", NETS, ids=NET_IDS)
 def test_forward_and_gradient_are_matched(tmp_path, net):
     model = onnx.load(_artifacts(tmp_path, seeded(net)) / "training_model.onnx")
     found = gelu.split_gelus(model)
@@ -141,30 +208,59 @@ def test_forward_and_gradient_are_matched(tmp_path, net):
     backward = [k for k, _ in found if k.g is not None]
     assert len(forward) == len(backward) == 1
     assert forward[0].a == backward[0].a
+    assert forward[0].tanh == backward[0].tanh == (net in (_tanh_feed_forward, NewGelu))
     replaced = {model.graph.node[i].op_type for _, nodes in found for i in nodes}
-    assert {"Erf", "Exp", "Neg"} <= replaced  # erf and its derivative
+    nonlinearity = "Tanh" if forward[0].tanh else "Erf"
+    assert replaced >= ({"Tanh", "Sub"} if forward[0].tanh else {"Erf", "Exp", "Neg"})
     left = [n.op_type for i, n in enumerate(model.graph.node)
             if i not in set().union(*(nodes for _, nodes in found))]  # fmt: skip
-    assert "Erf" not in left
+    assert nonlinearity not in left
     # the kernels' nodes are taken once: another kernel leaves them to none
     taken = set().union(*(nodes for _, nodes in found))
     assert gelu.split_gelus(model, taken) == []
 
 
-def test_tanh_approximation_and_shared_values_are_left(tmp_path):
-    model = onnx.load(
-        _artifacts(tmp_path, seeded(FeedForward, approximate="tanh")) / "training_model.onnx"
-    )
-    assert gelu.split_gelus(model) == []  # no Erf: the tanh form stays in the graph
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_gelu_ops_gradient_is_matched(tmp_path, approximate):
+    # traingraph.from_torch exports nn.GELU as opset 20's Gelu op: onnxruntime computes the
+    # forward in one kernel, the gradient rule's nodes become one kernel
+    net = seeded(FeedForward, approximate=approximate)
+    directory = adamw_artifacts(tmp_path, from_torch(net, torch.zeros(2, 6)))
+    model = onnx.load(directory / "training_model.onnx")
+    found = gelu.split_gelus(model)
+    assert len(found) == 1
+    ((kernel, nodes),) = found
+    assert kernel.g is not None and kernel.tanh == (approximate == "tanh")
+    assert "Gelu" not in {model.graph.node[i].op_type for i in nodes}
+    assert [n.op_type for n in model.graph.node].count("Gelu") == 1
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.standard_normal((n, 6)).astype(np.float32) * 2, rng.integers(0, 3, n))
+        for n in (5, 5, 3)
+    ]
+    got = artifact_steps(directory, batches, gelu.Gelu)
+    assert_same_training(got, artifact_steps(directory, batches, gelu.Gelu, without=NO_GELUS))
+    assert_trains_as_torch_adamw(got, seeded(FeedForward, approximate=approximate), batches, 0.01)
+
+
+def test_shared_values_are_left(tmp_path):
     # a GELU whose erf another node reads too stays whole
     exact = onnx.load(_artifacts(tmp_path, seeded(FeedForward)) / "training_model.onnx")
     erf = next(n for n in exact.graph.node if n.op_type == "Erf")
     exact.graph.node.append(onnx.helper.make_node("Identity", [erf.output[0]], ["erf_copy"]))
     exact.graph.output.append(onnx.helper.make_tensor_value_info("erf_copy", 1, None))
     assert gelu.split_gelus(exact) == []
+    # so does a tanh GELU whose tanh is a model output
+    approximated = onnx.load(
+        _artifacts(tmp_path / "tanh", seeded(FeedForward, approximate="tanh"))
+        / "training_model.onnx"
+    )
+    tanh = next(n for n in approximated.graph.node if n.op_type == "Tanh")
+    approximated.graph.output.append(onnx.helper.make_tensor_value_info(tanh.output[0], 1, None))
+    assert gelu.split_gelus(approximated) == []
 
 
-@pytest.mark.parametrize("net", [FeedForward, HalfFirst], ids=["exporter", "half-first"])
+@pytest.mark.parametrize("net", NETS, ids=NET_IDS)
 def test_module_trains_as_the_graph_and_torch_do(tmp_path, net):
     directory = _artifacts(tmp_path, seeded(net))
     rng = np.random.default_rng(0)
