@@ -808,9 +808,10 @@ class SegmentedRunner:
 def _with_native_reorders(
     segments: Sequence[Segment], taken: Set[str]
 ) -> tuple[list[Segment], list[list[FilterReorder]]]:
-    """``segments`` rewritten for the CPU where that takes filter reorders out of them
-    (:func:`~traingraph.runtime.cpu.kernels.permutes.split_filter_reorders`), each with the
-    reordered filters as inputs, and the reorders of each; the others as they are."""
+    """``segments`` (rewritten for the CPU where the rewrite changes them) with their filter
+    reorders taken out (:func:`~traingraph.runtime.cpu.kernels.permutes.split_filter_reorders`),
+    each with the reordered filters as inputs, and the reorders of each; the others as they
+    are."""
     names = set(taken)
     split_segments: list[Segment] = []
     reorders: list[list[FilterReorder]] = []
@@ -822,6 +823,8 @@ def _with_native_reorders(
             if rewritten is not source:
                 assert isinstance(rewritten, bytes)
                 model, found = split_filter_reorders(onnx.load_from_string(rewritten), names)
+            else:  # no blocked layouts: an input gradient's swapped filter axes, perhaps
+                model, found = split_filter_reorders(segment.model, names)
         if found:
             names |= {r.out for r in found}
             segment = Segment(model, [*segment.inputs, *(r.out for r in found)], segment.outputs)

@@ -23,35 +23,6 @@ static int dww_fits(const struct conv *cv)
     return cv->group > 1 && cv->group == cv->c && cv->m == cv->c;
 }
 
-/* The 16 x 16 block r[0..15] (rows) transposed in place: four levels of swapping the
- * off-diagonal blocks of side 8, 4, 2 and 1. */
-#if defined(__GNUC__) && !defined(__clang__)
-#define DWW_STAGE(b, LO, HI)                                                                     \
-    {                                                                                            \
-        const v16i lo = LO, hi = HI;                                                             \
-        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                    \
-        {                                                                                        \
-            if ((i & b) == 0) {                                                                  \
-                const v16 a = r[i], c = r[i + b];                                                \
-                r[i] = __builtin_shuffle(a, c, lo);                                              \
-                r[i + b] = __builtin_shuffle(a, c, hi);                                          \
-            }                                                                                    \
-        }                                                                                        \
-    }
-static inline __attribute__((always_inline)) void dww_transpose(v16 *r)
-{
-    /* lane j of row i: (j & b) == 0 keeps row i's lane j (lo) or takes row i + b's lane j - b;
-     * row i + b takes row i's lane j + b or keeps its own (hi) */
-    DWW_STAGE(8, ((v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
-              ((v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
-    DWW_STAGE(4, ((v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
-              ((v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
-    DWW_STAGE(2, ((v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
-              ((v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
-    DWW_STAGE(1, ((v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
-              ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
-}
-#endif
 
 /* dst[k * 16 + l] = src[l * stride + k] for k < count (<= 16) and lanes l < lanes, 0 in the
  * other lanes: 16 channels' runs of count values, one vector per value. */
@@ -65,7 +36,7 @@ static inline __attribute__((always_inline)) void dww_gather(const float *src, P
         for (int l = 0; l < 16; l++) {
             r[l] = *(const v16u *)(src + l * stride);
         }
-        dww_transpose(r);
+        transpose16(r);
         for (int k = 0; k < 16; k++) {
             *(v16 *)(dst + k * 16) = r[k];
         }

@@ -6,10 +6,45 @@
  * convolution kernels need of a filter every step (OIHW into channel blocks), which a Gather of
  * the filter's positions does one indexed element at a time. Each thread writes a share of dst's
  * rows (all axes but the last) in order; the reads of a row go along the source at the stride
- * of dst's last axis. Values are copied, never computed: NaN and infinities stay as they are.
+ * of dst's last axis. Where that stride is not 1 and another of dst's axes runs along the
+ * source (a transpose: an input gradient's filter with its two channel axes swapped), the
+ * copy goes in 16 x 16 tiles of those two axes instead, read as 16 source runs and written as
+ * 16 dst runs, transposed in registers. Values are copied, never computed: NaN and infinities
+ * stay as they are.
  */
 
 #define PERMUTE_MAX_DIMS 8
+
+/* The 16 x 16 block r[0..15] (rows) transposed in place: four levels of swapping the
+ * off-diagonal blocks of side 8, 4, 2 and 1. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define TRANSPOSE16_STAGE(b, LO, HI)                                                                     \
+    {                                                                                            \
+        const v16i lo = LO, hi = HI;                                                             \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                    \
+        {                                                                                        \
+            if ((i & b) == 0) {                                                                  \
+                const v16 a = r[i], c = r[i + b];                                                \
+                r[i] = __builtin_shuffle(a, c, lo);                                              \
+                r[i + b] = __builtin_shuffle(a, c, hi);                                          \
+            }                                                                                    \
+        }                                                                                        \
+    }
+static inline __attribute__((always_inline)) void transpose16(v16 *r)
+{
+    /* lane j of row i: (j & b) == 0 keeps row i's lane j (lo) or takes row i + b's lane j - b;
+     * row i + b takes row i's lane j + b or keeps its own (hi) */
+    TRANSPOSE16_STAGE(8, ((v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+              ((v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    TRANSPOSE16_STAGE(4, ((v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+              ((v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    TRANSPOSE16_STAGE(2, ((v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+              ((v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    TRANSPOSE16_STAGE(1, ((v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+              ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+}
+#endif
+
 
 struct permute {
     const float *src;
@@ -18,7 +53,62 @@ struct permute {
     Py_ssize_t extent[PERMUTE_MAX_DIMS]; /* dst's axes */
     Py_ssize_t stride[PERMUTE_MAX_DIMS]; /* the source stride of each of dst's axes */
     Py_ssize_t rows;                     /* dst's rows: the product of all extents but the last */
+    int along;                           /* the tiles' row axis (source stride 1), or -1 */
+    Py_ssize_t tiles;                    /* with `along`: row tiles of 16 over the other axes */
 };
+
+/* The tiles t0..t1 (of 16 places of axis `along` at all places of the axes before the last
+ * but it) of a transpose: each the 16 x len block of dst at those places. */
+TARGETS static void permute_tiles(const struct permute *p, Py_ssize_t t0, Py_ssize_t t1)
+{
+    const int last = p->nd - 1, k = p->along;
+    const Py_ssize_t len = p->extent[last], step = p->stride[last];
+    Py_ssize_t inner = 1; /* dst's stride of axis k */
+    for (int a = k + 1; a <= last; a++) {
+        inner *= p->extent[a];
+    }
+    const Py_ssize_t per = (p->extent[k] + 15) / 16; /* tiles along k */
+    for (Py_ssize_t t = t0; t < t1; t++) {
+        Py_ssize_t rest = t / per, src_off = 0, dst_off = 0;
+        const Py_ssize_t i0 = (t % per) * 16;
+        const Py_ssize_t rows = p->extent[k] - i0 < 16 ? p->extent[k] - i0 : 16;
+        for (int a = last - 1; a >= 0; a--) { /* the tile's place in the other leading axes */
+            if (a == k) {
+                continue;
+            }
+            const Py_ssize_t i = rest % p->extent[a];
+            rest /= p->extent[a];
+            src_off += i * p->stride[a];
+            Py_ssize_t below = 1; /* dst's stride of axis a */
+            for (int b = a + 1; b <= last; b++) {
+                below *= p->extent[b];
+            }
+            dst_off += i * below;
+        }
+        const float *in = p->src + src_off + i0;
+        float *out = p->dst + dst_off + i0 * inner;
+        Py_ssize_t j = 0;
+#if defined(__GNUC__) && !defined(__clang__)
+        if (rows == 16) {
+            for (; j + 16 <= len; j += 16) {
+                v16 r[16];
+                for (int c = 0; c < 16; c++) {
+                    r[c] = *(const v16u *)(in + (j + c) * step);
+                }
+                transpose16(r);
+                for (int l = 0; l < 16; l++) {
+                    *(v16u *)(out + l * inner + j) = r[l];
+                }
+            }
+        }
+#endif
+        for (Py_ssize_t l = 0; l < rows; l++) {
+            for (Py_ssize_t c = j; c < len; c++) {
+                out[l * inner + c] = in[l + c * step];
+            }
+        }
+    }
+}
 
 TARGETS static void permute_rows(const struct permute *p, Py_ssize_t r0, Py_ssize_t r1)
 {
@@ -55,7 +145,12 @@ TARGETS static void permute_rows(const struct permute *p, Py_ssize_t r0, Py_ssiz
 static int permute_share(const void *arg, int t, int threads)
 {
     const struct permute *p = arg;
-    permute_rows(p, p->rows * t / threads, p->rows * (t + 1) / threads);
+    if (p->along >= 0) {
+        permute_tiles(p, p->tiles * t / threads, p->tiles * (t + 1) / threads);
+    }
+    else {
+        permute_rows(p, p->rows * t / threads, p->rows * (t + 1) / threads);
+    }
     return 0;
 }
 
@@ -150,13 +245,23 @@ static PyObject *permute(PyObject *self, PyObject *args)
             stride[a] = -stride[a];
         }
     }
-    struct permute p = {.src = start, .dst = views[1].buf, .nd = (int)nd, .rows = 1};
+    struct permute p = {
+        .src = start, .dst = views[1].buf, .nd = (int)nd, .rows = 1, .along = -1};
     for (Py_ssize_t a = 0; a < nd; a++) {
         p.extent[a] = size[order[a]];
         p.stride[a] = stride[order[a]];
         if (a < nd - 1) {
             p.rows *= p.extent[a];
+            if (p.stride[a] == 1 && p.extent[a] >= 16) {
+                p.along = (int)a;
+            }
         }
+    }
+    if (p.along >= 0 && (p.stride[nd - 1] == 1 || p.extent[nd - 1] < 16)) {
+        p.along = -1; /* rows of contiguous or short runs: copied row by row */
+    }
+    if (p.along >= 0) {
+        p.tiles = p.rows / p.extent[p.along] * ((p.extent[p.along] + 15) / 16);
     }
     if (total > 0) {
         run_shares(permute_share, &p, total, threads);

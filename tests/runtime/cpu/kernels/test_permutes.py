@@ -92,6 +92,33 @@ def test_axes_read_back_to_front(
 
 
 @pytest.mark.parametrize(
+    ("dims", "perm"),
+    [
+        ([2048, 512], [1, 0]),  # ResNet-50's widest 1 x 1 filter, channels swapped
+        ([37, 45], [1, 0]),  # partial tiles on both axes
+        ([16, 16], [1, 0]),  # one tile
+        ([3, 40, 50, 2], [0, 3, 2, 1]),  # rows of 3, the tiles' axis in the middle
+        ([2, 33, 17, 5], [3, 1, 0, 2]),
+        ([64, 9, 128], [2, 1, 0]),  # a filter's spatial axis between its channels
+        ([4, 64, 48], [2, 0, 1]),
+    ],
+)
+@pytest.mark.parametrize("reversed_axes", [(), (0,), (1,)])
+def test_transposes_are_copied_in_tiles(
+    dims: list[int], perm: list[int], reversed_axes: tuple[int, ...]
+) -> None:
+    if conv_grads.NATIVE is None:
+        pytest.skip("traingraph.runtime._convc was not built (no C compiler at install time)")
+    src = _poisoned(tuple(dims))
+    flips = tuple(slice(None, None, -1 if a in reversed_axes else 1) for a in range(len(dims)))
+    want = src[flips].transpose(perm)
+    for threads in (1, 2, 3):
+        dst = np.full(want.shape, 7.0, np.float32)
+        permutes.permute(src, dst, dims, perm, threads, reversed_axes)
+        np.testing.assert_array_equal(dst, want)
+
+
+@pytest.mark.parametrize(
     "positions",
     [
         np.array([0, 1, 1, 2]),  # a repeat
@@ -226,6 +253,63 @@ def test_filter_reorders_leave_the_segment_and_give_its_values():
     (got,) = sessions[1].run(None, {**feeds, **out})
     np.testing.assert_array_equal(got, want)  # the same filter: the same Conv, bit for bit
     assert permutes.split_filter_reorders(segment, {reorders[0].out})[1] == reorders[1:]
+
+
+def _swap_segment(reshape_first: bool) -> onnx.ModelProto:
+    """An input gradient's filter use as a segment holds it: ``Transpose(w, [1, 0, 2, 3])``
+    read by a 1 x 1 Conv, or (``reshape_first``) a transposed convolution's filter as a
+    product's operand, ``Transpose(Reshape(w, [O, I, 1]), [1, 0, 2])``, read by a MatMul."""
+    w = helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [48, 32, 1, 1])
+    if reshape_first:
+        shape = onnx.numpy_helper.from_array(np.array([48, 32, 1], np.int64), "shape")
+        flat = onnx.numpy_helper.from_array(np.array([32, 48], np.int64), "flat")
+        nodes = [
+            helper.make_node("Reshape", ["w", "shape"], ["w3"]),
+            helper.make_node("Transpose", ["w3"], ["wt"], perm=[1, 0, 2]),
+            helper.make_node("Reshape", ["wt", "flat"], ["wm"]),
+            helper.make_node("MatMul", ["x", "wm"], ["y"]),
+        ]
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [5, 32])
+        initializers = [shape, flat]
+    else:
+        nodes = [
+            helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0, 2, 3]),
+            helper.make_node("Conv", ["x", "wt"], ["y"]),
+        ]
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 48, 3, 3])
+        initializers = []
+    graph = helper.make_graph(
+        nodes, "segment", [x, w],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], initializers,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.skipif(conv_grads.NATIVE is None, reason="the native kernels were not built")
+@pytest.mark.parametrize("reshape_first", [False, True], ids=["swap", "reshaped-swap"])
+def test_a_filters_swapped_axes_leave_the_segment(reshape_first):
+    segment = _swap_segment(reshape_first)
+    split, reorders = permutes.split_filter_reorders(segment)
+    assert [r.src for r in reorders] == ["w"]
+    assert {n.op_type for n in split.graph.node} == ({"MatMul"} if reshape_first else {"Conv"})
+    x_shape = [5, 32] if reshape_first else [2, 48, 3, 3]
+    feeds = {"x": _poisoned(tuple(x_shape)), "w": _poisoned((48, 32, 1, 1))}
+    out: dict[str, np.ndarray] = {}
+    reorders[0].compute(feeds, out, 2)
+    want_w = feeds["w"].reshape(48, 32).T
+    np.testing.assert_array_equal(out[reorders[0].out].reshape(32, 48), want_w)
+    sessions = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for m in (segment, split)
+    ]
+    (want,) = sessions[0].run(None, feeds)
+    (got,) = sessions[1].run(None, {**feeds, **out})
+    np.testing.assert_array_equal(got, want)
+    # a chain that only reshapes stays, as does one whose result another segment writes
+    only_reshapes = _swap_segment(True)
+    only_reshapes.graph.node[1].CopyFrom(helper.make_node("Identity", ["w3"], ["wt"]))
+    assert permutes.split_filter_reorders(only_reshapes)[1] == []
+    assert permutes.split_filter_reorders(segment, {reorders[0].out})[1] == []
 
 
 class _BlockedNet(nn.Module):

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,12 +101,15 @@ class FilterReorder(OneOutput):
 def split_filter_reorders(
     model: onnx.ModelProto, taken: Set[str] = frozenset()
 ) -> tuple[onnx.ModelProto, list[FilterReorder]]:
-    """``model`` (a segment, rewritten for the CPU) without each chain ``Reshape(src, dims)``,
-    ``Transpose(perm)``, ``Reshape(shape)`` whose ``src`` is a float32 graph input, whose shapes
-    are constants of positive sizes and whose intermediate values nothing else reads: its
-    result becomes a graph input, and a :class:`FilterReorder` computes it. ``taken``: names
-    the result may not have (values of other segments); such chains stay. ``model`` itself
-    and ``[]`` where the native copy is missing or nothing matches."""
+    """``model`` (a segment, rewritten for the CPU) without each chain of ``Reshape`` and
+    ``Transpose`` nodes, at least one a Transpose, that starts at a float32 graph input
+    ``src`` (a filter: the blocked layout's ``Reshape``, ``Transpose``, ``Reshape``, an input
+    gradient's swap of a filter's axes, or both), whose shapes are constants of positive sizes
+    (or ``src``'s static shape, where a Transpose reads it) and whose intermediate values only
+    the next node reads: its result becomes a graph input, and a :class:`FilterReorder`
+    computes it, the chain's permutations composed into one copy. ``taken``: names the result
+    may not have (values of other segments); such chains stay. ``model`` itself and ``[]``
+    where the native copy is missing or nothing matches."""
     native = conv_grads.NATIVE
     graph = model.graph
     if native is None or not hasattr(native, "permute"):
@@ -115,7 +118,11 @@ def split_filter_reorders(
         return model, []
     g = graph_match.GraphIndex.of(graph)
     constants = graph_match.constant_values(graph)
-    floats = {i.name for i in graph.input if graph_match.elem_type(i) == onnx.TensorProto.FLOAT}
+    floats = {
+        i.name: _static_shape(i)
+        for i in graph.input
+        if graph_match.elem_type(i) == onnx.TensorProto.FLOAT
+    }
 
     def sizes(name: str) -> list[int] | None:
         value = constants.get(name)
@@ -126,27 +133,19 @@ def split_filter_reorders(
 
     reorders: list[FilterReorder] = []
     removed: set[int] = set()
-    for i, node in enumerate(g.nodes):
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
-            continue
-        split = g.producer.get(node.input[0])
-        reader = g.only_reader(node.output[0])
-        if split is None or reader is None or g.only_reader(node.input[0]) != i:
-            continue
-        first, last = g.nodes[split], g.nodes[reader]
-        if any(n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") for n in (first, last)):
-            continue
-        src, out = first.input[0], last.output[0]
-        dims, shape = sizes(first.input[1]), sizes(last.input[1])
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        if (
-            src not in floats or dims is None or shape is None or perm is None
-            or sorted(perm) != list(range(len(dims))) or math.prod(dims) != math.prod(shape)
-            or out in g.outputs or out in taken
-        ):  # fmt: skip
-            continue
-        reorders.append(FilterReorder(src, out, tuple(dims), tuple(perm), tuple(shape)))
-        removed |= {split, i, reader}
+    for src, shape in floats.items():
+        for first in sorted(g.consumers.get(src, set()) - removed):
+            chain = _chain(g, src, first, shape, sizes)
+            if chain is None:
+                continue
+            nodes, positions, out_shape = chain
+            out = g.nodes[nodes[-1]].output[0]
+            found = as_permutation(positions, positions.size)
+            if found is None or out in g.outputs or out in taken:
+                continue
+            dims, perm = found
+            reorders.append(FilterReorder(src, out, tuple(dims), tuple(perm), out_shape))
+            removed |= set(nodes)
     if not reorders:
         return model, []
     split_model = onnx.ModelProto()
@@ -166,3 +165,54 @@ def split_filter_reorders(
     split_model.graph.node.extend(nodes)
     split_model.graph.initializer.extend(initializers)
     return split_model, reorders
+
+
+def _static_shape(value: onnx.ValueInfoProto) -> list[int] | None:
+    dims = value.type.tensor_type.shape.dim if value.type.tensor_type.HasField("shape") else None
+    if dims is None or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return None
+    return [d.dim_value for d in dims]
+
+
+def _chain(
+    g: graph_match.GraphIndex,
+    src: str,
+    first: int,
+    shape: list[int] | None,
+    sizes: Callable[[str], list[int] | None],
+) -> tuple[list[int], np.ndarray, tuple[int, ...]] | None:
+    """The ``Reshape`` and ``Transpose`` nodes from node ``first`` (a reader of ``src``, of
+    ``shape`` where known) on, each value read by the next node alone, up to the last
+    Transpose or the Reshapes right after it; the positions in ``src`` of its result's
+    elements, and the result's shape. None where there is no Transpose."""
+    nodes: list[int] = []
+    value, dims = src, shape
+    positions = None if shape is None else np.arange(math.prod(shape)).reshape(shape)
+    kept: tuple[list[int], np.ndarray, tuple[int, ...]] | None = None
+    i: int | None = first
+    while i is not None:
+        node = g.nodes[i]
+        if node.domain not in ("", "ai.onnx") or not node.input or node.input[0] != value:
+            break
+        if node.op_type == "Reshape":
+            new = sizes(node.input[1]) if len(node.input) > 1 else None
+            if new is None or (dims is not None and math.prod(new) != math.prod(dims)):
+                break
+            positions = (
+                np.arange(math.prod(new)) if positions is None else positions
+            ).reshape(new)
+        elif node.op_type == "Transpose" and positions is not None:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+            perm = perm if perm is not None else list(range(positions.ndim))[::-1]
+            if sorted(perm) != list(range(positions.ndim)):
+                break
+            positions = positions.transpose(perm)
+        else:
+            break
+        dims = list(positions.shape)
+        nodes.append(i)
+        value = node.output[0]
+        if any(g.nodes[k].op_type == "Transpose" for k in nodes):
+            kept = (list(nodes), np.ascontiguousarray(positions), tuple(dims))
+        i = g.only_reader(value)
+    return kept if kept is not None and kept[1].size > 1 else None
