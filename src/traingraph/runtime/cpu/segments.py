@@ -60,7 +60,11 @@ from traingraph.runtime.cpu import graph_match
 from traingraph.runtime.cpu.graph_match import Pending, settle
 from traingraph.runtime.cpu.kernels import Kernel, conv_grads, find
 from traingraph.runtime.cpu.kernels.flipped_filter import FlippedFilter, FlippedReorder
-from traingraph.runtime.cpu.kernels.permutes import FilterReorder, split_filter_reorders
+from traingraph.runtime.cpu.kernels.permutes import (
+    FilterReorder,
+    split_filter_reorders,
+    split_transposed_operands,
+)
 from traingraph.runtime.device import Device
 from traingraph.runtime.rewrites.specialize import for_cpu
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
@@ -825,6 +829,8 @@ def _with_native_reorders(
                 model, found = split_filter_reorders(onnx.load_from_string(rewritten), names)
             else:  # no blocked layouts: an input gradient's swapped filter axes, perhaps
                 model, found = split_filter_reorders(segment.model, names)
+            model, transposed = split_transposed_operands(model, names | {r.out for r in found})
+            found = found + transposed
         if found:
             names |= {r.out for r in found}
             segment = Segment(model, [*segment.inputs, *(r.out for r in found)], segment.outputs)

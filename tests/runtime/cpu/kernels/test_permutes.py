@@ -312,6 +312,52 @@ def test_a_filters_swapped_axes_leave_the_segment(reshape_first):
     assert permutes.split_filter_reorders(segment, {reorders[0].out})[1] == []
 
 
+def _weight_gradient_segment(columns: int, trans_b: bool = False) -> onnx.ModelProto:
+    """A Linear layer's weight gradient as a segment holds it: ``Gemm(x, dy, transA=1)``
+    with ``x`` ``[64, 48]`` an input and ``dy`` ``[64, columns]`` computed in the segment
+    (``transB``: ``dy`` given as ``[columns, 64]``), and a second Gemm of the same ``x``."""
+    dy_shape = [columns, 64] if trans_b else [64, columns]
+    nodes = [
+        helper.make_node("Relu", ["g"], ["dy"]),
+        helper.make_node("Gemm", ["x", "dy"], ["dw"], transA=1, transB=int(trans_b)),
+        helper.make_node("Gemm", ["x", "dy"], ["dw2"], transA=1, transB=int(trans_b), alpha=0.5),
+    ]
+    graph = helper.make_graph(
+        nodes, "segment",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [64, 48]),
+         helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, dy_shape)],
+        [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in ("dw", "dw2")],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.skipif(conv_grads.NATIVE is None, reason="the native kernels were not built")
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_a_weight_gradients_transposed_operand_is_copied_before_the_segment(trans_b):
+    columns = permutes.TRANSPOSED_OPERAND_MIN_COLUMNS
+    segment = _weight_gradient_segment(columns, trans_b)
+    split, copies = permutes.split_transposed_operands(segment)
+    assert [(c.src, c.perm, c.shape) for c in copies] == [("x", (1, 0), (48, 64))]
+    gemms = [n for n in split.graph.node if n.op_type == "Gemm"]
+    assert [n.input[0] for n in gemms] == [copies[0].out] * 2  # one copy for both
+    assert not any(a.name == "transA" for n in gemms for a in n.attribute)
+    g_shape = (columns, 64) if trans_b else (64, columns)
+    feeds = {"x": _poisoned((64, 48)), "g": _poisoned(g_shape)}
+    out: dict[str, np.ndarray] = {}
+    copies[0].compute(feeds, out, 2)
+    sessions = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        for m in (segment, split)
+    ]
+    want = sessions[0].run(None, feeds)
+    got = sessions[1].run(None, {**feeds, **out})
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)  # the same products, NaN where NaN
+    # narrower products keep their transA; a taken name keeps the Gemms as they are
+    assert permutes.split_transposed_operands(_weight_gradient_segment(columns - 1))[1] == []
+    assert permutes.split_transposed_operands(segment, {copies[0].out})[1] == []
+
+
 class _BlockedNet(nn.Module):
     """Strided Convs of 16 and 32 channels (left to onnxruntime's blocked kernels)."""
 
