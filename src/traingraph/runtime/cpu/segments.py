@@ -811,29 +811,32 @@ class SegmentedRunner:
 
 def _with_native_reorders(
     segments: Sequence[Segment], taken: Set[str]
-) -> tuple[list[Segment], list[list[FilterReorder]]]:
+) -> tuple[list[Segment], list[list[Kernel]]]:
     """``segments`` (rewritten for the CPU where the rewrite changes them) with their filter
-    reorders taken out (:func:`~traingraph.runtime.cpu.kernels.permutes.split_filter_reorders`),
-    each with the reordered filters as inputs, and the reorders of each; the others as they
-    are."""
+    reorders and their weight gradients' transposed operands taken out
+    (:func:`~traingraph.runtime.cpu.kernels.permutes.split_filter_reorders`,
+    :func:`~traingraph.runtime.cpu.kernels.permutes.split_transposed_operands`), each with the
+    copies as inputs, and the copies of each; the others as they are."""
     names = set(taken)
     split_segments: list[Segment] = []
-    reorders: list[list[FilterReorder]] = []
+    reorders: list[list[Kernel]] = []
     for segment in segments:
-        found: list[FilterReorder] = []
+        found: list[Kernel] = []
         if segment.model.graph.node:
             source = segment.model.SerializeToString()
             rewritten = for_cpu(source)
             if rewritten is not source:
                 assert isinstance(rewritten, bytes)
-                model, found = split_filter_reorders(onnx.load_from_string(rewritten), names)
+                model, filters = split_filter_reorders(onnx.load_from_string(rewritten), names)
             else:  # no blocked layouts: an input gradient's swapped filter axes, perhaps
-                model, found = split_filter_reorders(segment.model, names)
-            model, transposed = split_transposed_operands(model, names | {r.out for r in found})
-            found = found + transposed
+                model, filters = split_filter_reorders(segment.model, names)
+            taken_now = names | {r.out for r in filters}
+            model, transposed = split_transposed_operands(model, taken_now)
+            found = [*filters, *transposed]
         if found:
-            names |= {r.out for r in found}
-            segment = Segment(model, [*segment.inputs, *(r.out for r in found)], segment.outputs)
+            names |= {o for r in found for o in r.outputs}
+            new_inputs = [o for r in found for o in r.outputs]
+            segment = Segment(model, [*segment.inputs, *new_inputs], segment.outputs)
         split_segments.append(segment)
         reorders.append(found)
     return split_segments, reorders

@@ -312,11 +312,14 @@ def test_a_filters_swapped_axes_leave_the_segment(reshape_first):
     assert permutes.split_filter_reorders(segment, {reorders[0].out})[1] == []
 
 
-def _weight_gradient_segment(columns: int, trans_b: bool = False) -> onnx.ModelProto:
+def _weight_gradient_segment(
+    columns: int, trans_b: bool = False, rows: int | str = 64
+) -> onnx.ModelProto:
     """A Linear layer's weight gradient as a segment holds it: ``Gemm(x, dy, transA=1)``
-    with ``x`` ``[64, 48]`` an input and ``dy`` ``[64, columns]`` computed in the segment
-    (``transB``: ``dy`` given as ``[columns, 64]``), and a second Gemm of the same ``x``."""
-    dy_shape = [columns, 64] if trans_b else [64, columns]
+    with ``x`` ``[rows, 48]`` an input and ``dy`` ``[rows, columns]`` computed in the segment
+    (``transB``: ``dy`` given as ``[columns, rows]``), and a second Gemm of the same ``x``;
+    ``rows`` a name for a dynamic batch."""
+    dy_shape = [columns, rows] if trans_b else [rows, columns]
     nodes = [
         helper.make_node("Relu", ["g"], ["dy"]),
         helper.make_node("Gemm", ["x", "dy"], ["dw"], transA=1, transB=int(trans_b)),
@@ -324,7 +327,7 @@ def _weight_gradient_segment(columns: int, trans_b: bool = False) -> onnx.ModelP
     ]
     graph = helper.make_graph(
         nodes, "segment",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [64, 48]),
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [rows, 48]),
          helper.make_tensor_value_info("g", onnx.TensorProto.FLOAT, dy_shape)],
         [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in ("dw", "dw2")],
     )  # fmt: skip
@@ -333,11 +336,12 @@ def _weight_gradient_segment(columns: int, trans_b: bool = False) -> onnx.ModelP
 
 @pytest.mark.skipif(conv_grads.NATIVE is None, reason="the native kernels were not built")
 @pytest.mark.parametrize("trans_b", [False, True])
-def test_a_weight_gradients_transposed_operand_is_copied_before_the_segment(trans_b):
+@pytest.mark.parametrize("rows", [64, "batch"], ids=["static", "dynamic"])
+def test_a_weight_gradients_transposed_operand_is_copied_before_the_segment(trans_b, rows):
     columns = permutes.TRANSPOSED_OPERAND_MIN_COLUMNS
-    segment = _weight_gradient_segment(columns, trans_b)
+    segment = _weight_gradient_segment(columns, trans_b, rows)
     split, copies = permutes.split_transposed_operands(segment)
-    assert [(c.src, c.perm, c.shape) for c in copies] == [("x", (1, 0), (48, 64))]
+    assert [c.src for c in copies] == ["x"]
     gemms = [n for n in split.graph.node if n.op_type == "Gemm"]
     assert [n.input[0] for n in gemms] == [copies[0].out] * 2  # one copy for both
     assert not any(a.name == "transA" for n in gemms for a in n.attribute)
@@ -355,6 +359,8 @@ def test_a_weight_gradients_transposed_operand_is_copied_before_the_segment(tran
         np.testing.assert_array_equal(g, w)  # the same products, NaN where NaN
     # narrower products keep their transA; a taken name keeps the Gemms as they are
     assert permutes.split_transposed_operands(_weight_gradient_segment(columns - 1))[1] == []
+    with pytest.raises(ValueError, match="expected a matrix"):
+        copies[0].compute({"x": np.zeros((2, 3, 4), np.float32)}, {}, 1)
     assert permutes.split_transposed_operands(segment, {copies[0].out})[1] == []
 
 

@@ -41,6 +41,7 @@ from traingraph.runtime.rewrites.nchwc import as_permutation
 
 __all__ = [
     "FilterReorder",
+    "OperandTranspose",
     "as_permutation",
     "permute",
     "split_filter_reorders",
@@ -109,6 +110,35 @@ class FilterReorder(OneOutput):
         """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
         target = output_array(out, self.out, self.shape)
         permute(values[self.src], target, list(self.dims), list(self.perm), threads)
+
+
+@dataclass(frozen=True)
+class OperandTranspose(OneOutput):
+    """``out = src.T`` for a 2-D float32 ``src`` whose shape is known only at run time (a
+    dynamic batch), by :func:`permute`.
+
+    Attributes:
+        src: The value transposed.
+        out: Its transpose.
+    """
+
+    src: str
+    out: str
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.src]
+
+    def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
+        """Write ``out`` into ``out`` (in place where an array of its shape is there)."""
+        src = values[self.src]
+        if src.ndim != 2:
+            raise ValueError(
+                f"operand transpose {self.out!r}: {self.src!r} has shape {list(src.shape)};"
+                " expected a matrix"
+            )
+        target = output_array(out, self.out, (src.shape[1], src.shape[0]))
+        permute(src, target, list(src.shape), [1, 0], threads)
 
 
 def split_filter_reorders(
@@ -182,14 +212,14 @@ def split_filter_reorders(
 
 def split_transposed_operands(
     model: onnx.ModelProto, taken: Set[str] = frozenset()
-) -> tuple[onnx.ModelProto, list[FilterReorder]]:
-    """``model`` (a segment) with each ``Gemm(a, b, transA=1)`` whose ``a`` is a float32 graph
-    input of a static 2-D shape and whose ``b`` has at least
+) -> tuple[onnx.ModelProto, list[OperandTranspose]]:
+    """``model`` (a segment) with each ``Gemm(a, b, transA=1)`` whose ``a`` is a 2-D float32
+    graph input (its sizes may be known only at run time) and whose ``b`` has at least
     :data:`TRANSPOSED_OPERAND_MIN_COLUMNS` columns reading ``a`` transposed, a new graph input
-    that a :class:`FilterReorder` (``perm`` ``[1, 0]``) writes before the segment, with
-    ``transA=0``: the same products (a weight gradient's ``x`` transposed). One copy serves
-    every such Gemm of one ``a``. ``taken``: names the copy may not have. ``model`` itself and
-    ``[]`` where the native copy is missing or nothing matches."""
+    that an :class:`OperandTranspose` writes before the segment, with ``transA=0``: the same
+    products (a weight gradient's ``x`` transposed). One copy serves every such Gemm of one
+    ``a``. ``taken``: names the copy may not have. ``model`` itself and ``[]`` where the native
+    copy is missing or nothing matches."""
     native = conv_grads.NATIVE
     graph = model.graph
     if native is None or not hasattr(native, "permute"):
@@ -201,31 +231,29 @@ def split_transposed_operands(
     ]  # fmt: skip
     if not gemms or graph_match.has_subgraphs(model):
         return model, []
-    inputs = {
-        i.name: _static_shape(i)
+    matrices = {
+        i.name: [d.dim_value if d.HasField("dim_value") else None for d in _dims(i)]
         for i in graph.input
-        if graph_match.elem_type(i) == onnx.TensorProto.FLOAT
+        if graph_match.elem_type(i) == onnx.TensorProto.FLOAT and len(_dims(i)) == 2
     }
     shapes = graph_match.inferred_shapes(model)
-    copies: dict[str, FilterReorder] = {}
+    copies: dict[str, OperandTranspose] = {}
     rewritten: dict[int, onnx.NodeProto] = {}
     for i in gemms:
         node = graph.node[i]
         a, b = node.input[0], node.input[1]
-        shape = inputs.get(a)
         b_shape = shapes.get(b)
-        if shape is None or len(shape) != 2 or b_shape is None or len(b_shape) != 2:
+        if a not in matrices or b_shape is None or len(b_shape) != 2:
             continue
-        columns = b_shape[1]
-        if any(x.name == "transB" and x.i == 1 for x in node.attribute):
-            columns = b_shape[0]
+        trans_b = any(x.name == "transB" and x.i == 1 for x in node.attribute)
+        columns = b_shape[0] if trans_b else b_shape[1]
         if columns is None or columns < TRANSPOSED_OPERAND_MIN_COLUMNS:
             continue
         if a not in copies:
             out = f"{a}/transposed"
             if out in taken or any(out == v.name for v in graph.input):
                 continue
-            copies[a] = FilterReorder(a, out, tuple(shape), (1, 0), (shape[1], shape[0]))
+            copies[a] = OperandTranspose(a, out)
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.input[0] = copies[a].out
@@ -240,10 +268,15 @@ def split_transposed_operands(
     for i, node in rewritten.items():
         split_model.graph.node[i].CopyFrom(node)
     split_model.graph.input.extend(
-        helper.make_tensor_value_info(r.out, onnx.TensorProto.FLOAT, list(r.shape))
+        helper.make_tensor_value_info(r.out, onnx.TensorProto.FLOAT, matrices[r.src][::-1])
         for r in copies.values()
     )
     return split_model, list(copies.values())
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[onnx.TensorShapeProto.Dimension]:
+    tensor = value.type.tensor_type
+    return list(tensor.shape.dim) if tensor.HasField("shape") else []
 
 
 def _static_shape(value: onnx.ValueInfoProto) -> list[int] | None:
