@@ -681,3 +681,38 @@ def test_module_infers_shapes_without_data_propagation_past_the_limit(tmp_path, 
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
     Module(tmp_path / "training_model.onnx", state)
     assert propagated and not any(propagated)
+
+
+def test_an_op_without_a_kernel_for_the_type_is_named_with_what_to_do(tmp_path):
+    # onnxruntime's CPU provider lacks float16 ScatterElements(reduction="add"), which the
+    # cross-entropy gradient uses: the error names the node and says to train in float32
+    from onnx import TensorProto, helper, numpy_helper
+
+    from traingraph.artifacts import LossType
+
+    w = numpy_helper.from_array(np.full((4, 3), 0.1, np.float16), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"])], "half",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["N", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT16, ["N", 3])], [w],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    generate_artifacts(
+        model, loss=LossType.CrossEntropyLoss, optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )  # fmt: skip
+    module = Module(
+        tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    )
+    try:
+        module(np.ones((2, 4), np.float16), np.array([0, 2]))
+    except ModelError as error:
+        message = str(error)
+    else:
+        pytest.skip(
+            "this onnxruntime's CPU provider runs float16 ScatterElements(reduction='add'):"
+            " the model has no op without a kernel to name"
+        )
+    assert "ScatterElements" in message and "'x' float16 [2, 4]" in message
+    assert "no kernel for that op in that element type; train the model in float32" in message
+    assert "class labels" not in message

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -600,12 +601,28 @@ def _run_errors(feeds: Mapping[str, Any], training: bool) -> Iterator[None]:
                 text += f" with values {array.min()}..{array.max()}"
             described.append(text)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if _UNSUPPORTED_TYPE.search(message):  # a kernel the provider lacks for a type
+            hint = (
+                "The execution provider has no kernel for that op in that element type;"
+                " train the model in float32 there (on the CPU, float16 and bfloat16 ops are"
+                " partly missing), or in mixed precision on CUDA (generate_artifacts("
+                "mixed_precision=...))"
+            )
+        else:
+            hint = (
+                "Check that class labels lie in [0, number of classes), that every input has"
+                " the model's batch size and that the values are finite"
+            )
         raise ModelError(
             f"the {'training' if training else 'eval'} model failed on the inputs"
-            f" {', '.join(described)}: {message}. Check that class labels lie in [0, number of"
-            " classes), that every input has the model's batch size and that the values are"
-            " finite"
+            f" {', '.join(described)}: {message}. {hint}"
         ) from exc
+
+
+_UNSUPPORTED_TYPE = re.compile(
+    r"data type is not supported|Could not find an implementation for|NOT_IMPLEMENTED", re.I
+)
+"""What onnxruntime says where a provider has no kernel of an op for an element type."""
 
 
 def _require_loaded(runtime: TrainingState, names: Any = None) -> None:
