@@ -312,6 +312,29 @@ def test_a_filters_swapped_axes_leave_the_segment(reshape_first):
     assert permutes.split_filter_reorders(segment, {reorders[0].out})[1] == []
 
 
+@pytest.mark.skipif(conv_grads.NATIVE is None, reason="the native kernels were not built")
+def test_a_transpose_that_a_product_folds_in_stays():
+    # attention's K^T: onnxruntime folds a Transpose of the last two axes into the MatMul
+    # that reads it, so it is left there; read by another op, it is copied natively
+    def segment(reader: str) -> onnx.ModelProto:
+        nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1])]
+        if reader == "MatMul":
+            nodes.append(helper.make_node("MatMul", ["q", "kt"], ["y"]))
+        else:
+            nodes.append(helper.make_node("Relu", ["kt"], ["y"]))
+        graph = helper.make_graph(
+            nodes, "attention",
+            [helper.make_tensor_value_info("k", onnx.TensorProto.FLOAT, [6, 20, 16]),
+             helper.make_tensor_value_info("q", onnx.TensorProto.FLOAT, [6, 20, 16])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        )  # fmt: skip
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    assert permutes.split_filter_reorders(segment("MatMul"))[1] == []
+    (copy,) = permutes.split_filter_reorders(segment("Relu"))[1]
+    assert (copy.src, copy.shape) == ("k", (6, 16, 20))
+
+
 def _weight_gradient_segment(
     columns: int, trans_b: bool = False, rows: int | str = 64
 ) -> onnx.ModelProto:

@@ -183,6 +183,8 @@ def split_filter_reorders(
                 continue
             nodes, positions, out_shape = chain
             out = g.nodes[nodes[-1]].output[0]
+            if _folded_into_products(g, nodes, out):
+                continue
             found = as_permutation(positions, positions.size)
             if found is None or out in g.outputs or out in taken:
                 continue
@@ -277,6 +279,24 @@ def split_transposed_operands(
 def _dims(value: onnx.ValueInfoProto) -> list[onnx.TensorShapeProto.Dimension]:
     tensor = value.type.tensor_type
     return list(tensor.shape.dim) if tensor.HasField("shape") else []
+
+
+def _folded_into_products(g: graph_match.GraphIndex, nodes: list[int], out: str) -> bool:
+    """Whether the chain ``nodes`` is one Transpose of the last two axes that only MatMuls
+    read: onnxruntime folds such a Transpose into the product (its ``FusedMatMul``), so it
+    costs nothing there."""
+    node = g.nodes[nodes[0]]
+    if len(nodes) != 1 or node.op_type != "Transpose":
+        return False
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    if perm is None or len(perm) < 2:
+        return False
+    rank = len(perm)
+    swaps_last_two = perm == [*range(rank - 2), rank - 1, rank - 2]
+    readers = g.consumers.get(out, set())
+    return swaps_last_two and bool(readers) and all(
+        g.nodes[r].op_type == "MatMul" and g.nodes[r].domain in ("", "ai.onnx") for r in readers
+    )
 
 
 def _static_shape(value: onnx.ValueInfoProto) -> list[int] | None:
