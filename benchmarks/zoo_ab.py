@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,27 +45,15 @@ from traingraph_runner import write_artifacts
 CACHE = Path(__file__).resolve().parent / ".envs" / "cache"
 
 
-def write_dynamo_artifacts(
-    zoo: object, name: str, weights: dict, data: dict, meta: dict, directory: Path
-) -> None:
-    """The artifacts of zoo model ``name`` with the cached ``weights``, exported by
-    ``traingraph.from_torch`` with its defaults on the first batch of ``data``."""
-    from traingraph import artifacts, from_torch, optim
+def dynamo_export(zoo: Any, name: str, weights: dict, data: dict) -> Any:
+    """Zoo model ``name`` with the cached ``weights``, exported by ``traingraph.from_torch``
+    with its defaults on the first batch of ``data``."""
+    from traingraph import from_torch
 
-    model = zoo.build(name)  # type: ignore[attr-defined]
+    model = zoo.build(name)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
-    proto = from_torch(
+    return from_torch(
         model, (torch.from_numpy(data["x"][0]),), input_names=["x"], output_names=["logits"]
-    )
-    if meta["optimizer"] == "sgd":
-        optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
-    else:
-        optimizer = optim.AdamW(lr=meta["lr"], weight_decay=meta["weight_decay"])
-    artifacts.generate_artifacts(
-        proto,
-        loss=artifacts.LossType.CrossEntropyLoss,
-        optimizer=optimizer,
-        artifact_directory=directory,
     )
 
 
@@ -95,10 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     meta, weights, data = load_entry(entry)
     if args.write:
         args.write.mkdir(parents=True, exist_ok=True)
-        if args.exporter == "cache":
-            write_artifacts(entry, meta, args.write)
-        else:
-            write_dynamo_artifacts(zoo, args.model, weights, data, meta, args.write)
+        model = None if args.exporter == "cache" else dynamo_export(zoo, args.model, weights, data)
+        write_artifacts(entry, meta, args.write, model)
         return 0
     if args.a is None:
         parser.error("give --a (and --b) artifact folders, or --write")

@@ -15,22 +15,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import in_child, load_entry, parse_args, report, timed_loop
 
 
-def write_artifacts(entry: Path, meta: dict, directory: Path, **options: object) -> None:
-    """The training artifacts of the cached export ``entry`` (its optimizer from ``meta``);
-    ``options`` go to ``generate_artifacts`` (e.g. ``mixed_precision``)."""
+def write_artifacts(
+    entry: Path, meta: dict, directory: Path, model: Any = None, **options: object
+) -> None:
+    """The training artifacts of the cached export ``entry`` (its optimizer from ``meta``), or
+    of ``model`` (an export of the same module by ``traingraph.from_torch``, which records its
+    parameters); ``options`` go to ``generate_artifacts`` (e.g. ``mixed_precision``)."""
     import onnx
 
     from traingraph import artifacts, optim
 
-    model = onnx.load(entry / "model.onnx")
-    trainable = meta["trainable"]
-    frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
+    trainable = frozen = None
+    if model is None:
+        model = onnx.load(entry / "model.onnx")
+        trainable = meta["trainable"]
+        frozen = [i.name for i in model.graph.initializer if i.name not in trainable]
     if meta["optimizer"] == "sgd":
         optimizer = optim.SGD(lr=meta["lr"], momentum=meta["momentum"])
     else:

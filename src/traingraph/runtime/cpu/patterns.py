@@ -461,13 +461,20 @@ def _masks(gelu: ir.Value, mask: ir.Value, masked: ir.Value) -> bool:
     )
 
 
-def _erfs(graph: onnx.GraphProto) -> list[int]:
-    return [i for i, n in enumerate(graph.node) if n.op_type == "Erf" and n.domain in _DEFAULT]
+def _nodes_of(op_type: str) -> Callable[[onnx.GraphProto], list[int]]:
+    """The anchors of a family: the indices of a graph's default-domain ``op_type`` nodes."""
+
+    def anchors(graph: onnx.GraphProto) -> list[int]:
+        return [
+            i for i, n in enumerate(graph.node) if n.op_type == op_type and n.domain in _DEFAULT
+        ]
+
+    return anchors
 
 
 GELU = Family(
     "gelu",
-    _erfs,
+    _nodes_of("Erf"),
     4,
     tuple(
         Rule(
@@ -537,13 +544,9 @@ def _is_gelu_tanh(
     return masked is None or mask is None or _masks(gelu, mask, masked)
 
 
-def _tanhs(graph: onnx.GraphProto) -> list[int]:
-    return [i for i, n in enumerate(graph.node) if n.op_type == "Tanh" and n.domain in _DEFAULT]
-
-
 GELU_TANH = Family(
     "gelu_tanh",
-    _tanhs,
+    _nodes_of("Tanh"),
     5,
     tuple(
         Rule(
