@@ -63,10 +63,12 @@ TARGETS static void permute_tiles(const struct permute *p, Py_ssize_t t0, Py_ssi
 {
     const int last = p->nd - 1, k = p->along;
     const Py_ssize_t len = p->extent[last], step = p->stride[last];
-    Py_ssize_t inner = 1; /* dst's stride of axis k */
-    for (int a = k + 1; a <= last; a++) {
-        inner *= p->extent[a];
+    Py_ssize_t below[PERMUTE_MAX_DIMS]; /* dst's stride of each axis */
+    below[last] = 1;
+    for (int a = last - 1; a >= 0; a--) {
+        below[a] = below[a + 1] * p->extent[a + 1];
     }
+    const Py_ssize_t inner = below[k];
     const Py_ssize_t per = (p->extent[k] + 15) / 16; /* tiles along k */
     for (Py_ssize_t t = t0; t < t1; t++) {
         Py_ssize_t rest = t / per, src_off = 0, dst_off = 0;
@@ -79,11 +81,7 @@ TARGETS static void permute_tiles(const struct permute *p, Py_ssize_t t0, Py_ssi
             const Py_ssize_t i = rest % p->extent[a];
             rest /= p->extent[a];
             src_off += i * p->stride[a];
-            Py_ssize_t below = 1; /* dst's stride of axis a */
-            for (int b = a + 1; b <= last; b++) {
-                below *= p->extent[b];
-            }
-            dst_off += i * below;
+            dst_off += i * below[a];
         }
         const float *in = p->src + src_off + i0;
         float *out = p->dst + dst_off + i0 * inner;

@@ -102,6 +102,7 @@ def split_gelus(
         return []
     matches: list[tuple[Gelu, set[int]]] = []
     claimed = set(taken)
+    constants = graph_match.constant_values(model.graph)
     index: graph_match.GraphIndex | None = None
     shapes: Mapping[str, list[int | None]] = {}
     for family, tanh in ((patterns.GELU, False), (patterns.GELU_TANH, True)):
@@ -109,7 +110,6 @@ def split_gelus(
         if found.index is None or not found.matches:
             continue
         index, shapes = found.index, found.shapes
-        constants = graph_match.constant_values(model.graph)
         for match in found.matches:
             kernels = _kernels(index, match, constants, claimed, tanh)
             for kernel, nodes in kernels or []:
@@ -123,7 +123,6 @@ def split_gelus(
         if index is None:
             index = graph_match.GraphIndex.of(model.graph)
             shapes = graph_match.inferred_shapes(model)
-        constants = graph_match.constant_values(model.graph)
         for i in ops:
             gradient = _op_gradient(index, i, constants, claimed)
             if gradient is not None:

@@ -162,7 +162,7 @@ def split_filter_reorders(
     g = graph_match.GraphIndex.of(graph)
     constants = graph_match.constant_values(graph)
     floats = {
-        i.name: _static_shape(i)
+        i.name: _static(graph_match.value_dims(i))
         for i in graph.input
         if graph_match.elem_type(i) == onnx.TensorProto.FLOAT
     }
@@ -234,9 +234,10 @@ def split_transposed_operands(
     if not gemms or graph_match.has_subgraphs(model):
         return model, []
     matrices = {
-        i.name: [d.dim_value if d.HasField("dim_value") else None for d in _dims(i)]
+        i.name: dims
         for i in graph.input
-        if graph_match.elem_type(i) == onnx.TensorProto.FLOAT and len(_dims(i)) == 2
+        if graph_match.elem_type(i) == onnx.TensorProto.FLOAT
+        and len(dims := graph_match.value_dims(i)) == 2
     }
     shapes = graph_match.inferred_shapes(model)
     copies: dict[str, OperandTranspose] = {}
@@ -276,11 +277,6 @@ def split_transposed_operands(
     return split_model, list(copies.values())
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[onnx.TensorShapeProto.Dimension]:
-    tensor = value.type.tensor_type
-    return list(tensor.shape.dim) if tensor.HasField("shape") else []
-
-
 def _folded_into_products(g: graph_match.GraphIndex, nodes: list[int], out: str) -> bool:
     """Whether the chain ``nodes`` is one Transpose of the last two axes that only MatMuls
     read: onnxruntime folds such a Transpose into the product (its ``FusedMatMul``), so it
@@ -299,11 +295,10 @@ def _folded_into_products(g: graph_match.GraphIndex, nodes: list[int], out: str)
     )
 
 
-def _static_shape(value: onnx.ValueInfoProto) -> list[int] | None:
-    dims = value.type.tensor_type.shape.dim if value.type.tensor_type.HasField("shape") else None
-    if dims is None or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
-        return None
-    return [d.dim_value for d in dims]
+def _static(dims: list[int | None]) -> list[int] | None:
+    """``dims`` where every one is a known positive size, else None."""
+    known = [d for d in dims if d is not None and d > 0]
+    return known if dims and len(known) == len(dims) else None
 
 
 def _chain(
@@ -314,13 +309,11 @@ def _chain(
     sizes: Callable[[str], list[int] | None],
 ) -> tuple[list[int], np.ndarray, tuple[int, ...]] | None:
     """The ``Reshape`` and ``Transpose`` nodes from node ``first`` (a reader of ``src``, of
-    ``shape`` where known) on, each value read by the next node alone, up to the last
-    Transpose or the Reshapes right after it; the positions in ``src`` of its result's
-    elements, and the result's shape. None where there is no Transpose."""
+    ``shape`` where known) on, each value read by the next node alone; the positions in ``src``
+    of its result's elements, and the result's shape. None where there is no Transpose."""
     nodes: list[int] = []
-    value, dims = src, shape
+    value = src
     positions = None if shape is None else np.arange(math.prod(shape)).reshape(shape)
-    kept: tuple[list[int], np.ndarray, tuple[int, ...]] | None = None
     i: int | None = first
     while i is not None:
         node = g.nodes[i]
@@ -328,7 +321,7 @@ def _chain(
             break
         if node.op_type == "Reshape":
             new = sizes(node.input[1]) if len(node.input) > 1 else None
-            if new is None or (dims is not None and math.prod(new) != math.prod(dims)):
+            if new is None or (positions is not None and math.prod(new) != positions.size):
                 break
             positions = (
                 np.arange(math.prod(new)) if positions is None else positions
@@ -341,10 +334,11 @@ def _chain(
             positions = positions.transpose(perm)
         else:
             break
-        dims = list(positions.shape)
         nodes.append(i)
         value = node.output[0]
-        if any(g.nodes[k].op_type == "Transpose" for k in nodes):
-            kept = (list(nodes), np.ascontiguousarray(positions), tuple(dims))
         i = g.only_reader(value)
-    return kept if kept is not None and kept[1].size > 1 else None
+    if positions is None or positions.size < 2:
+        return None
+    if not any(g.nodes[k].op_type == "Transpose" for k in nodes):
+        return None
+    return nodes, np.ascontiguousarray(positions), tuple(positions.shape)
