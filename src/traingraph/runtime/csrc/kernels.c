@@ -78,6 +78,29 @@ static int run_shares(int (*share)(const void *, int, int), const void *arg, Py_
 
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
+/* Half a v16, for the blocks of narrow_blocks: GCC splits a 64-byte vector's operations into
+ * poor AVX2 code (lanes moved through general registers), so those blocks take each v16 of
+ * the wide blocks as two of these, lane i of the v16 being lane i % 8 of half i / 8. */
+typedef float v8 __attribute__((vector_size(32), aligned(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int v8i __attribute__((vector_size(32)));
+
+/* Register blocks for 16 vector registers instead of 32. A v16 fills one AVX-512 register and
+ * two AVX2 ones: the blocks of sums sized for the 32 AVX-512 registers would spill to memory
+ * on every product where AVX-512 is missing, so the products go in smaller blocks there. A
+ * block's size changes no sum's order: the results are the same either way. Set once, when
+ * the module loads (narrow_blocks_default); `_set_narrow_blocks` overrides it for tests. */
+static int narrow_blocks;
+
+static int narrow_blocks_default(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return !__builtin_cpu_supports("avx512f");
+#else
+    return 1;
+#endif
+}
 
 struct conv {
     const float *x, *dy;
@@ -183,12 +206,113 @@ static const dot_tile_fn dot_tiles[4][4] = {
     DOT_TILE_ROW(1), DOT_TILE_ROW(2), DOT_TILE_ROW(3), DOT_TILE_ROW(4),
 };
 
+/* The lanes of the v16 whose halves are lo and hi summed in reduce16's order (lanes i and
+ * i + 8, then of those i and i + 4, i and i + 2, and the last two), or in hsum's. */
+static inline __attribute__((always_inline)) float sum8x2(v8 lo, v8 hi, const int tree)
+{
+    if (!tree) {
+        float s = 0.0f;
+        for (int i = 0; i < 8; i++) {
+            s += lo[i];
+        }
+        for (int i = 0; i < 8; i++) {
+            s += hi[i];
+        }
+        return s;
+    }
+    const v8 t = lo + hi;
+    float u[4];
+    for (int i = 0; i < 4; i++) {
+        u[i] = t[i] + t[i + 4];
+    }
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+/* The r x c block (r, c <= 2) at a and boff of dot_rows' sums for narrow_blocks, each v16
+ * accumulator of dot_tile as two v8 halves, its lanes summed as dot_rows sums them there. */
+static inline __attribute__((always_inline)) void dot_tile_narrow(
+    const float *a, Py_ssize_t lda, const float *b, const Py_ssize_t *boff, float *d,
+    Py_ssize_t ldd, Py_ssize_t len, const int r, const int c, const int tree)
+{
+    v8 s[2][2][2];
+    const float *p[2], *q[2];
+    for (int i = 0; i < r; i++) {
+        p[i] = a + i * lda;
+        for (int k = 0; k < c; k++) {
+            s[i][k][0] = s[i][k][1] = (v8){0};
+        }
+    }
+    for (int k = 0; k < c; k++) {
+        q[k] = b + boff[k];
+    }
+    for (Py_ssize_t l = 0; l < len; l += 16) {
+        for (int h = 0; h < 2; h++) {
+            v8 x[2], y[2];
+            for (int i = 0; i < r; i++) {
+                x[i] = *(const v8 *)(p[i] + l + 8 * h);
+            }
+            for (int k = 0; k < c; k++) {
+                y[k] = *(const v8u *)(q[k] + l + 8 * h);
+            }
+            for (int i = 0; i < r; i++) {
+                for (int k = 0; k < c; k++) {
+                    s[i][k][h] += x[i] * y[k];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < r; i++) {
+        for (int k = 0; k < c; k++) {
+            d[i * ldd + k] += sum8x2(s[i][k][0], s[i][k][1], tree);
+        }
+    }
+}
+
+#define DOT_NARROW(t, r, c)                                                                       \
+    TARGETS static void dot_narrow_##t##_##r##_##c(const float *a, Py_ssize_t lda,              \
+                                                   const float *b, const Py_ssize_t *boff,       \
+                                                   float *d, Py_ssize_t ldd, Py_ssize_t len)     \
+    {                                                                                             \
+        dot_tile_narrow(a, lda, b, boff, d, ldd, len, r, c, t);                                   \
+    }
+#define DOT_NARROWS(t) DOT_NARROW(t, 1, 1) DOT_NARROW(t, 1, 2) DOT_NARROW(t, 2, 1) DOT_NARROW(t, 2, 2)
+DOT_NARROWS(0) DOT_NARROWS(1)
+#define DOT_NARROW_OF(t) {{dot_narrow_##t##_1_1, dot_narrow_##t##_1_2}, {dot_narrow_##t##_2_1, dot_narrow_##t##_2_2}}
+/* dot_narrow[tree][r - 1][c - 1] */
+static const dot_tile_fn dot_narrow[2][2][2] = {DOT_NARROW_OF(0), DOT_NARROW_OF(1)};
+
+/* dot_rows for narrow_blocks: the same sums in blocks of 2 x 2, those within dot_rows' 4 x 4
+ * blocks summed in reduce16's order as there, the others in hsum's. */
+static void dot_rows_narrow(const float *a, Py_ssize_t lda, const float *b,
+                            const Py_ssize_t *boff, float *d, Py_ssize_t ldd, Py_ssize_t rows,
+                            Py_ssize_t cols, Py_ssize_t len)
+{
+#if defined(__GNUC__) && !defined(__clang__)
+    const Py_ssize_t rows4 = rows / 4 * 4, cols4 = cols / 4 * 4;
+#else
+    const Py_ssize_t rows4 = 0, cols4 = 0;
+#endif
+    for (Py_ssize_t m = 0; m < rows; m += 2) {
+        const Py_ssize_t r = rows - m < 2 ? rows - m : 2;
+        for (Py_ssize_t k = 0; k < cols; k += 2) {
+            const Py_ssize_t c = cols - k < 2 ? cols - k : 2;
+            const int tree = m < rows4 && k < cols4;
+            dot_narrow[tree][r - 1][c - 1](a + m * lda, lda, b, boff + k, d + m * ldd + k, ldd,
+                                           len);
+        }
+    }
+}
+
 /* d[m * ldd + k] += sum_{l < len} a[m * lda + l] * b[boff[k] + l] for m < rows, k < cols.
  * a is 64-byte aligned with lda and len multiples of 16; b's rows may start anywhere. */
 TARGETS static void dot_rows(const float *a, Py_ssize_t lda, const float *b, const Py_ssize_t *boff,
                              float *d, Py_ssize_t ldd, Py_ssize_t rows, Py_ssize_t cols,
                              Py_ssize_t len)
 {
+    if (narrow_blocks) {
+        dot_rows_narrow(a, lda, b, boff, d, ldd, rows, cols, len);
+        return;
+    }
     Py_ssize_t m = 0;
     for (; m + 4 <= rows; m += 4) {
         const float *p0 = a + m * lda, *p1 = p0 + lda, *p2 = p1 + lda, *p3 = p2 + lda;
@@ -1363,7 +1487,6 @@ struct col2im {
 
 static struct scratch col2im_scratch[MAX_THREADS];
 
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
 
 static inline __attribute__((always_inline)) void add_row(float *restrict d,
                                                           const float *restrict s,
@@ -1682,6 +1805,8 @@ struct direct {
 
 #define DIRECT_FILTERS 8
 #define DIRECT_VECTORS 2
+/* the block where vector registers are narrow (narrow_blocks): 3 filters by 16 columns */
+#define DIRECT_NARROW_FILTERS 3
 /* products summed in one run: the rounding error of a run grows with its length, so the
  * channels go in runs of about this many products whose sums are then added */
 #define DIRECT_RUN 64
@@ -1755,6 +1880,70 @@ static inline __attribute__((always_inline)) void direct_block(
     }
 }
 
+/* onnxruntime's Relu on a v8, as relu_max */
+static inline __attribute__((always_inline)) v8 relu_max8(v8 v)
+{
+    const v8i b = (v8i)v;
+    return (v8)(b & (~(b >> 31) | ((0x7f800000 - (b & 0x7fffffff)) >> 31)));
+}
+
+/* direct_block for narrow_blocks: filters [m0, m0 + mb) (mb <= 3) and columns [x0, x0 + valid)
+ * (valid <= 16) of an output row, each v16 of sums as two v8 halves (the same sums). */
+static inline __attribute__((always_inline)) void direct_block_narrow(
+    const struct direct *d, const float *slab, Py_ssize_t srow, const float *taps, float *out,
+    Py_ssize_t m0, Py_ssize_t x0, Py_ssize_t valid, const int mb)
+{
+    v8 acc[DIRECT_NARROW_FILTERS][2];
+    for (int f = 0; f < mb; f++) {
+        acc[f][0] = acc[f][1] = (v8){0};
+    }
+    const Py_ssize_t srows = d->rows + d->kh - 1;
+    for (Py_ssize_t c0 = 0; c0 < d->c; c0 += d->channels) {
+        const Py_ssize_t c1 = d->c - c0 < d->channels ? d->c : c0 + d->channels;
+        v8 run[DIRECT_NARROW_FILTERS][2];
+        for (int f = 0; f < mb; f++) {
+            run[f][0] = run[f][1] = (v8){0};
+        }
+        for (Py_ssize_t c = c0; c < c1; c++) {
+            for (Py_ssize_t i = 0; i < d->kh; i++) {
+                const float *row = slab + (c * srows + srow + i) * d->pitch + x0;
+                const float *tap = taps + (c * d->kh + i) * d->kw * DIRECT_FILTERS;
+                for (Py_ssize_t j = 0; j < d->kw; j++) {
+                    const v8 in0 = *(const v8u *)(row + j), in1 = *(const v8u *)(row + j + 8);
+                    for (int f = 0; f < mb; f++) {
+                        const float t = tap[j * DIRECT_FILTERS + f];
+                        run[f][0] += in0 * t;
+                        run[f][1] += in1 * t;
+                    }
+                }
+            }
+        }
+        for (int f = 0; f < mb; f++) {
+            acc[f][0] += run[f][0];
+            acc[f][1] += run[f][1];
+        }
+    }
+    const Py_ssize_t plane = d->oh * d->ow;
+    for (int f = 0; f < mb; f++) {
+        const float bias = d->b != NULL ? d->b[m0 + f] : 0.0f;
+        float r[16] __attribute__((aligned(32)));
+        for (int h = 0; h < 2; h++) {
+            const v8 v = acc[f][h] + bias;
+            *(v8 *)(r + 8 * h) = d->relu ? relu_max8(v) : v;
+        }
+        memcpy(out + f * plane + x0, r, sizeof(float) * (size_t)valid);
+    }
+}
+
+#define DIRECT_NARROW(mb)                                                                         \
+    TARGETS static void direct_narrow_##mb(const struct direct *d, const float *slab,            \
+                                           Py_ssize_t srow, const float *taps, float *out,        \
+                                           Py_ssize_t m0, Py_ssize_t x0, Py_ssize_t valid)        \
+    {                                                                                             \
+        direct_block_narrow(d, slab, srow, taps, out, m0, x0, valid, mb);                         \
+    }
+DIRECT_NARROW(1) DIRECT_NARROW(2) DIRECT_NARROW(3)
+
 #define DIRECT_BLOCK(mb, vb)                                                                      \
     TARGETS static void direct_block_##mb##_##vb(const struct direct *d, const float *slab,      \
                                                  Py_ssize_t srow, const float *taps, float *out,  \
@@ -1772,6 +1961,9 @@ typedef void (*direct_fn)(const struct direct *, const float *, Py_ssize_t, cons
 static const direct_fn direct_blocks[DIRECT_FILTERS][DIRECT_VECTORS] = {
     DIRECT_ROW(1), DIRECT_ROW(2), DIRECT_ROW(3), DIRECT_ROW(4),
     DIRECT_ROW(5), DIRECT_ROW(6), DIRECT_ROW(7), DIRECT_ROW(8),
+};
+static const direct_fn direct_narrow[DIRECT_NARROW_FILTERS] = {
+    direct_narrow_1, direct_narrow_2, direct_narrow_3,
 };
 
 /* The slab of sample n for output rows [oy0, oy0 + rows): the input rows they read, each at
@@ -1802,6 +1994,9 @@ static int direct_share(const void *arg, int t, int threads)
     }
     float *slab = direct_scratch[t].data;
     const Py_ssize_t blocks = (d->m + DIRECT_FILTERS - 1) / DIRECT_FILTERS;
+    /* the filters and columns of one call: a whole block of the taps' layout, or part of one */
+    const Py_ssize_t part = narrow_blocks ? DIRECT_NARROW_FILTERS : DIRECT_FILTERS;
+    const Py_ssize_t span = narrow_blocks ? 16 : 16 * DIRECT_VECTORS;
     for (Py_ssize_t u = units * t / threads; u < units * (t + 1) / threads; u++) {
         const Py_ssize_t n = u / per_sample, oy0 = u % per_sample * d->rows;
         const Py_ssize_t oy1 = oy0 + d->rows < d->oh ? oy0 + d->rows : d->oh;
@@ -1811,10 +2006,15 @@ static int direct_share(const void *arg, int t, int threads)
             const Py_ssize_t mb = d->m - m0 < DIRECT_FILTERS ? d->m - m0 : DIRECT_FILTERS;
             const float *taps = d->taps + blk * d->c * d->kh * d->kw * DIRECT_FILTERS;
             for (Py_ssize_t oy = oy0; oy < oy1; oy++) {
-                float *out = d->y + ((n * d->m + m0) * d->oh + oy) * d->ow;
-                for (Py_ssize_t x0 = 0; x0 < d->ow; x0 += 16 * DIRECT_VECTORS) {
-                    const Py_ssize_t valid = d->ow - x0 < 32 ? d->ow - x0 : 32;
-                    direct_blocks[mb - 1][valid > 16](d, slab, oy - oy0, taps, out, m0, x0, valid);
+                for (Py_ssize_t f0 = 0; f0 < mb; f0 += part) {
+                    const Py_ssize_t fb = mb - f0 < part ? mb - f0 : part;
+                    float *out = d->y + ((n * d->m + m0 + f0) * d->oh + oy) * d->ow;
+                    for (Py_ssize_t x0 = 0; x0 < d->ow; x0 += span) {
+                        const Py_ssize_t valid = d->ow - x0 < span ? d->ow - x0 : span;
+                        const direct_fn block =
+                            narrow_blocks ? direct_narrow[fb - 1] : direct_blocks[fb - 1][valid > 16];
+                        block(d, slab, oy - oy0, taps + f0, out, m0 + f0, x0, valid);
+                    }
                 }
             }
         }
@@ -2064,7 +2264,31 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(set_narrow_blocks_doc,
+"_set_narrow_blocks(narrow)\n--\n\n"
+"Use the register blocks sized for 16 vector registers (``narrow`` true) or for 32 (false,\n"
+"AVX-512's); None restores the machine's choice. Returns the previous setting. The blocks\n"
+"change the kernels' speed, not their results.");
+
+static PyObject *set_narrow_blocks(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    const int previous = narrow_blocks;
+    if (arg == Py_None) {
+        narrow_blocks = narrow_blocks_default();
+    }
+    else {
+        const int narrow = PyObject_IsTrue(arg);
+        if (narrow < 0) {
+            return NULL;
+        }
+        narrow_blocks = narrow;
+    }
+    return PyBool_FromLong(previous);
+}
+
 static PyMethodDef methods[] = {
+    {"_set_narrow_blocks", set_narrow_blocks, METH_O, set_narrow_blocks_doc},
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},
@@ -2093,6 +2317,7 @@ static PyMethodDef methods[] = {
 
 PyMODINIT_FUNC PyInit__convc(void)
 {
+    narrow_blocks = narrow_blocks_default();
     return pool_module("traingraph.runtime._convc",
                        "Native kernels of traingraph's CPU training step over float32 arrays: 2-D"
                        " convolutions' weight gradients, max-pool gradient routing, batch-norm"

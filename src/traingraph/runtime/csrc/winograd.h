@@ -24,6 +24,8 @@
 #define WINO_FILTERS 8
 #define WINO_MAX_ROWS 256 /* tile rows per block */
 #define WINO_VECTORS 3
+/* the block of sums where vector registers are narrow (narrow_blocks): 6 filters by 16 tiles */
+#define WINO_NARROW_FILTERS 6
 #define WINO_BLOCK_BYTES (256 * 1024) /* where the L2 cache's size is not known */
 
 /* Bytes of a block's V and M for transformed filters of `u_bytes`. Each block reads all of
@@ -365,6 +367,46 @@ static inline __attribute__((always_inline)) void wino_dot(const struct wino *p,
     }
 }
 
+/* wino_dot for narrow_blocks: kb filters by 16 tiles, each v16 of sums as two v8 halves (the
+ * same sums). */
+static inline __attribute__((always_inline)) void wino_dot_narrow(const struct wino *p,
+                                                                   const float *v, const float *u,
+                                                                   float *m, Py_ssize_t k0,
+                                                                   Py_ssize_t t0, const int kb)
+{
+    for (Py_ssize_t c0 = 0; c0 < p->c; c0 += WINO_CHANNELS) {
+        const Py_ssize_t c1 = p->c - c0 < WINO_CHANNELS ? p->c : c0 + WINO_CHANNELS;
+        v8 acc[WINO_NARROW_FILTERS][2];
+        for (int a = 0; a < kb; a++) {
+            acc[a][0] = acc[a][1] = (v8){0};
+        }
+        for (Py_ssize_t c = c0; c < c1; c++) {
+            const v8 in0 = *(const v8 *)(v + c * p->tiles + t0);
+            const v8 in1 = *(const v8 *)(v + c * p->tiles + t0 + 8);
+            for (int a = 0; a < kb; a++) {
+                const float f = u[c * p->k + k0 + a];
+                acc[a][0] += in0 * f;
+                acc[a][1] += in1 * f;
+            }
+        }
+        for (int a = 0; a < kb; a++) {
+            v8 *at = (v8 *)(m + (k0 + a) * p->tiles + t0);
+            at[0] = c0 == 0 ? acc[a][0] : at[0] + acc[a][0];
+            at[1] = c0 == 0 ? acc[a][1] : at[1] + acc[a][1];
+        }
+    }
+}
+
+#define WINO_DOT_NARROW(kb)                                                                       \
+    TARGETS static void wino_dot_narrow_##kb(const struct wino *p, const float *v,               \
+                                             const float *u, float *m, Py_ssize_t k0,             \
+                                             Py_ssize_t t0)                                       \
+    {                                                                                             \
+        wino_dot_narrow(p, v, u, m, k0, t0, kb);                                                  \
+    }
+WINO_DOT_NARROW(1) WINO_DOT_NARROW(2) WINO_DOT_NARROW(3)
+WINO_DOT_NARROW(4) WINO_DOT_NARROW(5) WINO_DOT_NARROW(6)
+
 #define WINO_DOT(kb, vb)                                                                          \
     TARGETS static void wino_dot_##kb##_##vb(const struct wino *p, const float *v,               \
                                              const float *u, float *m, Py_ssize_t k0,             \
@@ -382,6 +424,10 @@ typedef void (*wino_fn)(const struct wino *, const float *, const float *, float
 static const wino_fn wino_dots[WINO_FILTERS][WINO_VECTORS] = {
     WINO_ROW_OF(1), WINO_ROW_OF(2), WINO_ROW_OF(3), WINO_ROW_OF(4),
     WINO_ROW_OF(5), WINO_ROW_OF(6), WINO_ROW_OF(7), WINO_ROW_OF(8),
+};
+static const wino_fn wino_dots_narrow[WINO_NARROW_FILTERS] = {
+    wino_dot_narrow_1, wino_dot_narrow_2, wino_dot_narrow_3,
+    wino_dot_narrow_4, wino_dot_narrow_5, wino_dot_narrow_6,
 };
 
 /* Output row `row` (w floats) into y at `at`, plus the addend's row there. */
@@ -743,6 +789,16 @@ static int wino_share(const void *arg, int t, int threads)
         for (int f = 0; f < p->freqs; f++) {
             const float *vf = v + f * p->v_pitch, *uf = p->u + f * p->c * p->k;
             float *mf = m + f * p->m_pitch;
+            if (narrow_blocks) {
+                for (Py_ssize_t k0 = 0; k0 < p->k; k0 += WINO_NARROW_FILTERS) {
+                    const Py_ssize_t kb =
+                        p->k - k0 < WINO_NARROW_FILTERS ? p->k - k0 : WINO_NARROW_FILTERS;
+                    for (Py_ssize_t b = 0; b < used; b++) {
+                        wino_dots_narrow[kb - 1](p, vf, uf, mf, k0, 16 * b);
+                    }
+                }
+                continue;
+            }
             for (Py_ssize_t k0 = 0; k0 < p->k; k0 += WINO_FILTERS) {
                 const Py_ssize_t kb = p->k - k0 < WINO_FILTERS ? p->k - k0 : WINO_FILTERS;
                 for (Py_ssize_t b = 0; b < used; b += WINO_VECTORS) {

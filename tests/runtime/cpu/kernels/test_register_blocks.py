@@ -1,0 +1,129 @@
+"""The products' register blocks for 16 vector registers (AVX2) and for 32 (AVX-512): the
+Winograd and direct convolutions and the weight gradients compute the same bits either way, so
+a machine's choice (``_convc._set_narrow_blocks``) changes their speed, not their results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from traingraph.runtime.cpu.kernels import conv_grads
+from traingraph.runtime.cpu.native import AVAILABLE, NATIVE
+
+pytestmark = pytest.mark.skipif(
+    not AVAILABLE,
+    reason="traingraph.runtime._convc was not built (no C compiler at install time)",
+)
+
+
+def both_blocks(compute):
+    """``compute()`` with the narrow blocks and with the wide ones, the machine's choice
+    restored after."""
+    previous = NATIVE._set_narrow_blocks(True)
+    try:
+        narrow = compute()
+        NATIVE._set_narrow_blocks(False)
+        wide = compute()
+    finally:
+        NATIVE._set_narrow_blocks(None)
+    assert previous in (True, False)
+    return narrow, wide
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("n", "c", "k", "h", "w", "tile"),
+    [
+        (2, 16, 16, 32, 32, 2),  # whole vectors of tiles
+        (2, 70, 13, 14, 14, 2),  # channels past one run, filters past one block, odd edges
+        (3, 5, 6, 16, 16, 4),  # F(4 x 4, 3 x 3)
+        (2, 9, 7, 6, 10, 0),  # the kernel's own choice, column arrays
+    ],
+)
+def test_winograd_convolutions_are_the_same_bits(n, c, k, h, w, tile, threads):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = rng.standard_normal((k, c, 3, 3)).astype(np.float32)
+    bias = rng.standard_normal(k).astype(np.float32)
+    x[0, 0, 0, :3] = [np.nan, np.inf, -np.inf]
+
+    def compute():
+        y = np.full((n, k, h, w), 7.0, np.float32)
+        NATIVE.conv_winograd(x, weight, bias, None, y, threads, tile)
+        return y
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
+    want = torch.nn.functional.conv2d(
+        torch.from_numpy(x[1:]).double(), torch.from_numpy(weight).double(), padding=1
+    ).numpy() + bias[:, None, None]
+    assert np.abs(narrow[1:] - want).max() <= 2e-6 * np.abs(want).max() * np.sqrt(c)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize(
+    ("n", "c", "h", "w", "m", "kernel", "pads"),
+    [
+        (2, 3, 20, 40, 16, (7, 7), (3, 3, 3, 3)),  # columns past 32, filters in whole blocks
+        (3, 1, 9, 13, 7, (5, 5), (2, 1, 0, 2)),  # part of a block, part of a vector
+        (1, 4, 6, 50, 11, (3, 3), (1, 1, 1, 1)),
+    ],
+)
+def test_direct_convolutions_are_the_same_bits(n, c, h, w, m, kernel, pads, relu):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = rng.standard_normal((m, c, *kernel)).astype(np.float32)
+    bias = rng.standard_normal(m).astype(np.float32)
+    x[0, 0, 1, :3] = [np.nan, np.inf, -np.inf]
+    top, left, bottom, right = pads
+    oh, ow = h + top + bottom - kernel[0] + 1, w + left + right - kernel[1] + 1
+
+    def compute():
+        y = np.full((n, m, oh, ow), 7.0, np.float32)
+        NATIVE.conv_direct(x, weight, bias, y, (top, left), relu, 2)
+        return y
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("n", "c", "h", "w", "m", "kernel", "strides", "pads"),
+    [
+        (4, 6, 9, 9, 7, (3, 3), (1, 1), (1, 1)),  # 4 x 4 blocks and their edges
+        (3, 5, 11, 7, 6, (3, 2), (2, 1), (2, 0)),
+        (2, 9, 13, 12, 10, (3, 3), (3, 2), (1, 2)),
+        (5, 8, 16, 16, 4, (1, 1), (2, 2), (0, 0)),
+    ],
+)
+def test_weight_gradients_are_the_same_bits(n, c, h, w, m, kernel, strides, pads, threads):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    x[0, 0, 0, :2] = [np.nan, np.inf]
+    oh = (h + 2 * pads[0] - kernel[0]) // strides[0] + 1
+    ow = (w + 2 * pads[1] - kernel[1]) // strides[1] + 1
+    dy = rng.standard_normal((n, m, oh, ow)).astype(np.float32)
+    grad = conv_grads.WeightGrad("w_grad", "w", "x", "dy", strides, pads, pads, (1, 1), 1)
+
+    def compute():
+        dw = np.full((m, c, *kernel), 7.0, np.float32)
+        conv_grads.compute([grad], {"x": x, "dy": dy}, {"w_grad": dw}, threads)
+        return dw
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
+    assert np.isnan(narrow[:, 0]).any()  # the NaN reaches the sums it is part of
+    finite = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    x[...] = finite
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
+    want = torch.nn.grad.conv2d_weight(
+        torch.from_numpy(finite).double(),
+        (m, c, *kernel),
+        torch.from_numpy(dy).double(),
+        stride=strides,
+        padding=pads,
+    ).numpy()
+    np.testing.assert_allclose(narrow, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
