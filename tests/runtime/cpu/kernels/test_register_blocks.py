@@ -55,9 +55,12 @@ def test_winograd_convolutions_are_the_same_bits(n, c, k, h, w, tile, threads):
 
     narrow, wide = both_blocks(compute)
     np.testing.assert_array_equal(narrow, wide)
-    want = torch.nn.functional.conv2d(
-        torch.from_numpy(x[1:]).double(), torch.from_numpy(weight).double(), padding=1
-    ).numpy() + bias[:, None, None]
+    want = (
+        torch.nn.functional.conv2d(
+            torch.from_numpy(x[1:]).double(), torch.from_numpy(weight).double(), padding=1
+        ).numpy()
+        + bias[:, None, None]
+    )
     assert np.abs(narrow[1:] - want).max() <= 2e-6 * np.abs(want).max() * np.sqrt(c)
 
 
