@@ -70,47 +70,29 @@ struct silu {
     Py_ssize_t size;
 };
 
-/* Sigmoid(x): 1 / (1 + e) for x >= 0, e / (1 + e) below, e = exp(-|x|), 0 from |x| >= 18 */
-static inline __attribute__((always_inline)) v16 silu_sigmoid(v16 x)
-{
-    const v16i magnitude = (v16i){0} + INT32_MAX;
-    const v16 a = (v16)((v16i)x & magnitude), one = (v16){0} + 1.0f;
-    const v16 e = gelu_select(a < 18.0f, gelu_exp(gelu_select(a < 18.0f, -a, (v16){0})),
-                              (v16){0});
-    const v16 t = one / (one + e);
-    return gelu_select(x == x, gelu_select(x >= 0.0f, t, e * t), x);
-}
+#define V v16
+#define VI v16i
+#define VU v16u
+#define LANES 16
+#define FN(name) name##_16
+#include "silu_lanes.h"
+#undef V
+#undef VI
+#undef VU
+#undef LANES
+#undef FN
 
-/* out = g s + (g x) (s (1 - s)), s = Sigmoid(x) */
-TARGETS static void silu_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
-{
-    const struct silu *p = arg;
-    for (Py_ssize_t i = i0; i < i1; i += 16) {
-        const Py_ssize_t count = i1 - i < 16 ? i1 - i : 16;
-        v16 x = {0}, g = {0};
-        if (count == 16) {
-            x = *(const v16u *)(p->x + i);
-            g = *(const v16u *)(p->g + i);
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                x[j] = p->x[i + j];
-                g[j] = p->g[i + j];
-            }
-        }
-        const v16 s = silu_sigmoid(x);
-        const v16 direct = g * s, through = g * x, slope = s * (1.0f - s);
-        const v16 out = direct + through * slope;
-        if (count == 16) {
-            *(v16u *)(p->out + i) = out;
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                p->out[i + j] = out[j];
-            }
-        }
-    }
-}
+#define V v8
+#define VI v8i
+#define VU v8u
+#define LANES 8
+#define FN(name) name##_8
+#include "silu_lanes.h"
+#undef V
+#undef VI
+#undef VU
+#undef LANES
+#undef FN
 
 #define RELU_GRAD_PARTS 8
 
@@ -264,7 +246,7 @@ static PyObject *silu_grad(PyObject *self, PyObject *args)
     if (same_size_arrays(objects, views, 3, "silu_grad: array", names, &held) == 0) {
         struct silu p = {.x = views[0].buf, .g = views[1].buf, .out = views[2].buf,
                          .size = views[0].len / 4};
-        run_elementwise(silu_range, &p, p.size, threads);
+        run_elementwise(narrow_blocks ? silu_range_8 : silu_range_16, &p, p.size, threads);
         result = Py_NewRef(Py_None);
     }
     release_views(views, held);

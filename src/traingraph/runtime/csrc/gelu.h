@@ -21,121 +21,30 @@ struct gelu {
     int tanh; /* the tanh approximation */
 };
 
-static inline __attribute__((always_inline)) v16 gelu_select(v16i m, v16 yes, v16 no)
-{
-    return (v16)(((v16i)yes & m) | ((v16i)no & ~m));
-}
+#define V v16
+#define VI v16i
+#define VU v16u
+#define LANES 16
+#define FN(name) name##_16
+#include "gelu_lanes.h"
+#undef V
+#undef VI
+#undef VU
+#undef LANES
+#undef FN
 
-/* exp(x) for -87 <= x <= 0 (below, exp(-87)): x = n ln 2 + r, |r| <= ln 2 / 2, exp(r) by
- * Cephes' expf polynomial, 2^n into the exponent bits. */
-static inline __attribute__((always_inline)) v16 gelu_exp(v16 x)
-{
-    const v16 low = (v16){0} - 87.0f;
-    x = gelu_select(x < low, low, x);
-    const v16i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v16i); /* x <= 0 */
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v16)((n + 127) << 23);
-}
-
-/* Phi(a) into *phi_cdf and exp(-a^2 / 2) into *gauss. */
-static inline __attribute__((always_inline)) void gelu_phi(v16 a, v16 *phi_cdf, v16 *gauss)
-{
-    const v16i magnitude = (v16i){0} + INT32_MAX; /* all bits but the sign's */
-    const v16 z = (v16)((v16i)a & magnitude) * 0.70710678118654752f; /* |a| / sqrt 2 */
-    const v16 t = 1.0f / (1.0f + 0.3275911f * z);
-    v16 q = 1.061405429f * t - 1.453152027f;
-    q = q * t + 1.421413741f;
-    q = q * t - 0.284496736f;
-    q = q * t + 0.254829592f;
-    /* 0 for an infinite a, as exp(-inf) is in the graph: a phi(a) is then NaN there too */
-    *gauss = gelu_select(z < __builtin_inff(), gelu_exp(-(z * z)), (v16){0});
-    const v16 half_erfc = 0.5f * q * t * *gauss;
-    *phi_cdf = gelu_select(a < 0.0f, half_erfc, 1.0f - half_erfc);
-}
-
-/* tanh(u), NaN for NaN. */
-static inline __attribute__((always_inline)) v16 gelu_tanh(v16 u)
-{
-    const v16i magnitude = (v16i){0} + INT32_MAX;
-    const v16 x = (v16)((v16i)u & magnitude);
-    const v16i sign = (v16i)u & ~magnitude;
-    const v16 z = x * x;
-    v16 p = -5.70498872745e-3f * z + 2.06390887954e-2f;
-    p = p * z - 5.37397155531e-2f;
-    p = p * z + 1.33314422036e-1f;
-    p = p * z - 3.33332819422e-1f;
-    const v16 small = x + x * z * p;
-    const v16 e = gelu_exp(-2.0f * x); /* exp(-87) for x beyond 43.5: then 1 */
-    const v16 large = (1.0f - e) / (1.0f + e);
-    const v16 t = (v16)((v16i)gelu_select(x < 0.625f, small, large) | sign);
-    return gelu_select(u == u, t, u);
-}
-
-/* The tanh approximation's GELU, or with g its gradient times g. */
-static inline __attribute__((always_inline)) v16 gelu_tanh_form(v16 a, const v16 *g)
-{
-    const v16 c = (v16){0} + 0.79788456080286536f, k = (v16){0} + 0.044715f;
-    const v16 square = a * a;
-    const v16 t = gelu_tanh(c * (a + k * (square * a)));
-    const v16 half = a * 0.5f;
-    if (g == NULL) {
-        return half * (1.0f + t);
-    }
-    const v16 dt = *g * half * (1.0f - t * t);
-    return *g * (0.5f * (1.0f + t)) + dt * c * (1.0f + k * (3.0f * square));
-}
-
-TARGETS static void gelu_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
-{
-    const struct gelu *p = arg;
-    for (Py_ssize_t i = i0; i < i1; i += 16) {
-        v16 a = {0}, g = {0}, mask = {0};
-        const Py_ssize_t count = i1 - i < 16 ? i1 - i : 16;
-        if (count == 16) {
-            a = *(const v16u *)(p->a + i);
-            if (p->g != NULL) {
-                g = *(const v16u *)(p->g + i);
-            }
-            if (p->mask != NULL) {
-                mask = *(const v16u *)(p->mask + i);
-            }
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                a[j] = p->a[i + j];
-                g[j] = p->g != NULL ? p->g[i + j] : 0.0f;
-                mask[j] = p->mask != NULL ? p->mask[i + j] : 0.0f;
-            }
-        }
-        v16 out;
-        if (p->tanh) {
-            out = gelu_tanh_form(a, p->g != NULL ? &g : NULL);
-        }
-        else {
-            v16 cdf, gauss;
-            gelu_phi(a, &cdf, &gauss);
-            out = p->g == NULL ? a * cdf : g * (cdf + a * gauss * 0.39894228040143268f);
-        }
-        if (p->mask != NULL) {
-            out *= mask;
-        }
-        if (count == 16) {
-            *(v16u *)(p->out + i) = out;
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                p->out[i + j] = out[j];
-            }
-        }
-    }
-}
+/* for narrow_blocks: 64-byte vectors compile into poor AVX2 code (comparisons lane by lane) */
+#define V v8
+#define VI v8i
+#define VU v8u
+#define LANES 8
+#define FN(name) name##_8
+#include "gelu_lanes.h"
+#undef V
+#undef VI
+#undef VU
+#undef LANES
+#undef FN
 
 PyDoc_STRVAR(gelu_doc,
 "gelu(a, g, out, threads, mask=None, tanh=False)\n--\n\n"
@@ -180,7 +89,7 @@ static PyObject *gelu(PyObject *self, PyObject *args)
     }
     struct gelu p = {.a = bufs[0], .g = bufs[1], .mask = bufs[3], .out = (float *)bufs[2],
                      .size = views[0].len / 4, .tanh = tanh};
-    run_elementwise(gelu_range, &p, p.size, threads);
+    run_elementwise(narrow_blocks ? gelu_range_8 : gelu_range_16, &p, p.size, threads);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);

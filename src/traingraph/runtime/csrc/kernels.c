@@ -2144,7 +2144,7 @@ static inline __attribute__((always_inline)) void scatter_row_add(float *restric
     Py_ssize_t k = 0;
     for (; k + 16 <= r; k += 16) {
         const v16 a = *(const v16u *)(o + k);
-        *(v16u *)(o + k) = a + gelu_select(a == a, *(const v16u *)(u + k), a);
+        *(v16u *)(o + k) = a + gelu_select_16(a == a, *(const v16u *)(u + k), a);
     }
     for (; k < r; k++) {
         const float a = o[k];

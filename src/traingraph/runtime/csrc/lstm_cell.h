@@ -31,97 +31,17 @@ static inline Py_ssize_t lstm_column_at(Py_ssize_t e, Py_ssize_t width, Py_ssize
     return e / width * stride + offset + e % width;
 }
 
-/* How many of the up to 16 elements from r (within a direction's block) one pass takes: a
+/* How many of the up to `lanes` elements from r (within a direction's block) one pass takes: a
  * pass of a column block stays within a row. */
 static inline Py_ssize_t lstm_count(Py_ssize_t left, Py_ssize_t block, Py_ssize_t r,
-                                    Py_ssize_t width, int blocked)
+                                    Py_ssize_t width, int blocked, Py_ssize_t lanes)
 {
-    Py_ssize_t count = left < 16 ? left : 16;
+    Py_ssize_t count = left < lanes ? left : lanes;
     count = block - r < count ? block - r : count;
     if (blocked && width - r % width < count) {
         count = width - r % width;
     }
     return count;
-}
-
-/* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|); x - x^3 / 3 for |x| < 2^-5, where
- * 1 - e cancels; 1 from |x| >= 9 */
-static inline __attribute__((always_inline)) v16 lstm_tanh(v16 x)
-{
-    const v16i magnitude = (v16i){0} + INT32_MAX;
-    const v16 a = (v16)((v16i)x & magnitude), one = (v16){0} + 1.0f;
-    const v16 e = gelu_exp(gelu_select(a < 9.0f, -2.0f * a, (v16){0} - 18.0f));
-    const v16 big = gelu_select(a < 9.0f, (one - e) / (one + e), one);
-    const v16 t = gelu_select(a < 0.03125f, a - a * a * a / 3.0f, big);
-    const v16 signed_t = (v16)((v16i)t | ((v16i)x & ~magnitude));
-    return gelu_select(x == x, signed_t, x);
-}
-
-/* gates = mm + piece, [i, o, f] = Sigmoid, g = Tanh (gate order i, o, f, c);
- * c = f c_prev + i g, h = o tanh(c), slope = [i g (1 - i), h (1 - o), f c_prev (1 - f),
- * i - i g g], through = o - h tanh(c) */
-TARGETS static void lstm_cell_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
-{
-    const struct lstm_cell *p = arg;
-    const Py_ssize_t block = p->block, width = p->width;
-    const int blocked = p->stride != width || p->offset != 0;
-    Py_ssize_t i = i0;
-    while (i < i1) {
-        const Py_ssize_t d = i / block, r = i - d * block, base = 4 * d * block + r;
-        const Py_ssize_t count = lstm_count(i1 - i, block, r, width, blocked);
-        v16 pre[4] = {{0}}, cp = {0};
-        const float *piece[4];
-        for (int k = 0; k < 4; k++) {
-            piece[k] = p->piece + lstm_column_at(base + k * block, width, p->stride, p->offset);
-        }
-        if (count == 16) {
-            for (int k = 0; k < 4; k++) {
-                pre[k] = *(const v16u *)(p->mm + base + k * block) + *(const v16u *)piece[k];
-            }
-            cp = *(const v16u *)(p->c_prev + i);
-        }
-        else {
-            for (int k = 0; k < 4; k++) {
-                for (Py_ssize_t j = 0; j < count; j++) {
-                    pre[k][j] = p->mm[base + k * block + j] + piece[k][j];
-                }
-            }
-            for (Py_ssize_t j = 0; j < count; j++) {
-                cp[j] = p->c_prev[i + j];
-            }
-        }
-        const v16 one = (v16){0} + 1.0f;
-        const v16 in = silu_sigmoid(pre[0]), out = silu_sigmoid(pre[1]);
-        const v16 forget = silu_sigmoid(pre[2]), g = lstm_tanh(pre[3]);
-        const v16 fc = forget * cp, ig = in * g;
-        const v16 c = fc + ig, tanh_c = lstm_tanh(c), h = out * tanh_c;
-        const v16 slopes[4] = {ig * (one - in), h * (one - out), fc * (one - forget),
-                               in - ig * g};
-        const v16 through = out - h * tanh_c;
-        if (count == 16) {
-            *(v16u *)(p->h + i) = h;
-            *(v16u *)(p->c + i) = c;
-            *(v16u *)(p->through + i) = through;
-            *(v16u *)(p->f + i) = forget;
-            for (int k = 0; k < 4; k++) {
-                *(v16u *)(p->slope + base + k * block) = slopes[k];
-            }
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                p->h[i + j] = h[j];
-                p->c[i + j] = c[j];
-                p->through[i + j] = through[j];
-                p->f[i + j] = forget[j];
-            }
-            for (int k = 0; k < 4; k++) {
-                for (Py_ssize_t j = 0; j < count; j++) {
-                    p->slope[base + k * block + j] = slopes[k][j];
-                }
-            }
-        }
-        i += count;
-    }
 }
 
 struct lstm_cell_grad {
@@ -131,73 +51,30 @@ struct lstm_cell_grad {
     Py_ssize_t width, stride, offset; /* columns' (see the top) */
 };
 
-/* dh = mm + dy (mm where there is no dy), dc = dh through + dc_next f_next,
- * dgates = [dc, dh, dc, dc] slope (gate order i, o, f, c), also into columns where given */
-TARGETS static void lstm_cell_grad_range(const void *arg, Py_ssize_t i0, Py_ssize_t i1)
-{
-    const struct lstm_cell_grad *p = arg;
-    const Py_ssize_t block = p->block, width = p->width;
-    Py_ssize_t i = i0;
-    while (i < i1) {
-        const Py_ssize_t d = i / block, r = i - d * block, base = 4 * d * block + r;
-        const Py_ssize_t count = lstm_count(i1 - i, block, r, width, p->columns != NULL);
-        v16 mm = {0}, dy = {0}, dc_next = {0}, f_next = {0}, through = {0}, slope[4] = {{0}};
-        if (count == 16) {
-            mm = *(const v16u *)(p->mm + i);
-            dy = p->dy ? *(const v16u *)(p->dy + i) : dy;
-            dc_next = *(const v16u *)(p->dc_next + i);
-            f_next = *(const v16u *)(p->f_next + i);
-            through = *(const v16u *)(p->through + i);
-            for (int k = 0; k < 4; k++) {
-                slope[k] = *(const v16u *)(p->slope + base + k * block);
-            }
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                mm[j] = p->mm[i + j];
-                dy[j] = p->dy ? p->dy[i + j] : 0.0f;
-                dc_next[j] = p->dc_next[i + j];
-                f_next[j] = p->f_next[i + j];
-                through[j] = p->through[i + j];
-                for (int k = 0; k < 4; k++) {
-                    slope[k][j] = p->slope[base + k * block + j];
-                }
-            }
-        }
-        const v16 dh = p->dy ? mm + dy : mm;
-        const v16 from_h = dh * through, c_back = dc_next * f_next;
-        const v16 dc = from_h + c_back;
-        const v16 dgates[4] = {dc * slope[0], dh * slope[1], dc * slope[2], dc * slope[3]};
-        float *column[4] = {NULL, NULL, NULL, NULL};
-        if (p->columns != NULL) {
-            for (int k = 0; k < 4; k++) {
-                column[k] = p->columns +
-                            lstm_column_at(base + k * block, width, p->stride, p->offset);
-            }
-        }
-        if (count == 16) {
-            *(v16u *)(p->dc + i) = dc;
-            for (int k = 0; k < 4; k++) {
-                *(v16u *)(p->dgates + base + k * block) = dgates[k];
-                if (column[k] != NULL) {
-                    *(v16u *)column[k] = dgates[k];
-                }
-            }
-        }
-        else {
-            for (Py_ssize_t j = 0; j < count; j++) {
-                p->dc[i + j] = dc[j];
-                for (int k = 0; k < 4; k++) {
-                    p->dgates[base + k * block + j] = dgates[k][j];
-                    if (column[k] != NULL) {
-                        column[k][j] = dgates[k][j];
-                    }
-                }
-            }
-        }
-        i += count;
-    }
-}
+#define V v16
+#define VI v16i
+#define VU v16u
+#define LANES 16
+#define FN(name) name##_16
+#include "lstm_lanes.h"
+#undef V
+#undef VI
+#undef VU
+#undef LANES
+#undef FN
+
+#define V v8
+#define VI v8i
+#define VU v8u
+#define LANES 8
+#define FN(name) name##_8
+#include "lstm_lanes.h"
+#undef V
+#undef VI
+#undef VU
+#undef LANES
+#undef FN
+
 
 #pragma GCC pop_options
 
@@ -299,7 +176,8 @@ static PyObject *lstm_cell(PyObject *self, PyObject *args)
                           .through = views[6].buf, .f = views[7].buf, .block = block,
                           .width = width, .stride = stride, .offset = offset};
     /* a Sigmoid or Tanh an element: enough work for a second thread from a few thousand on */
-    run_elementwise_from(lstm_cell_range, &p, size, threads, 4096);
+    run_elementwise_from(narrow_blocks ? lstm_cell_range_8 : lstm_cell_range_16, &p, size,
+                         threads, 4096);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);
@@ -381,7 +259,8 @@ static PyObject *lstm_cell_grad(PyObject *self, PyObject *args)
                                .dc = (float *)data[6], .dgates = (float *)data[7],
                                .columns = (float *)data[8], .block = block, .width = width,
                                .stride = stride, .offset = offset};
-    run_elementwise_from(lstm_cell_grad_range, &p, size, threads, 16384);
+    run_elementwise_from(narrow_blocks ? lstm_cell_grad_range_8 : lstm_cell_grad_range_16,
+                         &p, size, threads, 16384);
     result = Py_NewRef(Py_None);
 done:
     release_views(views, held);

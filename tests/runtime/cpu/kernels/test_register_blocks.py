@@ -130,3 +130,75 @@ def test_weight_gradients_are_the_same_bits(n, c, h, w, m, kernel, strides, pads
         padding=pads,
     ).numpy()
     np.testing.assert_allclose(narrow, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+@pytest.mark.parametrize("gradient", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gelu_is_the_same_bits_in_either_vector_width(tanh, gradient, masked):
+    rng = np.random.default_rng(4)
+    size = 70_003  # past one thread's share, and a tail shorter than a vector
+    a = (rng.standard_normal(size) * 6).astype(np.float32)
+    a[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e20, -1e20, 3e-39]
+    g = rng.standard_normal(size).astype(np.float32) if gradient else None
+    mask = (rng.random(size) < 0.8).astype(np.float32) * 1.25 if masked else None
+
+    def compute():
+        out = np.full(size, 7.0, np.float32)
+        NATIVE.gelu(a, g, out, 2, mask, tanh)
+        return out
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
+
+
+def _specials(rng, shape, scale):
+    """Normal values times ``scale`` with NaN, infinities, zeros and a subnormal among them."""
+    v = (rng.standard_normal(shape) * scale).astype(np.float32)
+    flat = v.reshape(-1)
+    flat[:7] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e-39, -1e30]
+    return v
+
+
+def test_silu_gradient_is_the_same_bits_in_either_vector_width():
+    rng = np.random.default_rng(5)
+    x, g = _specials(rng, 70_001, 12), _specials(rng, 70_001, 1)
+
+    def compute():
+        out = np.full(x.shape, 7.0, np.float32)
+        NATIVE.silu_grad(x, g, out, 2)
+        return out
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
+
+
+@pytest.mark.parametrize("width", [0, 5])  # whole tensors, and a column block of wider ones
+def test_lstm_cells_are_the_same_bits_in_either_vector_width(width):
+    rng = np.random.default_rng(6)
+    directions, hidden, n = 2, 12, 5
+    stride = 3 * n if width else n
+    block = hidden * n
+    mm = _specials(rng, (directions, 4 * hidden, n), 4)
+    piece = _specials(rng, (directions, 4 * hidden, stride), 4)
+    c_prev = _specials(rng, (directions, hidden, n), 2)
+    dy, dc_next, f_next = (_specials(rng, (directions, hidden, n), 1) for _ in range(3))
+    mm_back = _specials(rng, (directions, hidden, n), 1)
+    offset = (n, stride) if width else ()
+
+    def compute():
+        outs = [np.full(a.shape, 7.0, np.float32) for a in (c_prev, c_prev, mm, c_prev, c_prev)]
+        h, c, slope, through, f = outs
+        NATIVE.lstm_cell(mm, piece, c_prev, h, c, slope, through, f, block, 2, *offset, 0)
+        dc = np.full(c_prev.shape, 7.0, np.float32)
+        dgates = np.full(mm.shape, 7.0, np.float32)
+        columns = np.full(piece.shape, 7.0, np.float32) if width else None
+        NATIVE.lstm_cell_grad(
+            mm_back, dy, dc_next, f_next, through, slope, dc, dgates, columns, block,
+            n, stride, 0, 2,
+        )  # fmt: skip
+        return [*outs, dc, dgates] + ([columns] if width else [])
+
+    narrow, wide = both_blocks(compute)
+    for a, b in zip(narrow, wide):
+        np.testing.assert_array_equal(a, b)
