@@ -1037,6 +1037,13 @@ static inline __attribute__((always_inline)) v16 relu_max(v16 v)
     return (v16)(b & (~(b >> 31) | ((0x7f800000 - (b & 0x7fffffff)) >> 31)));
 }
 
+/* onnxruntime's Relu on a v8, as relu_max */
+static inline __attribute__((always_inline)) v8 relu_max8(v8 v)
+{
+    const v8i b = (v8i)v;
+    return (v8)(b & (~(b >> 31) | ((0x7f800000 - (b & 0x7fffffff)) >> 31)));
+}
+
 static inline float relu_max1(float v)
 {
     return v > 0.0f || v != v ? v : 0.0f;
@@ -1107,6 +1114,90 @@ TARGETS static void bn_apply(const struct bn *b, Py_ssize_t c, float a, float k,
     }
 }
 
+/* relu_gate on a v8 */
+static inline __attribute__((always_inline)) v8 relu_gate8(v8 dy, v8 y)
+{
+    const v8 zero = {0}, one = zero + 1.0f;
+    return dy * (v8)((v8i)one & (y > zero));
+}
+
+/* The sums of 16 lanes held as two v8 halves, in hsum's order. */
+static inline __attribute__((always_inline)) float hsum8x2(v8 lo, v8 hi)
+{
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        s += lo[i];
+    }
+    for (int i = 0; i < 8; i++) {
+        s += hi[i];
+    }
+    return s;
+}
+
+/* bn_sums for narrow_blocks: each v16 as two v8 halves, the same sums */
+TARGETS static void bn_sums_narrow(const struct bn *b, Py_ssize_t c, float x0, double sums[4])
+{
+    const v8 shift = x0 - (v8){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const Py_ssize_t off = (n * b->c + c) * b->s;
+        const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
+        v8 sd[2] = {{0}}, sdd[2] = {{0}}, sg[2] = {{0}}, sgd[2] = {{0}};
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            for (int h = 0; h < 2; h++) {
+                const v8 d = *(const v8u *)(x + i + 8 * h) - shift;
+                v8 g = *(const v8u *)(dy + i + 8 * h);
+                if (y != NULL) {
+                    g = relu_gate8(g, *(const v8u *)(y + i + 8 * h));
+                }
+                sd[h] += d;
+                sdd[h] += d * d;
+                sg[h] += g;
+                sgd[h] += g * d;
+            }
+        }
+        float tail[4] = {0};
+        for (; i < b->s; i++) {
+            const float d = x[i] - x0, g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
+            tail[0] += d;
+            tail[1] += d * d;
+            tail[2] += g;
+            tail[3] += g * d;
+        }
+        sums[0] += (double)hsum8x2(sd[0], sd[1]) + tail[0];
+        sums[1] += (double)hsum8x2(sdd[0], sdd[1]) + tail[1];
+        sums[2] += (double)hsum8x2(sg[0], sg[1]) + tail[2];
+        sums[3] += (double)hsum8x2(sgd[0], sgd[1]) + tail[3];
+    }
+}
+
+/* bn_apply for narrow_blocks, in v8 halves of bn_apply's v16 */
+TARGETS static void bn_apply_narrow(const struct bn *b, Py_ssize_t c, float a, float k,
+                                    float mean, float bias)
+{
+    const v8 av = a - (v8){0}, kv = k - (v8){0}, mv = mean - (v8){0}, bv = bias - (v8){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const Py_ssize_t off = (n * b->c + c) * b->s;
+        const float *x = b->x + off, *dy = b->dy + off, *y = b->y ? b->y + off : NULL;
+        float *dx = b->dx + off;
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t j = i + 8 * h;
+                v8 g = *(const v8u *)(dy + j);
+                if (y != NULL) {
+                    g = relu_gate8(g, *(const v8u *)(y + j));
+                }
+                *(v8u *)(dx + j) = av * g - kv * (*(const v8u *)(x + j) - mv) + bv;
+            }
+        }
+        for (; i < b->s; i++) {
+            const float g = y != NULL ? relu_gate1(dy[i], y[i]) : dy[i];
+            dx[i] = a * g - k * (x[i] - mean) + bias;
+        }
+    }
+}
+
 /* The mean of the first plane of a channel (its first s values), the shift of its sums: near
  * the channel's mean, so that sum(g (x - x0)) - mean(x - x0) sum(g) cancels little; 0 where it
  * is not finite (an Inf shift would make NaN). */
@@ -1126,7 +1217,7 @@ static int bn_share(const void *arg, int t, int threads)
     for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
         const float x0 = bn_plane_mean(b->x + c * b->s, b->s);
         double sums[4] = {0, 0, 0, 0};
-        bn_sums(b, c, x0, sums);
+        (narrow_blocks ? bn_sums_narrow : bn_sums)(b, c, x0, sums);
         const double shifted_mean = sums[0] / count;
         double var = sums[1] / count - shifted_mean * shifted_mean;
         var = var < 0.0 ? 0.0 : var; /* NaN stays NaN */
@@ -1142,7 +1233,8 @@ static int bn_share(const void *arg, int t, int threads)
             /* the graph's dx = a g - (k xc + c - k e), xc = x - mean rounded to float and
              * e = mean(xc) its shift from the mean */
             const float mean_f = (float)mean;
-            bn_apply(b, c, (float)a, (float)k, mean_f, (float)(k * (mean - (double)mean_f) - cc));
+            (narrow_blocks ? bn_apply_narrow : bn_apply)(
+                b, c, (float)a, (float)k, mean_f, (float)(k * (mean - (double)mean_f) - cc));
         }
     }
     return 0;
@@ -1285,6 +1377,63 @@ TARGETS static void bnf_apply(const struct bnf *b, Py_ssize_t c, float a, float 
     }
 }
 
+/* bnf_sums for narrow_blocks: each v16 as two v8 halves, the same sums */
+TARGETS static void bnf_sums_narrow(const struct bnf *b, Py_ssize_t c, float x0, double sums[2])
+{
+    const v8 shift = x0 - (v8){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const float *x = b->x + (n * b->c + c) * b->s;
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s;) {
+            v8 sd[2] = {{0}}, sdd[2] = {{0}};
+            const Py_ssize_t end = i + BNF_BLOCK < b->s ? i + BNF_BLOCK : b->s;
+            for (; i + 16 <= end; i += 16) {
+                for (int h = 0; h < 2; h++) {
+                    const v8 d = *(const v8u *)(x + i + 8 * h) - shift;
+                    sd[h] += d;
+                    sdd[h] += d * d;
+                }
+            }
+            sums[0] += (double)hsum8x2(sd[0], sd[1]);
+            sums[1] += (double)hsum8x2(sdd[0], sdd[1]);
+        }
+        float tail[2] = {0};
+        for (; i < b->s; i++) {
+            const float d = x[i] - x0;
+            tail[0] += d;
+            tail[1] += d * d;
+        }
+        sums[0] += tail[0];
+        sums[1] += tail[1];
+    }
+}
+
+/* bnf_apply for narrow_blocks, in v8 halves of bnf_apply's v16 */
+TARGETS static void bnf_apply_narrow(const struct bnf *b, Py_ssize_t c, float a, float shift)
+{
+    const v8 av = a - (v8){0}, bv = shift - (v8){0};
+    for (Py_ssize_t n = 0; n < b->n; n++) {
+        const Py_ssize_t off = (n * b->c + c) * b->s;
+        const float *x = b->x + off, *r = b->addend ? b->addend + off : NULL;
+        float *y = b->y + off;
+        Py_ssize_t i = 0;
+        for (; i + 16 <= b->s; i += 16) {
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t j = i + 8 * h;
+                v8 v = av * *(const v8u *)(x + j) + bv;
+                if (r != NULL) {
+                    v += *(const v8u *)(r + j);
+                }
+                *(v8u *)(y + j) = b->relu ? relu_max8(v) : v;
+            }
+        }
+        for (; i < b->s; i++) {
+            float v = a * x[i] + shift + (r != NULL ? r[i] : 0.0f);
+            y[i] = b->relu ? relu_max1(v) : v;
+        }
+    }
+}
+
 static int bnf_share(const void *arg, int t, int threads)
 {
     const struct bnf *b = arg;
@@ -1292,14 +1441,15 @@ static int bnf_share(const void *arg, int t, int threads)
     for (Py_ssize_t c = b->c * t / threads; c < b->c * (t + 1) / threads; c++) {
         const float x0 = finite_or_zero(b->x[c * b->s]); /* an Inf shift would make NaN */
         double sums[2] = {0, 0};
-        bnf_sums(b, c, x0, sums);
+        (narrow_blocks ? bnf_sums_narrow : bnf_sums)(b, c, x0, sums);
         const double shifted_mean = sums[0] / count;
         double var = sums[1] / count - shifted_mean * shifted_mean;
         var = var < 0.0 ? 0.0 : var; /* NaN stays NaN */
         const double mean = x0 + shifted_mean, a = b->scale[c] / sqrt(var + b->eps);
         b->mean[c] = (float)mean;
         b->var[c] = (float)var;
-        bnf_apply(b, c, (float)a, (float)(b->bias[c] - a * mean));
+        (narrow_blocks ? bnf_apply_narrow : bnf_apply)(b, c, (float)a,
+                                                       (float)(b->bias[c] - a * mean));
     }
     return 0;
 }
@@ -1805,8 +1955,9 @@ struct direct {
 
 #define DIRECT_FILTERS 8
 #define DIRECT_VECTORS 2
-/* the block where vector registers are narrow (narrow_blocks): 3 filters by 16 columns */
-#define DIRECT_NARROW_FILTERS 3
+/* the block where vector registers are narrow (narrow_blocks): 4 filters by 16 columns, the
+ * runs' sums in registers and the totals they are added to in memory */
+#define DIRECT_NARROW_FILTERS 4
 /* products summed in one run: the rounding error of a run grows with its length, so the
  * channels go in runs of about this many products whose sums are then added */
 #define DIRECT_RUN 64
@@ -1880,22 +2031,16 @@ static inline __attribute__((always_inline)) void direct_block(
     }
 }
 
-/* onnxruntime's Relu on a v8, as relu_max */
-static inline __attribute__((always_inline)) v8 relu_max8(v8 v)
-{
-    const v8i b = (v8i)v;
-    return (v8)(b & (~(b >> 31) | ((0x7f800000 - (b & 0x7fffffff)) >> 31)));
-}
 
-/* direct_block for narrow_blocks: filters [m0, m0 + mb) (mb <= 3) and columns [x0, x0 + valid)
+/* direct_block for narrow_blocks: filters [m0, m0 + mb) (mb <= 4) and columns [x0, x0 + valid)
  * (valid <= 16) of an output row, each v16 of sums as two v8 halves (the same sums). */
 static inline __attribute__((always_inline)) void direct_block_narrow(
     const struct direct *d, const float *slab, Py_ssize_t srow, const float *taps, float *out,
     Py_ssize_t m0, Py_ssize_t x0, Py_ssize_t valid, const int mb)
 {
-    v8 acc[DIRECT_NARROW_FILTERS][2];
+    float acc[DIRECT_NARROW_FILTERS][16] __attribute__((aligned(32)));
     for (int f = 0; f < mb; f++) {
-        acc[f][0] = acc[f][1] = (v8){0};
+        *(v8 *)acc[f] = *(v8 *)(acc[f] + 8) = (v8){0};
     }
     const Py_ssize_t srows = d->rows + d->kh - 1;
     for (Py_ssize_t c0 = 0; c0 < d->c; c0 += d->channels) {
@@ -1919,8 +2064,8 @@ static inline __attribute__((always_inline)) void direct_block_narrow(
             }
         }
         for (int f = 0; f < mb; f++) {
-            acc[f][0] += run[f][0];
-            acc[f][1] += run[f][1];
+            *(v8 *)acc[f] += run[f][0];
+            *(v8 *)(acc[f] + 8) += run[f][1];
         }
     }
     const Py_ssize_t plane = d->oh * d->ow;
@@ -1928,7 +2073,7 @@ static inline __attribute__((always_inline)) void direct_block_narrow(
         const float bias = d->b != NULL ? d->b[m0 + f] : 0.0f;
         float r[16] __attribute__((aligned(32)));
         for (int h = 0; h < 2; h++) {
-            const v8 v = acc[f][h] + bias;
+            const v8 v = *(const v8 *)(acc[f] + 8 * h) + bias;
             *(v8 *)(r + 8 * h) = d->relu ? relu_max8(v) : v;
         }
         memcpy(out + f * plane + x0, r, sizeof(float) * (size_t)valid);
@@ -1942,7 +2087,7 @@ static inline __attribute__((always_inline)) void direct_block_narrow(
     {                                                                                             \
         direct_block_narrow(d, slab, srow, taps, out, m0, x0, valid, mb);                         \
     }
-DIRECT_NARROW(1) DIRECT_NARROW(2) DIRECT_NARROW(3)
+DIRECT_NARROW(1) DIRECT_NARROW(2) DIRECT_NARROW(3) DIRECT_NARROW(4)
 
 #define DIRECT_BLOCK(mb, vb)                                                                      \
     TARGETS static void direct_block_##mb##_##vb(const struct direct *d, const float *slab,      \
@@ -1963,7 +2108,7 @@ static const direct_fn direct_blocks[DIRECT_FILTERS][DIRECT_VECTORS] = {
     DIRECT_ROW(5), DIRECT_ROW(6), DIRECT_ROW(7), DIRECT_ROW(8),
 };
 static const direct_fn direct_narrow[DIRECT_NARROW_FILTERS] = {
-    direct_narrow_1, direct_narrow_2, direct_narrow_3,
+    direct_narrow_1, direct_narrow_2, direct_narrow_3, direct_narrow_4,
 };
 
 /* The slab of sample n for output rows [oy0, oy0 + rows): the input rows they read, each at

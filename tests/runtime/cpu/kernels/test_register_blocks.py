@@ -156,7 +156,8 @@ def _specials(rng, shape, scale):
     """Normal values times ``scale`` with NaN, infinities, zeros and a subnormal among them."""
     v = (rng.standard_normal(shape) * scale).astype(np.float32)
     flat = v.reshape(-1)
-    flat[:7] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e-39, -1e30]
+    specials = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e-39, -1e30]
+    flat[: len(specials)] = specials[: flat.size]
     return v
 
 
@@ -198,6 +199,32 @@ def test_lstm_cells_are_the_same_bits_in_either_vector_width(width):
             n, stride, 0, 2,
         )  # fmt: skip
         return [*outs, dc, dgates] + ([columns] if width else [])
+
+    narrow, wide = both_blocks(compute)
+    for a, b in zip(narrow, wide):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("plane", [(7, 7), (4, 9), (16, 16)])  # with and without a tail
+def test_batch_norms_are_the_same_bits_in_either_vector_width(relu, plane):
+    rng = np.random.default_rng(7)
+    shape = (3, 5, *plane)
+    x = _specials(rng, shape, 3) + 2.0
+    x[1:, 1:] = np.abs(x[1:, 1:])  # finite channels too
+    x[1:, 1:][~np.isfinite(x[1:, 1:])] = 1.0
+    dy = _specials(rng, shape, 1)
+    scale, bias = _specials(rng, 5, 1), _specials(rng, 5, 1)
+    addend = rng.standard_normal(shape).astype(np.float32)
+
+    def compute():
+        y = np.full(shape, 7.0, np.float32)
+        mean, var = np.full(5, 7.0, np.float32), np.full(5, 7.0, np.float32)
+        NATIVE.batch_norm_forward(x, scale, bias, addend, y, mean, var, 1e-5, relu, 2)
+        dx = np.full(shape, 7.0, np.float32)
+        dscale, dbias = np.full(5, 7.0, np.float32), np.full(5, 7.0, np.float32)
+        NATIVE.batch_norm_grad(x, dy, y if relu else None, scale, dx, dscale, dbias, 1e-5, 2)
+        return y, mean, var, dx, dscale, dbias
 
     narrow, wide = both_blocks(compute)
     for a, b in zip(narrow, wide):
