@@ -94,6 +94,53 @@ DWW_ROW(3, 4)
 DWW_ROW(5, 2)
 DWW_ROW(7, 2)
 
+/* dww_row_KW for narrow_blocks: each lane (channel) is summed alone, so the two halves of the
+ * 16 lanes go one after the other in v8 accumulators, the same sums in each. */
+#define DWW_ROW_NARROW(KW, U)                                                                    \
+    TARGETS static void dww_row_narrow_##KW(const float *dy, const float *x, Py_ssize_t ow,    \
+                                            Py_ssize_t s1, Py_ssize_t d1, v16 *sums)           \
+    {                                                                                            \
+        for (int h = 0; h < 2; h++) {                                                            \
+            const float *dyh = dy + 8 * h, *xh = x + 8 * h;                                      \
+            v8 acc[U][KW];                                                                       \
+            for (int u = 0; u < U; u++) {                                                        \
+                for (int j = 0; j < KW; j++) {                                                   \
+                    acc[u][j] = (v8){0};                                                         \
+                }                                                                                \
+            }                                                                                    \
+            Py_ssize_t v = 0;                                                                    \
+            for (; v + U <= ow; v += U) {                                                        \
+                _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                              \
+                {                                                                                \
+                    const v8 g = *(const v8 *)(dyh + (v + u) * 16);                              \
+                    const float *row = xh + (v + u) * s1 * 16;                                   \
+                    _Pragma("GCC unroll 8") for (int j = 0; j < KW; j++)                         \
+                    {                                                                            \
+                        acc[u][j] += g * *(const v8 *)(row + j * d1 * 16);                       \
+                    }                                                                            \
+                }                                                                                \
+            }                                                                                    \
+            for (; v < ow; v++) {                                                                \
+                const v8 g = *(const v8 *)(dyh + v * 16);                                        \
+                const float *row = xh + v * s1 * 16;                                             \
+                for (int j = 0; j < KW; j++) {                                                   \
+                    acc[0][j] += g * *(const v8 *)(row + j * d1 * 16);                           \
+                }                                                                                \
+            }                                                                                    \
+            for (int j = 0; j < KW; j++) {                                                       \
+                v8 s = acc[0][j];                                                                \
+                for (int u = 1; u < U; u++) {                                                    \
+                    s += acc[u][j];                                                              \
+                }                                                                                \
+                *(v8 *)((float *)&sums[j] + 8 * h) += s;                                         \
+            }                                                                                    \
+        }                                                                                        \
+    }
+DWW_ROW_NARROW(1, 8)
+DWW_ROW_NARROW(3, 4)
+DWW_ROW_NARROW(5, 2)
+DWW_ROW_NARROW(7, 2)
+
 /* The same for any kernel width, one output column at a time. */
 TARGETS static void dww_row_any(const float *dy, const float *x, Py_ssize_t ow, Py_ssize_t s1,
                                 Py_ssize_t d1, Py_ssize_t kw, v16 *sums)
@@ -204,6 +251,15 @@ static int dww_samples(const struct conv *cv, float *dw, Py_ssize_t n0, Py_ssize
                     for (Py_ssize_t i = 0; i < kh; i++) {
                         const float *x_row = buf + (u * s0 + i * d0) * pitch * 16;
                         v16 *tap = sums + i * kw;
+                        if (narrow_blocks && (kw == 1 || kw == 3 || kw == 5 || kw == 7)) {
+                            switch (kw) {
+                            case 1: dww_row_narrow_1(dy_row, x_row, ow, s1, d1, tap); break;
+                            case 3: dww_row_narrow_3(dy_row, x_row, ow, s1, d1, tap); break;
+                            case 5: dww_row_narrow_5(dy_row, x_row, ow, s1, d1, tap); break;
+                            default: dww_row_narrow_7(dy_row, x_row, ow, s1, d1, tap); break;
+                            }
+                            continue;
+                        }
                         switch (kw) {
                         case 1: dww_row_1(dy_row, x_row, ow, s1, d1, tap); break;
                         case 3: dww_row_3(dy_row, x_row, ow, s1, d1, tap); break;

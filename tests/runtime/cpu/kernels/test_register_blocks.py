@@ -229,3 +229,26 @@ def test_batch_norms_are_the_same_bits_in_either_vector_width(relu, plane):
     narrow, wide = both_blocks(compute)
     for a, b in zip(narrow, wide):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("c", "size", "kernel", "stride"),
+    [(40, 9, 3, 1), (24, 12, 5, 2), (16, 8, 7, 1), (33, 7, 1, 1), (18, 10, 3, 2)],
+)
+def test_depthwise_weight_gradients_are_the_same_bits(c, size, kernel, stride):
+    rng = np.random.default_rng(8)
+    x = _specials(rng, (3, c, size, size), 1)
+    pad = kernel // 2
+    out = (size + 2 * pad - kernel) // stride + 1
+    dy = rng.standard_normal((3, c, out, out)).astype(np.float32)
+    grad = conv_grads.WeightGrad(
+        "w_grad", "w", "x", "dy", (stride, stride), (pad, pad), (pad, pad), (1, 1), c
+    )
+
+    def compute():
+        dw = np.full((c, 1, kernel, kernel), 7.0, np.float32)
+        conv_grads.compute([grad], {"x": x, "dy": dy}, {"w_grad": dw}, 2)
+        return dw
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow, wide)
