@@ -173,7 +173,10 @@ def check_model_gradient(
                 raise AssertionError(f"finite differences need {x} as a graph input")
             expected = numeric_gradient(fn, feeds, x, eps)
             np.testing.assert_allclose(
-                analytic[x], expected, rtol=rtol, atol=atol,
+                analytic[x],
+                expected,
+                rtol=rtol,
+                atol=atol,
                 err_msg=f"gradient of {x} differs from finite differences",
             )
     return analytic
@@ -214,8 +217,13 @@ def check_op_gradient(
         seed: Seed of the loss weights.
     """
     model = make_op_model(
-        op_type, inputs, attrs, const_inputs=const_inputs, num_outputs=num_outputs,
-        opset=opset, dynamic=dynamic,
+        op_type,
+        inputs,
+        attrs,
+        const_inputs=const_inputs,
+        num_outputs=num_outputs,
+        opset=opset,
+        dynamic=dynamic,
     )
     data = {k: np.asarray(v) for k, v in inputs.items() if v is not None and k not in const_inputs}
     outs = session(model).run(None, data)
@@ -232,9 +240,7 @@ def check_op_gradient(
     feeds = {**data, **weights}
     if wrt is None:
         wrt = [k for k, v in data.items() if v.dtype.kind == "f"]
-    analytic = check_model_gradient(
-        loss_model, feeds, wrt, rtol=rtol, atol=atol, eps=eps
-    )
+    analytic = check_model_gradient(loss_model, feeds, wrt, rtol=rtol, atol=atol, eps=eps)
     if torch_fn is not None:
         compare_with_torch(torch_fn, data, wrt, analytic, weights, out_names, rtol, atol)
     return analytic
@@ -263,16 +269,17 @@ def compare_with_torch(
         t = tensors[x]
         expected = np.zeros(t.shape) if g is None else g.detach().numpy()
         np.testing.assert_allclose(
-            analytic[x], expected, rtol=rtol, atol=atol,
+            analytic[x],
+            expected,
+            rtol=rtol,
+            atol=atol,
             err_msg=f"gradient of {x} differs from torch.autograd",
         )
 
 
 def assert_same_training(
     got: tuple[Sequence[float], Sequence[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]],
-    expected: tuple[
-        Sequence[float], Sequence[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]
-    ],
+    expected: tuple[Sequence[float], Sequence[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]],
     *,
     one_scale: bool = False,
 ) -> None:
@@ -350,14 +357,14 @@ def assert_trains_as_torch_adamw(
 def artifact_steps(
     directory: Any,
     batches: Sequence[tuple[np.ndarray, np.ndarray]],
-    kind: type,
+    kind: type | tuple[type, ...],
     *,
     without: str | None = None,
 ) -> tuple[list[float], list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """:func:`train_steps` of the artifacts in ``directory`` with ``Module``; ``without`` (a
     kernel's name, :func:`traingraph.runtime.cpu.kernels.names`) leaves that native kernel out
-    (``SessionConfig(native_kernels=...)``). Asserts the plan holds a kernel of ``kind``
-    exactly when it is not left out."""
+    (``SessionConfig(native_kernels=...)``). Asserts the step runs a kernel of ``kind`` (a
+    class, or a tuple of the forms it may take) exactly when it is not left out."""
     from traingraph.api import CheckpointState, Module, Optimizer
     from traingraph.runtime.cpu import kernels, segments
     from traingraph.runtime.session import SessionConfig
@@ -366,7 +373,9 @@ def artifact_steps(
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     config = SessionConfig(native_kernels=chosen)
     module = Module(directory / "training_model.onnx", state, session_config=config)
-    kernels_run = getattr(module.step.runner, "_plan", segments.Plan([])).all_kernels
+    plan = getattr(module.step.runner, "_plan", segments.Plan([]))
+    # the plan's kernels, and the filter reorders that run before their segments
+    kernels_run = [*plan.all_kernels, *getattr(module.step.runner, "_steps", [])]
     assert any(isinstance(k, kind) for k in kernels_run) == (without is None)
     optimizer = Optimizer(directory / "optimizer_model.onnx", module)
     return train_steps(module, optimizer, state, batches)

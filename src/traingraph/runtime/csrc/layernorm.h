@@ -86,11 +86,93 @@ TARGETS static void lng_rows(const struct lng *p, Py_ssize_t r0, Py_ssize_t r1, 
     }
 }
 
+/* lng_rows for narrow_blocks: each v16 as two v8 halves, the same sums in the same order */
+TARGETS static void lng_rows_narrow(const struct lng *p, Py_ssize_t r0, Py_ssize_t r1,
+                                    float *block, double *partial)
+{
+    const Py_ssize_t d = p->d;
+    const float inv_d = 1.0f / (float)d;
+    float *bs = block, *bb = block + d;
+    for (Py_ssize_t j = 0; j < 2 * d; j++) {
+        block[j] = 0.0f;
+    }
+    for (Py_ssize_t row = r0; row < r1; row++) {
+        const float *x = p->x + row * d, *dy = p->dy + row * d, *scale = p->scale;
+        v8 s[2] = {{0}};
+        float ts = 0.0f;
+        Py_ssize_t i = 0;
+        for (; i + 16 <= d; i += 16) {
+            s[0] += *(const v8u *)(x + i);
+            s[1] += *(const v8u *)(x + i + 8);
+        }
+        for (; i < d; i++) {
+            ts += x[i];
+        }
+        const float mean = (hsum8x2(s[0], s[1]) + ts) * inv_d;
+        v8 sv[2] = {{0}}, sg[2] = {{0}}, sgc[2] = {{0}};
+        float tv = 0.0f, tg = 0.0f, tgc = 0.0f;
+        for (i = 0; i + 16 <= d; i += 16) {
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t j = i + 8 * h;
+                const v8 c = *(const v8u *)(x + j) - mean;
+                const v8 g = *(const v8u *)(dy + j) * *(const v8u *)(scale + j);
+                sv[h] += c * c;
+                sg[h] += g;
+                sgc[h] += g * c;
+            }
+        }
+        for (; i < d; i++) {
+            const float c = x[i] - mean, g = dy[i] * scale[i];
+            tv += c * c;
+            tg += g;
+            tgc += g * c;
+        }
+        const float r =
+            (float)(1.0 / sqrt((double)((hsum8x2(sv[0], sv[1]) + tv) * inv_d) + p->eps));
+        const float mean_g = (hsum8x2(sg[0], sg[1]) + tg) * inv_d;
+        const float k = (hsum8x2(sgc[0], sgc[1]) + tgc) * inv_d * r * r;
+        if (p->dx != NULL) {
+            float *dx = p->dx + row * d;
+            for (i = 0; i + 16 <= d; i += 16) {
+                for (int h = 0; h < 2; h++) {
+                    const Py_ssize_t j = i + 8 * h;
+                    const v8 c = *(const v8u *)(x + j) - mean;
+                    const v8 g = *(const v8u *)(dy + j) * *(const v8u *)(scale + j);
+                    *(v8u *)(dx + j) = r * (g - mean_g - c * k);
+                }
+            }
+            for (; i < d; i++) {
+                dx[i] = r * (dy[i] * scale[i] - mean_g - (x[i] - mean) * k);
+            }
+        }
+        for (i = 0; i + 16 <= d; i += 16) {
+            for (int h = 0; h < 2; h++) {
+                const Py_ssize_t j = i + 8 * h;
+                const v8 g = *(const v8u *)(dy + j);
+                *(v8u *)(bs + j) += g * ((*(const v8u *)(x + j) - mean) * r);
+                *(v8u *)(bb + j) += g;
+            }
+        }
+        for (; i < d; i++) {
+            bs[i] += dy[i] * ((x[i] - mean) * r);
+            bb[i] += dy[i];
+        }
+        if ((row - r0) % LN_BLOCK == LN_BLOCK - 1 || row == r1 - 1) {
+            for (Py_ssize_t j = 0; j < 2 * d; j++) {
+                partial[j] += block[j];
+                block[j] = 0.0f;
+            }
+        }
+    }
+}
+
 static int lng_share(const void *arg, int t, int threads)
 {
     const struct lng *p = arg;
-    lng_rows(p, p->rows * t / threads, p->rows * (t + 1) / threads, p->block + 2 * p->d * t,
-             p->partial + 2 * p->d * t);
+    (narrow_blocks ? lng_rows_narrow : lng_rows)(p, p->rows * t / threads,
+                                                 p->rows * (t + 1) / threads,
+                                                 p->block + 2 * p->d * t,
+                                                 p->partial + 2 * p->d * t);
     return 0;
 }
 

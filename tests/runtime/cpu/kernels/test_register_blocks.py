@@ -252,3 +252,21 @@ def test_depthwise_weight_gradients_are_the_same_bits(c, size, kernel, stride):
 
     narrow, wide = both_blocks(compute)
     np.testing.assert_array_equal(narrow, wide)
+
+
+@pytest.mark.parametrize("d", [192, 77, 8])  # whole vectors, a tail, no vector
+def test_layer_norm_gradients_are_the_same_bits_in_either_vector_width(d):
+    rng = np.random.default_rng(9)
+    x = _specials(rng, (150, d), 2) + 1.0
+    dy = _specials(rng, (150, d), 1)
+    scale = rng.standard_normal(d).astype(np.float32)
+
+    def compute():
+        dx = np.full(x.shape, 7.0, np.float32)
+        dscale, dbias = np.full(d, 7.0, np.float32), np.full(d, 7.0, np.float32)
+        NATIVE.layer_norm_grad(x, dy, scale, dx, dscale, dbias, 1e-5, 2)
+        return dx, dscale, dbias
+
+    narrow, wide = both_blocks(compute)
+    for a, b in zip(narrow, wide):
+        np.testing.assert_array_equal(a, b)
