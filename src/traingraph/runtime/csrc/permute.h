@@ -43,6 +43,46 @@ static inline __attribute__((always_inline)) void transpose16(v16 *r)
     TRANSPOSE16_STAGE(1, ((v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
               ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
 }
+
+/* transpose16 of an 8 x 8 block in v8 rows (three levels, of side 4, 2 and 1), for
+ * narrow_blocks */
+#define TRANSPOSE8_STAGE(b, LO, HI)                                                               \
+    {                                                                                            \
+        const v8i lo = LO, hi = HI;                                                              \
+        _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)                                      \
+        {                                                                                        \
+            if ((i & b) == 0) {                                                                  \
+                const v8 a = r[i], c = r[i + b];                                                 \
+                r[i] = __builtin_shuffle(a, c, lo);                                              \
+                r[i + b] = __builtin_shuffle(a, c, hi);                                          \
+            }                                                                                    \
+        }                                                                                        \
+    }
+static inline __attribute__((always_inline)) void transpose8(v8 *r)
+{
+    TRANSPOSE8_STAGE(4, ((v8i){0, 1, 2, 3, 8, 9, 10, 11}), ((v8i){4, 5, 6, 7, 12, 13, 14, 15}))
+    TRANSPOSE8_STAGE(2, ((v8i){0, 1, 8, 9, 4, 5, 12, 13}), ((v8i){2, 3, 10, 11, 6, 7, 14, 15}))
+    TRANSPOSE8_STAGE(1, ((v8i){0, 8, 2, 10, 4, 12, 6, 14}), ((v8i){1, 9, 3, 11, 5, 13, 7, 15}))
+}
+
+/* permute_tiles' 16 x 16 block at in (rows along the source, columns `step` apart) into out
+ * (rows `inner` apart) as four 8 x 8 blocks, for narrow_blocks */
+static inline __attribute__((always_inline)) void transpose16_by8(const float *in, Py_ssize_t step,
+                                                                  float *out, Py_ssize_t inner)
+{
+    for (int lb = 0; lb < 16; lb += 8) {
+        for (int cb = 0; cb < 16; cb += 8) {
+            v8 r[8];
+            for (int c = 0; c < 8; c++) {
+                r[c] = *(const v8u *)(in + lb + (cb + c) * step);
+            }
+            transpose8(r);
+            for (int l = 0; l < 8; l++) {
+                *(v8u *)(out + (lb + l) * inner + cb) = r[l];
+            }
+        }
+    }
+}
 #endif
 
 
@@ -87,6 +127,11 @@ TARGETS static void permute_tiles(const struct permute *p, Py_ssize_t t0, Py_ssi
         float *out = p->dst + dst_off + i0 * inner;
         Py_ssize_t j = 0;
 #if defined(__GNUC__) && !defined(__clang__)
+        if (rows == 16 && narrow_blocks) {
+            for (; j + 16 <= len; j += 16) {
+                transpose16_by8(in + j * step, step, out + j, inner);
+            }
+        }
         if (rows == 16) {
             for (; j + 16 <= len; j += 16) {
                 v16 r[16];

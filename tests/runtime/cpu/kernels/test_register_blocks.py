@@ -270,3 +270,22 @@ def test_layer_norm_gradients_are_the_same_bits_in_either_vector_width(d):
     narrow, wide = both_blocks(compute)
     for a, b in zip(narrow, wide):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("dims", "perm"),
+    [([64, 48, 9], [1, 0, 2]), ([40, 33], [1, 0]), ([3, 16, 2, 16, 9], [0, 2, 4, 3, 1])],
+)
+def test_transposed_copies_are_the_same_bits_in_either_vector_width(dims, perm):
+    rng = np.random.default_rng(10)
+    src = _specials(rng, int(np.prod(dims)), 1)
+    want = np.ascontiguousarray(src.reshape(dims).transpose(perm)).reshape(-1)
+
+    def compute():
+        dst = np.full(src.size, 7.0, np.float32)
+        NATIVE.permute(src, dst, dims, perm, 2)
+        return dst
+
+    narrow, wide = both_blocks(compute)
+    np.testing.assert_array_equal(narrow.view(np.int32), want.view(np.int32))
+    np.testing.assert_array_equal(wide.view(np.int32), want.view(np.int32))
