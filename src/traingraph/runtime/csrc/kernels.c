@@ -2432,8 +2432,20 @@ static PyObject *set_narrow_blocks(PyObject *self, PyObject *arg)
     return PyBool_FromLong(previous);
 }
 
+PyDoc_STRVAR(narrow_blocks_doc,
+"narrow_blocks()\n--\n\n"
+"Whether the kernels run their forms for 16 vector registers (AVX2; no AVX-512 here).");
+
+static PyObject *get_narrow_blocks(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(narrow_blocks);
+}
+
 static PyMethodDef methods[] = {
     {"_set_narrow_blocks", set_narrow_blocks, METH_O, set_narrow_blocks_doc},
+    {"narrow_blocks", get_narrow_blocks, METH_NOARGS, narrow_blocks_doc},
     {"weight_grads", weight_grads, METH_VARARGS, weight_grads_doc},
     {"route_max_pool", route_max_pool, METH_VARARGS, route_max_pool_doc},
     {"batch_norm_grad", batch_norm_grad, METH_VARARGS, batch_norm_grad_doc},

@@ -289,3 +289,47 @@ def test_transposed_copies_are_the_same_bits_in_either_vector_width(dims, perm):
     narrow, wide = both_blocks(compute)
     np.testing.assert_array_equal(narrow.view(np.int32), want.view(np.int32))
     np.testing.assert_array_equal(wide.view(np.int32), want.view(np.int32))
+
+
+def test_dense_weight_gradients_stay_in_the_graph_without_avx512(tmp_path, monkeypatch):
+    """Where the CPU lacks AVX-512 the kernel takes only depthwise weight gradients (the
+    graph's form in onnxruntime is as fast for dense ones there); with AVX-512 all of them."""
+    from torch import nn
+
+    from torch_models import export, seeded
+    from traingraph import artifacts, optim
+    from traingraph.api import CheckpointState, Module
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = nn.Conv2d(3, 16, 3, padding=1)
+            self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc(self.depthwise(torch.relu(self.dense(x))).mean(dim=(2, 3)))
+
+    artifacts.generate_artifacts(
+        export(seeded(Net), torch.zeros(2, 3, 12, 12), training=True),
+        loss=artifacts.LossType.CrossEntropyLoss,
+        optimizer=optim.SGD(lr=0.1),
+        artifact_directory=tmp_path,
+    )
+    monkeypatch.setattr(conv_grads, "DENSE_ON_NARROW", False)
+    taken = {}
+    for narrow in (True, False):
+        NATIVE._set_narrow_blocks(narrow)
+        try:
+            state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+            module = Module(tmp_path / "training_model.onnx", state)
+            plan = module.step.runner._plan
+            taken[narrow] = sorted(
+                kernel.grad.param
+                for kernel in plan.all_kernels
+                if isinstance(kernel, conv_grads.WeightGradKernel)
+            )
+        finally:
+            NATIVE._set_narrow_blocks(None)
+    assert taken[True] == ["depthwise.weight"]
+    assert taken[False] == ["dense.weight", "depthwise.weight"]
