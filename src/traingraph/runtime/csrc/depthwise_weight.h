@@ -31,6 +31,10 @@ static inline __attribute__((always_inline)) void dww_gather(const float *src, P
                                                              float *dst)
 {
 #if defined(__GNUC__) && !defined(__clang__)
+    if (count == 16 && lanes == 16 && narrow_blocks) {
+        transpose16_by8(src, stride, dst, 16);
+        return;
+    }
     if (count == 16 && lanes == 16) {
         v16 r[16];
         for (int l = 0; l < 16; l++) {
