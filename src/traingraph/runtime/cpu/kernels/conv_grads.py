@@ -603,7 +603,8 @@ def _candidates(
             if producer[output] in below and any(x in nodes[i].input for i in below):
                 group = int(attrs.get("group", 1))
                 depthwise = group > 1 and group == x_shape[1] == w_shape[0]
-                if not depthwise and not DENSE_ON_NARROW and NATIVE.narrow_blocks():
+                narrow = NATIVE is not None and NATIVE.narrow_blocks()
+                if not depthwise and not DENSE_ON_NARROW and narrow:
                     break  # onnxruntime's products are the faster there (see DENSE_ON_NARROW)
                 grad = WeightGrad(
                     output=output,
