@@ -36,6 +36,7 @@ setup(
                 "src/traingraph/runtime/csrc/gelu_lanes.h",
                 "src/traingraph/runtime/csrc/silu_lanes.h",
                 "src/traingraph/runtime/csrc/lstm_lanes.h",
+                "src/traingraph/runtime/csrc/widths.h",
                 "src/traingraph/runtime/csrc/layernorm.h",
                 "src/traingraph/runtime/csrc/permute.h",
                 "src/traingraph/runtime/csrc/clip.h",

@@ -70,29 +70,9 @@ struct silu {
     Py_ssize_t size;
 };
 
-#define V v16
-#define VI v16i
-#define VU v16u
-#define LANES 16
-#define FN(name) name##_16
-#include "silu_lanes.h"
-#undef V
-#undef VI
-#undef VU
-#undef LANES
-#undef FN
-
-#define V v8
-#define VI v8i
-#define VU v8u
-#define LANES 8
-#define FN(name) name##_8
-#include "silu_lanes.h"
-#undef V
-#undef VI
-#undef VU
-#undef LANES
-#undef FN
+#define LANES_BODY "silu_lanes.h"
+#include "widths.h"
+#undef LANES_BODY
 
 #define RELU_GRAD_PARTS 8
 

@@ -21,30 +21,9 @@ struct gelu {
     int tanh; /* the tanh approximation */
 };
 
-#define V v16
-#define VI v16i
-#define VU v16u
-#define LANES 16
-#define FN(name) name##_16
-#include "gelu_lanes.h"
-#undef V
-#undef VI
-#undef VU
-#undef LANES
-#undef FN
-
-/* for narrow_blocks: 64-byte vectors compile into poor AVX2 code (comparisons lane by lane) */
-#define V v8
-#define VI v8i
-#define VU v8u
-#define LANES 8
-#define FN(name) name##_8
-#include "gelu_lanes.h"
-#undef V
-#undef VI
-#undef VU
-#undef LANES
-#undef FN
+#define LANES_BODY "gelu_lanes.h"
+#include "widths.h"
+#undef LANES_BODY
 
 PyDoc_STRVAR(gelu_doc,
 "gelu(a, g, out, threads, mask=None, tanh=False)\n--\n\n"

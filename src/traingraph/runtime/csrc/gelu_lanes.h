@@ -1,14 +1,6 @@
-/* GELU's and its gradient's loops over vectors of LANES floats (included by gelu.h once per
- * width).
- *
- * Before each inclusion the includer defines:
- *   V, VI, VU  the float vector, the int vector of as many lanes, the float vector read and
- *              written at any float's alignment,
- *   LANES      its lanes (16 or 8),
- *   FN(name)   the name of the generated function.
- *
- * Each lane is computed alone, so both widths give the same results.
- */
+/* GELU's and its gradient's loops over vectors of LANES floats, compiled once per width
+ * (gelu.h includes widths.h with this header; V, VI, VU, LANES and FN as widths.h defines
+ * them). Each lane is computed alone, so both widths give the same results. */
 
 static inline __attribute__((always_inline)) V FN(gelu_select)(VI m, V yes, V no)
 {

@@ -51,29 +51,9 @@ struct lstm_cell_grad {
     Py_ssize_t width, stride, offset; /* columns' (see the top) */
 };
 
-#define V v16
-#define VI v16i
-#define VU v16u
-#define LANES 16
-#define FN(name) name##_16
-#include "lstm_lanes.h"
-#undef V
-#undef VI
-#undef VU
-#undef LANES
-#undef FN
-
-#define V v8
-#define VI v8i
-#define VU v8u
-#define LANES 8
-#define FN(name) name##_8
-#include "lstm_lanes.h"
-#undef V
-#undef VI
-#undef VU
-#undef LANES
-#undef FN
+#define LANES_BODY "lstm_lanes.h"
+#include "widths.h"
+#undef LANES_BODY
 
 
 #pragma GCC pop_options

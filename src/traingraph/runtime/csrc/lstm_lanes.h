@@ -1,7 +1,7 @@
 /* One LSTM step's gate math, forward and backward, over vectors of LANES floats (included by
- * lstm_cell.h once per width, after silu_lanes.h, whose Sigmoid it shares; the includer
- * defines V, VI, VU, LANES and FN as for gelu_lanes.h). Each lane is computed alone, so both
- * widths give the same results. */
+ * lstm_cell.h once per width, after silu_lanes.h, whose Sigmoid it shares; V, VI, VU, LANES
+ * and FN as widths.h defines them). Each lane is computed alone, so both widths give the same
+ * results. */
 
 /* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|); x - x^3 / 3 for |x| < 2^-5, where
  * 1 - e cancels; 1 from |x| >= 9 */

@@ -1,6 +1,6 @@
 /* The SiLU's gradient's loop over vectors of LANES floats (included by activation_grads.h
- * once per width, after gelu.h, whose exponential it shares; the includer defines V, VI, VU,
- * LANES and FN as for gelu_lanes.h). Each lane is computed alone, so both widths give the same
+ * once per width, after gelu.h, whose exponential it shares; V, VI, VU, LANES and FN as
+ * widths.h defines them). Each lane is computed alone, so both widths give the same
  * results. */
 
 /* Sigmoid(x): 1 / (1 + e) for x >= 0, e / (1 + e) below, e = exp(-|x|), 0 from |x| >= 18 */
