@@ -206,19 +206,25 @@ static const dot_tile_fn dot_tiles[4][4] = {
     DOT_TILE_ROW(1), DOT_TILE_ROW(2), DOT_TILE_ROW(3), DOT_TILE_ROW(4),
 };
 
+/* The sums of 16 lanes held as two v8 halves, in hsum's order. */
+static inline __attribute__((always_inline)) float hsum8x2(v8 lo, v8 hi)
+{
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        s += lo[i];
+    }
+    for (int i = 0; i < 8; i++) {
+        s += hi[i];
+    }
+    return s;
+}
+
 /* The lanes of the v16 whose halves are lo and hi summed in reduce16's order (lanes i and
  * i + 8, then of those i and i + 4, i and i + 2, and the last two), or in hsum's. */
 static inline __attribute__((always_inline)) float sum8x2(v8 lo, v8 hi, const int tree)
 {
     if (!tree) {
-        float s = 0.0f;
-        for (int i = 0; i < 8; i++) {
-            s += lo[i];
-        }
-        for (int i = 0; i < 8; i++) {
-            s += hi[i];
-        }
-        return s;
+        return hsum8x2(lo, hi);
     }
     const v8 t = lo + hi;
     float u[4];
@@ -1119,19 +1125,6 @@ static inline __attribute__((always_inline)) v8 relu_gate8(v8 dy, v8 y)
 {
     const v8 zero = {0}, one = zero + 1.0f;
     return dy * (v8)((v8i)one & (y > zero));
-}
-
-/* The sums of 16 lanes held as two v8 halves, in hsum's order. */
-static inline __attribute__((always_inline)) float hsum8x2(v8 lo, v8 hi)
-{
-    float s = 0.0f;
-    for (int i = 0; i < 8; i++) {
-        s += lo[i];
-    }
-    for (int i = 0; i < 8; i++) {
-        s += hi[i];
-    }
-    return s;
 }
 
 /* bn_sums for narrow_blocks: each v16 as two v8 halves, the same sums */
