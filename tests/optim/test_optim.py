@@ -404,10 +404,10 @@ def test_no_decay_trains_as_torch_parameter_groups(tmp_path) -> None:
 
 
 def test_fused_runs_cover_the_block_with_and_without_decay() -> None:
-    from traingraph.runtime.optimizer.fused import _runs
+    from traingraph.runtime.optimizer.fused import runs
 
-    assert _runs(10, [], 0.1) == [(0, 10, 0.1)]
-    assert _runs(10, [(2, 4), (4, 5), (8, 10)], 0.1) == [
+    assert runs(10, [], 0.1) == [(0, 10, 0.1)]
+    assert runs(10, [(2, 4), (4, 5), (8, 10)], 0.1) == [
         (0, 2, 0.1), (2, 5, 0.0), (5, 8, 0.1), (8, 10, 0.0),
     ]  # fmt: skip
-    assert _runs(4, [(0, 4)], 0.1) == [(0, 4, 0.0)]
+    assert runs(4, [(0, 4)], 0.1) == [(0, 4, 0.0)]

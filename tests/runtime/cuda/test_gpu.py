@@ -261,20 +261,52 @@ def test_cuda_graph_step_captures_a_squeeze_and_excitation_model(tmp_path) -> No
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_step_writes_a_large_state_in_place(tmp_path, monkeypatch) -> None:
-    # Above IN_PLACE_BYTES the optimizer is its own captured graph writing the parameters and
-    # slots over themselves: no second copy, and the capture's repeated runs leave no trace.
+@pytest.mark.parametrize("kernel", [True, False], ids=["cuda-kernel", "captured-graph"])
+def test_cuda_graph_step_writes_a_large_state_in_place(tmp_path, monkeypatch, kernel) -> None:
+    # Above IN_PLACE_BYTES the update writes the parameters and slots over themselves: the
+    # optimizer's CUDA kernel queued after the captured step, or (where the kernel is not
+    # there) the optimizer's own captured graph, whose capture's repeated runs leave no trace.
     from traingraph.runtime import cuda
+    from traingraph.runtime.optimizer import update
 
     monkeypatch.setattr(cuda, "IN_PLACE_BYTES", 0)
+    if not kernel:
+        monkeypatch.setattr(update, "device_update", lambda *args, **kwargs: None)
     step, state, batches, cpu_losses, cpu_params = _graph_step_and_cpu_curve(tmp_path)
     losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
     np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
     _assert_parameters_follow(state, cpu_params)
     held = step.step.state
-    assert step._optim is not None and step._in_place.parameters and step._in_place.slots
+    assert (step.optimizer_update.device_kernel is not None) == kernel
+    assert (step._optim is None) == kernel and step._kernel == kernel
+    assert step._in_place.parameters and step._in_place.slots
     assert len(held.trainable.allocated) == 1 and len(held.optimizer_slots.allocated) == 1
     assert step.optimizer_update.state.step == len(batches)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_kernel_update_equals_the_graph_update_through_module(tmp_path, monkeypatch) -> None:
+    """``Optimizer.step()`` on a CUDA module runs the optimizer's CUDA kernel; the parameters
+    after five steps equal, bit for bit, those of the same steps with the optimizer graph."""
+    from traingraph.runtime.optimizer import update
+
+    _artifacts(tmp_path, export(seeded(MLP), torch.zeros(2, 20), training=True))
+    batches = _batches((20,))[:5]
+    results = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(update, "device_update", lambda *args, **kwargs: None)
+        state, module, opt = _open(tmp_path, "cuda")
+        assert (opt.update.device_kernel is not None) == kernel
+        for x, y in batches:
+            module(x, y)
+            opt.step()
+            module.lazy_reset_grad()
+        assert opt.update.state.step == len(batches)
+        results[kernel] = {n: p.data for n, p in state.parameters.items()}
+    for name, value in results[False].items():
+        np.testing.assert_array_equal(results[True][name], value, err_msg=name)
 
 
 @pytest.mark.gpu

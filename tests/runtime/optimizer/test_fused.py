@@ -1,4 +1,5 @@
-"""The fused CPU optimizer updates (the native kernel) give the optimizer graph's numbers."""
+"""The fused optimizer updates (the CPU's native kernel, the GPU's CUDA kernel) give the
+optimizer graph's numbers bit for bit."""
 
 from __future__ import annotations
 
@@ -349,3 +350,105 @@ def test_an_output_overwrites_its_input_only_where_every_other_reader_runs_first
         )
     )
     assert overwritable(model, {n: f"{n}_out" for n in "abcde"}) == {"a", "e"}
+
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+CUDA = pytest.mark.skipif(
+    not HAS_CUDA,
+    reason="needs a CUDA GPU and onnxruntime-gpu (the installed onnxruntime offers"
+    f" {ort.get_available_providers()})",
+)
+
+
+def _device_steps(optimizer, params, grads, lr, spans=None):
+    """Run the CUDA kernel over the concatenated ``params`` ``STEPS`` times; the final
+    parameters and slots, split back per parameter (named as the graph names them)."""
+    from traingraph.runtime.cuda import kernels
+    from traingraph.runtime.cuda.cudart import shared_stream
+    from traingraph.runtime.optimizer.device import SOURCE, device_update
+
+    update = device_update(optimizer.name, optimizer.hyperparameters, spans, device_index=0)
+    assert update is not None, kernels.unavailable_reason(SOURCE, 0)
+    stream = shared_stream(0)
+    assert stream is not None
+    names = list(params)
+    flat = np.concatenate([params[n].ravel() for n in names])
+    on_device = {"param": ort.OrtValue.ortvalue_from_numpy(flat, "cuda", 0)}
+    for kind in update.slot_kinds:
+        on_device[kind] = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(flat), "cuda", 0)
+    for step in range(1, STEPS + 1):
+        g = np.concatenate([grads[step - 1][n].ravel() for n in names])
+        on_device["grad"] = ort.OrtValue.ortvalue_from_numpy(g, "cuda", 0)
+        addresses = {k: v.data_ptr() for k, v in on_device.items()}
+        update(addresses, flat.size, flat.dtype, lr=lr, step=step, stream=stream.handle)
+        stream.synchronize()
+
+    def split(vector):
+        parts, at = {}, 0
+        for n in names:
+            parts[n] = vector[at : at + params[n].size].reshape(params[n].shape)
+            at += params[n].size
+        return parts
+
+    got = split(on_device["param"].numpy())
+    slots = {}
+    for kind in update.slot_kinds:
+        slots.update({f"{n}.{kind}": v for n, v in split(on_device[kind].numpy()).items()})
+    return got, slots
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_cuda_kernel_matches_optimizer_graph(optimizer, dtype):
+    """The kernel over 203,531 elements (more than one block per thread of the grid) equals
+    the optimizer graph run by onnxruntime on the CPU, step by step, with zeros, infinities and
+    NaN among the gradients."""
+    params, grads = _problem(3, dtype=dtype, shapes={"flat": (203_531,)})
+    params["flat"][::7] = 0.0
+    grads[1]["flat"][::5] = 0.0
+    grads[2]["flat"][[3, 11, 101]] = [np.inf, -np.inf, np.nan]
+    lr = float(np.float32(optimizer.lr))
+    expected, expected_state = _graph_steps(optimizer, params, grads, lr)
+    got, got_state = _device_steps(optimizer, params, grads, lr)
+    _assert_same(got, expected)
+    _assert_same(got_state, expected_state)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_cuda_kernel_leaves_the_named_parameters_out_of_the_weight_decay(name):
+    """With ``no_decay``, the kernel runs over the decayed and undecayed spans in turn, as the
+    per-parameter graph decays some parameters and not others."""
+    make = optim.AdamW if name == "adamw" else optim.SGD
+    extra = {} if name == "adamw" else {"momentum": 0.9}
+    optimizer = make(lr=1e-2, weight_decay=0.1, no_decay=["bias"], **extra)
+    shapes = {"a.weight": (9, 31), "a.bias": (31,), "b.bias": (7,), "b.weight": (7, 3)}
+    params, grads = _problem(4, shapes=shapes)
+    spans, at = {}, 0
+    for n, p in params.items():
+        spans[n] = (at, at + p.size)
+        at += p.size
+    lr = float(np.float32(optimizer.lr))
+    expected, expected_state = _graph_steps(optimizer, params, grads, lr)
+    got, got_state = _device_steps(optimizer, params, grads, lr, spans)
+    _assert_same(got, expected)
+    _assert_same(got_state, expected_state)
+
+
+def test_no_cuda_kernel_without_the_cuda_libraries(monkeypatch):
+    """Where the CUDA driver or NVRTC cannot be loaded there is no kernel, and the reason says
+    which library is missing (the runtime then runs the optimizer graph)."""
+    from traingraph.runtime.cuda import kernels
+    from traingraph.runtime.optimizer.device import SOURCE, device_update
+
+    monkeypatch.setattr(kernels, "_driver", lambda: None)
+    kernels.load.cache_clear()
+    try:
+        assert device_update("adamw", {}, None, device_index=0) is None
+        assert "CUDA driver" in (kernels.unavailable_reason(SOURCE, 0) or "")
+    finally:
+        kernels.load.cache_clear()
+    assert device_update("adam", {}, None, device_index=0) is None  # no one-pass form

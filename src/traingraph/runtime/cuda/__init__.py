@@ -13,11 +13,14 @@ the training graph, that state double-buffers what a step rewrites (it reads one
 writes the other, then swaps): onnxruntime runs a graph more than once in the call that
 captures it, and each run must see the inputs the first saw. So the step keeps one captured
 graph per buffer layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id``
-run option. Where the parameters and slots are large (:data:`IN_PLACE_BYTES`) and the model
-has no running statistics (one buffer layout), the optimizer is a captured graph of its own
-that writes them in place, as ``Optimizer.step()`` does: their values and the gradients are
-saved before the call that captures it and put back after, and the captured graph then
-replays once. The data-parallel step keeps both copies.
+run option. Where the parameters and slots are large (:data:`IN_PLACE_BYTES`), the update
+is the optimizer's own CUDA kernel (:mod:`traingraph.runtime.optimizer.device`: one pass in
+place, the graph's numbers), queued on the step's stream after the captured graph. Where
+that kernel does not compile and the model has no running statistics (one buffer layout),
+the optimizer is a captured graph of its own that writes them in place, as
+``Optimizer.step()`` does: their values and the gradients are saved before the call that
+captures it and put back after, and the captured graph then replays once. The data-parallel
+step keeps both copies.
 
 A mixed-precision step with a loss scaler is fused too: the model itself keeps each value
 where the gradients are not all finite and updates the loss scale and the step count, which
@@ -622,6 +625,8 @@ class CudaGraphStep:
         # What a separate optimizer graph writes in place, and the graphs it has captured.
         self._in_place = InPlace()
         self._optim_captured: set[int] = set()
+        # Whether the update is the optimizer's CUDA kernel (OptimizerUpdate.device_kernel).
+        self._kernel = False
 
     def _capture_sessions(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Create the sessions for batches shaped like ``arrays``, and the buffers they bind."""
@@ -651,15 +656,19 @@ class CudaGraphStep:
                 self._noise_binding.bind_ortvalue_output(name, self._noise.ortvalue(name))
             self._noise_session = session
         update = self.optimizer_update
+        large = self.writes_in_place and self._state_bytes() >= IN_PLACE_BYTES
+        # The update as one kernel queued after the captured graph, in place (outside
+        # onnxruntime's capture, so any number of buffer layouts); with a loss scaler, where the
+        # host has read that the gradients are finite.
+        self._kernel = large and update.device_kernel is not None
         # One buffer layout only: a step that also swaps running statistics alternates between
         # two captured graphs, which the in-place capture has not been shown to handle.
-        in_place = (
-            self.writes_in_place
-            and not self.step.buffer_outputs
-            and self._state_bytes() >= IN_PLACE_BYTES
-        )
-        fused = None if in_place else self._fused_model(static)
-        if fused is not None:
+        in_place = large and not self.step.buffer_outputs
+        fused = None if in_place or self._kernel else self._fused_model(static)
+        if self._kernel:
+            self._train = create_cuda_session(static, self.device, self._config)
+            self._in_place = InPlace(parameters=True, slots=True)
+        elif fused is not None:
             self._train = create_cuda_session(fused, self.device, self._config)
         else:
             self._train = create_cuda_session(static, self.device, self._config)
@@ -771,7 +780,9 @@ class CudaGraphStep:
             state.reset_grads_pending = True
             return self._outputs.read(step.outputs[0]) if fetch_loss else None
         finite = scaler is None or scaler.update(bool(self._finite.read(GRADS_FINITE)))
-        if finite:
+        if finite and self._kernel:
+            self.optimizer_update.queue_device_update(self._stream_handle())  # counts the step
+        elif finite:
             if self._optim is not None:
                 self._run_optimizer(graph_id, optim_binding, options)
             if not self._in_place.parameters:
@@ -785,6 +796,12 @@ class CudaGraphStep:
         if not fetch_loss:
             return None
         return self._outputs.read(step.outputs[0])
+
+    def _stream_handle(self) -> int:
+        """The address of the stream the step's sessions run on."""
+        if self._stream is not None:
+            return self._stream.handle
+        return int(self._config.cuda_extra["user_compute_stream"])
 
     def _run_optimizer(self, graph_id: int, binding: Any, options: ort.RunOptions) -> None:
         """Run the separate optimizer graph; the first time for ``graph_id`` onnxruntime
@@ -829,7 +846,9 @@ class CudaGraphStep:
         key = tuple(id(s) for s in stores)
         if key not in self._graphs:
             train = self._bind_train()
-            if self._optim is None:
+            if self._kernel:
+                optim = None
+            elif self._optim is None:
                 self._bind_optimizer(train, FUSED_PREFIX)
                 optim = None
             else:
@@ -849,7 +868,7 @@ class CudaGraphStep:
         if self._noise is not None:
             for name in self._noise:
                 binding.bind_ortvalue_input(name, self._noise.ortvalue(name))
-        if self._optim is not None:
+        if self._optim is not None or self._kernel:
             for name, out in step.grad_outputs.items():
                 binding.bind_ortvalue_output(out, state.grads.ortvalue(name))
         for out, buffer in step.buffer_outputs.items():

@@ -76,6 +76,12 @@ class Stream:
             "cudaStreamCreateWithFlags",
         )
         self.handle = int(handle.value or 0)
+        self._lib = lib
+
+    def synchronize(self) -> None:
+        """Wait until the work queued on the stream is done."""
+        status = self._lib.cudaStreamSynchronize(ctypes.c_void_p(self.handle))
+        _check(status, "cudaStreamSynchronize")
 
 
 @functools.cache

@@ -108,18 +108,12 @@ def fused_update(
             it then runs over the runs of decayed and undecayed parameters in turn.
     """
     native = _native
-    extras = {"l1", "clip_grad_value", "max_grad_norm_per_tensor", "clip_grad_norm"}
-    if native is None or extras & set(hyperparameters):
+    undecayed = undecayed_spans(name, hyperparameters, spans)
+    if native is None or undecayed is None:
         return None
     h = dict(hyperparameters)
-    undecayed: list[tuple[int, int]] = []
-    if not flattenable_hyperparameters(h):
-        if spans is None or h.get("max_grad_norm_per_tensor") is not None:
-            return None
-        exclude = h.get("no_decay", ())
-        undecayed = sorted(span for n, span in spans.items() if decay_excluded(n, exclude))
     threads = physical_cores() if threads is None else max(1, int(threads))
-    if name == "adamw" and not h.get("amsgrad", False):
+    if name == "adamw":
         b1, b2 = h.get("betas", (0.9, 0.999))
         eps, weight_decay = h.get("eps", 1e-8), h.get("weight_decay", 0.01)
 
@@ -148,35 +142,57 @@ def fused_update(
     return None
 
 
+def undecayed_spans(
+    name: str,
+    hyperparameters: Mapping[str, Any],
+    spans: Mapping[str, tuple[int, int]] | None = None,
+) -> list[tuple[int, int]] | None:
+    """The spans of the flat block a one-pass update of optimizer ``name`` leaves out of the
+    weight decay (``[]``: none), or None where the optimizer has no one-pass form: another
+    algorithm than AdamW without AMSGrad and SGD, clipping or L1 terms, or parameters left out
+    of the weight decay without ``spans`` (each parameter's ``(start, stop)``)."""
+    extras = {"l1", "clip_grad_value", "max_grad_norm_per_tensor", "clip_grad_norm"}
+    if extras & set(hyperparameters):
+        return None
+    if not (name == "sgd" or (name == "adamw" and not hyperparameters.get("amsgrad", False))):
+        return None
+    if flattenable_hyperparameters(dict(hyperparameters)):
+        return []
+    if spans is None:
+        return None
+    exclude = hyperparameters.get("no_decay", ())
+    return sorted(span for n, span in spans.items() if decay_excluded(n, exclude))
+
+
 def _parts(
     size: int, undecayed: list[tuple[int, int]], weight_decay: float
 ) -> list[tuple[Any, float]]:
     """The parts of the arrays to update, each with its weight decay: the whole arrays
-    (whatever their shape) where no span is undecayed, else the :func:`_runs` of the flat
+    (whatever their shape) where no span is undecayed, else the :func:`runs` of the flat
     block."""
     if not undecayed:
         return [(..., weight_decay)]
-    return [(slice(a, b), decay) for a, b, decay in _runs(size, undecayed, weight_decay)]
+    return [(slice(a, b), decay) for a, b, decay in runs(size, undecayed, weight_decay)]
 
 
-def _runs(
+def runs(
     size: int, undecayed: list[tuple[int, int]], weight_decay: float
 ) -> list[tuple[int, int, float]]:
     """``[0, size)`` as runs ``(start, stop, decay)``: the sorted spans ``undecayed`` (next
     ones merged) without weight decay, the rest with ``weight_decay``."""
-    runs: list[tuple[int, int, float]] = []
+    found: list[tuple[int, int, float]] = []
     at = 0
     for start, stop in undecayed:
         if start > at:
-            runs.append((at, start, weight_decay))
-        if runs and runs[-1][2] == 0.0 and runs[-1][1] == start and weight_decay != 0.0:
-            runs[-1] = (runs[-1][0], stop, 0.0)
+            found.append((at, start, weight_decay))
+        if found and found[-1][2] == 0.0 and found[-1][1] == start and weight_decay != 0.0:
+            found[-1] = (found[-1][0], stop, 0.0)
         else:
-            runs.append((start, stop, 0.0))
+            found.append((start, stop, 0.0))
         at = stop
-    if at < size or not runs:
-        runs.append((at, size, weight_decay))
-    return runs
+    if at < size or not found:
+        found.append((at, size, weight_decay))
+    return found
 
 
-__all__ = ["AVAILABLE", "DTYPES", "FusedUpdate", "fused_update"]
+__all__ = ["AVAILABLE", "DTYPES", "FusedUpdate", "fused_update", "runs", "undecayed_spans"]

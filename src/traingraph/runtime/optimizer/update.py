@@ -1,10 +1,12 @@
 """One optimizer update over a :class:`~traingraph.runtime.state.TrainingState`.
 
 An optimizer has two forms: the portable optimizer graph (:mod:`traingraph.optim`, standard
-ONNX ops, what the artifacts hold, the reference) and, for AdamW and SGD on the CPU, a fused
-native kernel (:mod:`traingraph.runtime.optimizer.fused`) that computes the same numbers in
-place. :class:`OptimizerUpdate` chooses between them, in this one place: the fused kernel where
-the device is the CPU, the extension was built and the kernel takes the optimizer and the
+ONNX ops, what the artifacts hold, the reference) and, for AdamW and SGD, a fused kernel that
+computes the same numbers in place in one pass: native C on the CPU
+(:mod:`traingraph.runtime.optimizer.fused`), CUDA compiled at run time on a GPU
+(:mod:`traingraph.runtime.optimizer.device`). :class:`OptimizerUpdate` chooses between them,
+in this one place: the fused kernel where it exists for the device (the extension was built;
+the CUDA kernels compile, and the state lies in flat blocks) and takes the optimizer and the
 dtypes, else the graph, run over all parameters at once (one flat vector) where the optimizer
 allows it, else as the file holds it.
 """
@@ -30,6 +32,7 @@ from traingraph.optim import (
     from_hyperparameters,
     state_slots,
 )
+from traingraph.runtime.optimizer.device import DeviceUpdate, device_update
 from traingraph.runtime.optimizer.fused import DTYPES, FusedUpdate, fused_update
 from traingraph.runtime.session import BoundRunner, SessionConfig, create_session
 from traingraph.runtime.state import TrainingState
@@ -323,21 +326,25 @@ class OptimizerUpdate:
             (hyperparameters or {}).get(k) for k in ("clip_grad_norm", "max_grad_norm_per_tensor")
         )
         self._fused: FusedUpdate | None = None
+        self._device: DeviceUpdate | None = None
         dtypes = {np.dtype(d) for _, d in state.trainable.cur.specs.values()}
         if state.optimizer_slots is not None:
             dtypes |= {np.dtype(d) for _, d in state.optimizer_slots.cur.specs.values()}
-        if (
-            fused
-            and state.device.kind == "cpu"
-            and hyperparameters is not None
-            and dtypes <= set(DTYPES)
-        ):
-            spans = None
-            if layout is not None and state.trainable.cur.offsets is not None:
-                specs, offsets = state.trainable.cur.specs, state.trainable.cur.offsets
-                spans = {n: (at, at + math.prod(specs[n][0])) for n, at in offsets.items()}
+        spans = None
+        if layout is not None and state.trainable.cur.offsets is not None:
+            specs, offsets = state.trainable.cur.specs, state.trainable.cur.offsets
+            spans = {n: (at, at + math.prod(specs[n][0])) for n, at in offsets.items()}
+        runs_fused = fused and hyperparameters is not None and dtypes <= set(DTYPES)
+        if runs_fused and state.device.kind == "cpu":
             self._fused = fused_update(name, hyperparameters, threads=threads, spans=spans)
-        self.blocks = layout if self._fused is not None else None
+        elif runs_fused and state.device.kind == "cuda" and layout is not None:
+            from traingraph.runtime.cuda.cudart import shared_stream
+
+            if shared_stream(state.device.index) is not None:
+                self._device = device_update(
+                    name, hyperparameters, spans, device_index=state.device.index
+                )
+        self.blocks = layout if self._fused is not None or self._device is not None else None
         self.flat: FlatLayout | None = None
         self.graph_model = proto
         if fused and self._fused is None and hyperparameters is not None:
@@ -347,10 +354,36 @@ class OptimizerUpdate:
                 self.graph_model, self.flat = flat
         self.in_place = InPlace()
         self._runner: BoundRunner | None = None
-        if self._fused is None:
+        if self._fused is None and self._device is None:
             self.in_place = writes_in_place(self.graph_model, state, self.flat)
             session = create_session(self.graph_model, state.device, config)
             self._runner = BoundRunner(session, state.device)
+
+    @property
+    def device_kernel(self) -> DeviceUpdate | None:
+        """The one-kernel update on a CUDA device (:mod:`~traingraph.runtime.optimizer.device`)
+        where it runs there, else None (the graph runs)."""
+        return self._device
+
+    def queue_device_update(self, stream: int) -> None:
+        """Queue the one-kernel update on CUDA ``stream`` (after the gradients' writers on it);
+        it updates the parameters and slots in place. Counts the step."""
+        device, state, blocks = self._device, self.state, self.blocks
+        assert device is not None and blocks is not None and state.learning_rate is not None
+        slots = state.optimizer_slots
+        assert slots is not None
+        params = state.trainable.cur
+        size = params.flat_size
+        addresses = {
+            "param": params.block(0, size).data_ptr(),
+            "grad": state.grads.block(0, size).data_ptr(),
+        }
+        for kind, (start, stop) in blocks.items():
+            addresses[kind] = slots.cur.block(start, stop).data_ptr()
+        dtype = next(iter(params.specs.values()))[1]
+        lr = float(np.float32(state.learning_rate))
+        device(addresses, size, dtype, lr=lr, step=state.step + 1, stream=stream)
+        state.step += 1
 
     def _attach_slots(
         self, proto: onnx.ModelProto, slot_names: list[str], meta: Mapping[str, str]
@@ -399,6 +432,16 @@ class OptimizerUpdate:
     def apply(self) -> None:
         """Update the parameters and slots with the current gradients; count the step."""
         state = self.state
+        if self._device is not None:
+            from traingraph.runtime.cuda.cudart import shared_stream
+
+            stream = shared_stream(state.device.index)
+            assert stream is not None  # checked when the kernel was chosen
+            # The training step's session finished its run before returning; the update
+            # is done before the next one starts.
+            self.queue_device_update(stream.handle)
+            stream.synchronize()
+            return
         if self._fused is None:
             assert self._runner is not None
             optimizer_step(self._runner, state, self.flat, self.in_place)

@@ -1,0 +1,158 @@
+"""The optimizer update as one CUDA kernel over the state's flat blocks.
+
+On a GPU the flat optimizer graph runs each of its elementwise ops as a kernel over each chunk
+of the parameters (AdamW: 16 ops, each reading and writing whole chunks). The kernels of
+``runtime/cuda/optimizer.cu`` apply the same ops in the same order per element in one pass
+over the blocks, in place, as the CPU's fused update does
+(:func:`~traingraph.runtime.optimizer.fused.fused_update`, which documents the formulas): the
+same numbers bit for bit, about a fifth of the memory traffic, no second copy of the state.
+The coefficients are computed here in float64 (the bias corrections with C's ``pow`` and
+``sqrt``, as the graph computes them in float64) and rounded to the parameters' dtype.
+
+:func:`device_update` gives the update where the kernels compile for the device (NVRTC and
+the CUDA driver load, :mod:`traingraph.runtime.cuda.kernels`) and the optimizer has a one-pass
+form; else None, and the runtime runs the graph.
+
+Example:
+    >>> update = device_update("adamw", hyperparameters, spans, device_index=0)
+    >>> update(blocks, size, np.dtype(np.float32), lr=1e-3, step=1, stream=stream.handle)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from traingraph.runtime.optimizer.fused import runs, undecayed_spans
+
+SOURCE = "optimizer.cu"
+"""The CUDA source of the kernels (in :mod:`traingraph.runtime.cuda`)."""
+
+_SGD_PLAIN, _SGD_MOMENTUM, _SGD_NESTEROV, _SGD_DAMPENED, _SGD_FIRST_DAMPENED = range(5)
+_SUFFIX = {
+    np.dtype(np.float32): ("f32", ctypes.c_float),
+    np.dtype(np.float64): ("f64", ctypes.c_double),
+}
+
+
+class DeviceUpdate:
+    """One optimizer step in place over device blocks; see :func:`device_update`.
+
+    Args:
+        name: ``"adamw"`` or ``"sgd"``.
+        hyperparameters: The optimizer's hyperparameters.
+        undecayed: The spans of the flat block without weight decay.
+        source: The compiled kernels.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        hyperparameters: Mapping[str, Any],
+        undecayed: list[tuple[int, int]],
+        source: Any,
+    ) -> None:
+        self.name = name
+        self.hyperparameters = dict(hyperparameters)
+        momentum = self.hyperparameters.get("momentum", 0.0) > 0
+        self.slot_kinds: tuple[str, ...] = (
+            ("exp_avg", "exp_avg_sq") if name == "adamw"
+            else ("momentum_buffer",) if momentum else ()
+        )  # fmt: skip
+        """The slot kinds the update reads and writes."""
+        self._undecayed = undecayed
+        self._source = source
+
+    def __call__(
+        self,
+        blocks: Mapping[str, int],
+        size: int,
+        dtype: np.dtype,
+        *,
+        lr: float,
+        step: int,
+        stream: int,
+    ) -> None:
+        """Queue the update of ``size`` elements on ``stream``.
+
+        Args:
+            blocks: Device addresses of the blocks: ``"param"``, ``"grad"`` and each slot kind
+                (``"exp_avg"``, ``"exp_avg_sq"`` or ``"momentum_buffer"``).
+            size: Elements of each block.
+            dtype: Their dtype (float32 or float64).
+            lr: The learning rate.
+            step: The 1-based number of this step.
+            stream: The ``cudaStream_t`` address the update is queued on.
+        """
+        suffix, scalar = _SUFFIX[np.dtype(dtype)]
+        itemsize = np.dtype(dtype).itemsize
+        h = self.hyperparameters
+        weight_decay = h.get("weight_decay", 0.01 if self.name == "adamw" else 0.0)
+        for start, stop, decay in runs(size, self._undecayed, weight_decay):
+            def at(kind: str, start: int = start) -> ctypes.c_void_p:
+                return ctypes.c_void_p(blocks[kind] + start * itemsize)
+
+            n = ctypes.c_longlong(stop - start)
+            if self.name == "adamw":
+                b1, b2 = h.get("betas", (0.9, 0.999))
+                coefficients = (
+                    1.0 - b1, b2, 1.0 - b2, 1.0 - math.pow(b1, step),
+                    math.sqrt(1.0 - math.pow(b2, step)), h.get("eps", 1e-8), decay, -lr,
+                )  # fmt: skip
+                args = [
+                    at("param"), at("grad"), at("exp_avg"), at("exp_avg_sq"), n,
+                    *(scalar(c) for c in coefficients), ctypes.c_int(decay != 0),
+                ]  # fmt: skip
+                self._source.launch(f"adamw_{suffix}", stop - start, args, stream)
+                continue
+            momentum, dampening = h.get("momentum", 0.0), h.get("dampening", 0.0)
+            mode = (
+                _SGD_PLAIN if momentum <= 0
+                else _SGD_NESTEROV if h.get("nesterov", False)
+                else _SGD_MOMENTUM if dampening == 0
+                else _SGD_FIRST_DAMPENED if step == 1
+                else _SGD_DAMPENED
+            )  # fmt: skip
+            buffer = at("momentum_buffer") if mode != _SGD_PLAIN else ctypes.c_void_p(0)
+            args = [
+                at("param"), at("grad"), buffer, n,
+                *(scalar(c) for c in (decay, momentum, 1.0 - dampening, -lr)),
+                ctypes.c_int(decay != 0), ctypes.c_int(mode),
+            ]  # fmt: skip
+            self._source.launch(f"sgd_{suffix}", stop - start, args, stream)
+
+
+def device_update(
+    name: str,
+    hyperparameters: Mapping[str, Any],
+    spans: Mapping[str, tuple[int, int]] | None,
+    *,
+    device_index: int,
+) -> DeviceUpdate | None:
+    """The one-kernel update of optimizer ``name`` on CUDA device ``device_index``, or None
+    where it has no one-pass form (:func:`~traingraph.runtime.optimizer.fused.undecayed_spans`)
+    or the kernels cannot be compiled there.
+
+    Args:
+        name: The optimizer's name (``"adamw"``, ``"sgd"``, ...).
+        hyperparameters: Its hyperparameters.
+        spans: Each parameter's ``(start, stop)`` in the flat block (needed where some are left
+            out of the weight decay).
+        device_index: The CUDA device.
+    """
+    undecayed = undecayed_spans(name, hyperparameters, spans)
+    if undecayed is None:
+        return None
+    from traingraph.runtime.cuda import kernels
+
+    source = kernels.load(SOURCE, device_index)
+    if source is None:
+        return None
+    return DeviceUpdate(name, hyperparameters, undecayed, source)
+
+
+__all__ = ["DeviceUpdate", "SOURCE", "device_update"]
