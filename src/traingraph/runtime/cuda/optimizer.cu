@@ -6,8 +6,8 @@
  * numbers bit for bit on either device. The coefficients are computed by the caller in
  * float64 and rounded to T, as the graph computes its bias corrections.
  *
- * Each thread walks the elements with the grid's stride; each element of each array is read
- * once and written at most once.
+ * Each thread walks the elements (or 16-byte vectors of them) with the grid's stride; each
+ * element of each array is read once and written at most once.
  */
 
 enum { SGD_PLAIN, SGD_MOMENTUM, SGD_NESTEROV, SGD_DAMPENED, SGD_FIRST_DAMPENED };
@@ -18,73 +18,111 @@ __device__ __forceinline__ double root(double x) { return sqrt(x); }
 /* m += (g - m)(1 - b1); v = v b2 + g^2 (1 - b2);
  * p += -lr ((m / bc1) / (sqrt(v) / bc2_sqrt + eps) [+ wd p]) */
 template <typename T>
-__device__ __forceinline__ void adamw(
-    T *p, const T *g, T *m, T *v, long long n, T one_minus_b1, T b2, T one_minus_b2, T bc1,
-    T bc2_sqrt, T eps, T wd, T neg_lr, int decay)
-{
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const T gi = g[i], pi = p[i];
-        const T mi = m[i] + (gi - m[i]) * one_minus_b1;
-        const T vi = v[i] * b2 + (gi * gi) * one_minus_b2;
+struct AdamW {
+    T one_minus_b1, b2, one_minus_b2, bc1, bc2_sqrt, eps, wd, neg_lr;
+    int decay;
+
+    __device__ __forceinline__ void operator()(T &p, const T g, T &m, T &v) const
+    {
+        const T mi = m + (g - m) * one_minus_b1;
+        const T vi = v * b2 + (g * g) * one_minus_b2;
         T u = (mi / bc1) / (root(vi) / bc2_sqrt + eps);
         if (decay) {
-            u = u + pi * wd;
+            u = u + p * wd;
         }
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi + u * neg_lr;
+        m = mi;
+        v = vi;
+        p = p + u * neg_lr;
     }
-}
+};
 
 /* g' = g [+ wd p]; with momentum b = mu b + g' (or g' at a dampened first step, or
  * mu b + (1 - tau) g'), g' = b or g' + mu b (Nesterov); p += -lr g' */
 template <typename T>
-__device__ __forceinline__ void sgd(
-    T *p, const T *g, T *buf, long long n, T wd, T mu, T one_minus_tau, T neg_lr, int decay,
-    int mode)
-{
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const T pi = p[i];
-        T gi = g[i];
+struct SGD {
+    T wd, mu, one_minus_tau, neg_lr;
+    int decay, mode;
+
+    __device__ __forceinline__ void operator()(T &p, T g, T &buf) const
+    {
         if (decay) {
-            gi = gi + pi * wd;
+            g = g + p * wd;
         }
         if (mode != SGD_PLAIN) {
             T b;
             if (mode == SGD_FIRST_DAMPENED) {
-                b = gi;
+                b = g;
             } else if (mode == SGD_DAMPENED) {
-                b = buf[i] * mu + gi * one_minus_tau;
+                b = buf * mu + g * one_minus_tau;
             } else {
-                b = buf[i] * mu + gi;
+                b = buf * mu + g;
             }
-            buf[i] = b;
-            gi = mode == SGD_NESTEROV ? gi + b * mu : b;
+            buf = b;
+            g = mode == SGD_NESTEROV ? g + b * mu : b;
         }
-        p[i] = pi + gi * neg_lr;
+        p = p + g * neg_lr;
     }
-}
+};
 
-#define ADAMW(T, NAME)                                                                        \
+/* The elements i of the grid's threads, with the grid's stride. */
+#define EACH(i, n)                                                                            \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);             \
+         i += (long long)blockDim.x * gridDim.x)
+
+/* One element at a time, or W elements of one 16-byte vector V (the caller passes
+ * 16-byte-aligned blocks and n counting vectors); either way each element gets the same ops. */
+#define ADAMW(T, NAME, V, W)                                                                  \
     extern "C" __global__ void NAME(                                                          \
-        T *p, const T *g, T *m, T *v, long long n, T one_minus_b1, T b2, T one_minus_b2,      \
+        V *p, const V *g, V *m, V *v, long long n, T one_minus_b1, T b2, T one_minus_b2,      \
         T bc1, T bc2_sqrt, T eps, T wd, T neg_lr, int decay)                                  \
     {                                                                                         \
-        adamw<T>(p, g, m, v, n, one_minus_b1, b2, one_minus_b2, bc1, bc2_sqrt, eps, wd,       \
-                 neg_lr, decay);                                                              \
+        const AdamW<T> step = {one_minus_b1, b2, one_minus_b2, bc1, bc2_sqrt, eps, wd,        \
+                               neg_lr, decay};                                                \
+        EACH(i, n)                                                                            \
+        {                                                                                     \
+            V pi = p[i], mi = m[i], vi = v[i];                                                \
+            const V gi = g[i];                                                                \
+            T *pl = (T *)&pi, *ml = (T *)&mi, *vl = (T *)&vi;                                 \
+            const T *gl = (const T *)&gi;                                                     \
+            for (int k = 0; k < W; k++) {                                                     \
+                step(pl[k], gl[k], ml[k], vl[k]);                                             \
+            }                                                                                 \
+            p[i] = pi;                                                                        \
+            m[i] = mi;                                                                        \
+            v[i] = vi;                                                                        \
+        }                                                                                     \
     }
 
-#define SGD(T, NAME)                                                                          \
+#define SGD_KERNEL(T, NAME, V, W)                                                             \
     extern "C" __global__ void NAME(                                                          \
-        T *p, const T *g, T *buf, long long n, T wd, T mu, T one_minus_tau, T neg_lr,         \
+        V *p, const V *g, V *buf, long long n, T wd, T mu, T one_minus_tau, T neg_lr,         \
         int decay, int mode)                                                                  \
     {                                                                                         \
-        sgd<T>(p, g, buf, n, wd, mu, one_minus_tau, neg_lr, decay, mode);                     \
+        const SGD<T> step = {wd, mu, one_minus_tau, neg_lr, decay, mode};                     \
+        EACH(i, n)                                                                            \
+        {                                                                                     \
+            V pi = p[i], bi;                                                                  \
+            const V gi = g[i];                                                                \
+            if (mode != SGD_PLAIN) {                                                          \
+                bi = buf[i];                                                                  \
+            }                                                                                 \
+            T *pl = (T *)&pi, *bl = (T *)&bi;                                                 \
+            const T *gl = (const T *)&gi;                                                     \
+            for (int k = 0; k < W; k++) {                                                     \
+                step(pl[k], gl[k], bl[k]);                                                    \
+            }                                                                                 \
+            p[i] = pi;                                                                        \
+            if (mode != SGD_PLAIN) {                                                          \
+                buf[i] = bi;                                                                  \
+            }                                                                                 \
+        }                                                                                     \
     }
 
-ADAMW(float, adamw_f32)
-ADAMW(double, adamw_f64)
-SGD(float, sgd_f32)
-SGD(double, sgd_f64)
+ADAMW(float, adamw_f32, float, 1)
+ADAMW(float, adamw_f32_vec, float4, 4)
+ADAMW(double, adamw_f64, double, 1)
+ADAMW(double, adamw_f64_vec, double2, 2)
+SGD_KERNEL(float, sgd_f32, float, 1)
+SGD_KERNEL(float, sgd_f32_vec, float4, 4)
+SGD_KERNEL(double, sgd_f64, double, 1)
+SGD_KERNEL(double, sgd_f64_vec, double2, 2)

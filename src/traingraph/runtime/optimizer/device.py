@@ -93,38 +93,41 @@ class DeviceUpdate:
         h = self.hyperparameters
         weight_decay = h.get("weight_decay", 0.01 if self.name == "adamw" else 0.0)
         for start, stop, decay in runs(size, self._undecayed, weight_decay):
-            def at(kind: str, start: int = start) -> ctypes.c_void_p:
-                return ctypes.c_void_p(blocks[kind] + start * itemsize)
-
-            n = ctypes.c_longlong(stop - start)
+            coefficients: tuple[float, ...]
             if self.name == "adamw":
                 b1, b2 = h.get("betas", (0.9, 0.999))
                 coefficients = (
                     1.0 - b1, b2, 1.0 - b2, 1.0 - math.pow(b1, step),
                     math.sqrt(1.0 - math.pow(b2, step)), h.get("eps", 1e-8), decay, -lr,
                 )  # fmt: skip
-                args = [
-                    at("param"), at("grad"), at("exp_avg"), at("exp_avg_sq"), n,
-                    *(scalar(c) for c in coefficients), ctypes.c_int(decay != 0),
-                ]  # fmt: skip
-                self._source.launch(f"adamw_{suffix}", stop - start, args, stream)
-                continue
-            momentum, dampening = h.get("momentum", 0.0), h.get("dampening", 0.0)
-            mode = (
-                _SGD_PLAIN if momentum <= 0
-                else _SGD_NESTEROV if h.get("nesterov", False)
-                else _SGD_MOMENTUM if dampening == 0
-                else _SGD_FIRST_DAMPENED if step == 1
-                else _SGD_DAMPENED
-            )  # fmt: skip
-            buffer = at("momentum_buffer") if mode != _SGD_PLAIN else ctypes.c_void_p(0)
-            args = [
-                at("param"), at("grad"), buffer, n,
-                *(scalar(c) for c in (decay, momentum, 1.0 - dampening, -lr)),
-                ctypes.c_int(decay != 0), ctypes.c_int(mode),
-            ]  # fmt: skip
-            self._source.launch(f"sgd_{suffix}", stop - start, args, stream)
-
+                flags = [ctypes.c_int(decay != 0)]
+                kinds = ["param", "grad", "exp_avg", "exp_avg_sq"]
+            else:
+                momentum, dampening = h.get("momentum", 0.0), h.get("dampening", 0.0)
+                mode = (
+                    _SGD_PLAIN if momentum <= 0
+                    else _SGD_NESTEROV if h.get("nesterov", False)
+                    else _SGD_MOMENTUM if dampening == 0
+                    else _SGD_FIRST_DAMPENED if step == 1
+                    else _SGD_DAMPENED
+                )  # fmt: skip
+                coefficients = (decay, momentum, 1.0 - dampening, -lr)
+                flags = [ctypes.c_int(decay != 0), ctypes.c_int(mode)]
+                kinds = ["param", "grad", "momentum_buffer"]
+            scalars = [scalar(c) for c in coefficients]
+            starts = [blocks[k] + start * itemsize if k in blocks else 0 for k in kinds]
+            # 16-byte vectors where every block is aligned so, then the elements left one by one
+            width = 16 // itemsize if all(a % 16 == 0 for a in starts) else 1
+            vectors = (stop - start) // width if width > 1 else 0
+            for kernel, first, count in (
+                (f"{self.name}_{suffix}_vec", 0, vectors),
+                (f"{self.name}_{suffix}", vectors * width, stop - start - vectors * width),
+            ):
+                if count <= 0:
+                    continue
+                pointers = [ctypes.c_void_p(a + first * itemsize if a else 0) for a in starts]
+                args = [*pointers, ctypes.c_longlong(count), *scalars, *flags]
+                self._source.launch(kernel, count, args, stream)
 
 def device_update(
     name: str,
