@@ -286,6 +286,27 @@ def test_cuda_graph_step_writes_a_large_state_in_place(tmp_path, monkeypatch, ke
 
 @pytest.mark.gpu
 @needs_cuda
+def test_cuda_kernel_updates_a_model_with_running_statistics_in_place(tmp_path, monkeypatch):
+    """With BatchNorm's running statistics the captured step alternates between two buffer
+    layouts; the kernel, outside the capture, writes the parameters and momenta once."""
+    from traingraph.runtime import cuda
+
+    monkeypatch.setattr(cuda, "IN_PLACE_BYTES", 0)
+    step, state, batches, cpu_losses, cpu_params = _graph_step_and_cpu_curve(
+        tmp_path, SqueezeExcite, (3, 8, 8)
+    )
+    losses = [float(step(x, y, fetch_loss=True)) for x, y in batches]
+    np.testing.assert_allclose(losses, cpu_losses, rtol=RTOL, atol=ATOL)
+    cpu_params.pop("conv.bias")  # see test_cuda_graph_step_captures_a_squeeze_and_excitation_model
+    cpu_params.pop("bn.running_mean")
+    _assert_parameters_follow(state, cpu_params)
+    held = step.step.state
+    assert step._kernel and step._optim is None and len(step._graphs) == 2
+    assert len(held.trainable.allocated) == 1 and len(held.optimizer_slots.allocated) == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_kernel_update_equals_the_graph_update_through_module(tmp_path, monkeypatch) -> None:
     """``Optimizer.step()`` on a CUDA module runs the optimizer's CUDA kernel; the parameters
     after five steps equal, bit for bit, those of the same steps with the optimizer graph."""
@@ -311,13 +332,31 @@ def test_cuda_kernel_update_equals_the_graph_update_through_module(tmp_path, mon
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_graph_step_in_place_skips_a_step_of_infinite_gradients(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False], ids=["cuda-kernel", "captured-graph"])
+def test_cuda_graph_step_in_place_skips_a_step_of_infinite_gradients(tmp_path, monkeypatch, kernel):
     from traingraph.runtime import cuda
+    from traingraph.runtime.optimizer import update
 
     monkeypatch.setattr(cuda, "IN_PLACE_BYTES", 0)
+    if not kernel:
+        monkeypatch.setattr(update, "device_update", lambda *args, **kwargs: None)
     module, _, _ = _fp16_graph_step_skipping_an_infinite_step(tmp_path)
     scaler = module.loss_scaler
     assert scaler is not None and scaler.skipped_steps == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_decided_fp16_step_updates_with_the_cuda_kernel(tmp_path, monkeypatch):
+    """A mixed-precision step too large to decide the loss scale on the GPU runs the kernel
+    (above KERNEL_BYTES) after the host has read the finite flag, and skips it otherwise."""
+    from traingraph.runtime import cuda
+
+    monkeypatch.setattr(cuda, "DEVICE_SCALING_LIMIT", 0)
+    monkeypatch.setattr(cuda, "KERNEL_BYTES", 0)
+    module, step, _ = _fp16_graph_step_skipping_an_infinite_step(tmp_path)
+    assert step._kernel and step._optim is None and step._counters is None
+    assert module.loss_scaler is not None and module.loss_scaler.skipped_steps == 1
 
 
 def _fp16_graph_step_skipping_an_infinite_step(tmp_path):  # type: ignore[no-untyped-def]
