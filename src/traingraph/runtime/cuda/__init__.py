@@ -13,8 +13,9 @@ the training graph, that state double-buffers what a step rewrites (it reads one
 writes the other, then swaps): onnxruntime runs a graph more than once in the call that
 captures it, and each run must see the inputs the first saw. So the step keeps one captured
 graph per buffer layout (two in steady state), told apart by onnxruntime's ``gpu_graph_id``
-run option. Where the parameters and slots are large (:data:`IN_PLACE_BYTES`), the update
-is the optimizer's own CUDA kernel (:mod:`traingraph.runtime.optimizer.device`: one pass in
+run option. Where the parameters and slots are large (:data:`IN_PLACE_BYTES`), or the step
+decides its loss scale on the host (:data:`KERNEL_BYTES`), the update is the optimizer's own
+CUDA kernel (:mod:`traingraph.runtime.optimizer.device`: one pass in
 place, the graph's numbers), queued on the step's stream after the captured graph. Where
 that kernel does not compile and the model has no running statistics (one buffer layout),
 the optimizer is a captured graph of its own that writes them in place, as
