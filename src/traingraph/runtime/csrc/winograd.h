@@ -195,6 +195,39 @@ static inline __attribute__((always_inline)) void wino_split(const float *restri
     }
 }
 
+/* wino_rows_out over 8 tiles, for narrow_blocks. */
+static inline __attribute__((always_inline)) void wino_rows_out8(const v8 u[4][4], float *dst,
+                                                                  Py_ssize_t stride)
+{
+    for (int s = 0; s < 4; s++) {
+        *(v8 *)(dst + (0 * 4 + s) * stride) = u[0][s] - u[2][s];
+        *(v8 *)(dst + (1 * 4 + s) * stride) = u[1][s] + u[2][s];
+        *(v8 *)(dst + (2 * 4 + s) * stride) = u[2][s] - u[1][s];
+        *(v8 *)(dst + (3 * 4 + s) * stride) = u[1][s] - u[3][s];
+    }
+}
+
+/* wino_in's transform of one channel's column arrays for narrow_blocks: 8 tiles at a time (its
+ * 16 sums fit 16 registers), the same lanes (up to a whole vector of 16) and the same sums. */
+TARGETS static void wino_in_narrow(const float *cols, Py_ssize_t span, float *dst,
+                                   Py_ssize_t used, Py_ssize_t stride)
+{
+    const Py_ssize_t end = (used + 15) / 16 * 16;
+    for (Py_ssize_t t = 0; t < end; t += 8) {
+        v8 u[4][4];
+        for (int r = 0; r < 4; r++) {
+            const float *at = cols + 4 * r * span + 16 + t;
+            const v8 e0 = *(const v8 *)at, o0 = *(const v8 *)(at + span);
+            const v8 e1 = *(const v8 *)(at + 2 * span), o1 = *(const v8 *)(at + 3 * span);
+            u[r][0] = e0 - e1;
+            u[r][1] = o0 + e1;
+            u[r][2] = e1 - o0;
+            u[r][3] = o0 - o1;
+        }
+        wino_rows_out8(u, dst + t, stride);
+    }
+}
+
 /* The block's transformed patches V[f][c][t] for its tiles t = q * tw + j (tile row unit0 + q,
  * column j), whole vectors along t. `cols` holds 16 arrays of `span` floats, 16 from their
  * start: the four column arrays of each of the patch's rows. */
@@ -227,6 +260,10 @@ TARGETS static void wino_in(const struct wino *p, float *restrict v, float *rest
             }
         }
         float *dst = v + c * p->tiles;
+        if (narrow_blocks) {
+            wino_in_narrow(cols, span, dst, used, stride);
+            continue;
+        }
         for (Py_ssize_t t = 0; t < used; t += 16) {
             v16 u[4][4];
             for (int r = 0; r < 4; r++) {
@@ -445,6 +482,34 @@ static inline void wino_store(const struct wino *p, Py_ssize_t at, const float *
     }
 }
 
+/* wino_out's two output rows of each tile of one filter for narrow_blocks: 8 tiles at a time,
+ * the same sums, the even and odd columns interleaved by 8-float permutes. */
+TARGETS static void wino_out_narrow(const float *src, Py_ssize_t stride, Py_ssize_t used,
+                                    float b, float *top, float *bottom)
+{
+    const v8i low = {0, 8, 1, 9, 2, 10, 3, 11};
+    const v8i high = low + 4;
+    const v8 bias = b + (v8){0};
+    for (Py_ssize_t t = 0; t < used; t += 8) {
+        v8 h[2][4];
+        for (int s = 0; s < 4; s++) {
+            const v8 m0 = *(const v8 *)(src + (0 * 4 + s) * stride + t);
+            const v8 m1 = *(const v8 *)(src + (1 * 4 + s) * stride + t);
+            const v8 m2 = *(const v8 *)(src + (2 * 4 + s) * stride + t);
+            const v8 m3 = *(const v8 *)(src + (3 * 4 + s) * stride + t);
+            h[0][s] = m0 + m1 + m2;
+            h[1][s] = m1 - m2 - m3;
+        }
+        float *rows[2] = {top + 2 * t, bottom + 2 * t};
+        for (int a = 0; a < 2; a++) {
+            const v8 even = h[a][0] + h[a][1] + h[a][2] + bias;
+            const v8 odd = h[a][1] - h[a][2] - h[a][3] + bias;
+            *(v8 *)rows[a] = __builtin_shuffle(even, odd, low);
+            *(v8 *)(rows[a] + 8) = __builtin_shuffle(even, odd, high);
+        }
+    }
+}
+
 /* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend), whole vectors
  * along t: tile row q's two output rows go to top and bottom at 2 q tw = q w first, then to y.
  * `top` and `bottom` hold 2 tiles floats. */
@@ -457,7 +522,10 @@ TARGETS static void wino_out(const struct wino *p, const float *restrict m, floa
     for (Py_ssize_t k = 0; k < p->k; k++) {
         const float *src = m + k * p->tiles;
         const v16 bias = (p->b != NULL ? p->b[k] : 0.0f) + (v16){0};
-        for (Py_ssize_t t = 0; t < used; t += 16) {
+        if (narrow_blocks) {
+            wino_out_narrow(src, stride, used, bias[0], top, bottom);
+        }
+        for (Py_ssize_t t = 0; t < used && !narrow_blocks; t += 16) {
             v16 h[2][4];
             for (int s = 0; s < 4; s++) {
                 const v16 m0 = *(const v16 *)(src + (0 * 4 + s) * stride + t);
