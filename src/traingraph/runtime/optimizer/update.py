@@ -275,10 +275,11 @@ class OptimizerUpdate:
         graph_model: The optimizer model the session runs: ``model``, or its flat equivalent.
         flat: How the flat graph binds the state's blocks; None where the graph runs per tensor
             (or the fused kernel runs).
-        blocks: Slot kind -> its range in the slots' flat block, where the fused kernel
-            updates the flat blocks at once; None where it runs per tensor (or the graph runs).
+        blocks: Slot kind -> its range in the slots' flat block, where a fused kernel (the
+            CPU's or the CUDA one, :attr:`device_kernel`) updates the flat blocks at once; None
+            where it runs per tensor (or the graph runs).
         in_place: Which stores the graph writes in place (:func:`writes_in_place`); none
-            where the fused kernel runs, which updates them in place itself.
+            where a fused kernel runs, which updates them in place itself.
         clips_by_norm: Whether the optimizer clips the gradients by a norm (so a gradient that
             is not finite would make every parameter NaN).
         state: The training state.
