@@ -38,6 +38,11 @@ _OPTIONS = (b"--fmad=false", b"--prec-div=true", b"--prec-sqrt=true", b"--ftz=fa
 _BLOCK = 256
 _ATTR_MULTIPROCESSORS = 16
 _ATTR_MAJOR, _ATTR_MINOR = 75, 76
+_DRIVER_FUNCTIONS = (
+    "cuInit", "cuGetErrorString", "cuDeviceGet", "cuDeviceGetAttribute",
+    "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuModuleLoadData", "cuModuleGetFunction",
+    "cuLaunchKernel",
+)  # fmt: skip
 _reasons: dict[tuple[str, int], str] = {}
 
 
@@ -46,6 +51,8 @@ def _driver() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
+        return None
+    if not all(hasattr(lib, name) for name in _DRIVER_FUNCTIONS):
         return None
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
@@ -72,9 +79,9 @@ def _nvrtc() -> ctypes.CDLL | None:
     for name in (*_NVRTC_NAMES, *map(str, _pip_libraries("libnvrtc.so"))):
         try:
             lib = ctypes.CDLL(name)
-        except OSError:
+            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        except (OSError, AttributeError):
             continue
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         return lib
     return None
 
@@ -213,7 +220,8 @@ def load(source_name: str, device_index: int) -> CompiledSource | None:
         _driver_check(
             driver, driver.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData"
         )
-    except (DeviceError, RuntimeError, OSError) as error:
+    except (DeviceError, RuntimeError, OSError, AttributeError) as error:
+        # AttributeError: a library without a function used here (an NVRTC older than 11.1)
         _reasons[key] = str(error)
         return None
     return CompiledSource(driver, context, module, multiprocessors)
