@@ -510,38 +510,48 @@ TARGETS static void wino_out_narrow(const float *src, Py_ssize_t stride, Py_ssiz
     }
 }
 
-/* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend), whole vectors
- * along t: tile row q's two output rows go to top and bottom at 2 q tw = q w first, then to y.
- * `top` and `bottom` hold 2 tiles floats. */
-TARGETS static void wino_out(const struct wino *p, const float *restrict m, float *restrict top,
-                             float *restrict bottom, Py_ssize_t unit0, Py_ssize_t units)
+/* wino_out's two output rows of each tile of one filter, 16 tiles at a time. */
+TARGETS static void wino_out_wide(const float *src, Py_ssize_t stride, Py_ssize_t used, float b,
+                                  float *top, float *bottom)
 {
     const v16i low = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
     const v16i high = low + 8;
+    const v16 bias = b + (v16){0};
+    for (Py_ssize_t t = 0; t < used; t += 16) {
+        v16 h[2][4];
+        for (int s = 0; s < 4; s++) {
+            const v16 m0 = *(const v16 *)(src + (0 * 4 + s) * stride + t);
+            const v16 m1 = *(const v16 *)(src + (1 * 4 + s) * stride + t);
+            const v16 m2 = *(const v16 *)(src + (2 * 4 + s) * stride + t);
+            const v16 m3 = *(const v16 *)(src + (3 * 4 + s) * stride + t);
+            h[0][s] = m0 + m1 + m2;
+            h[1][s] = m1 - m2 - m3;
+        }
+        float *rows[2] = {top + 2 * t, bottom + 2 * t};
+        for (int a = 0; a < 2; a++) {
+            const v16 even = h[a][0] + h[a][1] + h[a][2] + bias;
+            const v16 odd = h[a][1] - h[a][2] - h[a][3] + bias;
+            *(v16 *)rows[a] = __builtin_shuffle(even, odd, low);
+            *(v16 *)(rows[a] + 16) = __builtin_shuffle(even, odd, high);
+        }
+    }
+}
+
+/* The outputs of the block's tile rows from M[f][k][t] (plus bias and addend), whole vectors
+ * along t: tile row q's two output rows go to top and bottom at 2 q tw = q w first, then to y.
+ * `top` and `bottom` hold 2 tiles floats. */
+static void wino_out(const struct wino *p, const float *restrict m, float *restrict top,
+                     float *restrict bottom, Py_ssize_t unit0, Py_ssize_t units)
+{
     const Py_ssize_t used = units * p->tw, stride = p->m_pitch, plane = p->h * p->w;
     for (Py_ssize_t k = 0; k < p->k; k++) {
         const float *src = m + k * p->tiles;
-        const v16 bias = (p->b != NULL ? p->b[k] : 0.0f) + (v16){0};
+        const float b = p->b != NULL ? p->b[k] : 0.0f;
         if (narrow_blocks) {
-            wino_out_narrow(src, stride, used, bias[0], top, bottom);
+            wino_out_narrow(src, stride, used, b, top, bottom);
         }
-        for (Py_ssize_t t = 0; t < used && !narrow_blocks; t += 16) {
-            v16 h[2][4];
-            for (int s = 0; s < 4; s++) {
-                const v16 m0 = *(const v16 *)(src + (0 * 4 + s) * stride + t);
-                const v16 m1 = *(const v16 *)(src + (1 * 4 + s) * stride + t);
-                const v16 m2 = *(const v16 *)(src + (2 * 4 + s) * stride + t);
-                const v16 m3 = *(const v16 *)(src + (3 * 4 + s) * stride + t);
-                h[0][s] = m0 + m1 + m2;
-                h[1][s] = m1 - m2 - m3;
-            }
-            float *rows[2] = {top + 2 * t, bottom + 2 * t};
-            for (int a = 0; a < 2; a++) {
-                const v16 even = h[a][0] + h[a][1] + h[a][2] + bias;
-                const v16 odd = h[a][1] - h[a][2] - h[a][3] + bias;
-                *(v16 *)rows[a] = __builtin_shuffle(even, odd, low);
-                *(v16 *)(rows[a] + 16) = __builtin_shuffle(even, odd, high);
-            }
+        else {
+            wino_out_wide(src, stride, used, b, top, bottom);
         }
         for (Py_ssize_t q = 0; q < units; q++) {
             const Py_ssize_t n = (unit0 + q) / p->th, i = (unit0 + q) % p->th;
