@@ -474,7 +474,7 @@ def _root(array: np.ndarray) -> np.ndarray:
 def test_values_that_live_at_once_get_memory_apart_and_the_block_holds_the_most_alive():
     # (bytes, first step, last step)
     lives = [(100, 0, 1), (400, 0, 3), (50, 2, 4), (80, 2, 5), (300, 4, 6), (64, 6, 6)]
-    offsets, total = segments._offsets(lives)
+    offsets, total = segments.offsets(lives)
     for i, (size, first, last) in enumerate(lives):
         assert offsets[i] % 64 == 0  # on a cache line
         for j, (other, start, end) in enumerate(lives[:i]):
@@ -491,7 +491,7 @@ def test_values_that_live_at_once_get_memory_apart_and_the_block_holds_the_most_
         (int(rng.integers(1, 5000)), first, first + int(rng.integers(0, 20)))
         for first in rng.integers(0, 100, 200)
     ]
-    offsets, total = segments._offsets(many)
+    offsets, total = segments.offsets(many)
     for i, (size, first, last) in enumerate(many):
         for j, (other, start, end) in enumerate(many[:i]):
             if first <= end and start <= last:

@@ -110,14 +110,18 @@ class Plan:
         return self.first + [k for ks in self.kernels for k in ks]
 
 
-def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]]) -> Plan:
+def plan_segments(
+    model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]]], *, cpu: bool = True
+) -> Plan:
     """``model`` without the nodes of ``grads``, cut into segments: a node goes into the
     segment after the last kernel whose output it reads (transitively), or, where only nodes
     read its outputs, into the first segment that reads them (:func:`_sunk`); a kernel that
     reads only model inputs runs before the first segment. The nodes need not be in order where only
     kernels read a node's outputs (they may come last). A cheap node of :data:`RECOMPUTED`
     goes as well into the later segments that read its output and its input
-    (:func:`_recomputed`)."""
+    (:func:`_recomputed`). With ``cpu`` (the default), products over flattened rows and the
+    shape ops at the cuts are made views for the CPU (:func:`_flat_gemms`,
+    :func:`_views_at_cuts`); other devices' segments keep their nodes as they are."""
     graph = model.graph
     removed = set().union(*(nodes for _, nodes in grads)) if grads else set()
     removed -= _still_read(graph, removed, [g for g, _ in grads])
@@ -206,10 +210,14 @@ def plan_segments(model: onnx.ModelProto, grads: Sequence[tuple[Kernel, set[int]
         outputs = sorted(
             o for o in produced if o in outside or readers.get(o)
         )
-        members, flat_types = _flat_gemms(members, outputs, graph_outputs, types)
-        members, inputs, outputs, before, after = _views_at_cuts(
-            members, inputs, outputs, graph_outputs, types
-        )
+        flat_types: dict[str, onnx.ValueInfoProto] = {}
+        before: list[ViewStep] = []
+        after: list[ViewStep] = []
+        if cpu:
+            members, flat_types = _flat_gemms(members, outputs, graph_outputs, types)
+            members, inputs, outputs, before, after = _views_at_cuts(
+                members, inputs, outputs, graph_outputs, types
+            )
         if before:
             (plan_kernels[-1] if plan_kernels else first).extend(before)
         sub = helper.make_graph(
@@ -754,7 +762,7 @@ class SegmentedRunner:
         A value lives from the step that writes it to the last that reads it (a value that
         several steps write, to the last of them; one the caller asks for, to the end of the
         run). The buffers are views of one block, where values that do not live at the same
-        time share memory (:func:`_offsets`), so that the step's working set stays small and
+        time share memory (:func:`offsets`), so that the step's working set stays small and
         in cache.
         """
         names: list[str] = []
@@ -772,12 +780,12 @@ class SegmentedRunner:
                 names.append(name)
                 seen.add(name)
                 lives.append((size, start, end))
-        offsets, total = _offsets(lives)
+        starts, total = offsets(lives)
         block = _aligned(total)
         cuts: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}
         kept: dict[str, np.ndarray] = {}
         segment_values = {o for s in self._steps if isinstance(s, tuple) for o in s[1].outputs}
-        for name, (size, _, _), offset in zip(names, lives, offsets):
+        for name, (size, _, _), offset in zip(names, lives, starts):
             dtype, shape = written[name]
             array = block[offset : offset + size].view(dtype).reshape(shape)
             if name in segment_values:
@@ -1011,21 +1019,24 @@ class _Input:
 _ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}
 
 
-def _offsets(lives: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+def offsets(
+    lives: Sequence[tuple[int, int, int]], alignment: int = 64
+) -> tuple[list[int], int]:
     """Where each value of ``lives`` (its bytes, the first and the last step it lives in)
     starts in one block, and the block's bytes: two values that live at the same time do not
     overlap. The largest values are placed first, each at the start of the smallest gap that
     holds it between those placed that live at the same time (or after the last of them), on
-    a cache line: the block comes close to the most bytes that live at once.
+    an ``alignment`` boundary (a cache line by default): the block comes close to the most
+    bytes that live at once.
     """
-    offsets = [0] * len(lives)
+    starts = [0] * len(lives)
     placed: list[int] = []
     total = 0
     for i in sorted(range(len(lives)), key=lambda k: (-lives[k][0], lives[k][1])):
         size, first, last = lives[i]
-        size = -(-size // 64) * 64
+        size = -(-size // alignment) * alignment
         taken = sorted(
-            (offsets[k], offsets[k] + lives[k][0])
+            (starts[k], starts[k] + lives[k][0])
             for k in placed
             if lives[k][1] <= last and first <= lives[k][2]
         )
@@ -1034,11 +1045,11 @@ def _offsets(lives: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
             gap = start - end
             if gap >= size and (best_gap is None or gap < best_gap):
                 best, best_gap = end, gap
-            end = max(end, -(-stop // 64) * 64)
-        offsets[i] = end if best is None else best
+            end = max(end, -(-stop // alignment) * alignment)
+        starts[i] = end if best is None else best
         placed.append(i)
-        total = max(total, offsets[i] + size)
-    return offsets, total
+        total = max(total, starts[i] + size)
+    return starts, total
 
 
 def _aligned(size: int, alignment: int = 64) -> np.ndarray:

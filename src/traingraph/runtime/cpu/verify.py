@@ -14,9 +14,11 @@ is dropped with a warning that says why, and the graph computes it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -49,6 +51,23 @@ def report_dropped(kernels: Iterable[object], reason: str) -> None:
         )
 
 
+_providers: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "check_providers", default=None
+)
+
+
+@contextlib.contextmanager
+def checked_on(providers: list[Any]) -> Iterator[None]:
+    """Within the block, the nodes of each check run on ``providers`` (onnxruntime's provider
+    list) instead of the CPU: the kernels of another device are checked against what the
+    graph computes there."""
+    token = _providers.set(providers)
+    try:
+        yield
+    finally:
+        _providers.reset(token)
+
+
 @overload
 def run_subgraph(
     model: onnx.ModelProto,
@@ -74,8 +93,9 @@ def run_subgraph(
     outputs: list[str],
 ) -> list[np.ndarray] | list[list[np.ndarray]]:
     """Run ``nodes`` of ``model`` (with the constants they read) on ``feeds``, in one
-    single-threaded onnxruntime CPU session, and return ``outputs``; for a list of feeds (of
-    one set of names and shapes), a run on each, in the one session."""
+    single-threaded onnxruntime CPU session (or one of the providers :func:`checked_on`
+    names), and return ``outputs``; for a list of feeds (of one set of names and shapes), a
+    run on each, in the one session."""
     runs = feeds if isinstance(feeds, list) else [feeds]
     graph = model.graph
     needed = {name for n in nodes for name in n.input}
@@ -101,7 +121,7 @@ def run_subgraph(
     options.log_severity_level = 3
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(
-        check.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        check.SerializeToString(), options, providers=_providers.get() or ["CPUExecutionProvider"]
     )
     results = [list(session.run(outputs, run)) for run in runs]
     return results if isinstance(feeds, list) else results[0]

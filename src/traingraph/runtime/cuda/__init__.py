@@ -679,16 +679,29 @@ class CudaGraphStep:
         # host), after the host has read that the gradients are finite.
         self._kernel = kernel and fused is None and (large or state_bytes >= KERNEL_BYTES)
         if self._kernel:
-            self._train = create_cuda_session(static, self.device, self._config)
+            self._train = self._session(static)
             self._in_place = InPlace(parameters=True, slots=True)
         elif fused is not None:
-            self._train = create_cuda_session(fused, self.device, self._config)
+            self._train = self._session(fused)
         else:
-            self._train = create_cuda_session(static, self.device, self._config)
+            self._train = self._session(static)
             self._optim = create_cuda_session(update.graph_model, self.device, self._config)
             if in_place:
                 self._in_place = update.in_place
         self._outputs = TensorStore(self.device, self._static_outputs(self._train))
+
+    def _session(self, model: onnx.ModelProto) -> Any:
+        """The session of the training step: with ``cuda_segments``, cut around traingraph's
+        CUDA kernels and captured as one graph where any applies
+        (:mod:`~traingraph.runtime.cuda.segments`); else one onnxruntime session that
+        captures its own."""
+        from traingraph.runtime.cuda.segments import segmented_session
+
+        if self._config.cuda_segments:
+            segmented = segmented_session(model, self.device, self._config, self._stream)
+            if segmented is not None:
+                return segmented
+        return create_cuda_session(model, self.device, self._config)
 
     def _state_bytes(self) -> int:
         """The bytes of the parameters and optimizer slots an update writes."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnxruntime as ort
@@ -36,6 +36,7 @@ _LIBRARIES = ("libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcud
 _STREAM_NON_BLOCKING = 0x1
 _EVENT_DISABLE_TIMING = 0x2
 _HOST_TO_DEVICE = 1
+_CAPTURE_RELAXED = 2
 
 
 @functools.cache
@@ -82,6 +83,48 @@ class Stream:
         """Wait until the work queued on the stream is done."""
         status = self._lib.cudaStreamSynchronize(ctypes.c_void_p(self.handle))
         _check(status, "cudaStreamSynchronize")
+
+
+class CapturedGraph:
+    """The work that ``record`` queues on ``stream``, captured into a CUDA graph that
+    :meth:`launch` replays there with one call.
+
+    The capture is relaxed (``cudaStreamCaptureModeRelaxed``): calls such as an allocation,
+    which may not be queued, are allowed while it lasts. Where ``record`` raises, the capture
+    is ended and the error raised; the stream is usable again.
+
+    Raises:
+        DeviceError: The work could not be captured (a call waited for the stream, or copied
+            to the host); the message is CUDA's.
+    """
+
+    def __init__(self, stream: Stream, record: Callable[[], None]) -> None:
+        lib = stream._lib
+        handle = ctypes.c_void_p(stream.handle)
+        _check(lib.cudaStreamBeginCapture(handle, _CAPTURE_RELAXED), "cudaStreamBeginCapture")
+        graph = ctypes.c_void_p()
+        try:
+            record()
+        finally:
+            status = lib.cudaStreamEndCapture(handle, ctypes.byref(graph))
+        _check(status, "cudaStreamEndCapture")
+        executable = ctypes.c_void_p()
+        try:
+            _check(
+                lib.cudaGraphInstantiate(ctypes.byref(executable), graph, ctypes.c_ulonglong(0)),
+                "cudaGraphInstantiate",
+            )
+        finally:
+            lib.cudaGraphDestroy(graph)
+        weakref.finalize(self, lib.cudaGraphExecDestroy, executable)
+        self._lib = lib
+        self._stream = stream
+        self._executable = executable
+
+    def launch(self) -> None:
+        """Queue the captured work on the stream."""
+        handle = ctypes.c_void_p(self._stream.handle)
+        _check(self._lib.cudaGraphLaunch(self._executable, handle), "cudaGraphLaunch")
 
 
 @functools.cache

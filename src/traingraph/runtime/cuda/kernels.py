@@ -113,7 +113,8 @@ class CompiledSource:
         self._context = context
         self._module = module
         self._functions: dict[str, ctypes.c_void_p] = {}
-        self._max_blocks = max(1, multiprocessors) * 8
+        self.multiprocessors = max(1, multiprocessors)
+        self._max_blocks = self.multiprocessors * 8
 
     def _function(self, name: str) -> ctypes.c_void_p:
         function = self._functions.get(name)
@@ -138,13 +139,24 @@ class CompiledSource:
         if elements <= 0:
             return
         blocks = min(-(-elements // _BLOCK), self._max_blocks)
+        self.launch_grid(name, (blocks, 1), args, stream)
+
+    def launch_grid(
+        self,
+        name: str,
+        grid: tuple[int, int],
+        args: Sequence[ctypes._SimpleCData],
+        stream: int,
+    ) -> None:
+        """Queue kernel ``name`` on a ``grid`` of (x, y) blocks of 256 threads, as
+        :meth:`launch` does."""
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
         lib = self._driver
         _driver_check(lib, lib.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
         _driver_check(
             lib,
             lib.cuLaunchKernel(
-                self._function(name), blocks, 1, 1, _BLOCK, 1, 1, 0,
+                self._function(name), grid[0], grid[1], 1, _BLOCK, 1, 1, 0,
                 ctypes.c_void_p(stream), pointers, None,
             ),  # fmt: skip
             f"cuLaunchKernel({name!r})",

@@ -17,7 +17,7 @@ Each match is checked numerically against its kernel before it is used
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,15 +59,19 @@ class BatchNormGrad(NormalizationGrad):
 
 
 def split_batch_norm_grads(
-    model: onnx.ModelProto, forward: onnx.ModelProto | None = None
+    model: onnx.ModelProto,
+    forward: onnx.ModelProto | None = None,
+    make: Callable[..., BatchNormGrad] | None = None,
 ) -> list[tuple[BatchNormGrad, set[int]]]:
     """Each BatchNormalization gradient of ``model`` the native kernel computes, with the
     indices of the nodes it replaces; checked numerically, all in one onnxruntime session.
     ``[]`` where the extension is missing or nothing matches.
 
     ``forward`` is the model that ran the forward pass where ``model`` is a separate gradient
-    phase: its BatchNormalizations (and the Relus after them) count too."""
-    if NATIVE is None or graph_match.has_subgraphs(model):
+    phase: its BatchNormalizations (and the Relus after them) count too. ``make`` builds
+    each kernel from :class:`BatchNormGrad`'s fields (another device's kernel, checked the
+    same way); by default the native one, which needs the extension."""
+    if (make is None and NATIVE is None) or graph_match.has_subgraphs(model):
         return []
     g = graph_match.GraphIndex.of(model.graph)
     f = graph_match.GraphIndex.of(forward.graph) if forward is not None else g
@@ -77,7 +81,7 @@ def split_batch_norm_grads(
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
             if not g.made_for(node, KERNEL):
                 continue
-            match = _match(g, f, node, shapes)
+            match = _match(g, f, node, shapes, make or BatchNormGrad)
             if match is not None:
                 found.append(match)
     return verify.verified_kernels(model, g, found, shapes, check=_Check(g, shapes))
@@ -88,6 +92,7 @@ def _match(
     f: graph_match.GraphIndex,
     bn: onnx.NodeProto,
     shapes: Mapping[str, Sequence[int | None]],
+    make: Callable[..., BatchNormGrad],
 ) -> tuple[BatchNormGrad, set[int]] | None:
     """The gradient of the inference-form BatchNormalization ``bn`` (the lowering of a training
     one: its statistics come from its input), when the graph computes it from the input, the
@@ -102,7 +107,7 @@ def _match(
     # dbias = ReduceSum(G) through shape ops; G = dy (behind a Relu: dy * mask(y))
     gated = g.summed_into(dbias)
     if gated is None:  # no bias gradient among the outputs: a computed or constant bias
-        return _match_by_tag(g, bn, shapes)
+        return _match_by_tag(g, bn, shapes, make)
     # the forward graph (g itself, or the forward phase f) holds the Relu that reads bn
     home = g if bn.output[0] in g.producer else f
     readers = [home.nodes[j] for j in home.consumers.get(bn.output[0], ())]
@@ -149,12 +154,15 @@ def _match(
         return None
     attrs = graph_match.attributes(bn)
     epsilon = float(attrs.get("epsilon", 1e-5))
-    grad = BatchNormGrad(x, scale, dy, epsilon, dx, dscale, dbias, y=y)
+    grad = make(x, scale, dy, epsilon, dx, dscale, dbias, y=y)
     return grad, nodes
 
 
 def _match_by_tag(
-    g: graph_match.GraphIndex, bn: onnx.NodeProto, shapes: Mapping[str, Sequence[int | None]]
+    g: graph_match.GraphIndex,
+    bn: onnx.NodeProto,
+    shapes: Mapping[str, Sequence[int | None]],
+    make: Callable[..., BatchNormGrad],
 ) -> tuple[BatchNormGrad, set[int]] | None:
     """The gradient of ``bn`` where its bias's gradient is no model output (a BatchNorm whose
     scale or bias the graph computes or holds constant: standardized Conv filters): the
@@ -177,7 +185,7 @@ def _match_by_tag(
     if len(dx) > 1 or len(sums) > 1 or len(dscale) > 1 or rest - set(dscale):
         return None
     epsilon = float(graph_match.attributes(bn).get("epsilon", 1e-5))
-    grad = BatchNormGrad(
+    grad = make(
         x, scale, dy, epsilon, next(iter(dx), None), next(iter(dscale), None),
         next(iter(sums), None),
     )  # fmt: skip

@@ -15,7 +15,7 @@ The artifacts on disk stay standard ONNX; this is how the CPU runs them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
 import onnx
@@ -96,14 +96,17 @@ class BatchNormForward:
 
 
 def split_batch_norm_forwards(
-    model: onnx.ModelProto, taken: Set[int] = frozenset()
+    model: onnx.ModelProto,
+    taken: Set[int] = frozenset(),
+    make: Callable[..., BatchNormForward] | None = None,
 ) -> list[tuple[BatchNormForward, set[int]]]:
     """Each lowered training-mode BatchNormalization of ``model`` (with the Relu, or the Add and
     the Relu, after it) that :class:`BatchNormForward` computes, with the indices of the nodes
     it replaces, none in ``taken``. ``[]`` where the extension is missing or nothing
-    matches."""
+    matches. ``make`` builds each kernel from :class:`BatchNormForward`'s fields (another
+    device's kernel, checked the same way); by default the native one."""
     native = NATIVE
-    if native is None or not hasattr(native, "batch_norm_forward"):
+    if make is None and (native is None or not hasattr(native, "batch_norm_forward")):
         return []
     graph = model.graph
     if not any(n.op_type == "BatchNormalization" for n in graph.node):
@@ -117,7 +120,7 @@ def split_batch_norm_forwards(
         g,
         "BatchNormalization",
         taken,
-        lambda i, claimed: _match(g, i, shapes, constants, claimed),
+        lambda i, claimed: _match(g, i, shapes, constants, claimed, make or BatchNormForward),
         KERNEL,
     )
     offsets = {kernel.x: 1.5 for kernel, _ in matches}  # statistics off zero
@@ -143,6 +146,7 @@ def _match(
     shapes: Mapping[str, list[int | None]],
     constants: Mapping[str, onnx.TensorProto],
     taken: Set[int],
+    make: Callable[..., BatchNormForward],
 ) -> tuple[BatchNormForward, set[int]] | None:
     """The kernel of the BatchNormalization at ``i`` where its mean and variance are the
     lowered batch statistics of its input."""
@@ -199,7 +203,7 @@ def _match(
         if default and other != out and same and last is not None and _is_relu(g.nodes[last]):
             addend, out, relu = other, g.nodes[last].output[0], True
             nodes |= {after, last}
-    kernel = BatchNormForward(x, scale, bias, addend, mean, var_node.output[0], out, epsilon, relu)
+    kernel = make(x, scale, bias, addend, mean, var_node.output[0], out, epsilon, relu)
     return kernel, nodes
 
 
