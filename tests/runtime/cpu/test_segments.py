@@ -690,6 +690,47 @@ def test_views_at_a_cut_are_taken_without_copies():
     assert set(runner._cuts) | set(runner._kept) == {"e", "z"}  # no buffer of a view's own
 
 
+def test_a_plan_for_another_device_keeps_the_shape_ops_in_its_segments():
+    # the same graph as above planned for a device whose segments read device buffers: the
+    # Reshapes stay nodes of the segments (no host views), and the segments still compute it
+    floats = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])]
+    out = [helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 6])]
+    flat = helper.make_tensor("flat", TensorProto.INT64, [1], [24])
+    square = helper.make_tensor("square", TensorProto.INT64, [2], [4, 6])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Exp", ["x"], ["e"]),
+            helper.make_node("Reshape", ["e", "flat"], ["y"]),
+            helper.make_node("Mul", ["y", "y"], ["z"]),  # the kernel's node
+            helper.make_node("Reshape", ["z", "square"], ["w"]),
+            helper.make_node("Mul", ["w", "e"], ["r"]),
+        ],
+        "g", floats, out, [flat, square],
+    )  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    )
+    kernel = _Elementwise("y", "z", lambda y: y * y)
+    plan = segments.plan_segments(model, [(kernel, {2})], cpu=False)
+    first, second = plan.segments
+    assert first.outputs == ["e", "y"] and second.inputs == ["e", "z"]
+    assert [n.op_type for n in second.model.graph.node] == ["Reshape", "Mul"]
+    assert plan.kernels == [[kernel], []] and not plan.first
+    x = np.random.default_rng(3).standard_normal((4, 6)).astype(np.float32)
+    x[1, :3] = [np.nan, np.inf, -np.inf]
+    _runs_as_the_graph(plan, model, {"x": x})
+
+
+def test_offsets_keep_values_alive_at_once_apart_on_the_alignment():
+    lives = [(100, 0, 2), (300, 1, 3), (50, 3, 4)]
+    starts, total = segments.offsets(lives, alignment=256)
+    assert all(start % 256 == 0 for start in starts)
+    assert starts[1] == 0  # the largest first
+    assert starts[0] == 512  # after it, rounded up: both live at steps 1 and 2
+    assert starts[2] == starts[0]  # the first is dead when the third is written
+    assert total == 768
+
+
 def test_a_view_step_never_copies():
     step = segments.ViewStep("a", "b", (-1, 4))
     out = {}

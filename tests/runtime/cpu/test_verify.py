@@ -118,3 +118,27 @@ def test_chained_batch_norm_gradients_are_checked_together_and_train_as_the_grap
     got = artifact_steps(tmp_path, batches, BatchNormGrad)
     expected = artifact_steps(tmp_path, batches, BatchNormGrad, without="batch_norm_grad")
     assert_same_training(got, expected, one_scale=True)
+
+
+def test_checks_run_on_the_providers_named_within_checked_on(monkeypatch):
+    # another device's kernels are checked against their nodes run by that device's provider
+    seen = []
+    real = verify.ort.InferenceSession
+
+    def recording(model, options=None, providers=None, **kwargs):
+        seen.append(providers)
+        return real(model, options, providers=["CPUExecutionProvider"], **kwargs)
+
+    monkeypatch.setattr(verify.ort, "InferenceSession", recording)
+    x = helper.make_tensor_value_info("x", FLOAT, [2])
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g", [x], [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.array([1.0, -2.0], np.float32)}
+    (plain,) = verify.run_subgraph(model, list(graph.node), feeds, ["y"])
+    device = [("CUDAExecutionProvider", {"device_id": "0"})]
+    with verify.checked_on(device):
+        (checked,) = verify.run_subgraph(model, list(graph.node), feeds, ["y"])
+    (after,) = verify.run_subgraph(model, list(graph.node), feeds, ["y"])
+    assert seen == [["CPUExecutionProvider"], device, ["CPUExecutionProvider"]]
+    np.testing.assert_array_equal(checked, -feeds["x"])
+    np.testing.assert_array_equal(plain, after)
