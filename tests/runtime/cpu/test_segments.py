@@ -721,6 +721,56 @@ def test_a_plan_for_another_device_keeps_the_shape_ops_in_its_segments():
     _runs_as_the_graph(plan, model, {"x": x})
 
 
+def test_a_graph_output_reshaped_from_a_product_is_written_into_the_callers_buffer():
+    # g = Reshape(MatMul(e, e^T)) is a graph output (a weight gradient reshaped to its
+    # filter's shape): the segment writes the product into the caller's buffer of g, viewed
+    # as [1, 4, 4], instead of copying it there through the Reshape
+    floats = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])]
+    out = [
+        helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 6]),
+        helper.make_tensor_value_info("g", TensorProto.FLOAT, [4, 2, 2]),
+    ]
+    shape = helper.make_tensor("shape", TensorProto.INT64, [3], [4, 2, 2])
+    perm = helper.make_tensor("rows", TensorProto.INT64, [3], [1, 4, 6])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Exp", ["x"], ["e"]),
+            helper.make_node("Reshape", ["e", "rows"], ["e3"]),
+            helper.make_node("Transpose", ["e3"], ["t"], perm=[0, 2, 1]),
+            helper.make_node("MatMul", ["e3", "t"], ["p"]),
+            helper.make_node("Reshape", ["p", "shape"], ["g"]),
+            helper.make_node("Mul", ["e", "e"], ["z"]),  # the kernel's node
+            helper.make_node("Mul", ["z", "x"], ["r"]),
+        ],
+        "g", floats, out, [shape, perm],
+    )  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    )
+    kernel = _Elementwise("e", "z", lambda e: e * e)
+    plan = segments.plan_segments(model, [(kernel, {5})])
+    first = plan.segments[0]
+    assert "p" in first.outputs and "g" not in first.outputs
+    assert first.output_views["p"] == segments.OutputView(
+        "g", (1, 4, 4), (4, 2, 2), np.dtype(np.float32)
+    )
+    assert "Reshape" not in [n.op_type for n in first.model.graph.node if "p" in n.input]
+    x = np.random.default_rng(4).standard_normal((4, 6)).astype(np.float32)
+    x[0, 0] = np.nan
+    runner = _runs_as_the_graph(plan, model, {"x": x}, outputs=("r", "g"))
+    assert [i.name for i in runner.output_infos] == ["e", "g", "r"]
+    assert runner.output_infos[1].shape == [4, 2, 2]
+    assert runner.output_infos[1].type == "tensor(float)"
+    want = ort.InferenceSession(model.SerializeToString()).run(["g"], {"x": x})[0]
+    buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros((4, 2, 2), np.float32))
+    for _ in range(3):
+        runner.bind_input("x", x)
+        got = runner.run({"r": None, "g": buffer})
+        assert got["g"] is buffer
+        np.testing.assert_array_equal(buffer.numpy(), want)
+    assert "p" not in runner._cuts  # the product has no buffer of its own
+
+
 def test_offsets_keep_values_alive_at_once_apart_on_the_alignment():
     lives = [(100, 0, 2), (300, 1, 3), (50, 3, 4)]
     starts, total = segments.offsets(lives, alignment=256)

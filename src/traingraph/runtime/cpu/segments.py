@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence, Set
@@ -68,6 +69,7 @@ from traingraph.runtime.cpu.kernels.permutes import (
 from traingraph.runtime.device import Device
 from traingraph.runtime.rewrites.specialize import for_cpu
 from traingraph.runtime.session import BoundRunner, ort_type_to_numpy
+from traingraph.runtime.views import view as device_view
 
 
 def find_kernels(
@@ -91,6 +93,36 @@ class Segment:
     model: onnx.ModelProto
     inputs: list[str]
     outputs: list[str]
+    output_views: dict[str, OutputView] = field(default_factory=dict)
+    """The outputs that are a graph output under another shape, by name: the segment writes
+    them into the graph output's memory (:func:`_output_views`)."""
+
+
+@dataclass(frozen=True)
+class OutputView:
+    """A value a segment writes that is graph output ``target`` under another shape.
+
+    Attributes:
+        target: The graph output.
+        shape: The value's shape.
+        target_shape: The graph output's shape.
+        dtype: Their element type.
+    """
+
+    target: str
+    shape: tuple[int, ...]
+    target_shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    """A step's output as ``InferenceSession.get_outputs`` describes one: its name, shape and
+    onnxruntime type name (``tensor(float)``)."""
+
+    name: str
+    shape: list[int]
+    type: str
 
 
 @dataclass
@@ -218,6 +250,9 @@ def plan_segments(
             members, inputs, outputs, before, after = _views_at_cuts(
                 members, inputs, outputs, graph_outputs, types
             )
+            members, outputs, output_views = _output_views(members, outputs, graph_outputs, types)
+        else:
+            output_views = {}
         if before:
             (plan_kernels[-1] if plan_kernels else first).extend(before)
         sub = helper.make_graph(
@@ -229,7 +264,7 @@ def plan_segments(
         )
         segment = helper.make_model(sub, opset_imports=list(model.opset_import))
         segment.ir_version = model.ir_version
-        segments.append(Segment(segment, inputs, outputs))
+        segments.append(Segment(segment, inputs, outputs, output_views))
         plan_kernels.append([*after, *kernels.get(s, [])])
     segment_reads = {v for segment in segments for v in segment.inputs}
     others = [info for name, info in graph_inputs.items() if name not in segment_reads]
@@ -331,6 +366,57 @@ def _views_at_cuts(
             changed = True
             break
     return nodes, sorted(inputs), sorted(outputs), _in_order(before), _in_order(after)
+
+
+def _output_views(
+    members: list[onnx.NodeProto],
+    outputs: list[str],
+    graph_outputs: Set[str],
+    types: Mapping[str, onnx.ValueInfoProto],
+) -> tuple[list[onnx.NodeProto], list[str], dict[str, OutputView]]:
+    """A segment's nodes and outputs without the view nodes (:data:`VIEW_OPS`) that write a
+    graph output from a value that only they read: the segment outputs that value instead,
+    and the runner binds it to the graph output's buffer under the value's shape.
+
+    A graph output is written into the buffer its caller binds: a Reshape there (a weight
+    gradient's product of shape ``[1, C, K]`` reshaped to the filter's ``[C, ...]``) copies
+    the whole gradient every step. Both shapes must be static."""
+    readers = Counter(v for node in members for v in node.input)
+    produced = {o for node in members for o in node.output if o}
+    kept: list[onnx.NodeProto] = []
+    views: dict[str, OutputView] = {}
+    for node in members:
+        out = node.output[0] if len(node.output) == 1 else ""
+        source = node.input[0] if node.input else ""
+        shape, target_shape = _static_shape(types.get(source)), _static_shape(types.get(out))
+        if (
+            node.op_type in VIEW_OPS and node.domain in ("", "ai.onnx")
+            and out in graph_outputs and out in outputs and source in produced
+            and readers[source] == 1 and source not in outputs and source not in graph_outputs
+            and source not in views and shape is not None and target_shape is not None
+            and math.prod(shape) == math.prod(target_shape)
+            and types[source].type.tensor_type.elem_type == types[out].type.tensor_type.elem_type
+        ):  # fmt: skip
+            elem = types[out].type.tensor_type.elem_type
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+            views[source] = OutputView(out, shape, target_shape, dtype)
+            outputs = [source if o == out else o for o in outputs]
+            continue
+        kept.append(node)
+    return kept, sorted(outputs), views
+
+
+def _static_shape(info: onnx.ValueInfoProto | None) -> tuple[int, ...] | None:
+    """The shape of ``info`` where every dimension is known; else None."""
+    if info is None or not info.type.HasField("tensor_type"):
+        return None
+    tensor = info.type.tensor_type
+    if not tensor.elem_type or not tensor.HasField("shape"):
+        return None
+    dims = tensor.shape.dim
+    if not all(d.HasField("dim_value") for d in dims):
+        return None
+    return tuple(int(d.dim_value) for d in dims)
 
 
 def _flat_gemms(
@@ -634,12 +720,17 @@ class SegmentedRunner:
                     self.inputs.setdefault(name, runner.inputs[name])
         for info in plan.other_inputs:
             self.inputs[info.name] = _Input.of(info)
-        self.output_infos = [
-            info
-            for runner in self._runners
-            if runner is not None
-            for info in runner.session.get_outputs()
-        ]
+        self.output_infos: list[Any] = []
+        for runner, segment in zip(self._runners, segments):
+            for info in runner.session.get_outputs() if runner is not None else []:
+                view = segment.output_views.get(info.name)
+                self.output_infos.append(
+                    info if view is None
+                    else OutputInfo(view.target, list(view.target_shape), info.type)
+                )  # fmt: skip
+        # each graph output a segment writes under another shape: a view of the caller's
+        # buffer (by the buffer's id) in that shape
+        self._output_views: dict[tuple[str, int], tuple[ort.OrtValue, ort.OrtValue]] = {}
         self.outputs = [info.name for info in self.output_infos] + [
             o for k in plan.all_kernels for o in k.outputs
         ]
@@ -725,16 +816,26 @@ class SegmentedRunner:
                 for name in segment.inputs:
                     runner.bind_input(name, values[name])
                 bound = {
-                    o: outputs[o] if o in outputs else cuts[o][1] if o in cuts else None
+                    o: self._view_of_output(o, segment.output_views.get(o), outputs)
+                    or (outputs[o] if o in outputs else cuts[o][1] if o in cuts else None)
                     for o in segment.outputs
                 }  # fmt: skip
                 values.update(runner.run(bound))
                 if written is not None:
                     _moved(runner, bound, values, outputs)
+                for name, view in segment.output_views.items():
+                    given = outputs.get(view.target)
+                    if given is None:  # the value's buffer under the output's shape
+                        cut = cuts.get(name)
+                        array = cut[0] if cut is not None else np.array(_host(values[name]))
+                        given = ort.OrtValue.ortvalue_from_numpy(array.reshape(view.target_shape))
+                    values[view.target] = given
             else:
                 self._run_kernel(step, values, outputs, kept)
             if written is not None:
                 for name in [] if isinstance(step, ViewStep) else _writes(step):
+                    if self._written_into_output(step, name, outputs):
+                        continue
                     value = values[name]
                     if outputs.get(name) is None and isinstance(
                         value, ort.OrtValue if isinstance(step, tuple) else np.ndarray
@@ -745,6 +846,32 @@ class SegmentedRunner:
                     if name not in outputs:
                         values.pop(name, None)
         return {name: values[name] for name in outputs}
+
+    def _view_of_output(
+        self, name: str, view: OutputView | None, outputs: Mapping[str, ort.OrtValue | None]
+    ) -> ort.OrtValue | None:
+        """The caller's buffer of ``view``'s graph output under the shape of ``name``, the value
+        the segment writes (made once per buffer); None where there is no view or no buffer."""
+        buffer = outputs.get(view.target) if view is not None else None
+        if view is None or buffer is None:
+            return None
+        key = (name, id(buffer))
+        cached = self._output_views.get(key)
+        if cached is None or cached[0] is not buffer:
+            cached = (buffer, device_view(buffer, 0, view.shape, view.dtype, self.device.index))
+            self._output_views[key] = cached
+        return cached[1]
+
+    @staticmethod
+    def _written_into_output(
+        step: tuple[BoundRunner, Segment] | Kernel, name: str, outputs: Mapping[str, Any]
+    ) -> bool:
+        """Whether the segment ``step`` writes ``name`` into the caller's buffer of a graph
+        output (so it needs no buffer of its own)."""
+        if not isinstance(step, tuple):
+            return False
+        view = step[1].output_views.get(name)
+        return view is not None and outputs.get(view.target) is not None
 
     def _host(self, name: str, value: Any) -> np.ndarray:
         cut = self._cuts.get(name)
@@ -768,6 +895,12 @@ class SegmentedRunner:
         names: list[str] = []
         lives: list[tuple[int, int, int]] = []  # each value's bytes, first and last step
         seen: set[str] = set()
+        # a value a graph output is a view of (the caller gave the output no buffer) lives on
+        viewed = {
+            name
+            for step in self._steps if isinstance(step, tuple)
+            for name, view in step[1].output_views.items() if view.target in outputs
+        }  # fmt: skip
         for start, step in enumerate(self._steps):
             for name in _writes(step):
                 if name not in written or (isinstance(step, tuple) and name in outputs):
@@ -776,7 +909,8 @@ class SegmentedRunner:
                     continue  # written again, into the memory its first writer got
                 dtype, shape = written[name]
                 size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                end = len(self._steps) if name in outputs else max(self._last[name], start)
+                lasting = name in outputs or name in viewed
+                end = len(self._steps) if lasting else max(self._last[name], start)
                 names.append(name)
                 seen.add(name)
                 lives.append((size, start, end))
@@ -844,7 +978,8 @@ def _with_native_reorders(
         if found:
             names |= {o for r in found for o in r.outputs}
             new_inputs = [o for r in found for o in r.outputs]
-            segment = Segment(model, [*segment.inputs, *new_inputs], segment.outputs)
+            inputs = [*segment.inputs, *new_inputs]
+            segment = dataclasses.replace(segment, model=model, inputs=inputs)
         split_segments.append(segment)
         reorders.append(found)
     return split_segments, reorders
@@ -886,7 +1021,8 @@ def _flips_reordered(
             inputs = [i for i in model.graph.input if i.name not in fused]
             del model.graph.input[:]
             model.graph.input.extend(inputs)
-            segment = Segment(model, [v for v in segment.inputs if v not in fused], segment.outputs)
+            inputs = [v for v in segment.inputs if v not in fused]
+            segment = dataclasses.replace(segment, model=model, inputs=inputs)
         new_segments.append(segment)
         new_reorders.append(kept)
     first = [k for k in plan.first if not (isinstance(k, FlippedFilter) and k.out in fused)]
