@@ -115,7 +115,13 @@ def train_demo_cuda_graph(folder: Path, make: Any = None) -> np.ndarray:
     for batch in demo_data()[0].epoch(0):
         step(*(batch if make is None else step.replica.shard(batch)))
         steps.append(module.get_contiguous_parameters(trainable_only=True).numpy().copy())
+    UPDATES["cuda_graph"] = "kernel" if step._kernel else "graph"
     return np.stack(steps)
+
+
+UPDATES: dict[str, str] = {}
+"""How the last CUDA-graph step of each kind updated the state: "kernel" (the optimizer's CUDA
+kernel) or "graph"."""
 
 
 def train_fp16_cuda_graph(folder: Path, make: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -355,6 +361,7 @@ def main(folder: Path) -> None:
         mlp=mlp_steps,
         accumulated=accumulated,
         cuda_graph=graph_steps,
+        cuda_graph_update=UPDATES.get("cuda_graph", ""),
         fp16=fp16_steps,
         fp16_scales=fp16_scales,
         history=json.dumps(history),

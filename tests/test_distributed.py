@@ -291,6 +291,11 @@ def test_two_processes_on_the_gpu_match_one(gpu_trained, monkeypatch):
     np.testing.assert_allclose(ranks[0]["accumulated"], accumulated, rtol=1e-4, atol=1e-6)
     captured = worker.train_demo_cuda_graph(folder / "demo")
     np.testing.assert_allclose(ranks[0]["cuda_graph"], captured, rtol=1e-4, atol=1e-6)
+    # the averaged update is the optimizer's CUDA kernel where it compiles (NVRTC)
+    from traingraph.runtime.cuda import kernels
+
+    compiled = kernels.load("optimizer.cu", 0) is not None
+    assert str(ranks[0]["cuda_graph_update"]) == ("kernel" if compiled else "graph")
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """The data-parallel CUDA-graph step: the captured training graph, one all-reduce of the flat
-gradient block on the device (NCCL), the captured update."""
+gradient block on the device (NCCL), then the update: the optimizer's CUDA kernel in place where
+it compiles, else the captured optimizer graph."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def cuda_graph_step(
 ) -> CudaGraphStep:
     """A :class:`~traingraph.runtime.cuda.CudaGraphStep` of data-parallel training: the
     captured training graph, the gradients averaged over the processes (NCCL, on the device
-    block), then the captured update. The training and optimizer graphs stay two graphs, with
-    the average between them. Its :class:`DataParallel` is ``step.replica`` (rank 0's
-    parameters are broadcast when it is made).
+    block), then the update: the optimizer's CUDA kernel, in place
+    (:mod:`traingraph.runtime.optimizer.device`), or where it does not compile the captured
+    optimizer graph, which writes the state's second copy. Its :class:`DataParallel` is
+    ``step.replica`` (rank 0's parameters are broadcast when it is made).
 
     With a loss scaler (fp16 mixed precision), the average happens where the step reads the
     training graph's ``grads_finite`` flag, and carries every process's flag: all processes
@@ -81,7 +83,8 @@ def cuda_graph_step(
 
     class DataParallelCudaGraphStep(CudaGraphStep):
         replica: DataParallel
-        writes_in_place = False  # the averaged step keeps both copies of the state
+        writes_in_place = False  # no captured in-place optimizer graph: it keeps both copies
+        kernel_always = True  # the optimizer's kernel, uncaptured, updates in place
 
         def _fused_model(self, static: Any) -> None:
             return None  # the update waits for the average
@@ -90,10 +93,15 @@ def cuda_graph_step(
             super()._capture_sessions(arrays)
             state = self.step.state
             if self.step.loss_scaler is None:
-                self._optim = AveragingSession(self._optim, self.replica, lambda: state.grads)
+                if self._optim is not None:
+                    self._optim = AveragingSession(self._optim, self.replica, lambda: state.grads)
             elif not isinstance(self._finite, AgreedFinite):
                 agreed = AgreedFinite(self._finite, self.replica, lambda: state.grads)
                 self._finite = cast("TensorStore", agreed)
+
+        def _before_kernel_update(self) -> None:
+            if self.step.loss_scaler is None:  # else reading the finite flag averaged them
+                self.replica.average_gradients(self.step.state.grads, True)
 
     optimizer = Optimizer(optimizer_uri, module)
     step = DataParallelCudaGraphStep(module, optimizer)

@@ -64,7 +64,7 @@ from traingraph.runtime.amp import (
     DynamicLossScaler,
     device_update_nodes,
 )
-from traingraph.runtime.cuda.cudart import StagedInputs, shared_stream
+from traingraph.runtime.cuda.cudart import StagedInputs, shared_stream, synchronize
 from traingraph.runtime.cuda.static_shapes import for_capture
 from traingraph.runtime.device import Device
 from traingraph.runtime.optimizer import FlatLayout, InPlace, OptimizerUpdate, optimizer_io
@@ -582,6 +582,11 @@ class CudaGraphStep:
     """Whether a large state (:data:`IN_PLACE_BYTES`) is updated in place by a separate
     optimizer graph (the data-parallel step keeps both copies)."""
 
+    kernel_always = False
+    """Whether the optimizer's CUDA kernel makes every update where it compiles, whatever the
+    state's size (the data-parallel step, whose update is otherwise a graph of its own after
+    the gradients' average)."""
+
     def __init__(
         self, module: HasTrainStep, optimizer_uri: str | os.PathLike | HasOptimizerUpdate
     ) -> None:
@@ -677,7 +682,10 @@ class CudaGraphStep:
         # onnxruntime's capture, so any number of buffer layouts): for a large state, and where
         # the optimizer would otherwise be a graph of its own (a loss scaler decided on the
         # host), after the host has read that the gradients are finite.
-        self._kernel = kernel and fused is None and (large or state_bytes >= KERNEL_BYTES)
+        self._kernel = fused is None and (
+            (kernel and (large or state_bytes >= KERNEL_BYTES))
+            or (self.kernel_always and update.device_kernel is not None)
+        )
         if self._kernel:
             self._train = self._session(static)
             self._in_place = InPlace(parameters=True, slots=True)
@@ -807,7 +815,12 @@ class CudaGraphStep:
             return self._outputs.read(step.outputs[0]) if fetch_loss else None
         finite = scaler is None or scaler.update(bool(self._finite.read(GRADS_FINITE)))
         if finite and self._kernel:
-            self.optimizer_update.queue_device_update(self._stream_handle())  # counts the step
+            self._before_kernel_update()
+            handle = self._stream_handle()
+            self.optimizer_update.queue_device_update(handle)  # counts the step
+            # done before the host reads the state (onnxruntime's copies do not wait for the
+            # stream), as the captured graph's run is done when it returns
+            synchronize(handle)
         elif finite:
             if self._optim is not None:
                 self._run_optimizer(graph_id, optim_binding, options)
@@ -822,6 +835,10 @@ class CudaGraphStep:
         if not fetch_loss:
             return None
         return self._outputs.read(step.outputs[0])
+
+    def _before_kernel_update(self) -> None:
+        """What runs between the training graph and the optimizer's kernel (nothing here; the
+        data-parallel step averages the gradients)."""
 
     def _stream_handle(self) -> int:
         """The address of the stream the step's sessions run on."""

@@ -127,6 +127,14 @@ class CapturedGraph:
         _check(self._lib.cudaGraphLaunch(self._executable, handle), "cudaGraphLaunch")
 
 
+def synchronize(handle: int) -> None:
+    """Wait until the work queued on the stream at address ``handle`` is done (no wait where
+    the CUDA runtime cannot be loaded: nothing of traingraph's was queued then)."""
+    lib = _library()
+    if lib is not None:
+        _check(lib.cudaStreamSynchronize(ctypes.c_void_p(handle)), "cudaStreamSynchronize")
+
+
 @functools.cache
 def shared_stream(index: int) -> Stream | None:
     """The stream that traingraph's CUDA graph steps on device ``index`` run on, made once per
