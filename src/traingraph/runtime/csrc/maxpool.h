@@ -28,8 +28,27 @@ static int mpg_share(const void *arg, int t, int threads)
         memset(dx, 0, sizeof(float) * (size_t)plane);
         for (Py_ssize_t i = 0; i < p->oh; i++) {
             const Py_ssize_t h0 = i * p->sh - p->ph;
+            const int rows_inside = h0 >= 0 && h0 + (p->kh - 1) * p->dh < p->h;
             for (Py_ssize_t j = 0; j < p->ow; j++) {
                 const Py_ssize_t w0 = j * p->sw - p->pw;
+                if (rows_inside && w0 >= 0 && w0 + (p->kw - 1) * p->dw < p->w) {
+                    /* a window inside the plane: its first element, then each strictly
+                     * greater one, chosen without branches */
+                    Py_ssize_t at = h0 * p->w + w0;
+                    float best = x[at];
+                    for (Py_ssize_t a = 0; a < p->kh; a++) {
+                        const Py_ssize_t row = (h0 + a * p->dh) * p->w + w0;
+                        for (Py_ssize_t b = a == 0; b < p->kw; b++) {
+                            const Py_ssize_t q = row + b * p->dw;
+                            const float v = x[q];
+                            const int greater = v > best;
+                            best = greater ? v : best;
+                            at = greater ? q : at;
+                        }
+                    }
+                    dx[at] += g[i * p->ow + j];
+                    continue;
+                }
                 Py_ssize_t at = -1;
                 float best = 0.0f;
                 for (Py_ssize_t a = 0; a < p->kh; a++) {
