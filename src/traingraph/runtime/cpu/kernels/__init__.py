@@ -40,6 +40,7 @@ from traingraph.runtime.cpu.kernels.activation_grads import (
     split_silu_grads,
 )
 from traingraph.runtime.cpu.kernels.batch_norm import split_batch_norm_grads, split_max_pool_grads
+from traingraph.runtime.cpu.kernels.batch_sum import split_batch_sums
 from traingraph.runtime.cpu.kernels.bn_forward import split_batch_norm_forwards
 from traingraph.runtime.cpu.kernels.clip_grad import split_clip_grads
 from traingraph.runtime.cpu.kernels.col2im import split_col2ims
@@ -189,6 +190,7 @@ REGISTRY: tuple[KernelSpec, ...] = (
         lambda s: list(split_depthwise_conv_transposes(s.model, s.taken)),
         "conv_input_grad",
     ),
+    KernelSpec("batch_sum", lambda s: list(split_batch_sums(s.model, s.taken)), None),
     KernelSpec("col2im", _col2ims, "conv_input_grad"),
 )
 """The kernels between segments, in the order they are looked for (a later one takes only the
