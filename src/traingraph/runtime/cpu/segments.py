@@ -28,7 +28,9 @@ middle of the step:
   as
   soon as its output gradient is written, while that is still in cache;
 - GELU and its gradient (:mod:`traingraph.runtime.cpu.kernels.gelu`), and a LayerNormalization's
-  gradient (:mod:`traingraph.runtime.cpu.kernels.layer_norm`).
+  gradient (:mod:`traingraph.runtime.cpu.kernels.layer_norm`);
+- a sum over the leading axes of a large value (a weight gradient's sum over the samples,
+  :mod:`traingraph.runtime.cpu.kernels.batch_sum`).
 
 Each match is checked numerically against its kernel. :func:`plan_segments` orders what is
 left into onnxruntime segments with the kernels between them, and :class:`SegmentedRunner`
