@@ -658,9 +658,9 @@ def test_an_identity_at_a_cut_reads_its_input_instead_of_copying_it():
     _runs_as_the_graph(plan, model, {"x": x}, outputs=("r", "k"))
 
 
-def test_views_at_a_cut_are_taken_without_copies():
-    # y = Reshape(e) is what the kernel reads: the first segment writes e and y is a view of
-    # it; w = Reshape(z) of the kernel's output is a view of z taken before the second segment
+def _reshapes_at_a_cut() -> onnx.ModelProto:
+    """``r = Reshape(Reshape(e, [24])^2, [4, 6]) e`` with ``e = Exp(x)``: node 2 (the square)
+    is a kernel's, with a Reshape on either side of it."""
     floats = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])]
     out = [helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 6])]
     flat = helper.make_tensor("flat", TensorProto.INT64, [1], [24])
@@ -675,9 +675,15 @@ def test_views_at_a_cut_are_taken_without_copies():
         ],
         "g", floats, out, [flat, square],
     )  # fmt: skip
-    model = onnx.shape_inference.infer_shapes(
+    return onnx.shape_inference.infer_shapes(
         helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     )
+
+
+def test_views_at_a_cut_are_taken_without_copies():
+    # y = Reshape(e) is what the kernel reads: the first segment writes e and y is a view of
+    # it; w = Reshape(z) of the kernel's output is a view of z taken before the second segment
+    model = _reshapes_at_a_cut()
     square = _Elementwise("y", "z", lambda y: y * y)
     plan = segments.plan_segments(model, [(square, {2})])
     first, second = plan.segments
@@ -693,23 +699,7 @@ def test_views_at_a_cut_are_taken_without_copies():
 def test_a_plan_for_another_device_keeps_the_shape_ops_in_its_segments():
     # the same graph as above planned for a device whose segments read device buffers: the
     # Reshapes stay nodes of the segments (no host views), and the segments still compute it
-    floats = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])]
-    out = [helper.make_tensor_value_info("r", TensorProto.FLOAT, [4, 6])]
-    flat = helper.make_tensor("flat", TensorProto.INT64, [1], [24])
-    square = helper.make_tensor("square", TensorProto.INT64, [2], [4, 6])
-    graph = helper.make_graph(
-        [
-            helper.make_node("Exp", ["x"], ["e"]),
-            helper.make_node("Reshape", ["e", "flat"], ["y"]),
-            helper.make_node("Mul", ["y", "y"], ["z"]),  # the kernel's node
-            helper.make_node("Reshape", ["z", "square"], ["w"]),
-            helper.make_node("Mul", ["w", "e"], ["r"]),
-        ],
-        "g", floats, out, [flat, square],
-    )  # fmt: skip
-    model = onnx.shape_inference.infer_shapes(
-        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    )
+    model = _reshapes_at_a_cut()
     kernel = _Elementwise("y", "z", lambda y: y * y)
     plan = segments.plan_segments(model, [(kernel, {2})], cpu=False)
     first, second = plan.segments

@@ -59,7 +59,7 @@ from traingraph.runtime.cpu.kernels.bn_forward import (
     split_batch_norm_forwards,
 )
 from traingraph.runtime.cpu.native import Arrays, Outputs
-from traingraph.runtime.cpu.segments import Plan, Segment, offsets, plan_segments
+from traingraph.runtime.cpu.segments import OutputInfo, Plan, Segment, offsets, plan_segments
 from traingraph.runtime.cuda import kernels
 from traingraph.runtime.cuda.cudart import CapturedGraph, Stream, shared_stream
 from traingraph.runtime.device import Device
@@ -99,6 +99,14 @@ def _pointer(address: int) -> ctypes.c_void_p:
     return ctypes.c_void_p(address or None)
 
 
+def _geometry(shape: Sequence[int], multiprocessors: int) -> tuple[tuple[int, int], list[Any]]:
+    """The grid of a kernel over ``x`` of ``shape`` (parts, channels) and its size arguments
+    (n, c, s, the values of a part)."""
+    n, c, s = _ncs(shape)
+    parts, part = _parts(n * s, c, multiprocessors)
+    return (parts, c), [ctypes.c_longlong(v) for v in (n, c, s, part)]
+
+
 @dataclass(frozen=True)
 class CudaBatchNormForward(BatchNormForward):
     """:class:`~traingraph.runtime.cpu.kernels.bn_forward.BatchNormForward` on a CUDA device.
@@ -113,8 +121,8 @@ class CudaBatchNormForward(BatchNormForward):
 
     def workspace(self, shapes: Shapes, multiprocessors: int) -> int:
         """The doubles of partial sums the kernel needs."""
-        n, c, s = _ncs(shapes[self.x])
-        return c * _parts(n * s, c, multiprocessors)[0] * 2
+        (parts, channels), _ = _geometry(shapes[self.x], multiprocessors)
+        return parts * channels * 2
 
     def queue(
         self,
@@ -126,11 +134,9 @@ class CudaBatchNormForward(BatchNormForward):
     ) -> None:
         """Queue the kernel on ``stream``: ``address`` gives each value's device address,
         ``workspace`` that of :meth:`workspace` doubles."""
-        n, c, s = _ncs(shapes[self.x])
-        parts, part = _parts(n * s, c, source.multiprocessors)
-        sizes: list[Any] = [ctypes.c_longlong(v) for v in (n, c, s, part)]
+        grid, sizes = _geometry(shapes[self.x], source.multiprocessors)
         x = _pointer(address(self.x))
-        source.launch_grid("bn_forward_sums", (parts, c), [x, _pointer(workspace), *sizes], stream)
+        source.launch_grid("bn_forward_sums", grid, [x, _pointer(workspace), *sizes], stream)
         addend = address(self.addend) if self.addend else 0
         args: list[Any] = [
             x, *(_pointer(address(v)) for v in (self.scale, self.bias)), _pointer(addend),
@@ -138,7 +144,7 @@ class CudaBatchNormForward(BatchNormForward):
             _pointer(workspace), *sizes, ctypes.c_double(self.epsilon),
             ctypes.c_int(int(self.relu)), ctypes.c_int(int(self.relu_nan)),
         ]  # fmt: skip
-        source.launch_grid("bn_forward_apply", (parts, c), args, stream)
+        source.launch_grid("bn_forward_apply", grid, args, stream)
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         x = values[self.x]
@@ -159,8 +165,8 @@ class CudaBatchNormGrad(BatchNormGrad):
 
     def workspace(self, shapes: Shapes, multiprocessors: int) -> int:
         """The doubles of partial sums the kernel needs."""
-        n, c, s = _ncs(shapes[self.x])
-        return c * _parts(n * s, c, multiprocessors)[0] * 4
+        (parts, channels), _ = _geometry(shapes[self.x], multiprocessors)
+        return parts * channels * 4
 
     def queue(
         self,
@@ -171,22 +177,20 @@ class CudaBatchNormGrad(BatchNormGrad):
         stream: int,
     ) -> None:
         """Queue the kernel on ``stream``, as :meth:`CudaBatchNormForward.queue`."""
-        n, c, s = _ncs(shapes[self.x])
-        parts, part = _parts(n * s, c, source.multiprocessors)
-        sizes: list[Any] = [ctypes.c_longlong(v) for v in (n, c, s, part)]
+        grid, sizes = _geometry(shapes[self.x], source.multiprocessors)
 
         def at(name: str | None) -> ctypes.c_void_p:
             return _pointer(address(name) if name else 0)
 
         x, dy, y = at(self.x), at(self.dy), at(self.y)
         sums: list[Any] = [x, dy, y, _pointer(workspace), *sizes]
-        source.launch_grid("bn_grad_sums", (parts, c), sums, stream)
+        source.launch_grid("bn_grad_sums", grid, sums, stream)
         scale = at(self.scale if self.dx else None)  # the scale enters dx alone
         args: list[Any] = [
             x, dy, y, scale, at(self.dx), at(self.dscale), at(self.dbias), _pointer(workspace),
             *sizes, ctypes.c_double(self.epsilon),
         ]  # fmt: skip
-        source.launch_grid("bn_grad_apply", (parts, c), args, stream)
+        source.launch_grid("bn_grad_apply", grid, args, stream)
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         x = values[self.x]
@@ -273,15 +277,6 @@ def find_device_kernels(
     return found
 
 
-@dataclass(frozen=True)
-class _Output:
-    """A model output as ``InferenceSession.get_outputs`` describes it."""
-
-    name: str
-    shape: list[int]
-    type: str
-
-
 def _value_types(model: onnx.ModelProto) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Each value of ``model`` whose type and static shape inference finds."""
     inferred = shape_inference.infer_shapes(model)
@@ -353,7 +348,7 @@ class SegmentedCudaSession:
         self._types = types
         self._graph_outputs = [o.name for o in model.graph.output]
         self._outputs = [
-            _Output(name, list(types[name][0]), f"tensor({_ORT_NAMES[types[name][1]]})")
+            OutputInfo(name, list(types[name][0]), f"tensor({_ORT_NAMES[types[name][1]]})")
             for name in self._graph_outputs
             if name in types and types[name][1] in _ORT_NAMES
         ]
@@ -386,7 +381,7 @@ class SegmentedCudaSession:
     def _shapes(self, kernel: DeviceKernel) -> dict[str, tuple[int, ...]]:
         return {n: self._types[n][0] for n in [*kernel.inputs, *kernel.outputs] if n in self._types}
 
-    def get_outputs(self) -> list[_Output]:
+    def get_outputs(self) -> list[OutputInfo]:
         """The model's outputs (name, static shape, onnxruntime type name)."""
         return list(self._outputs)
 
