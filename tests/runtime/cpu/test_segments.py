@@ -215,8 +215,8 @@ def test_values_that_are_not_read_at_once_share_memory(tmp_path):
     for _ in range(2):
         module(rng.standard_normal((4, 3, 10, 10)).astype(np.float32), rng.integers(0, 5, 4))
     steps = runner._steps
-    born = {name: i for i, step in enumerate(steps) for name in segments._writes(step)}
-    last = {name: i for i, step in enumerate(steps) for name in segments._reads(step)}
+    born = {name: i for i, step in enumerate(steps) for name in segments.step_writes(step)}
+    last = {name: i for i, step in enumerate(steps) for name in segments.step_reads(step)}
     for name in module.step.outputs:  # what the caller gets lives to the end
         last[name] = len(steps)
     arrays = {**{name: array for name, (array, _) in runner._cuts.items()}, **runner._kept}

@@ -749,7 +749,7 @@ class SegmentedRunner:
         # the view: both are the source's memory)
         last: dict[str, int] = {}
         for i, step in enumerate(self._steps):
-            for name in _reads(step):
+            for name in step_reads(step):
                 last[name] = i
         for i in reversed(range(len(self._steps))):
             step = self._steps[i]
@@ -759,7 +759,7 @@ class SegmentedRunner:
         for name, i in last.items():
             self._done[i].append(name)
         for i, step in enumerate(self._steps):  # a value that several steps write (a
-            for name in _writes(step):  # constant each segment computes) lives to the last
+            for name in step_writes(step):  # constant each segment computes) lives to the last
                 last[name] = max(last.get(name, i), i)
         self._last = last
         self._fed: dict[str, Any] = {}
@@ -835,7 +835,7 @@ class SegmentedRunner:
             else:
                 self._run_kernel(step, values, outputs, kept)
             if written is not None:
-                for name in [] if isinstance(step, ViewStep) else _writes(step):
+                for name in [] if isinstance(step, ViewStep) else step_writes(step):
                     if self._written_into_output(step, name, outputs):
                         continue
                     value = values[name]
@@ -904,7 +904,7 @@ class SegmentedRunner:
             for name, view in step[1].output_views.items() if view.target in outputs
         }  # fmt: skip
         for start, step in enumerate(self._steps):
-            for name in _writes(step):
+            for name in step_writes(step):
                 if name not in written or (isinstance(step, tuple) and name in outputs):
                     continue
                 if name in seen:
@@ -1080,11 +1080,14 @@ def _idle(session: ort.InferenceSession) -> ort.InferenceSession:
     return session
 
 
-def _reads(step: tuple[BoundRunner, Segment] | Kernel) -> list[str]:
+def step_reads(step: tuple[Any, Segment] | Kernel) -> list[str]:
+    """What a step of a segmented run reads: a segment's inputs (a ``(session, segment)``
+    pair) or a kernel's."""
     return step[1].inputs if isinstance(step, tuple) else list(step.inputs)
 
 
-def _writes(step: tuple[BoundRunner, Segment] | Kernel) -> list[str]:
+def step_writes(step: tuple[Any, Segment] | Kernel) -> list[str]:
+    """What a step of a segmented run writes, as :func:`step_reads`."""
     return step[1].outputs if isinstance(step, tuple) else list(step.outputs)
 
 

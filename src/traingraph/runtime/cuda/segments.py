@@ -59,7 +59,15 @@ from traingraph.runtime.cpu.kernels.bn_forward import (
     split_batch_norm_forwards,
 )
 from traingraph.runtime.cpu.native import Arrays, Outputs
-from traingraph.runtime.cpu.segments import OutputInfo, Plan, Segment, offsets, plan_segments
+from traingraph.runtime.cpu.segments import (
+    OutputInfo,
+    Plan,
+    Segment,
+    offsets,
+    plan_segments,
+    step_reads,
+    step_writes,
+)
 from traingraph.runtime.cuda import kernels
 from traingraph.runtime.cuda.cudart import CapturedGraph, Stream, shared_stream
 from traingraph.runtime.device import Device
@@ -460,10 +468,10 @@ class SegmentedCudaSession:
         lives: list[tuple[int, int, int]] = []
         last: dict[str, int] = {}
         for index, step in enumerate(self._steps):
-            for name in _reads(step):
+            for name in step_reads(step):
                 last[name] = index
         for index, step in enumerate(self._steps):
-            for name in _writes(step):
+            for name in step_writes(step):
                 if name in bound_outputs or name in names:
                     continue
                 if name not in self._types:
@@ -486,14 +494,6 @@ class SegmentedCudaSession:
             index = self._device.index
             self._values[name] = view(block, start // dtype.itemsize, shape, dtype, index)
         self._block = block
-
-
-def _reads(step: Step) -> list[str]:
-    return list(step[1].inputs) if isinstance(step, tuple) else list(step.inputs)
-
-
-def _writes(step: Step) -> list[str]:
-    return list(step[1].outputs) if isinstance(step, tuple) else list(step.outputs)
 
 
 _arenas: dict[int, bool] = {}
