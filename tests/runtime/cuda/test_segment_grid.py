@@ -29,3 +29,62 @@ def test_the_grid_and_sizes_of_an_activation():
     assert forward.workspace({"x": (64, 256, 56, 56)}, 132) == parts * 256 * 2
     with pytest.raises(ValueError, match=r"\[N, C, ...\]"):
         segments._geometry((8,), 132)
+
+
+class _Recording:
+    """A compiled source that records the launches queued on it."""
+
+    multiprocessors = 132
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, tuple[int, int], list[object], int]] = []
+
+    def launch_grid(self, name, grid, args, stream):
+        self.launches.append((name, grid, [getattr(a, "value", a) for a in args], stream))
+
+
+_NAMES = ["x", "scale", "bias", "r", "y", "m", "v", "dy", "relu", "dx", "ds", "db"]
+_ADDRESSES = {name: 4096 * (k + 1) for k, name in enumerate(_NAMES)}
+
+
+def test_the_forward_kernels_are_queued_with_their_values_in_order():
+    source = _Recording()
+    kernel = segments.CudaBatchNormForward(
+        "x", "scale", "bias", "r", "m", "v", "y", 1e-3, True, relu_nan=False
+    )
+    shape = (8, 16, 10, 10)
+    kernel.queue(source, _ADDRESSES.__getitem__, {"x": shape}, 99, 7)
+    grid, sizes = segments._geometry(shape, 132)
+    sizes = [v.value for v in sizes]
+    a = _ADDRESSES
+    assert source.launches == [
+        ("bn_forward_sums", grid, [a["x"], 99, *sizes], 7),
+        (
+            "bn_forward_apply", grid,
+            [a["x"], a["scale"], a["bias"], a["r"], a["y"], a["m"], a["v"], 99, *sizes, 1e-3, 1, 0],
+            7,
+        ),
+    ]  # fmt: skip
+
+
+def test_the_gradient_kernels_are_queued_with_their_values_in_order():
+    a = _ADDRESSES
+    shape = (8, 16, 10, 10)
+    grid, sizes = segments._geometry(shape, 132)
+    sizes = [v.value for v in sizes]
+    source = _Recording()
+    grad = segments.CudaBatchNormGrad("x", "scale", "dy", 1e-5, "dx", "ds", "db", y="relu")
+    grad.queue(source, a.__getitem__, {"x": shape}, 99, 7)
+    assert source.launches == [
+        ("bn_grad_sums", grid, [a["x"], a["dy"], a["relu"], 99, *sizes], 7),
+        (
+            "bn_grad_apply", grid,
+            [a["x"], a["dy"], a["relu"], a["scale"], a["dx"], a["ds"], a["db"], 99, *sizes, 1e-5],
+            7,
+        ),
+    ]  # fmt: skip
+    # without dx (a first layer): no scale and no dx, nor a Relu's output
+    source = _Recording()
+    first = segments.CudaBatchNormGrad("x", "scale", "dy", 1e-5, None, "ds", "db")
+    first.queue(source, a.__getitem__, {"x": shape}, 99, 7)
+    assert source.launches[1][2][:7] == [a["x"], a["dy"], None, None, None, a["ds"], a["db"]]

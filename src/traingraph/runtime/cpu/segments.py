@@ -818,10 +818,11 @@ class SegmentedRunner:
                 for name in segment.inputs:
                     runner.bind_input(name, values[name])
                 bound = {
-                    o: self._view_of_output(o, segment.output_views.get(o), outputs)
-                    or (outputs[o] if o in outputs else cuts[o][1] if o in cuts else None)
+                    o: outputs[o] if o in outputs else cuts[o][1] if o in cuts else None
                     for o in segment.outputs
                 }  # fmt: skip
+                for name, view in segment.output_views.items():
+                    bound[name] = self._view_of_output(name, view, outputs) or bound[name]
                 values.update(runner.run(bound))
                 if written is not None:
                     _moved(runner, bound, values, outputs)
@@ -850,12 +851,12 @@ class SegmentedRunner:
         return {name: values[name] for name in outputs}
 
     def _view_of_output(
-        self, name: str, view: OutputView | None, outputs: Mapping[str, ort.OrtValue | None]
+        self, name: str, view: OutputView, outputs: Mapping[str, ort.OrtValue | None]
     ) -> ort.OrtValue | None:
         """The caller's buffer of ``view``'s graph output under the shape of ``name``, the value
-        the segment writes (made once per buffer); None where there is no view or no buffer."""
-        buffer = outputs.get(view.target) if view is not None else None
-        if view is None or buffer is None:
+        the segment writes (made once per buffer); None where the caller gave it no buffer."""
+        buffer = outputs.get(view.target)
+        if buffer is None:
             return None
         key = (name, id(buffer))
         cached = self._output_views.get(key)

@@ -44,7 +44,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
@@ -115,22 +115,20 @@ def _geometry(shape: Sequence[int], multiprocessors: int) -> tuple[tuple[int, in
     return (parts, c), [ctypes.c_longlong(v) for v in (n, c, s, part)]
 
 
-@dataclass(frozen=True)
-class CudaBatchNormForward(BatchNormForward):
-    """:class:`~traingraph.runtime.cpu.kernels.bn_forward.BatchNormForward` on a CUDA device.
+class _ChannelPasses:
+    """Mixed into a BatchNorm kernel on CUDA: ``<prefix>_sums`` (each block's partial sums, in
+    :meth:`workspace`) then ``<prefix>_apply``, both over the (parts, channels) grid of its
+    input ``x``; :meth:`arguments` gives the two launches' arguments."""
 
-    Attributes:
-        device_index: The device.
-        relu_nan: Whether the Relu keeps a NaN (onnxruntime's CUDA Relu, :func:`relu_keeps_nan`).
-    """
-
-    device_index: int = 0
-    relu_nan: bool = True
+    x: str
+    PREFIX: ClassVar[str]
+    SUMS: ClassVar[int]
+    """The partial sums of a block."""
 
     def workspace(self, shapes: Shapes, multiprocessors: int) -> int:
         """The doubles of partial sums the kernel needs."""
         (parts, channels), _ = _geometry(shapes[self.x], multiprocessors)
-        return parts * channels * 2
+        return parts * channels * self.SUMS
 
     def queue(
         self,
@@ -143,16 +141,46 @@ class CudaBatchNormForward(BatchNormForward):
         """Queue the kernel on ``stream``: ``address`` gives each value's device address,
         ``workspace`` that of :meth:`workspace` doubles."""
         grid, sizes = _geometry(shapes[self.x], source.multiprocessors)
-        x = _pointer(address(self.x))
-        source.launch_grid("bn_forward_sums", grid, [x, _pointer(workspace), *sizes], stream)
-        addend = address(self.addend) if self.addend else 0
-        args: list[Any] = [
-            x, *(_pointer(address(v)) for v in (self.scale, self.bias)), _pointer(addend),
-            *(_pointer(address(v)) for v in (self.out, self.mean, self.var)),
-            _pointer(workspace), *sizes, ctypes.c_double(self.epsilon),
-            ctypes.c_int(int(self.relu)), ctypes.c_int(int(self.relu_nan)),
-        ]  # fmt: skip
-        source.launch_grid("bn_forward_apply", grid, args, stream)
+
+        def at(name: str | None) -> ctypes.c_void_p:
+            return _pointer(address(name) if name else 0)
+
+        sums, apply = self.arguments(at, _pointer(workspace), sizes)
+        source.launch_grid(f"{self.PREFIX}_sums", grid, sums, stream)
+        source.launch_grid(f"{self.PREFIX}_apply", grid, apply, stream)
+
+    def arguments(
+        self, at: Callable[[str | None], ctypes.c_void_p], workspace: ctypes.c_void_p,
+        sizes: list[Any],
+    ) -> tuple[list[Any], list[Any]]:  # fmt: skip
+        """The sums kernel's and the apply kernel's arguments, the values by ``at`` (a null
+        pointer for None)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CudaBatchNormForward(_ChannelPasses, BatchNormForward):
+    """:class:`~traingraph.runtime.cpu.kernels.bn_forward.BatchNormForward` on a CUDA device.
+
+    Attributes:
+        device_index: The device.
+        relu_nan: Whether the Relu keeps a NaN (onnxruntime's CUDA Relu, :func:`relu_keeps_nan`).
+    """
+
+    PREFIX = "bn_forward"
+    SUMS = 2
+    device_index: int = 0
+    relu_nan: bool = True
+
+    def arguments(
+        self, at: Callable[[str | None], ctypes.c_void_p], workspace: ctypes.c_void_p,
+        sizes: list[Any],
+    ) -> tuple[list[Any], list[Any]]:  # fmt: skip
+        values = [at(v) for v in (self.x, self.scale, self.bias, self.addend)]
+        values += [at(v) for v in (self.out, self.mean, self.var)]
+        flags = [ctypes.c_int(int(self.relu)), ctypes.c_int(int(self.relu_nan))]
+        apply = [*values, workspace, *sizes, ctypes.c_double(self.epsilon), *flags]
+        return [values[0], workspace, *sizes], apply
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         x = values[self.x]
@@ -162,43 +190,26 @@ class CudaBatchNormForward(BatchNormForward):
 
 
 @dataclass(frozen=True)
-class CudaBatchNormGrad(BatchNormGrad):
+class CudaBatchNormGrad(_ChannelPasses, BatchNormGrad):
     """:class:`~traingraph.runtime.cpu.kernels.batch_norm.BatchNormGrad` on a CUDA device.
 
     Attributes:
         device_index: The device.
     """
 
+    PREFIX = "bn_grad"
+    SUMS = 4
     device_index: int = 0
 
-    def workspace(self, shapes: Shapes, multiprocessors: int) -> int:
-        """The doubles of partial sums the kernel needs."""
-        (parts, channels), _ = _geometry(shapes[self.x], multiprocessors)
-        return parts * channels * 4
-
-    def queue(
-        self,
-        source: kernels.CompiledSource,
-        address: Callable[[str], int],
-        shapes: Shapes,
-        workspace: int,
-        stream: int,
-    ) -> None:
-        """Queue the kernel on ``stream``, as :meth:`CudaBatchNormForward.queue`."""
-        grid, sizes = _geometry(shapes[self.x], source.multiprocessors)
-
-        def at(name: str | None) -> ctypes.c_void_p:
-            return _pointer(address(name) if name else 0)
-
-        x, dy, y = at(self.x), at(self.dy), at(self.y)
-        sums: list[Any] = [x, dy, y, _pointer(workspace), *sizes]
-        source.launch_grid("bn_grad_sums", grid, sums, stream)
+    def arguments(
+        self, at: Callable[[str | None], ctypes.c_void_p], workspace: ctypes.c_void_p,
+        sizes: list[Any],
+    ) -> tuple[list[Any], list[Any]]:  # fmt: skip
+        read = [at(v) for v in (self.x, self.dy, self.y)]
         scale = at(self.scale if self.dx else None)  # the scale enters dx alone
-        args: list[Any] = [
-            x, dy, y, scale, at(self.dx), at(self.dscale), at(self.dbias), _pointer(workspace),
-            *sizes, ctypes.c_double(self.epsilon),
-        ]  # fmt: skip
-        source.launch_grid("bn_grad_apply", grid, args, stream)
+        written = [at(v) for v in (self.dx, self.dscale, self.dbias)]
+        apply = [*read, scale, *written, workspace, *sizes, ctypes.c_double(self.epsilon)]
+        return [*read, workspace, *sizes], apply
 
     def compute(self, values: Arrays, out: Outputs, threads: int) -> None:
         x = values[self.x]
